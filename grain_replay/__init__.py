@@ -1,0 +1,75 @@
+"""grain_replay: replay and offline-RL data from HDF5, .npy and Zarr into grain and JAX."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.errors import (
+    BatchShardingError,
+    GrainReplayError,
+    InvalidStoreError,
+    InvalidTreeError,
+    MissingDependencyError,
+    RecordIndexError,
+    StoreExistsError,
+    StoreNotFoundError,
+    UnfinishedWriteError,
+)
+from grain_replay.layout import LeafSpec
+from grain_replay.sources import (
+    HDF5DataSource,
+    NpyDataSource,
+    ReplaySource,
+    ZarrDataSource,
+    open_source,
+)
+from grain_replay.writers import write, write_hdf5, write_npy, write_zarr
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # sources
+    "HDF5DataSource",
+    "NpyDataSource",
+    "ZarrDataSource",
+    "ReplaySource",
+    "open_source",
+    "LeafSpec",
+    # writers
+    "write",
+    "write_hdf5",
+    "write_npy",
+    "write_zarr",
+    # pipeline (imported lazily: it imports jax)
+    "sharded_device_put",
+    # errors
+    "GrainReplayError",
+    "StoreNotFoundError",
+    "StoreExistsError",
+    "InvalidTreeError",
+    "InvalidStoreError",
+    "UnfinishedWriteError",
+    "RecordIndexError",
+    "BatchShardingError",
+    "MissingDependencyError",
+]
+
+_LAZY = {
+    "sharded_device_put": "grain_replay.pipeline.device_put",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'grain_replay' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+ensure_absl_flags_parsed()

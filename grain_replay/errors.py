@@ -1,0 +1,51 @@
+"""Errors raised on purpose by grain_replay; each also subclasses the matching builtin."""
+
+from __future__ import annotations
+
+__all__ = [
+    "GrainReplayError",
+    "StoreNotFoundError",
+    "StoreExistsError",
+    "InvalidTreeError",
+    "InvalidStoreError",
+    "UnfinishedWriteError",
+    "RecordIndexError",
+    "BatchShardingError",
+    "MissingDependencyError",
+]
+
+
+class GrainReplayError(Exception):
+    """Base class of every error grain_replay raises on purpose."""
+
+
+class StoreNotFoundError(GrainReplayError, FileNotFoundError):
+    """The store (file, directory or leaf) does not exist."""
+
+
+class StoreExistsError(GrainReplayError, FileExistsError):
+    """The destination exists and ``overwrite=True`` was not given."""
+
+
+class InvalidTreeError(GrainReplayError, TypeError):
+    """The tree given to a writer is not a pytree of numeric arrays."""
+
+
+class InvalidStoreError(GrainReplayError, ValueError):
+    """The store on disk is malformed, inconsistent or unsupported."""
+
+
+class UnfinishedWriteError(InvalidStoreError):
+    """The store was left by a write that never committed its metadata."""
+
+
+class RecordIndexError(GrainReplayError, IndexError):
+    """A record index is outside ``[-N, N)``."""
+
+
+class BatchShardingError(GrainReplayError, ValueError):
+    """A batch does not split evenly over the devices it is sharded across."""
+
+
+class MissingDependencyError(GrainReplayError, ImportError):
+    """An optional dependency is not installed."""

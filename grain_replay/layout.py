@@ -1,0 +1,213 @@
+"""On-disk metadata of a replay store: format version, N, keys, dtypes, shapes, treedef."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidStoreError, InvalidTreeError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_ATTR",
+    "METADATA_FILE",
+    "LeafSpec",
+    "StoreMetadata",
+    "disk_name",
+    "key_from_disk_name",
+    "prepare_leaves",
+    "check_dtype",
+    "common_length",
+    "foreign_keys",
+]
+
+FORMAT_NAME = "grain_replay"
+FORMAT_VERSION = 1
+# HDF5 root attribute / Zarr group attribute holding the metadata JSON.
+METADATA_ATTR = "grain_replay"
+# File holding the metadata JSON in a `.npy` directory store.
+METADATA_FILE = "grain_replay.json"
+# On-disk name of the leaf of a tree that is a single array.
+_ROOT_DISK_NAME = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Per-record dtype and shape of one leaf (without the leading N)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"LeafSpec(dtype={self.dtype.str!r}, shape={self.shape})"
+
+
+def disk_name(key: str) -> str:
+    """The dataset / array / file path of leaf ``key`` (the root leaf is ``data``)."""
+    return key if key != tree_lib.ROOT_KEY else _ROOT_DISK_NAME
+
+
+def key_from_disk_name(name: str, treedef: Mapping[str, Any]) -> str:
+    return tree_lib.ROOT_KEY if treedef.get("type") == "leaf" else name
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreMetadata:
+    """What a writer commits last: a store without it is foreign or unfinished."""
+
+    num_records: int
+    leaves: dict[str, LeafSpec]
+    treedef: dict[str, Any]
+    checksums: dict[str, str] | None = None
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT_NAME,
+                "version": self.version,
+                "num_records": self.num_records,
+                "leaves": {
+                    k: {"dtype": v.dtype.str, "shape": list(v.shape)}
+                    for k, v in self.leaves.items()
+                },
+                "treedef": self.treedef,
+                "checksums": self.checksums,
+            },
+            sort_keys=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str) -> StoreMetadata:
+        """Parses metadata written by :meth:`to_json`.
+
+        Raises:
+          InvalidStoreError: the text is not valid metadata, naming ``where``.
+        """
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != FORMAT_NAME:
+                raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
+            version = int(raw["version"])
+            if version > FORMAT_VERSION:
+                raise ValueError(
+                    f"format version {version} is newer than this grain_replay "
+                    f"(reads up to {FORMAT_VERSION}); upgrade grain_replay"
+                )
+            n = int(raw["num_records"])
+            if n < 0:
+                raise ValueError(f"num_records is {n}")
+            leaves = {}
+            for k, v in raw["leaves"].items():
+                shape = tuple(int(s) for s in v["shape"])
+                if any(s < 0 for s in shape):
+                    raise ValueError(f"leaf {k!r} has a negative dimension {shape}")
+                leaves[str(k)] = LeafSpec(check_dtype(np.dtype(v["dtype"]), k, where), shape)
+            treedef = raw["treedef"]
+            if tree_lib.leaf_keys(treedef) != list(leaves):
+                raise ValueError("the tree structure does not match the leaf list")
+            checksums = raw.get("checksums")
+        except InvalidStoreError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidStoreError(
+                f"{where}: grain_replay metadata is malformed ({e}). The store may be "
+                "corrupt; rewrite it, or delete the metadata to open it as a foreign store."
+            ) from e
+        return cls(n, leaves, treedef, checksums, version)
+
+
+def check_dtype(dtype: np.dtype, key: str, where: str) -> np.dtype:
+    """Refuses dtypes that cannot be stored or memory-mapped without pickle."""
+    if dtype.hasobject or dtype.kind in "OUSV":
+        raise InvalidStoreError(
+            f"{where}: leaf {key!r} has dtype {dtype}, which grain_replay does not read "
+            "(object, string and void dtypes are refused). Fix: store numeric arrays, e.g. "
+            "encode strings as integer ids."
+        )
+    return dtype
+
+
+def prepare_leaves(tree: Any, *, where: str) -> tuple[dict[str, np.ndarray], dict[str, Any], int]:
+    """Validates a tree to write and fetches every leaf to host once.
+
+    Returns:
+      ``({key: numpy array}, treedef, num_records)``.
+
+    Raises:
+      InvalidTreeError: not a pytree, empty, a scalar or object/string leaf, or
+        leaves whose leading dimensions differ (all of them are named).
+    """
+    leaves, treedef = tree_lib.flatten(tree)
+    if not leaves:
+        raise InvalidTreeError(
+            f"{where}: the tree has no leaves. Fix: pass at least one array, e.g. "
+            "{'obs': obs, 'action': action}."
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for key, leaf in leaves.items():
+        # np.asarray on a jax.Array fetches it to host in one transfer.
+        arr = np.asarray(leaf)
+        name = key or "<root>"
+        if arr.dtype.hasobject or arr.dtype.kind in "OUSV":
+            raise InvalidTreeError(
+                f"{where}: leaf {name!r} has dtype {arr.dtype}; only numeric and bool arrays "
+                "can be stored (object and string dtypes need pickle to read back). Fix: "
+                "encode it as numbers, e.g. np.array(strings, dtype='S') -> integer ids."
+            )
+        if arr.ndim == 0:
+            raise InvalidTreeError(
+                f"{where}: leaf {name!r} is a scalar; every leaf needs a leading records axis. "
+                "Fix: pass an array of shape (N, ...)."
+            )
+        arrays[key] = arr
+    n = common_length(
+        where,
+        {k or "<root>": a.shape[0] for k, a in arrays.items()},
+        error=InvalidTreeError,
+        fix="slice or pad the leaves to the same length",
+    )
+    return arrays, treedef, n
+
+
+def common_length(
+    where: str,
+    lengths: dict[str, int],
+    *,
+    error: type[Exception] = InvalidStoreError,
+    fix: str | None = None,
+) -> int:
+    """The shared leading dimension, or an error naming every leaf that differs."""
+    values = list(lengths.values())
+    if len(set(values)) <= 1:
+        return values[0]
+    expected = max(set(values), key=values.count)
+    bad = "; ".join(
+        f"Leaf {k!r} has {n} records but expected {expected}"
+        for k, n in lengths.items()
+        if n != expected
+    )
+    if fix is None:
+        ok = [k for k, n in lengths.items() if n == expected]
+        fix = f"select leaves of one length with keys={ok!r}"
+    raise error(f"{where}: leaves must share the leading (records) dimension. {bad}. Fix: {fix}.")
+
+
+def foreign_keys(found: Iterable[str], wanted: Sequence[str] | None) -> list[str]:
+    """Leaf keys of a foreign store, naturally sorted, narrowed to ``wanted`` if given.
+
+    Narrowing before the length check lets ``keys=`` pick leaves of one length
+    out of a file that mixes lengths (D4RL's ``infos``, say).
+    """
+    keys = sorted(found, key=tree_lib.natural_key)
+    if wanted is None:
+        return keys
+    return [
+        k for k in keys if any(k == w or k.startswith(w.rstrip("/") + "/") for w in wanted)
+    ] or keys

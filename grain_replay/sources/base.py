@@ -1,0 +1,288 @@
+"""Shared machinery of every source: lazy per-process handle, pickling, repr, batch reads."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import operator
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.layout import LeafSpec
+
+__all__ = ["ReplaySource", "Layout", "LeafReader", "ArrayReader", "Handle", "is_url"]
+
+
+def is_url(path: str) -> bool:
+    """True for fsspec URLs such as ``s3://bucket/x.zarr`` (``file://`` included)."""
+    return "://" in path
+
+
+class LeafReader(abc.ABC):
+    """Reads rows of one leaf. Implementations must be thread-safe."""
+
+    @abc.abstractmethod
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """Rows ``indices`` (int64, in range, any order, duplicates allowed), as a new array."""
+
+    def row(self, index: int) -> np.ndarray:
+        """Row ``index`` as a new array (not a view of a file mapping)."""
+        return self.take(np.array([index], dtype=np.int64))[0]
+
+
+class Handle(abc.ABC):
+    """An open store: one per process, shared by the threads of that process."""
+
+    readers: dict[str, LeafReader]
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases OS resources; the default holds none."""
+
+
+class ArrayReader(LeafReader):
+    """Rows of an in-process array, typically a read-only memory map of the file."""
+
+    def __init__(self, array: np.ndarray):
+        # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
+        self._array = array.view(np.ndarray)
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        return self._array[indices]
+
+    def row(self, index: int) -> np.ndarray:
+        r = self._array[index]
+        return r.copy() if isinstance(r, np.ndarray) else r
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a source learns from the store when it is constructed."""
+
+    num_records: int
+    spec: dict[str, LeafSpec]
+    treedef: dict[str, Any]
+    # Leaf key -> location inside the store (dataset path, array path, file).
+    locations: dict[str, str]
+
+
+def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layout:
+    """Restricts ``layout`` to ``keys`` (leaf keys or group prefixes such as ``"obs"``)."""
+    if keys is None:
+        return layout
+    if isinstance(keys, str):
+        keys = [keys]
+    all_keys = list(layout.spec)
+    chosen: list[str] = []
+    for want in keys:
+        hits = [k for k in all_keys if k == want or k.startswith(want.rstrip("/") + "/")]
+        if not hits:
+            raise InvalidStoreError(
+                f"{where}: keys= names {want!r}, which is not a leaf or group of the store. "
+                f"Leaves: {all_keys}. Fix: pick keys from that list."
+            )
+        chosen.extend(k for k in hits if k not in chosen)
+    if len(chosen) == len(all_keys):
+        return layout
+    treedef = tree_lib.prune_treedef(layout.treedef, chosen)
+    ordered = tree_lib.leaf_keys(treedef)
+    return Layout(
+        layout.num_records,
+        {k: layout.spec[k] for k in ordered},
+        treedef,
+        {k: layout.locations[k] for k in ordered},
+    )
+
+
+class ReplaySource(abc.ABC):
+    """A grain ``RandomAccessDataSource`` over a replay store (structurally typed).
+
+    Subclasses implement :meth:`_inspect` (read the layout once, in the
+    constructing process) and :meth:`_open` (open a handle, once per process).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        keys: Sequence[str] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+    ):
+        path = os.fspath(path)
+        self._path = path if is_url(path) else os.path.abspath(path)
+        self._storage_options = dict(storage_options or {})
+        self._requested_keys = (
+            None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        )
+        self._lock = threading.Lock()
+        self._handle: Handle | None = None
+        self._pid: int | None = None
+        self._opens = 0
+        self._set_layout(self._inspect())
+
+    # -- subclass hooks -------------------------------------------------------
+
+    @abc.abstractmethod
+    def _inspect(self) -> Layout:
+        """Reads the full layout of the store (every leaf)."""
+
+    @abc.abstractmethod
+    def _open(self) -> Handle:
+        """Opens the store for reading the selected leaves (``self._layout``)."""
+
+    # -- layout ---------------------------------------------------------------
+
+    def _set_layout(self, full: Layout) -> None:
+        self._layout = select_keys(full, self._requested_keys, self._path)
+        self._keys = list(self._layout.spec)
+        self._build = tree_lib.compile_unflatten(self._layout.treedef)
+
+    def refresh(self) -> int:
+        """Re-reads the store's metadata to see rows committed since; returns the new length."""
+        self._set_layout(self._inspect())
+        self.close()
+        return len(self)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def spec(self) -> Mapping[str, LeafSpec]:
+        """Leaf key -> per-record ``LeafSpec(dtype, shape)``, in tree order."""
+        return dict(self._layout.spec)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    @property
+    def treedef(self) -> dict[str, Any]:
+        return self._layout.treedef
+
+    def __len__(self) -> int:
+        return self._layout.num_records
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(path={self._path!r}, keys={self._keys!r}, "
+            f"num_records={len(self)})"
+        )
+
+    # -- per-process handle ---------------------------------------------------
+
+    def _get_handle(self) -> Handle:
+        pid = os.getpid()
+        handle = self._handle
+        if handle is not None and self._pid == pid:
+            return handle
+        if self._pid is not None and self._pid != pid:
+            # Forked: the parent's lock may have been held at fork time.
+            self._lock = threading.Lock()
+            self._handle = None
+        with self._lock:
+            if self._handle is None:
+                self._handle = self._open()
+                self._pid = pid
+                self._opens += 1
+            return self._handle
+
+    def close(self) -> None:
+        """Releases the handle of this process; reading again reopens it."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            if handle is not None and self._pid == os.getpid():
+                handle.close()
+            self._pid = None
+
+    def __enter__(self) -> ReplaySource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        state["_pid"] = None
+        state["_opens"] = 0
+        del state["_lock"]
+        del state["_build"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._build = tree_lib.compile_unflatten(self._layout.treedef)
+
+    # -- reads ----------------------------------------------------------------
+
+    def _check_indices(self, indices: Any) -> np.ndarray:
+        n = len(self)
+        idx = np.asarray(indices)
+        if idx.dtype == np.bool_ or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise TypeError(
+                f"{self._path}: indices must be integers, got dtype {idx.dtype}. "
+                "Fix: pass a sequence or array of ints."
+            )
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        bad = (idx < -n) | (idx >= n)
+        if bad.any():
+            first = int(idx[np.argmax(bad)])
+            raise RecordIndexError(
+                f"{self._path}: record index {first} is out of range for a store of "
+                f"{n} records (valid: -{n} <= index < {n})."
+            )
+        return np.where(idx < 0, idx + n, idx)
+
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+        try:
+            i = operator.index(index)
+        except TypeError as e:
+            raise TypeError(
+                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
+                "Fix: use read_batch(indices) for several records."
+            ) from e
+        n = len(self)
+        if not -n <= i < n:
+            raise RecordIndexError(
+                f"{self._path}: record index {i} is out of range for a store of {n} records "
+                f"(valid: -{n} <= index < {n})."
+            )
+        if i < 0:
+            i += n
+        readers = self._get_handle().readers
+        return self._build({k: readers[k].row(i) for k in self._keys})
+
+    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
+        idx = self._check_indices(indices)
+        readers = self._get_handle().readers
+        return {k: readers[k].take(idx) for k in self._keys}
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """Reads records ``indices`` with one vectorized read per leaf.
+
+        Args:
+          indices: record indices in any order; duplicates and negative indices
+            are allowed.
+
+        Returns:
+          The record tree with a leading batch axis of ``len(indices)``, rows in
+          the order given.
+
+        Raises:
+          RecordIndexError: an index is outside ``[-N, N)``.
+        """
+        return self._build(self.read_flat(indices))
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        """grain's batched-read protocol: the list of records ``indices``."""
+        flat = self.read_flat(indices)
+        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]

@@ -1,0 +1,137 @@
+"""``.npy`` data source: one read-only memory map per leaf file."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from grain_replay import layout as layout_lib
+from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.sources.base import ArrayReader, Handle, Layout, ReplaySource
+
+__all__ = ["NpyDataSource", "read_npy_header"]
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, bool]:
+    """``(shape, dtype, fortran_order)`` of a ``.npy`` file, without reading data or unpickling."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+    except FileNotFoundError as e:
+        raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
+    except (ValueError, OSError, SyntaxError) as e:
+        raise InvalidStoreError(
+            f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "
+            "with np.save or gr.write_npy."
+        ) from e
+    layout_lib.check_dtype(dtype, key or "<root>", path)
+    return tuple(shape), dtype, bool(fortran)
+
+
+class _NpyHandle(Handle):
+    def __init__(self, source: NpyDataSource):
+        n = len(source)
+        self.readers = {}
+        for key, file in source._layout.locations.items():
+            spec = source._layout.spec[key]
+            if n == 0 or spec.dtype.itemsize == 0 or 0 in spec.shape:
+                # np.memmap refuses empty files.
+                array = np.load(file, allow_pickle=False)
+            else:
+                array = np.load(file, mmap_mode="r", allow_pickle=False)
+            self.readers[key] = ArrayReader(array[:n])
+
+
+class NpyDataSource(ReplaySource):
+    """Random-access grain source over ``.npy`` files, memory-mapped read-only.
+
+    ``path`` is a directory of ``.npy`` files (``obs/pixels.npy`` is leaf
+    ``obs/pixels``), or a single ``.npy`` file whose rows are the records.
+    Files are opened with ``allow_pickle=False``: object arrays are refused.
+
+    Example:
+      >>> src = gr.NpyDataSource("replay_dir")
+      >>> src[0]["obs"].shape
+    """
+
+    def _open(self) -> Handle:
+        return _NpyHandle(self)
+
+    def _inspect(self) -> Layout:
+        path = self._path
+        if os.path.isfile(path):
+            shape, dtype, _ = read_npy_header(path, tree_lib.ROOT_KEY)
+            if len(shape) == 0:
+                raise InvalidStoreError(
+                    f"{path}: the array is a scalar; a store needs a leading records axis."
+                )
+            spec = {tree_lib.ROOT_KEY: layout_lib.LeafSpec(dtype, shape[1:])}
+            return Layout(shape[0], spec, tree_lib.treedef_from_keys([""]), {"": path})
+        if not os.path.isdir(path):
+            raise StoreNotFoundError(
+                f"No .npy store at {path}. Fix: check the path, or write one with "
+                "gr.write_npy(path, tree)."
+            )
+        meta_path = os.path.join(path, layout_lib.METADATA_FILE)
+        if os.path.exists(meta_path):
+            with open(meta_path, "rb") as f:
+                meta = layout_lib.StoreMetadata.from_json(f.read(), where=meta_path)
+            locations = {
+                k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
+            }
+            for key, file in locations.items():
+                shape, dtype, _ = read_npy_header(file, key)
+                want = meta.leaves[key]
+                if (
+                    shape[:1] < (meta.num_records,)
+                    or shape[1:] != want.shape
+                    or dtype != want.dtype
+                ):
+                    raise InvalidStoreError(
+                        f"{file}: leaf {key!r} holds {dtype}{list(shape)} but the metadata "
+                        f"says {want.dtype}[{meta.num_records}, ...{list(want.shape)}]. "
+                        "The store is corrupt; re-create it."
+                    )
+            return Layout(meta.num_records, dict(meta.leaves), meta.treedef, locations)
+        found = _find_npy_files(path)
+        if not found:
+            raise InvalidStoreError(
+                f"{path}: the directory holds no .npy file. Fix: pass a directory of .npy "
+                "files, or write one with gr.write_npy(path, tree)."
+            )
+        keys = layout_lib.foreign_keys(found, self._requested_keys)
+        spec: dict[str, layout_lib.LeafSpec] = {}
+        lengths: dict[str, int] = {}
+        for k in keys:
+            shape, dtype, _ = read_npy_header(found[k], k)
+            if len(shape) == 0:
+                raise InvalidStoreError(
+                    f"{found[k]}: leaf {k!r} is a scalar; every leaf needs a records axis. Fix: "
+                    "select other leaves with keys=[...]."
+                )
+            spec[k] = layout_lib.LeafSpec(dtype, shape[1:])
+            lengths[k] = shape[0]
+        n = layout_lib.common_length(path, lengths)
+        return Layout(n, spec, tree_lib.treedef_from_keys(keys), {k: found[k] for k in keys})
+
+
+def _find_npy_files(root: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.endswith(".partial"))
+        for name in filenames:
+            if name.endswith(".npy"):
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, root)[: -len(".npy")]
+                out[rel.replace(os.sep, "/")] = full
+    return out

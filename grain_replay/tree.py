@@ -1,0 +1,279 @@
+"""Pytree <-> flat ``{"obs/pixels": leaf}`` mapping; the one leaf-naming rule.
+
+Supports dicts (string keys), lists, tuples and NamedTuples, nested, with array
+leaves. jax is not imported: jax arrays are leaves like any other array.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from grain_replay.errors import InvalidStoreError, InvalidTreeError
+
+__all__ = [
+    "ROOT_KEY",
+    "flatten",
+    "unflatten",
+    "treedef_of",
+    "treedef_from_keys",
+    "prune_treedef",
+    "compile_unflatten",
+    "leaf_keys",
+    "natural_key",
+    "map_leaves",
+]
+
+# The key of a tree that is a single array. On disk it is stored as "data".
+ROOT_KEY = ""
+
+_LEAF = {"type": "leaf"}
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _is_leaf(x: Any) -> bool:
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or hasattr(x, "__array__")
+
+
+def flatten(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits a pytree into ``({key: leaf}, treedef)``.
+
+    Args:
+      tree: a dict / list / tuple / NamedTuple tree whose leaves are arrays
+        (numpy, jax, or anything with ``__array__``).
+
+    Returns:
+      The leaves keyed by their ``/``-joined path, in tree order, and a
+      JSON-serializable description of the structure.
+
+    Raises:
+      InvalidTreeError: a node is neither a container nor an array, a dict key
+        is not a string or contains ``/``.
+    """
+    leaves: dict[str, Any] = {}
+
+    def visit(node: Any, path: str) -> dict[str, Any]:
+        if isinstance(node, Mapping):
+            keys = list(node.keys())
+            for k in keys:
+                if not isinstance(k, str):
+                    raise InvalidTreeError(
+                        f"Dict keys must be strings; got {k!r} ({type(k).__name__}) at "
+                        f"{path or '<root>'!r}. Fix: convert the key with str()."
+                    )
+                if "/" in k or k == "":
+                    raise InvalidTreeError(
+                        f"Dict key {k!r} at {path or '<root>'!r} is empty or contains '/', "
+                        "which separates leaf paths. Fix: rename the key."
+                    )
+            return {
+                "type": "dict",
+                "keys": keys,
+                "children": [visit(node[k], _join(path, k)) for k in keys],
+            }
+        if _is_namedtuple(node):
+            cls = type(node)
+            return {
+                "type": "namedtuple",
+                "name": cls.__name__,
+                "module": cls.__module__,
+                "qualname": cls.__qualname__,
+                "fields": list(cls._fields),
+                "children": [visit(v, _join(path, f)) for f, v in zip(cls._fields, node)],
+            }
+        if isinstance(node, (list, tuple)):
+            return {
+                "type": "list" if isinstance(node, list) else "tuple",
+                "children": [visit(v, _join(path, str(i))) for i, v in enumerate(node)],
+            }
+        if _is_leaf(node):
+            leaves[path] = node
+            return dict(_LEAF)
+        raise InvalidTreeError(
+            f"Leaf {path or '<root>'!r} is a {type(node).__name__}, not an array or a "
+            "dict/list/tuple/NamedTuple. Fix: pass a pytree of numpy or jax arrays."
+        )
+
+    treedef = visit(tree, ROOT_KEY)
+    return leaves, treedef
+
+
+def leaf_keys(treedef: Mapping[str, Any]) -> list[str]:
+    """Returns the leaf keys of ``treedef`` in tree order."""
+    out: list[str] = []
+
+    def visit(node: Mapping[str, Any], path: str) -> None:
+        kind = node["type"]
+        if kind == "leaf":
+            out.append(path)
+        elif kind == "dict":
+            for k, c in zip(node["keys"], node["children"]):
+                visit(c, _join(path, k))
+        elif kind == "namedtuple":
+            for k, c in zip(node["fields"], node["children"]):
+                visit(c, _join(path, k))
+        elif kind in ("list", "tuple"):
+            for i, c in enumerate(node["children"]):
+                visit(c, _join(path, str(i)))
+        else:
+            raise InvalidStoreError(f"Unknown tree node type {kind!r} in stored tree structure.")
+
+    visit(treedef, ROOT_KEY)
+    return out
+
+
+_NAMEDTUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def _rebuild_namedtuple(name: str, fields: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    return _namedtuple_class(name, fields, "", "")(*values)
+
+
+def _namedtuple_class(name: str, fields: tuple[str, ...], module: str, qualname: str) -> type:
+    """The user's NamedTuple class if importable, else a picklable stand-in."""
+    if module and module != "__main__" and "<" not in qualname:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, type) and tuple(getattr(obj, "_fields", ())) == fields:
+                return obj
+        except (ImportError, AttributeError):
+            pass
+    key = (name, fields)
+    cls = _NAMEDTUPLES.get(key)
+    if cls is None:
+        cls = collections.namedtuple(name, fields)  # type: ignore[misc]
+        # Records cross process boundaries (grain workers): pickle by value of
+        # name and fields so the receiving process can rebuild the class.
+        cls.__reduce__ = lambda self: (_rebuild_namedtuple, (name, fields, tuple(self)))
+        _NAMEDTUPLES[key] = cls
+    return cls
+
+
+def unflatten(treedef: Mapping[str, Any], leaves: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`flatten`: builds the tree from ``{key: leaf}``."""
+    builders = _compile(treedef)
+    return builders(leaves)
+
+
+def _compile(treedef: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any]:
+    """Compiles ``treedef`` into a function from ``{key: leaf}`` to the tree.
+
+    Building a record is on the read path (once per record for ``src[i]``), so
+    the structure is walked once here instead of per call.
+    """
+
+    def build(node: Mapping[str, Any], path: str) -> Callable[[Mapping[str, Any]], Any]:
+        kind = node["type"]
+        if kind == "leaf":
+            return lambda leaves: leaves[path]
+        if kind == "dict":
+            keys = list(node["keys"])
+            subs = [build(c, _join(path, k)) for k, c in zip(keys, node["children"])]
+            return lambda leaves: {k: f(leaves) for k, f in zip(keys, subs)}
+        if kind == "namedtuple":
+            fields = tuple(node["fields"])
+            cls = _namedtuple_class(
+                node.get("name", "Record"), fields, node.get("module", ""), node.get("qualname", "")
+            )
+            subs = [build(c, _join(path, k)) for k, c in zip(fields, node["children"])]
+            return lambda leaves: cls(*(f(leaves) for f in subs))
+        if kind in ("list", "tuple"):
+            subs = [build(c, _join(path, str(i))) for i, c in enumerate(node["children"])]
+            if kind == "list":
+                return lambda leaves: [f(leaves) for f in subs]
+            return lambda leaves: tuple(f(leaves) for f in subs)
+        raise InvalidStoreError(f"Unknown tree node type {kind!r} in stored tree structure.")
+
+    return build(treedef, ROOT_KEY)
+
+
+def compile_unflatten(treedef: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any]:
+    """Returns a fast ``{key: leaf} -> tree`` function for a fixed structure."""
+    return _compile(treedef)
+
+
+def treedef_of(tree: Any) -> dict[str, Any]:
+    """Returns the structure of ``tree`` (see :func:`flatten`)."""
+    return flatten(tree)[1]
+
+
+def natural_key(key: str) -> list[Any]:
+    """Sort key that orders ``arr_10`` after ``arr_9`` and ``episode_10`` after ``episode_9``."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", key) if t]
+
+
+def treedef_from_keys(keys: Iterable[str]) -> dict[str, Any]:
+    """Nested-dict structure for ``/``-joined keys, each level naturally sorted.
+
+    A single key equal to :data:`ROOT_KEY` gives a bare-leaf tree.
+    """
+    keys = list(keys)
+    if keys == [ROOT_KEY]:
+        return dict(_LEAF)
+    nested: dict[str, Any] = {}
+    for key in keys:
+        node = nested
+        parts = key.split("/")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise InvalidStoreError(f"Key {key!r} nests under the leaf {part!r}.")
+            node = child
+        node[parts[-1]] = None
+
+    def to_def(node: dict[str, Any]) -> dict[str, Any]:
+        names = sorted(node, key=natural_key)
+        return {
+            "type": "dict",
+            "keys": names,
+            "children": [_LEAF if node[n] is None else to_def(node[n]) for n in names],
+        }
+
+    return to_def(nested)
+
+
+def prune_treedef(treedef: Mapping[str, Any], keep: Iterable[str]) -> dict[str, Any]:
+    """The part of ``treedef`` holding the leaves ``keep``, order preserved.
+
+    A tuple, list or NamedTuple that loses children becomes a dict keyed by the
+    remaining indices or field names, so every kept leaf keeps its key.
+    """
+    wanted = set(keep)
+
+    def visit(node: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+        kind = node["type"]
+        if kind == "leaf":
+            return dict(_LEAF) if path in wanted else None
+        if kind == "dict":
+            names = list(node["keys"])
+        elif kind == "namedtuple":
+            names = list(node["fields"])
+        else:
+            names = [str(i) for i in range(len(node["children"]))]
+        kept = [(n, visit(c, _join(path, n))) for n, c in zip(names, node["children"])]
+        kept = [(n, c) for n, c in kept if c is not None]
+        if not kept:
+            return None
+        if len(kept) == len(names):
+            return {**node, "children": [c for _, c in kept]}
+        return {"type": "dict", "keys": [n for n, _ in kept], "children": [c for _, c in kept]}
+
+    return visit(treedef, ROOT_KEY) or {"type": "dict", "keys": [], "children": []}
+
+
+def map_leaves(fn: Callable[[str, Any], Any], tree: Any) -> Any:
+    """Applies ``fn(key, leaf)`` to every leaf, keeping the structure."""
+    leaves, treedef = flatten(tree)
+    return unflatten(treedef, {k: fn(k, v) for k, v in leaves.items()})

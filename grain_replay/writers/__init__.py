@@ -1,0 +1,7 @@
+"""Writers: one-shot atomic writes and the appending ReplayWriter."""
+
+from __future__ import annotations
+
+from grain_replay.writers.oneshot import write, write_hdf5, write_npy, write_zarr
+
+__all__ = ["write", "write_hdf5", "write_npy", "write_zarr"]

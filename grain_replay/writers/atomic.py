@@ -1,0 +1,109 @@
+"""Atomic commits: write to a ``.partial`` path, then swap it into place."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+from grain_replay.errors import StoreExistsError
+
+__all__ = ["atomic_path", "fsync_tree", "remove_path"]
+
+logger = logging.getLogger(__name__)
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Flushes a file, or every file and directory below ``path``, to stable storage."""
+    if os.path.isdir(path):
+        for dirpath, _, filenames in os.walk(path):
+            for name in filenames:
+                _fsync(os.path.join(dirpath, name))
+            _fsync(dirpath)
+    else:
+        _fsync(path)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swaps two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _commit(partial: str, path: str) -> None:
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.replace(partial, path)  # atomic for a file, or onto nothing
+        return
+    # A directory cannot be replaced by rename(2): swap the two atomically, then
+    # delete the old one, which now sits at `partial`.
+    if _exchange(partial, path):
+        remove_path(partial)
+        return
+    old = f"{path}.{uuid.uuid4().hex[:8]}.old"
+    logger.warning("renameat2 unsupported here; replacing %s in two renames", path)
+    os.rename(path, old)
+    os.rename(partial, path)
+    remove_path(old)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, *, overwrite: bool) -> Iterator[str]:
+    """Yields a ``.partial`` path to write; on success it replaces ``path`` atomically.
+
+    A crash or an exception leaves ``path`` untouched (the old store or nothing)
+    and removes the partial write.
+
+    Raises:
+      StoreExistsError: ``path`` exists and ``overwrite`` is False.
+    """
+    if os.path.lexists(path) and not overwrite:
+        raise StoreExistsError(
+            f"{path} already exists. Fix: pass overwrite=True to replace it, or choose "
+            "another path."
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+    partial = f"{path}.{uuid.uuid4().hex[:8]}.partial"
+    try:
+        yield partial
+        fsync_tree(partial)
+        _commit(partial, path)
+        _fsync(parent)
+    except BaseException:
+        remove_path(partial)
+        raise

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+from conformance import DataSourceTests, make_tree
+
+import grain_replay as gr
+
+
+class TestHDF5Contiguous(DataSourceTests):
+    cls = gr.HDF5DataSource
+    suffix = ".h5"
+
+    def write(self, path: str, tree: Any) -> str:
+        return gr.write_hdf5(path, tree)
+
+
+class TestHDF5Compressed(DataSourceTests):
+    cls = gr.HDF5DataSource
+    suffix = ".h5"
+
+    def write(self, path: str, tree: Any) -> str:
+        return gr.write_hdf5(path, tree, compression="gzip", chunk_rows=7)
+
+
+def test_contiguous_dataset_is_memory_mapped(tmp_path: Any) -> None:
+    src = gr.HDF5DataSource(gr.write_hdf5(str(tmp_path / "a.h5"), make_tree()))
+    src[0]
+    reader = src._handle.readers["obs/vec"]
+    assert type(reader).__name__ == "ArrayReader"
+
+
+def test_compressed_dataset_decodes_each_chunk_once_per_batch(tmp_path: Any) -> None:
+    tree = make_tree(200)
+    src = gr.HDF5DataSource(
+        gr.write_hdf5(str(tmp_path / "c.h5"), tree, compression="lzf", chunk_rows=10)
+    )
+    src.read_batch([0, 1, 2, 3, 15, 15, 199])
+    cache = src._handle.cache
+    # 3 chunks (0, 1, 19) for each of the 5 leaves, each decoded once.
+    assert cache.misses == 15 and cache.hits == 0
+    src.read_batch([4, 16])
+    assert cache.hits == 10
+
+
+def test_cache_is_bounded(tmp_path: Any) -> None:
+    tree = make_tree(400)
+    path = gr.write_hdf5(str(tmp_path / "c.h5"), tree, compression="gzip", chunk_rows=4)
+    src = gr.HDF5DataSource(path, cache_bytes=2048)
+    for start in range(0, 400, 50):
+        src.read_batch(np.arange(start, start + 50))
+    assert src._handle.cache.nbytes <= 2048
+
+
+def test_truncated_file_raises_invalid_store(tmp_path: Any) -> None:
+    path = gr.write_hdf5(str(tmp_path / "t.h5"), make_tree())
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 3])
+    with pytest.raises(gr.GrainReplayError, match="t.h5"):
+        gr.HDF5DataSource(path)[0]
+
+
+def test_not_hdf5_raises_invalid_store(tmp_path: Any) -> None:
+    path = tmp_path / "x.h5"
+    path.write_bytes(b"hello world, not hdf5")
+    with pytest.raises(gr.InvalidStoreError, match="not an HDF5 file"):
+        gr.HDF5DataSource(str(path))
+
+
+def test_scalar_datasets_in_foreign_files_are_skipped(tmp_path: Any) -> None:
+    path = str(tmp_path / "f.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(5)
+        f["version"] = 3
+    src = gr.HDF5DataSource(path)
+    assert list(src.spec) == ["x"]
