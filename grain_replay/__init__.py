@@ -42,7 +42,10 @@ __all__ = [
     "write_hdf5",
     "write_npy",
     "write_zarr",
-    # pipeline (imported lazily: it imports jax)
+    # pipeline (imported lazily: grain and jax are slow to import)
+    "make_data_loader",
+    "replay_dataset",
+    "LoaderOptions",
     "sharded_device_put",
     # errors
     "GrainReplayError",
@@ -57,6 +60,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "make_data_loader": "grain_replay.pipeline.loader",
+    "replay_dataset": "grain_replay.pipeline.loader",
+    "LoaderOptions": "grain_replay.pipeline.loader",
     "sharded_device_put": "grain_replay.pipeline.device_put",
 }
 

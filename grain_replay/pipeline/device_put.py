@@ -1,0 +1,323 @@
+"""Host batches to globally sharded ``jax.Array``s, prefetched in a background thread."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Self
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from grain_replay.errors import BatchShardingError, GrainReplayError
+
+__all__ = [
+    "InvalidPrefetchError",
+    "InvalidShardingError",
+    "ShardedDevicePutIterator",
+    "UnsupportedStateError",
+    "sharded_device_put",
+]
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # queued by the producer when the wrapped iterator is exhausted
+_POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
+
+
+class InvalidShardingError(GrainReplayError, TypeError):
+    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
+
+
+class InvalidPrefetchError(GrainReplayError, ValueError):
+    """``prefetch`` is not a non-negative integer."""
+
+
+class UnsupportedStateError(GrainReplayError, TypeError):
+    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
+
+
+class _Failure:
+    """An exception raised in the producer, carried to the consumer."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, (Sharding, Mesh))
+
+
+def _to_sharding(x: Sharding | Mesh) -> Sharding:
+    if isinstance(x, Mesh):
+        return NamedSharding(x, PartitionSpec(x.axis_names[0]))
+    return x
+
+
+class _Converter:
+    """Validates a host batch and builds the sharded arrays; holds no reference to the wrapper."""
+
+    def __init__(self, sharding: Any) -> None:
+        if sharding is None:
+            mesh = Mesh(np.array(jax.devices()), ("data",))
+            sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self._single: Sharding | None = None
+        self._tree: Any = None
+        if _is_sharding(sharding):
+            self._single = _to_sharding(sharding)
+        else:
+            paths = jax.tree_util.tree_leaves_with_path(sharding, is_leaf=_is_sharding)
+            bad = [jax.tree_util.keystr(p) for p, s in paths if not _is_sharding(s)]
+            if bad or not paths:
+                raise InvalidShardingError(
+                    "Expected sharding=None, a jax.sharding.Mesh, a jax.sharding.Sharding or a "
+                    f"pytree of them. Got {type(sharding).__name__} with non-sharding leaves at "
+                    f"{bad or 'nowhere (no leaves)'} instead."
+                )
+            self._tree = jax.tree_util.tree_map(_to_sharding, sharding, is_leaf=_is_sharding)
+        self._shard_counts: dict[tuple[Sharding, int], int | None] = {}
+
+    def _leaf_shardings(self, batch: Any, count: int) -> list[Sharding]:
+        if self._single is not None:
+            return [self._single] * count
+        try:
+            full = jax.tree_util.tree_broadcast(self._tree, batch, is_leaf=_is_sharding)
+        except (ValueError, TypeError) as e:
+            raise BatchShardingError(
+                "The sharding pytree is not a prefix of the batch's structure. Give one "
+                f"sharding per leaf or per subtree of the batch. ({e})"
+            ) from e
+        return list(jax.tree_util.tree_leaves(full, is_leaf=_is_sharding))
+
+    def _local_shards(self, sharding: Sharding, ndim: int) -> int | None:
+        """Distinct slices of axis 0 this process holds; None if the sharding can't tell."""
+        key = (sharding, ndim)
+        if key not in self._shard_counts:
+            n = len(sharding.device_set)
+            try:  # every mesh-axis product divides the device count, so (n,)*ndim always splits
+                index_map = sharding.addressable_devices_indices_map((n,) * ndim)
+                starts = {idx[0].indices(n)[:2] for idx in index_map.values() if idx}
+                self._shard_counts[key] = len(starts)
+            except (ValueError, TypeError, NotImplementedError):  # exotic: jax checks
+                self._shard_counts[key] = None
+        return self._shard_counts[key]
+
+    def __call__(self, batch: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        shardings = self._leaf_shardings(batch, len(leaves))
+        arrays = []
+        for (path, leaf), sharding in zip(leaves, shardings, strict=True):
+            name = jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+            array = leaf if hasattr(leaf, "ndim") and hasattr(leaf, "shape") else np.asarray(leaf)
+            if array.ndim == 0:
+                raise BatchShardingError(
+                    f"Leaf '{name}' is a scalar (rank 0), so it has no leading batch axis to "
+                    "shard. Give every leaf of the batch a leading batch axis."
+                )
+            devices = self._local_shards(sharding, array.ndim)
+            size = array.shape[0]
+            if devices is not None and size % devices:
+                lower, upper = size // devices * devices, (size // devices + 1) * devices
+                nearest = f"{lower} or {upper}" if lower else f"{upper}"
+                raise BatchShardingError(
+                    f"Leaf '{name}' has a per-process batch size of {size}, which does not "
+                    f"split evenly over the {devices} process-local devices its leading axis "
+                    f"is sharded across. Use a per-process batch size that is a multiple of "
+                    f"{devices}: {devices}, {2 * devices}, {3 * devices}, ...; "
+                    f"nearest: {nearest}."
+                )
+            arrays.append((array, sharding))
+        # Validate every leaf before the first transfer.
+        out = [jax.make_array_from_process_local_data(s, a) for a, s in arrays]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _produce(
+    inner: Any,
+    convert: Callable[[Any], Any],
+    out: queue.Queue[Any],
+    slots: threading.Semaphore,
+    stop: threading.Event,
+    capture_state: bool,
+) -> None:
+    """Producer loop: a module-level function so the thread never keeps the wrapper alive."""
+    while True:
+        while not slots.acquire(timeout=_POLL_S):
+            if stop.is_set():
+                return
+        if stop.is_set():
+            return
+        try:
+            batch = next(inner)
+        except StopIteration:
+            out.put(_END)
+            return
+        except BaseException as e:
+            out.put(_Failure(e))
+            return
+        try:
+            state = copy.deepcopy(inner.get_state()) if capture_state else None
+            arrays = convert(batch)
+        except BaseException as e:
+            out.put(_Failure(e))
+            return
+        out.put((arrays, state))
+
+
+class ShardedDevicePutIterator(Iterator[Any]):
+    """Iterator of sharded ``jax.Array`` batches; see :func:`sharded_device_put`."""
+
+    def __init__(self, batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._convert = _Converter(sharding)
+        self._prefetch = prefetch
+        inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
+        self._inner = inner
+        self._stateful = callable(getattr(inner, "get_state", None)) and callable(
+            getattr(inner, "set_state", None)
+        )
+        self._state = copy.deepcopy(inner.get_state()) if self._stateful else None
+        self._finished = False
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if self._prefetch == 0:
+            try:
+                batch = next(self._inner)
+                state = copy.deepcopy(self._inner.get_state()) if self._stateful else None
+                arrays = self._convert(batch)
+            except BaseException:
+                self._finished = True
+                raise
+            self._state = state
+            return arrays
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if item is _END or isinstance(item, _Failure):
+            self._finished = True
+            self._halt()
+            if isinstance(item, _Failure):
+                raise item.error  # the original exception, producer-side traceback included
+            raise StopIteration
+        arrays, self._state = item
+        self._slots.release()
+        return arrays
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._prefetch)
+        self._slots = threading.Semaphore(self._prefetch)
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(self._inner, self._convert, self._queue, self._slots, self._stop, self._stateful),
+            name="sharded_device_put",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _halt(self, timeout: float | None = None) -> None:
+        """Stops the producer and drops what it prefetched."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("sharded_device_put: producer blocked in next(); left as daemon")
+        self._thread = None
+
+    def get_state(self) -> Any:
+        """Returns the wrapped iterator's state right after the last batch handed out.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        self._require_state("get_state")
+        return copy.deepcopy(self._state)
+
+    def set_state(self, state: Any) -> None:
+        """Resumes the stream right after the batch at which ``state`` was saved.
+
+        Args:
+            state: A value returned by :meth:`get_state` (or by the wrapped iterator).
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        self._require_state("set_state")
+        self._halt()  # no timeout: the producer must be out of the wrapped iterator
+        self._inner.set_state(copy.deepcopy(state))
+        self._state = copy.deepcopy(state)
+        self._finished = False
+
+    def _require_state(self, method: str) -> None:
+        if not self._stateful:
+            raise UnsupportedStateError(
+                f"Cannot call {method}(): the wrapped iterator "
+                f"({type(self._inner).__name__}) has no get_state/set_state. Wrap a grain "
+                "DataLoader or DatasetIterator to checkpoint the stream."
+            )
+
+    def close(self) -> None:
+        """Stops the producer thread and drops prefetched batches; iteration then ends."""
+        self._finished = True
+        self._halt(timeout=30.0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Only signal: joining here could block the garbage collector.
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+
+def sharded_device_put(
+    batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2
+) -> ShardedDevicePutIterator:
+    """Wraps host batches into an iterator of ``jax.Array`` pytrees sharded on the batch axis.
+
+    Each leaf is built with ``jax.make_array_from_process_local_data``, so with several JAX
+    processes the global batch is the process-local batch times the process count. A
+    background thread pulls from ``batches`` and issues the (asynchronous) transfers, keeping
+    up to ``prefetch`` batches in flight. Run it in the consuming process, after the loader.
+
+    Args:
+        batches: An iterable or iterator of host batches: pytrees of numpy arrays with a
+            leading per-process batch axis. An iterable that is not an iterator (a
+            ``grain.DataLoader``) has ``iter()`` called on it once.
+        sharding: ``None`` for a 1-D mesh named ``"data"`` over ``jax.devices()``; a
+            ``jax.sharding.Mesh`` to shard over its first axis; a ``jax.sharding.Sharding``
+            used for every leaf; or a pytree of shardings that is a prefix of the batch tree.
+        prefetch: Batches kept in flight by the background thread; 0 runs synchronously.
+
+    Returns:
+        A :class:`ShardedDevicePutIterator`; it has ``get_state``/``set_state`` when
+        ``batches`` does, and ``close()`` (or ``with``) stops its thread.
+
+    Raises:
+        InvalidShardingError: ``sharding`` is not one of the accepted kinds.
+        InvalidPrefetchError: ``prefetch`` is negative or not an int.
+        BatchShardingError: Raised by ``next()`` when a leaf is a scalar or its batch size
+            does not split evenly over the process-local devices.
+
+    Example:
+        >>> loader = gr.make_data_loader(source, batch_size=256)  # doctest: +SKIP
+        >>> for batch in gr.sharded_device_put(loader, prefetch=2):  # doctest: +SKIP
+        ...     state = train_step(state, batch)
+    """
+    return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch)

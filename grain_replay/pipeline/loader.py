@@ -1,0 +1,248 @@
+"""Batch-level reads inside grain: a DataLoader and an IterDataset whose elements are batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.pipeline.shuffle import permute
+
+__all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
+
+# Below this many records a whole epoch's order is computed once and sliced
+# per batch (int32: 32 MiB at the limit); above it each batch's slice of the
+# order is computed on its own, in O(batch) memory.
+_CACHED_ORDER_MAX_RECORDS = 1 << 23
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """How records become batches: validated once, shared by every process and worker."""
+
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = 1
+    drop_remainder: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+            raise TypeError(f"batch_size must be an int, got {self.batch_size!r}")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.num_epochs is not None and (
+            not isinstance(self.num_epochs, int) or self.num_epochs <= 0
+        ):
+            raise ValueError(
+                f"num_epochs must be a positive int or None (forever), got {self.num_epochs!r}"
+            )
+
+
+class BatchedReads:
+    """A random-access source whose element ``g`` is global batch ``g``, read in one call.
+
+    Global batch ``g`` belongs to epoch ``g // batches_per_epoch``; its records are
+    a slice of that epoch's seeded permutation, read with one
+    ``source.read_batch`` (one vectorized read per leaf). With ``shard_count``
+    processes, ``batches_per_epoch`` is a multiple of ``shard_count`` so that the
+    processes' share of an epoch covers each record at most once, and exactly once
+    when nothing is dropped.
+    """
+
+    def __init__(self, source: Any, options: LoaderOptions, shard_count: int = 1):
+        self.source = source
+        self.options = options
+        n = len(source)
+        b = options.batch_size
+        if options.drop_remainder:
+            per_epoch = (n // b) // shard_count * shard_count
+        else:
+            if shard_count > 1:
+                raise ValueError(
+                    f"drop_remainder=False with {shard_count} processes would give the "
+                    "processes batches of different sizes, which a globally sharded array "
+                    "cannot hold. Fix: use drop_remainder=True."
+                )
+            per_epoch = -(-n // b)
+        if per_epoch == 0:
+            raise ValueError(
+                f"{source!r} has {n} records, fewer than one batch of {b} for each of "
+                f"{shard_count} process(es). Fix: lower batch_size, or use drop_remainder=False."
+            )
+        self.batches_per_epoch = per_epoch
+        self._n = n
+        self._order_lock = threading.Lock()
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        if self.options.num_epochs is None:
+            return sys.maxsize
+        return self.options.num_epochs * self.batches_per_epoch
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"BatchedReads(source={self.source!r}, batch_size={o.batch_size}, "
+            f"shuffle={o.shuffle}, seed={o.seed}, num_epochs={o.num_epochs}, "
+            f"drop_remainder={o.drop_remainder}, batches_per_epoch={self.batches_per_epoch})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_order_lock"]
+        state["_orders"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._order_lock = threading.Lock()
+
+    def record_ids(self, index: int) -> np.ndarray:
+        """The record ids of global batch ``index``, in batch order."""
+        epoch, j = divmod(int(index), self.batches_per_epoch)
+        b = self.options.batch_size
+        start, stop = j * b, min((j + 1) * b, self._n)
+        if not self.options.shuffle:
+            return np.arange(start, stop, dtype=np.int64)
+        if self._n <= _CACHED_ORDER_MAX_RECORDS:
+            return self._epoch_order(epoch)[start:stop].astype(np.int64)
+        return permute(np.arange(start, stop), self._n, self.options.seed, epoch)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        order = self._orders.get(epoch)
+        if order is None:
+            with self._order_lock:
+                order = self._orders.get(epoch)
+                if order is None:
+                    order = permute(np.arange(self._n), self._n, self.options.seed, epoch)
+                    order = order.astype(np.int32 if self._n < 2**31 else np.int64)
+                    # Keep the current and the next epoch (threads read ahead).
+                    self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+                    self._orders[epoch] = order
+        return order
+
+    def __getitem__(self, index: int) -> Any:
+        return self.source.read_batch(self.record_ids(index))
+
+
+class _GlobalBatchSampler:
+    """Sampler whose index ``i`` is global batch ``i`` (grain shards indices by process)."""
+
+    def __init__(self, num_batches: int):
+        self._num_batches = num_batches
+
+    def __len__(self) -> int:
+        return self._num_batches
+
+    def __getitem__(self, index: int) -> grain.RecordMetadata:
+        if not 0 <= index < self._num_batches:
+            raise IndexError(f"batch index {index} out of range [0, {self._num_batches})")
+        return grain.RecordMetadata(index=index, record_key=index)
+
+    def __repr__(self) -> str:
+        return f"_GlobalBatchSampler(num_batches={self._num_batches})"
+
+
+def _default_shard_options() -> Any:
+    return grain.sharding.ShardByJaxProcess(drop_remainder=True)
+
+
+def make_data_loader(
+    source: Any,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_epochs: int | None = 1,
+    drop_remainder: bool = True,
+    worker_count: int = 0,
+    shard_options: Any = None,
+    operations: Sequence[Any] = (),
+    read_options: grain.ReadOptions | None = None,
+    worker_buffer_size: int = 2,
+) -> grain.DataLoader:
+    """A ``grain.DataLoader`` of host batches, each read with one ``read_batch`` call.
+
+    Every epoch is a fresh seeded permutation of the records; the processes of a
+    multi-host job (``ShardByJaxProcess`` by default) read disjoint batches, and
+    together every record exactly once per epoch (less the remainder dropped).
+    The stream depends only on ``seed``, not on ``worker_count``.
+
+    Args:
+      source: a grain_replay source (anything with ``__len__`` and
+        ``read_batch(indices)``).
+      batch_size: records per batch in this process.
+      shuffle: permute records each epoch; else read them in order.
+      seed: selects the permutations.
+      num_epochs: passes over the data; None repeats forever.
+      drop_remainder: drop the last partial batch of each epoch.
+      worker_count: grain worker processes (0 reads in this process).
+      shard_options: ``grain.sharding.ShardOptions``; default
+        ``ShardByJaxProcess(drop_remainder=True)``.
+      operations: grain transformations applied to host batches in the workers.
+      read_options: grain ``ReadOptions`` (threads and prefetch per process).
+      worker_buffer_size: batches each worker prepares ahead.
+
+    Returns:
+      A ``grain.DataLoader`` whose iterator yields numpy batches and supports
+      ``get_state``/``set_state``.
+
+    Example:
+      >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
+      >>> for batch in gr.sharded_device_put(loader): ...
+    """
+    options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
+    if worker_count < 0:
+        raise ValueError(f"worker_count must be >= 0, got {worker_count}")
+    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    reads = BatchedReads(source, options, shard_options.shard_count)
+    ensure_absl_flags_parsed()
+    return grain.DataLoader(
+        data_source=reads,
+        sampler=_GlobalBatchSampler(len(reads)),
+        operations=list(operations),
+        worker_count=worker_count,
+        worker_buffer_size=worker_buffer_size,
+        shard_options=shard_options,
+        read_options=read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4),
+    )
+
+
+def replay_dataset(
+    source: Any,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_epochs: int | None = 1,
+    drop_remainder: bool = True,
+    shard_options: Any = None,
+    read_options: grain.ReadOptions | None = None,
+) -> grain.IterDataset:
+    """A ``grain.IterDataset`` of host batches with the same batch-level reads.
+
+    For pipelines composed by hand (``.map``, ``.mp_prefetch``, ...). Arguments
+    as in :func:`make_data_loader`.
+
+    Example:
+      >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
+    """
+    options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
+    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    reads = BatchedReads(source, options, shard_options.shard_count)
+    ds = grain.MapDataset.source(reads)
+    if shard_options.shard_count > 1:
+        ds = ds[shard_options.shard_index :: shard_options.shard_count]
+    ensure_absl_flags_parsed()
+    return ds.to_iter_dataset(
+        read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    )
