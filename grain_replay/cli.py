@@ -33,7 +33,7 @@ def _size_on_disk(path: str) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import grain_replay as gr  # noqa: PLC0415
+    import grain_replay as gr
 
     src = gr.open_source(args.path)
     info: dict[str, Any] = {
@@ -73,7 +73,7 @@ def _demo_tree(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Writes a synthetic replay in each format and streams shuffled batches back."""
-    import grain_replay as gr  # noqa: PLC0415
+    import grain_replay as gr
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -89,10 +89,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         dt = time.perf_counter() - t
         print(f"  wrote {fmt:<5} {_fmt_bytes(_size_on_disk(paths[fmt])):>10} in {dt:.2f} s")
 
-    from grain_replay.pipeline.device_put import sharded_device_put  # noqa: PLC0415
-    from grain_replay.pipeline.loader import make_data_loader  # noqa: PLC0415
+    import jax
 
-    import jax  # noqa: PLC0415
+    from grain_replay.pipeline.device_put import sharded_device_put
+    from grain_replay.pipeline.loader import make_data_loader
 
     print(
         f"streaming 1 shuffled epoch per format through grain.DataLoader "
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from grain_replay.errors import GrainReplayError  # noqa: PLC0415
+    from grain_replay.errors import GrainReplayError
 
     try:
         return int(args.func(args))

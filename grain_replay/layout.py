@@ -144,7 +144,7 @@ def prepare_leaves(tree: Any, *, where: str) -> tuple[dict[str, np.ndarray], dic
       InvalidTreeError: not a pytree, empty, a scalar or object/string leaf, or
         leaves whose leading dimensions differ (all of them are named).
     """
-    leaves, treedef = tree_lib.flatten(tree)
+    leaves, treedef = tree_lib.flatten(tree, where=where)
     if not leaves:
         raise InvalidTreeError(
             f"{where}: the tree has no leaves. Fix: pass at least one array, e.g. "
@@ -155,6 +155,16 @@ def prepare_leaves(tree: Any, *, where: str) -> tuple[dict[str, np.ndarray], dic
         # np.asarray on a jax.Array fetches it to host in one transfer.
         arr = np.asarray(leaf)
         name = key or "<root>"
+        if (
+            arr.dtype.kind == "V"
+            and not arr.dtype.fields
+            and arr.dtype.name != f"void{8 * arr.itemsize}"
+        ):
+            raise InvalidTreeError(
+                f"{where}: leaf {name!r} has dtype {arr.dtype}, which HDF5, .npy and Zarr "
+                "readers do not round-trip. Fix: cast it, e.g. leaf.astype(np.float32), or "
+                "store its bits with leaf.view(np.uint16)."
+            )
         if arr.dtype.hasobject or arr.dtype.kind in "OUSV":
             raise InvalidTreeError(
                 f"{where}: leaf {name!r} has dtype {arr.dtype}; only numeric and bool arrays "

@@ -45,7 +45,12 @@ def _is_leaf(x: Any) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or hasattr(x, "__array__")
 
 
-def flatten(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+# Names that would step outside or alias a path on disk, or clash with the
+# metadata files of the formats.
+RESERVED_KEYS = frozenset({".", "..", "zarr.json", ".zgroup", ".zarray", ".zattrs"})
+
+
+def flatten(tree: Any, *, where: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     """Splits a pytree into ``({key: leaf}, treedef)``.
 
     Args:
@@ -58,9 +63,11 @@ def flatten(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Raises:
       InvalidTreeError: a node is neither a container nor an array, a dict key
-        is not a string or contains ``/``.
+        is not a string, contains ``/`` or is reserved (``.``, ``..``,
+        ``zarr.json``); the message starts with ``where``.
     """
     leaves: dict[str, Any] = {}
+    prefix = f"{where}: " if where else ""
 
     def visit(node: Any, path: str) -> dict[str, Any]:
         if isinstance(node, Mapping):
@@ -68,13 +75,14 @@ def flatten(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             for k in keys:
                 if not isinstance(k, str):
                     raise InvalidTreeError(
-                        f"Dict keys must be strings; got {k!r} ({type(k).__name__}) at "
+                        f"{prefix}Dict keys must be strings; got {k!r} ({type(k).__name__}) at "
                         f"{path or '<root>'!r}. Fix: convert the key with str()."
                     )
-                if "/" in k or k == "":
+                if "/" in k or k == "" or k in RESERVED_KEYS:
                     raise InvalidTreeError(
-                        f"Dict key {k!r} at {path or '<root>'!r} is empty or contains '/', "
-                        "which separates leaf paths. Fix: rename the key."
+                        f"{prefix}Dict key {k!r} at {path or '<root>'!r} is empty, contains "
+                        "'/' (the leaf path separator) or is a reserved name "
+                        f"{sorted(RESERVED_KEYS)}. Fix: rename the key."
                     )
             return {
                 "type": "dict",
@@ -100,7 +108,7 @@ def flatten(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             leaves[path] = node
             return dict(_LEAF)
         raise InvalidTreeError(
-            f"Leaf {path or '<root>'!r} is a {type(node).__name__}, not an array or a "
+            f"{prefix}Leaf {path or '<root>'!r} is a {type(node).__name__}, not an array or a "
             "dict/list/tuple/NamedTuple. Fix: pass a pytree of numpy or jax arrays."
         )
 
@@ -231,6 +239,8 @@ def treedef_from_keys(keys: Iterable[str]) -> dict[str, Any]:
             if not isinstance(child, dict):
                 raise InvalidStoreError(f"Key {key!r} nests under the leaf {part!r}.")
             node = child
+        if isinstance(node.get(parts[-1]), dict):
+            raise InvalidStoreError(f"Leaf {key!r} is also a group of other leaves.")
         node[parts[-1]] = None
 
     def to_def(node: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,8 @@ class ArrayReader(LeafReader):
         self._array = array.view(np.ndarray)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        return self._array[indices]
+        # np.take along axis 0 is about 2x faster than fancy indexing here.
+        return np.take(self._array, indices, axis=0)
 
     def row(self, index: int) -> np.ndarray:
         r = self._array[index]
@@ -225,20 +226,26 @@ class ReplaySource(abc.ABC):
     def _check_indices(self, indices: Any) -> np.ndarray:
         n = len(self)
         idx = np.asarray(indices)
-        if idx.dtype == np.bool_ or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise TypeError(
-                f"{self._path}: indices must be integers, got dtype {idx.dtype}. "
-                "Fix: pass a sequence or array of ints."
-            )
-        idx = idx.astype(np.int64, copy=False).reshape(-1)
-        bad = (idx < -n) | (idx >= n)
-        if bad.any():
-            first = int(idx[np.argmax(bad)])
+        if idx.dtype.kind not in "iu":
+            if idx.size:
+                raise TypeError(
+                    f"{self._path}: indices must be integers, got dtype {idx.dtype}. "
+                    "Fix: pass a sequence or array of ints."
+                )
+            idx = idx.astype(np.int64)
+        if idx.ndim != 1:
+            idx = idx.reshape(-1)
+        if not idx.size:
+            return idx.astype(np.int64, copy=False)
+        lo, hi = idx.min(), idx.max()
+        if lo < -n or hi >= n:
+            first = int(idx[np.argmax((idx < -n) | (idx >= n))])
             raise RecordIndexError(
                 f"{self._path}: record index {first} is out of range for a store of "
                 f"{n} records (valid: -{n} <= index < {n})."
             )
-        return np.where(idx < 0, idx + n, idx)
+        idx = idx.astype(np.int64, copy=False)
+        return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
 
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""

@@ -10,7 +10,14 @@ import numpy as np
 
 from grain_replay.sources.base import LeafReader
 
-__all__ = ["ChunkCache", "ChunkedLeafReader", "DEFAULT_CACHE_BYTES", "group_by_chunk"]
+__all__ = [
+    "ChunkCache",
+    "ChunkedLeafReader",
+    "DEFAULT_CACHE_BYTES",
+    "SegmentedReader",
+    "group_by_chunk",
+    "merge_runs",
+]
 
 # Per process, shared by every leaf of a source. Small enough that several
 # grain workers stay well inside host memory, big enough to hold the hot chunks
@@ -127,3 +134,62 @@ class ChunkedLeafReader(LeafReader):
             assert block is not None
             out[pos] = block[indices[pos] - int(c) * self._chunk_rows]
         return out
+
+
+class SegmentedReader(LeafReader):
+    """Rows spread over a few memory-mapped runs of rows (no decoding, no copies but the gather).
+
+    Args:
+      starts: first row of each segment, increasing, ``starts[0] == 0``.
+      segments: row arrays (typically ``np.memmap`` views), segment ``j``
+        holding rows ``[starts[j], starts[j] + len(segments[j]))``.
+    """
+
+    def __init__(self, starts: Sequence[int], segments: Sequence[np.ndarray]):
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._segments = [s.view(np.ndarray) for s in segments]
+        self._single = self._segments[0] if len(self._segments) == 1 else None
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        if self._single is not None:
+            return np.take(self._single, indices, axis=0)
+        seg = np.searchsorted(self._starts, indices, side="right") - 1
+        order = np.argsort(seg, kind="stable")
+        sorted_seg = seg[order]
+        cuts = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
+        first = self._segments[0]
+        out = np.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
+        for lo, hi in zip(cuts, np.r_[cuts[1:], len(indices)]):
+            j = int(sorted_seg[lo])
+            pos = order[lo:hi]
+            out[pos] = self._segments[j][indices[pos] - self._starts[j]]
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        j = int(np.searchsorted(self._starts, index, side="right") - 1)
+        r = self._segments[j][index - int(self._starts[j])]
+        return r.copy() if isinstance(r, np.ndarray) else r
+
+
+def merge_runs(
+    offsets: Sequence[int], rows_per_chunk: int, row_bytes: int, num_records: int
+) -> list[tuple[int, int, int]]:
+    """Merges row-chunks stored back to back in one file into runs.
+
+    Args:
+      offsets: file offset of each row-chunk, in row order; chunks are stored
+        full size, the last one included.
+
+    Returns:
+      ``(first_row, num_rows, file_offset)`` per run, covering ``[0, num_records)``.
+    """
+    chunk_bytes = rows_per_chunk * row_bytes
+    runs: list[list[int]] = []  # [first_row, num_chunks, offset]
+    for c, off in enumerate(offsets):
+        if c * rows_per_chunk >= num_records:
+            break
+        if runs and runs[-1][2] + runs[-1][1] * chunk_bytes == off:
+            runs[-1][1] += 1
+        else:
+            runs.append([c * rows_per_chunk, 1, int(off)])
+    return [(first, min(n * rows_per_chunk, num_records - first), off) for first, n, off in runs]

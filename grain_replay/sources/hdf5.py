@@ -13,7 +13,13 @@ from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.sources.base import ArrayReader, Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
+from grain_replay.sources.chunked import (
+    DEFAULT_CACHE_BYTES,
+    ChunkCache,
+    ChunkedLeafReader,
+    SegmentedReader,
+    merge_runs,
+)
 
 __all__ = ["HDF5DataSource"]
 
@@ -45,12 +51,22 @@ class _HDF5Handle(Handle):
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
             spec = source._layout.spec[key]
-            offset = _memmap_offset(dset) if self._fileobj is None else None
+            local = self._fileobj is None
+            offset = _memmap_offset(dset) if local else None
+            runs = _chunk_runs(dset, n) if local and offset is None else None
             if offset is not None and n > 0 and spec.dtype.itemsize > 0:
                 array = np.memmap(
                     source.path, dtype=dset.dtype, mode="r", offset=offset, shape=dset.shape
                 )
                 self.readers[key] = ArrayReader(array[:n])
+            elif runs:
+                self.readers[key] = SegmentedReader(
+                    [first for first, _, _ in runs],
+                    [
+                        np.memmap(source.path, dset.dtype, "r", off, (rows, *dset.shape[1:]))
+                        for _, rows, off in runs
+                    ],
+                )
             else:
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
                 self.readers[key] = ChunkedLeafReader(
@@ -83,6 +99,34 @@ def _memmap_offset(dset: Any) -> int | None:
         return None
     offset = dset.id.get_offset()
     return None if offset is None else int(offset)
+
+
+# Beyond this many runs of back-to-back chunks, decoding through h5py is cheaper
+# than holding that many memory maps.
+_MAX_RUNS = 4096
+
+
+def _chunk_runs(dset: Any, n: int) -> list[tuple[int, int, int]] | None:
+    """Runs of unfiltered row-chunks stored back to back, or None if not memory-mappable."""
+    if n == 0 or dset.chunks is None or dset.dtype.hasobject or dset.dtype.kind == "V":
+        return None
+    if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]) or 0 in dset.chunks:
+        return None
+    if dset.id.get_create_plist().get_nfilters() or dset.external or dset.is_virtual:
+        return None
+    rows = dset.chunks[0]
+    needed = -(-n // rows)
+    offsets: dict[int, int] = {}
+    for i in range(dset.id.get_num_chunks()):
+        info = dset.id.get_chunk_info(i)
+        c = info.chunk_offset[0] // rows
+        if c < needed and info.filter_mask == 0:
+            offsets[c] = info.byte_offset
+    if len(offsets) < needed:  # unwritten chunks read as the fill value: let h5py do it
+        return None
+    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+    runs = merge_runs([offsets[c] for c in range(needed)], rows, row_bytes, n)
+    return runs if len(runs) <= _MAX_RUNS else None
 
 
 def _block_reader(dset: Any, chunk_rows: int, n: int) -> Any:

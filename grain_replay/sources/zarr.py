@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,12 @@ from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
 from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
+from grain_replay.sources.chunked import (
+    DEFAULT_CACHE_BYTES,
+    ChunkCache,
+    ChunkedLeafReader,
+    SegmentedReader,
+)
 
 __all__ = ["ZarrDataSource", "import_zarr"]
 
@@ -47,10 +53,67 @@ class _ZarrHandle(Handle):
             arr = self.group[loc]
             spec = source._layout.spec[key]
             chunk_rows = int(arr.chunks[0])
+            files = _raw_chunk_files(arr, n)
+            if files is not None:
+                self.readers[key] = SegmentedReader(
+                    [c * chunk_rows for c in range(len(files))],
+                    [
+                        np.memmap(
+                            f,
+                            spec.dtype,
+                            "r",
+                            0,
+                            (min(chunk_rows, n - c * chunk_rows), *spec.shape),
+                        )
+                        for c, f in enumerate(files)
+                    ],
+                )
+                continue
             self.readers[key] = ChunkedLeafReader(
                 key, n, chunk_rows, spec.shape, spec.dtype,
                 _block_reader(arr, chunk_rows, n), self.cache,
             )  # fmt: skip
+
+
+# Beyond this many chunk files, decoding through zarr beats holding the maps.
+_MAX_MAPPED_CHUNKS = 4096
+
+
+def _raw_chunk_files(arr: Any, n: int) -> list[str] | None:
+    """Chunk files of a local, uncompressed, row-chunked array, or None.
+
+    Such a chunk file is the rows' bytes, C order: it can be memory-mapped
+    instead of decoded.
+    """
+    from zarr.codecs import BytesCodec
+    from zarr.storage import LocalStore
+
+    meta = arr.metadata
+    if n == 0 or getattr(meta, "zarr_format", 2) != 3 or not isinstance(arr.store, LocalStore):
+        return None
+    codecs = meta.codecs
+    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
+        return None
+    dtype = np.dtype(arr.dtype)
+    if dtype.hasobject or dtype.kind == "V":
+        return None
+    endian = getattr(codecs[0], "endian", None)
+    if dtype.itemsize > 1 and getattr(endian, "value", endian) != sys.byteorder:
+        return None
+    if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or arr.chunks[0] == 0:
+        return None
+    needed = -(-n // arr.chunks[0])
+    if needed > _MAX_MAPPED_CHUNKS:
+        return None
+    root = os.path.join(str(arr.store.root), arr.path)
+    files = []
+    for c in range(needed):
+        key = meta.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+        f = os.path.join(root, key)
+        if not os.path.isfile(f):  # an unwritten chunk reads as the fill value
+            return None
+        files.append(f)
+    return files
 
 
 def _block_reader(arr: Any, chunk_rows: int, n: int) -> Any:

@@ -65,11 +65,12 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _commit(partial: str, path: str) -> None:
-    if not os.path.isdir(path) or os.path.islink(path):
+    replaceable = not os.path.lexists(path) or (os.path.isfile(partial) and not os.path.isdir(path))
+    if replaceable or os.path.islink(path):
         os.replace(partial, path)  # atomic for a file, or onto nothing
         return
-    # A directory cannot be replaced by rename(2): swap the two atomically, then
-    # delete the old one, which now sits at `partial`.
+    # rename(2) cannot replace a directory, nor a file by a directory: swap the
+    # two atomically, then delete the old store, which now sits at `partial`.
     if _exchange(partial, path):
         remove_path(partial)
         return

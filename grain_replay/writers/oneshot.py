@@ -39,7 +39,9 @@ def chunk_rows_for(arr_shape: tuple[int, ...], itemsize: int, target_bytes: int)
 
 
 def _check_chunk_rows(chunk_rows: int | None, where: str) -> None:
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows <= 0):
+    if chunk_rows is not None and (
+        isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0
+    ):
         raise ValueError(f"{where}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
 
 
@@ -79,7 +81,9 @@ def write_hdf5(
         with h5py.File(partial, "w") as f:
             for key, arr in arrays.items():
                 kwargs: dict[str, Any] = {}
-                if chunk_rows is not None or compression is not None:
+                # Zero-size records have nothing to chunk or compress.
+                chunked = chunk_rows is not None or compression is not None
+                if chunked and 0 not in arr.shape[1:]:
                     rows = chunk_rows or chunk_rows_for(
                         arr.shape, arr.itemsize, COMPRESSED_CHUNK_BYTES
                     )

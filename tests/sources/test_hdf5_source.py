@@ -60,7 +60,7 @@ def test_truncated_file_raises_invalid_store(tmp_path: Any) -> None:
     data = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 3])
-    with pytest.raises(gr.GrainReplayError, match="t.h5"):
+    with pytest.raises(gr.GrainReplayError, match=r"t\.h5"):
         gr.HDF5DataSource(path)[0]
 
 
