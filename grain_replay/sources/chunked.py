@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "SegmentedReader",
     "group_by_chunk",
-    "merge_runs",
+    "mapped_reader",
 ]
 
 # Per process, shared by every leaf of a source. Small enough that several
@@ -153,6 +154,8 @@ class SegmentedReader(LeafReader):
     def take(self, indices: np.ndarray) -> np.ndarray:
         if self._single is not None:
             return np.take(self._single, indices, axis=0)
+        if len(indices) == 0:
+            return self._segments[0][:0].copy()
         seg = np.searchsorted(self._starts, indices, side="right") - 1
         order = np.argsort(seg, kind="stable")
         sorted_seg = seg[order]
@@ -171,25 +174,40 @@ class SegmentedReader(LeafReader):
         return r.copy() if isinstance(r, np.ndarray) else r
 
 
-def merge_runs(
-    offsets: Sequence[int], rows_per_chunk: int, row_bytes: int, num_records: int
-) -> list[tuple[int, int, int]]:
-    """Merges row-chunks stored back to back in one file into runs.
+def mapped_reader(
+    parts: Sequence[tuple[str, int]],
+    chunk_rows: int,
+    dtype: np.dtype,
+    row_shape: tuple[int, ...],
+    num_records: int,
+) -> LeafReader:
+    """Reader over unfiltered row-chunks at ``(file, offset)``, in row order.
 
-    Args:
-      offsets: file offset of each row-chunk, in row order; chunks are stored
-        full size, the last one included.
-
-    Returns:
-      ``(first_row, num_rows, file_offset)`` per run, covering ``[0, num_records)``.
+    Stitched into one contiguous mapping when the layout allows (one gather per
+    batch); else one memory map per run of back-to-back chunks.
     """
-    chunk_bytes = rows_per_chunk * row_bytes
-    runs: list[list[int]] = []  # [first_row, num_chunks, offset]
-    for c, off in enumerate(offsets):
-        if c * rows_per_chunk >= num_records:
-            break
-        if runs and runs[-1][2] + runs[-1][1] * chunk_bytes == off:
-            runs[-1][1] += 1
+    from grain_replay.sources.base import ArrayReader
+    from grain_replay.sources.stitch import stitch
+
+    row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    array = stitch(parts, chunk_rows * row_bytes, dtype, row_shape, num_records)
+    if array is not None:
+        return ArrayReader(array)
+    # Fallback: one memory map per run of chunks stored back to back.
+    chunk_bytes = chunk_rows * row_bytes
+    runs: list[list[Any]] = []  # [first_row, file, offset, num_chunks]
+    for c, (path, offset) in enumerate(parts):
+        last = runs[-1] if runs else None
+        if last and last[1] == path and last[2] + last[3] * chunk_bytes == offset:
+            last[3] += 1
         else:
-            runs.append([c * rows_per_chunk, 1, int(off)])
-    return [(first, min(n * rows_per_chunk, num_records - first), off) for first, n, off in runs]
+            runs.append([c * chunk_rows, path, offset, 1])
+    return SegmentedReader(
+        [first for first, _, _, _ in runs],
+        [
+            np.memmap(
+                path, dtype, "r", offset, (min(k * chunk_rows, num_records - first), *row_shape)
+            )
+            for first, path, offset, k in runs
+        ],
+    )

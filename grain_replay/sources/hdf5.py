@@ -17,8 +17,7 @@ from grain_replay.sources.chunked import (
     DEFAULT_CACHE_BYTES,
     ChunkCache,
     ChunkedLeafReader,
-    SegmentedReader,
-    merge_runs,
+    mapped_reader,
 )
 
 __all__ = ["HDF5DataSource"]
@@ -53,20 +52,17 @@ class _HDF5Handle(Handle):
             spec = source._layout.spec[key]
             local = self._fileobj is None
             offset = _memmap_offset(dset) if local else None
-            runs = _chunk_runs(dset, n) if local and offset is None else None
+            chunks = _chunk_offsets(dset, n) if local and offset is None else None
             if offset is not None and n > 0 and spec.dtype.itemsize > 0:
                 array = np.memmap(
                     source.path, dtype=dset.dtype, mode="r", offset=offset, shape=dset.shape
                 )
                 self.readers[key] = ArrayReader(array[:n])
-            elif runs:
-                self.readers[key] = SegmentedReader(
-                    [first for first, _, _ in runs],
-                    [
-                        np.memmap(source.path, dset.dtype, "r", off, (rows, *dset.shape[1:]))
-                        for _, rows, off in runs
-                    ],
-                )
+            elif chunks:
+                self.readers[key] = mapped_reader(
+                    [(source.path, off) for off in chunks],
+                    dset.chunks[0], spec.dtype, spec.shape, n,
+                )  # fmt: skip
             else:
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
                 self.readers[key] = ChunkedLeafReader(
@@ -101,13 +97,12 @@ def _memmap_offset(dset: Any) -> int | None:
     return None if offset is None else int(offset)
 
 
-# Beyond this many runs of back-to-back chunks, decoding through h5py is cheaper
-# than holding that many memory maps.
+# Beyond this many chunks, decoding through h5py is cheaper than mapping them.
 _MAX_RUNS = 4096
 
 
-def _chunk_runs(dset: Any, n: int) -> list[tuple[int, int, int]] | None:
-    """Runs of unfiltered row-chunks stored back to back, or None if not memory-mappable."""
+def _chunk_offsets(dset: Any, n: int) -> list[int] | None:
+    """File offsets of the row-chunks of an unfiltered dataset, or None if not mappable."""
     if n == 0 or dset.chunks is None or dset.dtype.hasobject or dset.dtype.kind == "V":
         return None
     if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]) or 0 in dset.chunks:
@@ -116,6 +111,8 @@ def _chunk_runs(dset: Any, n: int) -> list[tuple[int, int, int]] | None:
         return None
     rows = dset.chunks[0]
     needed = -(-n // rows)
+    if needed > _MAX_RUNS:
+        return None
     offsets: dict[int, int] = {}
     for i in range(dset.id.get_num_chunks()):
         info = dset.id.get_chunk_info(i)
@@ -124,9 +121,7 @@ def _chunk_runs(dset: Any, n: int) -> list[tuple[int, int, int]] | None:
             offsets[c] = info.byte_offset
     if len(offsets) < needed:  # unwritten chunks read as the fill value: let h5py do it
         return None
-    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
-    runs = merge_runs([offsets[c] for c in range(needed)], rows, row_bytes, n)
-    return runs if len(runs) <= _MAX_RUNS else None
+    return [offsets[c] for c in range(needed)]
 
 
 def _block_reader(dset: Any, chunk_rows: int, n: int) -> Any:

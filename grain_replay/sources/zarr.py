@@ -19,7 +19,7 @@ from grain_replay.sources.chunked import (
     DEFAULT_CACHE_BYTES,
     ChunkCache,
     ChunkedLeafReader,
-    SegmentedReader,
+    mapped_reader,
 )
 
 __all__ = ["ZarrDataSource", "import_zarr"]
@@ -55,18 +55,8 @@ class _ZarrHandle(Handle):
             chunk_rows = int(arr.chunks[0])
             files = _raw_chunk_files(arr, n)
             if files is not None:
-                self.readers[key] = SegmentedReader(
-                    [c * chunk_rows for c in range(len(files))],
-                    [
-                        np.memmap(
-                            f,
-                            spec.dtype,
-                            "r",
-                            0,
-                            (min(chunk_rows, n - c * chunk_rows), *spec.shape),
-                        )
-                        for c, f in enumerate(files)
-                    ],
+                self.readers[key] = mapped_reader(
+                    [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n
                 )
                 continue
             self.readers[key] = ChunkedLeafReader(

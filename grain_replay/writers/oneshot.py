@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
+from grain_replay.sources.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
 
 __all__ = ["write", "write_hdf5", "write_npy", "write_zarr", "format_from_path", "FORMATS"]
@@ -33,9 +35,20 @@ def format_from_path(path: str | os.PathLike[str]) -> str:
     return "npy"
 
 
-def chunk_rows_for(arr_shape: tuple[int, ...], itemsize: int, target_bytes: int) -> int:
+def chunk_rows_for(
+    arr_shape: tuple[int, ...], itemsize: int, target_bytes: int, *, page_aligned: bool = False
+) -> int:
+    """Rows per chunk near ``target_bytes``.
+
+    With ``page_aligned``, chunks are whole memory pages, so readers can map
+    uncompressed chunks back to back into one array (see ``sources/stitch.py``).
+    """
     row_bytes = max(1, itemsize * int(np.prod(arr_shape[1:], dtype=np.int64)))
-    return max(1, min(max(arr_shape[0], 1), target_bytes // row_bytes))
+    rows = max(1, target_bytes // row_bytes)
+    if page_aligned:
+        unit = PAGE // math.gcd(row_bytes, PAGE)
+        return max(unit, rows // unit * unit)
+    return max(1, min(max(arr_shape[0], 1), rows))
 
 
 def _check_chunk_rows(chunk_rows: int | None, where: str) -> None:
@@ -78,15 +91,17 @@ def write_hdf5(
         )
     arrays, treedef, n = layout_lib.prepare_leaves(tree, where=path)
     with atomic_path(path, overwrite=overwrite) as partial:
-        with h5py.File(partial, "w") as f:
+        # Page-aligned chunks let readers map unfiltered chunks into one array.
+        with h5py.File(partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE) as f:
             for key, arr in arrays.items():
                 kwargs: dict[str, Any] = {}
                 # Zero-size records have nothing to chunk or compress.
                 chunked = chunk_rows is not None or compression is not None
                 if chunked and 0 not in arr.shape[1:]:
                     rows = chunk_rows or chunk_rows_for(
-                        arr.shape, arr.itemsize, COMPRESSED_CHUNK_BYTES
-                    )
+                        arr.shape, arr.itemsize, COMPRESSED_CHUNK_BYTES,
+                        page_aligned=compression is None,
+                    )  # fmt: skip
                     kwargs["chunks"] = (min(rows, max(n, 1)), *(max(1, d) for d in arr.shape[1:]))
                     kwargs["maxshape"] = (None, *arr.shape[1:])
                     kwargs["compression"] = compression
@@ -177,15 +192,19 @@ def write_zarr(
     with atomic_path(path, overwrite=overwrite) as partial:
         group = zarr.open_group(partial, mode="w", zarr_format=3)
         for key, arr in arrays.items():
-            rows = chunk_rows or chunk_rows_for(arr.shape, arr.itemsize, target)
+            rows = chunk_rows or chunk_rows_for(
+                arr.shape, arr.itemsize, target, page_aligned=compression is None
+            )
             z = group.create_array(
                 layout_lib.disk_name(key),
                 shape=arr.shape,
                 dtype=arr.dtype,
-                chunks=(min(rows, max(n, 1)), *(max(1, d) for d in arr.shape[1:])),
+                chunks=(rows, *(max(1, d) for d in arr.shape[1:])),
                 compressors=compressors,
                 filters=None,
                 fill_value=None,
+                # Every chunk on disk, even all-zero ones, so readers can map them.
+                config={"write_empty_chunks": True},
             )
             if arr.size:
                 z[...] = arr

@@ -78,3 +78,32 @@ def test_scalar_datasets_in_foreign_files_are_skipped(tmp_path: Any) -> None:
         f["version"] = 3
     src = gr.HDF5DataSource(path)
     assert list(src.spec) == ["x"]
+
+
+class TestHDF5ChunkedUnaligned(DataSourceTests):
+    """Unfiltered chunks that are not whole pages: memory maps per run of chunks."""
+
+    cls = gr.HDF5DataSource
+    suffix = ".h5"
+
+    def write(self, path: str, tree: Any) -> str:
+        return gr.write_hdf5(path, tree, chunk_rows=7)
+
+
+def test_chunked_uncompressed_is_one_stitched_mapping(tmp_path: Any) -> None:
+    path = gr.write_hdf5(str(tmp_path / "c.h5"), make_tree(50_000), chunk_rows=4096)
+    src = gr.HDF5DataSource(path)
+    src[0]
+    assert all(type(r).__name__ == "ArrayReader" for r in src._handle.readers.values())
+
+
+def test_unaligned_foreign_chunks_read_correctly(tmp_path: Any) -> None:
+    path = str(tmp_path / "f.h5")
+    data = np.arange(1000 * 3, dtype=np.float32).reshape(1000, 3)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=data, chunks=(33, 3))
+        f.create_dataset("y", data=data[:, 0], chunks=(50,))
+    src = gr.HDF5DataSource(path)
+    idx = np.random.default_rng(0).integers(0, 1000, 300)
+    np.testing.assert_array_equal(src.read_batch(idx)["x"], data[idx])
+    assert type(src._handle.readers["x"]).__name__ == "SegmentedReader"

@@ -1,0 +1,122 @@
+"""One contiguous read-only array over row-chunks stored in several places.
+
+Chunk files of a Zarr array, or the chunks of an HDF5 dataset, are mapped back
+to back into one reserved range of address space (``mmap`` with ``MAP_FIXED``),
+so a random batch is one numpy gather, as for a single ``.npy`` file, instead of
+one gather per chunk. Needs page-aligned file offsets and chunk sizes that are
+whole pages (the writers pick such chunks); callers fall back otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["PAGE", "can_stitch", "stitch"]
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_READ = 0, 1
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+_LIBC = _libc()
+
+
+class _Reservation:
+    """Owns the address range; numpy arrays over it keep it alive via ``base``."""
+
+    def __init__(self, addr: int, size: int, used: int):
+        self._addr, self._size = addr, size
+        self.__array_interface__ = {
+            "data": (addr, True),
+            "shape": (used,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        if _LIBC is not None and self._addr:
+            _LIBC.munmap(self._addr, self._size)
+            self._addr = 0
+
+
+def can_stitch(offsets: Sequence[int], chunk_bytes: int) -> bool:
+    """True if chunks at ``offsets`` of ``chunk_bytes`` each can be mapped back to back."""
+    return (
+        _LIBC is not None
+        and chunk_bytes > 0
+        and chunk_bytes % PAGE == 0
+        and all(o % PAGE == 0 for o in offsets)
+    )
+
+
+def stitch(
+    parts: Sequence[tuple[str, int]],
+    chunk_bytes: int,
+    dtype: np.dtype,
+    row_shape: tuple[int, ...],
+    num_rows: int,
+) -> np.ndarray | None:
+    """Maps ``parts`` (``(file, offset)`` per chunk, in row order) into one array.
+
+    Returns:
+      A read-only ``(num_rows, *row_shape)`` array, or None if the mapping failed
+      (the caller then reads chunk by chunk).
+    """
+    row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    used = num_rows * row_bytes
+    if _LIBC is None or used == 0 or not can_stitch([o for _, o in parts], chunk_bytes):
+        return None
+    total = len(parts) * chunk_bytes
+    addr = _LIBC.mmap(
+        None, total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+    )
+    if addr in (None, _MAP_FAILED):
+        return None
+    reservation = _Reservation(addr, total, used)
+    for i, (path, offset) in enumerate(parts):
+        length = min(chunk_bytes, used - i * chunk_bytes)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < offset + length:
+                logger.warning(
+                    "%s: chunk shorter than expected; reading it through the codec", path
+                )
+                return None
+            got = _LIBC.mmap(
+                addr + i * chunk_bytes, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset
+            )
+        finally:
+            os.close(fd)
+        if got != addr + i * chunk_bytes:
+            return None
+    flat = np.asarray(reservation)
+    array = flat.view(dtype).reshape((num_rows, *row_shape))
+    array.flags.writeable = False
+    return array
