@@ -24,7 +24,14 @@ from grain_replay.sources import (
     ZarrDataSource,
     open_source,
 )
-from grain_replay.writers import write, write_hdf5, write_npy, write_zarr
+from grain_replay.writers import (
+    ReplayWriter,
+    WriterBusyError,
+    write,
+    write_hdf5,
+    write_npy,
+    write_zarr,
+)
 
 __version__ = "0.1.0"
 
@@ -42,6 +49,8 @@ __all__ = [
     "write_hdf5",
     "write_npy",
     "write_zarr",
+    "ReplayWriter",
+    "WriterBusyError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",

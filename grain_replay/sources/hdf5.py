@@ -36,14 +36,15 @@ def _h5py() -> Any:
 class _HDF5Handle(Handle):
     def __init__(self, source: HDF5DataSource):
         h5py = _h5py()
-        self._fileobj = None
+        self._fileobj: Any = None
+        self.file: Any = None
         if is_url(source.path):
             import fsspec
 
             self._fileobj = fsspec.open(source.path, "rb", **source._storage_options).open()
             self.file = h5py.File(self._fileobj, "r")
         else:
-            self.file = h5py.File(source.path, "r")
+            self.file = h5py.File(source.path, "r", locking=False)
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self.readers = {}
@@ -69,12 +70,23 @@ class _HDF5Handle(Handle):
                     key, n, chunk_rows, spec.shape, spec.dtype,
                     _block_reader(dset, chunk_rows, n), self.cache,
                 )  # fmt: skip
+        if not any(isinstance(r, ChunkedLeafReader) for r in self.readers.values()):
+            # Every leaf is memory-mapped: the h5py handle is not needed, and
+            # keeping it would stop a ReplayWriter in this process from opening
+            # the file for writing (HDF5 shares one handle per file per process).
+            self._close_file()
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self._fileobj is not None:
+            self._fileobj.close()
+            self._fileobj = None
 
     def close(self) -> None:
         self.readers = {}
-        self.file.close()
-        if self._fileobj is not None:
-            self._fileobj.close()
+        self._close_file()
 
 
 def _rows_per(dset: Any, target_bytes: int) -> int:
@@ -185,7 +197,7 @@ class HDF5DataSource(ReplaySource):
                 with fsspec.open(self._path, "rb", **self._storage_options) as fobj:
                     with h5py.File(fobj, "r") as f:
                         return self._layout_of(f)
-            with h5py.File(self._path, "r") as f:
+            with h5py.File(self._path, "r", locking=False) as f:
                 return self._layout_of(f)
         except (OSError, ValueError) as e:
             if isinstance(e, InvalidStoreError):

@@ -16,17 +16,21 @@ __all__ = ["NpyDataSource", "read_npy_header"]
 NPY_MAGIC = b"\x93NUMPY"
 
 
-def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, bool]:
-    """``(shape, dtype, fortran_order)`` of a ``.npy`` file, without reading data or unpickling."""
+def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
+    """``(shape, dtype, fortran_order, data_offset)`` of a ``.npy`` file.
+
+    Reads only the header: no data, never unpickles.
+    """
     try:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version == (2, 0):
+            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in utf-8 field names
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             else:
-                shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                raise ValueError(f"unsupported .npy format version {version}")
+            offset = f.tell()
     except FileNotFoundError as e:
         raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
     except (ValueError, OSError, SyntaxError) as e:
@@ -35,7 +39,7 @@ def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, boo
             "with np.save or gr.write_npy."
         ) from e
     layout_lib.check_dtype(dtype, key or "<root>", path)
-    return tuple(shape), dtype, bool(fortran)
+    return tuple(shape), dtype, bool(fortran), offset
 
 
 class _NpyHandle(Handle):
@@ -70,7 +74,7 @@ class NpyDataSource(ReplaySource):
     def _inspect(self) -> Layout:
         path = self._path
         if os.path.isfile(path):
-            shape, dtype, _ = read_npy_header(path, tree_lib.ROOT_KEY)
+            shape, dtype, _, _ = read_npy_header(path, tree_lib.ROOT_KEY)
             if len(shape) == 0:
                 raise InvalidStoreError(
                     f"{path}: the array is a scalar; a store needs a leading records axis."
@@ -90,7 +94,7 @@ class NpyDataSource(ReplaySource):
                 k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
             }
             for key, file in locations.items():
-                shape, dtype, _ = read_npy_header(file, key)
+                shape, dtype, _, _ = read_npy_header(file, key)
                 want = meta.leaves[key]
                 if (
                     shape[:1] < (meta.num_records,)
@@ -113,7 +117,7 @@ class NpyDataSource(ReplaySource):
         spec: dict[str, layout_lib.LeafSpec] = {}
         lengths: dict[str, int] = {}
         for k in keys:
-            shape, dtype, _ = read_npy_header(found[k], k)
+            shape, dtype, _, _ = read_npy_header(found[k], k)
             if len(shape) == 0:
                 raise InvalidStoreError(
                     f"{found[k]}: leaf {k!r} is a scalar; every leaf needs a records axis. Fix: "

@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from grain_replay.writers.oneshot import write, write_hdf5, write_npy, write_zarr
+from grain_replay.writers.replay_writer import ReplayWriter, WriterBusyError
 
-__all__ = ["write", "write_hdf5", "write_npy", "write_zarr"]
+__all__ = ["write", "write_hdf5", "write_npy", "write_zarr", "ReplayWriter", "WriterBusyError"]

@@ -1,0 +1,349 @@
+"""Per-format storage of a growing store: rows beyond the committed N are invisible.
+
+Each backend keeps the same invariant: rows ``[0, N)`` of every leaf are on
+disk before the metadata says ``N``, and nothing a later append does touches
+them. A crash therefore leaves the committed rows intact, and reopening drops
+whatever was written after the last commit.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import os
+
+import numpy as np
+
+from grain_replay import layout as layout_lib
+from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.npy import read_npy_header
+from grain_replay.sources.stitch import PAGE
+from grain_replay.writers.atomic import atomic_path
+from grain_replay.writers.oneshot import chunk_rows_for, zarr_compressors
+
+__all__ = ["Backend", "NpyBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
+
+# Chunks of growing HDF5/Zarr stores: ~1 MiB, whole pages, so readers map them.
+APPEND_CHUNK_BYTES = 1 << 20
+
+
+def _row_bytes(spec: layout_lib.LeafSpec) -> int:
+    return spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+
+
+class Backend(abc.ABC):
+    """Storage for one growing store. ``meta`` holds the committed N and the leaves."""
+
+    def __init__(self, path: str, meta: layout_lib.StoreMetadata):
+        self.path = path
+        self.meta = meta
+
+    @classmethod
+    @abc.abstractmethod
+    def create(
+        cls,
+        path: str,
+        meta: layout_lib.StoreMetadata,
+        chunk_rows: int | None,
+        compression: str | None,
+    ) -> None:
+        """Creates an empty store (N = 0) atomically."""
+
+    @classmethod
+    @abc.abstractmethod
+    def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
+        """The committed metadata, or None for a store without it (foreign)."""
+
+    @abc.abstractmethod
+    def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
+        """Writes rows ``[start, start + len)`` of every leaf (not yet committed)."""
+
+    @abc.abstractmethod
+    def commit(self, n: int) -> None:
+        """Makes rows ``[0, n)`` durable, then records ``n`` in the metadata."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Releases file handles."""
+
+    def _meta_with(self, n: int) -> layout_lib.StoreMetadata:
+        m = self.meta
+        return layout_lib.StoreMetadata(n, m.leaves, m.treedef, m.checksums, m.version)
+
+
+# -- .npy directory -------------------------------------------------------------
+
+_NPY_HEADER = 256  # fixed, so the shape can be rewritten in place as N grows
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (  # noqa: UP031
+        np.lib.format.dtype_to_descr(dtype),
+        tuple(shape),
+    )
+    body = text.encode("latin1")
+    pad = _NPY_HEADER - 10 - len(body) - 1
+    if pad < 0:
+        raise InvalidStoreError(f"npy header for shape {shape} exceeds {_NPY_HEADER} bytes")
+    return (
+        b"\x93NUMPY\x01\x00" + (_NPY_HEADER - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
+    )
+
+
+class NpyBackend(Backend):
+    """A directory of ``.npy`` files grown in place; headers and metadata follow the data."""
+
+    def __init__(self, path: str, meta: layout_lib.StoreMetadata):
+        super().__init__(path, meta)
+        self._files = {k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves}
+        n = meta.num_records
+        self._fds: dict[str, int] = {}
+        for key, file in self._files.items():
+            spec = meta.leaves[key]
+            if read_npy_header(file, key)[3] != _NPY_HEADER:
+                self._rewrite_with_fixed_header(file, spec, n)
+            fd = os.open(file, os.O_RDWR)
+            os.truncate(fd, _NPY_HEADER + n * _row_bytes(spec))  # drop uncommitted rows
+            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
+            self._fds[key] = fd
+
+    @staticmethod
+    def _rewrite_with_fixed_header(file: str, spec: layout_lib.LeafSpec, n: int) -> None:
+        """One-time copy of a file written by np.save into the growable layout."""
+        data = np.load(file, mmap_mode="r", allow_pickle=False)[:n]
+        tmp = file + ".partial"
+        with open(tmp, "wb") as f:
+            f.write(_npy_header(spec.dtype, (n, *spec.shape)))
+            f.write(np.ascontiguousarray(data).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+
+    @classmethod
+    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+        if chunk_rows is not None or compression is not None:
+            raise ValueError(
+                f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
+                "chunk_rows/compression, or use format='zarr'."
+            )
+        with atomic_path(path, overwrite=False) as partial:
+            os.makedirs(partial)
+            for key, spec in meta.leaves.items():
+                file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
+                os.makedirs(os.path.dirname(file), exist_ok=True)
+                with open(file, "wb") as f:
+                    f.write(_npy_header(spec.dtype, (0, *spec.shape)))
+            with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
+                f.write(meta.to_json())
+
+    @classmethod
+    def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
+        file = os.path.join(path, layout_lib.METADATA_FILE)
+        if not os.path.exists(file):
+            return None
+        with open(file, "rb") as f:
+            return layout_lib.StoreMetadata.from_json(f.read(), where=file)
+
+    def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
+        for key, arr in arrays.items():
+            offset = _NPY_HEADER + start * _row_bytes(self.meta.leaves[key])
+            view = memoryview(np.ascontiguousarray(arr)).cast("B")
+            while view:
+                written = os.pwrite(self._fds[key], view, offset)
+                view, offset = view[written:], offset + written
+
+    def commit(self, n: int) -> None:
+        for fd in self._fds.values():
+            os.fsync(fd)
+        for key, fd in self._fds.items():
+            spec = self.meta.leaves[key]
+            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
+            os.fsync(fd)
+        self.meta = self._meta_with(n)
+        meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
+        tmp = meta_file + ".partial"
+        with open(tmp, "w") as f:
+            f.write(self.meta.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, meta_file)
+        _fsync_dir(self.path)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- Zarr -----------------------------------------------------------------------
+
+
+class ZarrBackend(Backend):
+    """Zarr v3 group: chunk and metadata files are each replaced atomically by zarr."""
+
+    def __init__(self, path: str, meta: layout_lib.StoreMetadata):
+        super().__init__(path, meta)
+        import zarr
+
+        self._group = zarr.open_group(path, mode="r+")
+        self._arrays = {k: self._group[layout_lib.disk_name(k)] for k in meta.leaves}
+        n = meta.num_records
+        for arr in self._arrays.values():
+            if arr.shape[0] != n:  # rows written after the last commit
+                arr.resize((n, *arr.shape[1:]))
+
+    @classmethod
+    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+        import zarr
+
+        compressors = zarr_compressors(compression, path)
+        with atomic_path(path, overwrite=False) as partial:
+            group = zarr.open_group(partial, mode="w", zarr_format=3)
+            for key, spec in meta.leaves.items():
+                shape = (1, *spec.shape)
+                rows = chunk_rows or chunk_rows_for(
+                    shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
+                )
+                group.create_array(
+                    layout_lib.disk_name(key),
+                    shape=(0, *spec.shape),
+                    dtype=spec.dtype,
+                    chunks=(rows, *(max(1, d) for d in spec.shape)),
+                    compressors=compressors,
+                    filters=None,
+                    fill_value=None,
+                    config={"write_empty_chunks": True},
+                )
+            group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
+
+    @classmethod
+    def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
+        import zarr
+
+        raw = zarr.open_group(path, mode="r").attrs.get(layout_lib.METADATA_ATTR)
+        if raw is None:
+            return None
+        text = raw if isinstance(raw, str) else json.dumps(raw)
+        return layout_lib.StoreMetadata.from_json(text, where=path)
+
+    def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
+        stop = start + len(next(iter(arrays.values())))
+        for key, arr in arrays.items():
+            z = self._arrays[key]
+            if z.shape[0] < stop:
+                z.resize((stop, *z.shape[1:]))
+            z[start:stop] = arr
+
+    def commit(self, n: int) -> None:
+        self.meta = self._meta_with(n)
+        self._group.attrs[layout_lib.METADATA_ATTR] = self.meta.to_json()
+
+
+# -- HDF5 -----------------------------------------------------------------------
+
+
+def _fixed_metadata(meta: layout_lib.StoreMetadata) -> np.bytes_:
+    """Metadata as a fixed-size string, rewritten in place at each commit."""
+    text = meta.to_json().encode()
+    size = math.ceil((len(text) + 256) / 1024) * 1024
+    return np.bytes_(text.ljust(size))
+
+
+class HDF5Backend(Backend):
+    """Chunked, uncompressed datasets with chunks allocated ahead of the rows.
+
+    Chunks are allocated when capacity grows (geometrically, rarely), so an
+    append writes raw chunk bytes only and changes no HDF5 structure; the
+    committed N is a fixed-size attribute rewritten in place.
+    """
+
+    def __init__(self, path: str, meta: layout_lib.StoreMetadata):
+        super().__init__(path, meta)
+        import h5py
+
+        self._file = h5py.File(
+            path, "r+", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
+        )
+        self._dsets = {k: self._file[layout_lib.disk_name(k)] for k in meta.leaves}
+        for key, d in self._dsets.items():
+            if d.chunks is None or d.maxshape[0] is not None:
+                raise InvalidStoreError(
+                    f"{path}: leaf {key!r} is not resizable (written by gr.write, or by "
+                    "another tool), so rows cannot be appended. Fix: convert it, e.g. "
+                    "`grain-replay convert` into a new store, or append to a Zarr store."
+                )
+
+    @classmethod
+    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+        import h5py
+
+        if compression is not None:
+            raise ValueError(
+                f"{path}: a growing HDF5 store must be uncompressed (compressed chunks move "
+                "on disk when rewritten, which a crash could leave half done). Fix: drop "
+                "compression, or use format='zarr' with compression."
+            )
+        with atomic_path(path, overwrite=False) as partial:
+            with h5py.File(
+                partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
+            ) as f:
+                for key, spec in meta.leaves.items():
+                    rows = chunk_rows or chunk_rows_for(
+                        (1, *spec.shape), spec.dtype.itemsize, APPEND_CHUNK_BYTES,
+                        page_aligned=True,
+                    )  # fmt: skip
+                    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                    f.create_dataset(
+                        layout_lib.disk_name(key),
+                        shape=(0, *spec.shape),
+                        maxshape=(None, *spec.shape),
+                        chunks=(rows, *(max(1, d) for d in spec.shape)),
+                        dtype=spec.dtype,
+                        dcpl=dcpl,
+                    )
+                f.attrs.create(layout_lib.METADATA_ATTR, _fixed_metadata(meta))
+
+    @classmethod
+    def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
+        import h5py
+
+        with h5py.File(path, "r", locking=False) as f:
+            raw = f.attrs.get(layout_lib.METADATA_ATTR)
+        return None if raw is None else layout_lib.StoreMetadata.from_json(raw, where=path)
+
+    def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
+        stop = start + len(next(iter(arrays.values())))
+        capacity = min(d.shape[0] for d in self._dsets.values())
+        if stop > capacity:
+            # Grow all leaves together, ahead of need: allocation is the only
+            # structural change, so keep it rare.
+            new = max(stop, 2 * capacity)
+            for d in self._dsets.values():
+                rows = d.chunks[0]
+                d.resize((-(-new // rows) * rows, *d.shape[1:]))
+            self._file.flush()
+        for key, arr in arrays.items():
+            self._dsets[key][start:stop] = arr
+
+    def commit(self, n: int) -> None:
+        self._file.flush()
+        os.fsync(self._file.id.get_vfd_handle())
+        self.meta = self._meta_with(n)
+        self._file.attrs.modify(layout_lib.METADATA_ATTR, _fixed_metadata(self.meta))
+        self._file.flush()
+        os.fsync(self._file.id.get_vfd_handle())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+BACKENDS: dict[str, type[Backend]] = {"npy": NpyBackend, "zarr": ZarrBackend, "hdf5": HDF5Backend}

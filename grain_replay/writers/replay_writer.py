@@ -1,0 +1,221 @@
+"""ReplayWriter: grows a store while training runs, never corrupting what was committed."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from grain_replay import layout as layout_lib
+from grain_replay.errors import GrainReplayError, InvalidStoreError, InvalidTreeError
+from grain_replay.writers.backends import BACKENDS, Backend
+from grain_replay.writers.oneshot import FORMATS, format_from_path
+
+__all__ = ["ReplayWriter", "WriterBusyError"]
+
+logger = logging.getLogger(__name__)
+
+
+class WriterBusyError(GrainReplayError, BlockingIOError):
+    """Another ReplayWriter holds the store."""
+
+
+class ReplayWriter:
+    """Appends blocks of rows to a replay store; readers see only committed rows.
+
+    ``append(tree)`` writes rows straight to the store (memory stays bounded);
+    ``flush()`` makes them durable and commits them: the metadata's record
+    count, which every source reads, moves only after the rows are on disk.
+    A crash loses at most the rows appended since the last flush. Reopening an
+    existing store continues after its committed rows (uncommitted ones are
+    dropped). One writer per store at a time (a lock file ``<path>.lock``).
+
+    Args:
+      path: the store; created on the first ``append`` if missing.
+      format: ``"hdf5"``, ``"npy"`` or ``"zarr"``; default from the path as in
+        :func:`grain_replay.write` (or from what is on disk).
+      chunk_rows: rows per chunk of a new HDF5/Zarr store (default ~1 MiB).
+      compression: Zarr codec of a new store (``"zstd"``, ``"gzip"``, ``"blosc"``).
+      flush_every: commit automatically once this many rows are pending.
+
+    Example:
+      >>> with gr.ReplayWriter("replay.zarr") as w:
+      ...     for episode in episodes:
+      ...         w.append({"obs": ep_obs, "action": ep_act, "reward": ep_rew})
+      ...         w.flush()
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        format: str | None = None,
+        *,
+        chunk_rows: int | None = None,
+        compression: str | None = None,
+        flush_every: int | None = None,
+    ):
+        self._path = os.path.abspath(os.fspath(path))
+        if format is not None and format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
+        if os.path.exists(self._path):
+            from grain_replay.sources import detect_format
+
+            on_disk = detect_format(self._path)
+            if format is not None and format != on_disk:
+                raise InvalidStoreError(
+                    f"{self._path} is a {on_disk} store but format={format!r} was given. "
+                    f"Fix: pass format={on_disk!r} or another path."
+                )
+            format = on_disk
+        self._format = format or format_from_path(self._path)
+        self._chunk_rows = chunk_rows
+        self._compression = compression
+        if flush_every is not None and flush_every <= 0:
+            raise ValueError(f"flush_every must be positive or None, got {flush_every}")
+        self._flush_every = flush_every
+        self._lock_fd = self._acquire_lock()
+        self._backend: Backend | None = None
+        self._pending = 0
+        try:
+            if os.path.exists(self._path):
+                self._backend = self._open_existing()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def _acquire_lock(self) -> int:
+        lock = self._path + ".lock"
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise WriterBusyError(
+                f"{self._path} is being written by another ReplayWriter (lock {lock}). "
+                "Fix: close the other writer first; readers need no lock."
+            ) from e
+        return fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path + ".lock")
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _open_existing(self) -> Backend:
+        cls = BACKENDS[self._format]
+        meta = cls.read_metadata(self._path)
+        if meta is None:
+            raise InvalidStoreError(
+                f"{self._path} has no grain_replay metadata (a foreign store), so rows cannot "
+                "be appended safely. Fix: write a new store with gr.write or ReplayWriter."
+            )
+        backend = cls(self._path, meta)
+        logger.info("appending to %s after %d committed rows", self._path, meta.num_records)
+        return backend
+
+    def close(self) -> None:
+        """Commits pending rows and releases the store."""
+        if self._lock_fd is None:
+            return
+        try:
+            if self._backend is not None:
+                self.flush()
+                self._backend.close()
+        finally:
+            self._backend = None
+            self._release_lock()
+
+    def __del__(self) -> None:
+        # Like a file object: commit and unlock if the caller forgot to close.
+        if getattr(self, "_lock_fd", None) is not None:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __enter__(self) -> ReplayWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- appending ---------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def committed(self) -> int:
+        """Rows readers can see."""
+        return 0 if self._backend is None else self._backend.meta.num_records
+
+    def __len__(self) -> int:
+        """Rows appended so far, committed or not."""
+        return self.committed + self._pending
+
+    def append(self, tree: Any) -> None:
+        """Appends a block of rows (every leaf has a leading rows axis).
+
+        Raises:
+          InvalidTreeError: the tree's structure, dtypes or per-row shapes
+            differ from the store's (every differing leaf is named).
+        """
+        if self._lock_fd is None:
+            raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
+        arrays, treedef, n = layout_lib.prepare_leaves(tree, where=self._path)
+        if self._backend is None:
+            leaves = {
+                k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()
+            }
+            meta = layout_lib.StoreMetadata(0, leaves, treedef)
+            BACKENDS[self._format].create(self._path, meta, self._chunk_rows, self._compression)
+            self._backend = BACKENDS[self._format](self._path, meta)
+        self._check_matches(arrays, treedef)
+        if n == 0:
+            return
+        self._backend.write(arrays, self.committed + self._pending)
+        self._pending += n
+        if self._flush_every is not None and self._pending >= self._flush_every:
+            self.flush()
+
+    def _check_matches(self, arrays: dict[str, np.ndarray], treedef: dict[str, Any]) -> None:
+        assert self._backend is not None
+        want = self._backend.meta
+        if treedef != want.treedef:
+            raise InvalidTreeError(
+                f"{self._path}: the appended tree has leaves {list(arrays)} but the store has "
+                f"{list(want.leaves)} (or a different container structure). Fix: append trees "
+                "with the store's structure."
+            )
+        bad = [
+            f"leaf {k!r} is {a.dtype}{list(a.shape[1:])} per row, the store holds "
+            f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
+            for k, a in arrays.items()
+            if a.dtype != want.leaves[k].dtype or tuple(a.shape[1:]) != want.leaves[k].shape
+        ]
+        if bad:
+            raise InvalidTreeError(
+                f"{self._path}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape "
+                "to the store's per-row shape."
+            )
+
+    def flush(self) -> int:
+        """Makes every appended row durable and visible to readers; returns the committed N."""
+        if self._backend is not None and self._pending:
+            self._backend.commit(self.committed + self._pending)
+            self._pending = 0
+        return self.committed
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayWriter(path={self._path!r}, format={self._format!r}, "
+            f"committed={self.committed}, pending={self._pending})"
+        )
