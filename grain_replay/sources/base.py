@@ -70,6 +70,8 @@ class Layout:
     treedef: dict[str, Any]
     # Leaf key -> location inside the store (dataset path, array path, file).
     locations: dict[str, str]
+    # Per-leaf block checksums recorded by the writer, if any.
+    checksums: dict[str, Any] | None = None
 
 
 def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layout:
@@ -97,6 +99,7 @@ def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layou
         {k: layout.spec[k] for k in ordered},
         treedef,
         {k: layout.locations[k] for k in ordered},
+        None if layout.checksums is None else {k: layout.checksums[k] for k in ordered},
     )
 
 
@@ -165,6 +168,11 @@ class ReplaySource(abc.ABC):
     @property
     def treedef(self) -> dict[str, Any]:
         return self._layout.treedef
+
+    @property
+    def checksums(self) -> dict[str, Any] | None:
+        """Per-leaf block CRC32s recorded by grain_replay's writers (None for foreign stores)."""
+        return self._layout.checksums
 
     def __len__(self) -> int:
         return self._layout.num_records
@@ -266,6 +274,12 @@ class ReplaySource(abc.ABC):
             i += n
         readers = self._get_handle().readers
         return self._build({k: readers[k].row(i) for k in self._keys})
+
+    def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows ``indices`` of the single leaf ``key``."""
+        if key not in self._layout.spec:
+            raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
+        return self._get_handle().readers[key].take(self._check_indices(indices))
 
     def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""

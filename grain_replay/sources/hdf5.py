@@ -223,7 +223,9 @@ class HDF5DataSource(ReplaySource):
                         f"{loc!r} is missing. The file is corrupt; re-create it."
                     )
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key].shape)
-            return Layout(meta.num_records, dict(meta.leaves), meta.treedef, locations)
+            return Layout(
+                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+            )
         # A foreign file: every dataset with a records axis is a leaf.
         found: dict[str, Any] = {}
 

@@ -106,7 +106,9 @@ class NpyDataSource(ReplaySource):
                         f"says {want.dtype}[{meta.num_records}, ...{list(want.shape)}]. "
                         "The store is corrupt; re-create it."
                     )
-            return Layout(meta.num_records, dict(meta.leaves), meta.treedef, locations)
+            return Layout(
+                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+            )
         found = _find_npy_files(path)
         if not found:
             raise InvalidStoreError(

@@ -191,7 +191,9 @@ class ZarrDataSource(ReplaySource):
                         f"{self._path}: leaf {key!r} has shape {arr.shape} but the metadata "
                         f"says ({meta.num_records}, ...{list(want.shape)}). Re-create the store."
                     )
-            return Layout(meta.num_records, dict(meta.leaves), meta.treedef, locations)
+            return Layout(
+                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+            )
         found = {
             name: arr
             for name, arr in group.members(max_depth=None)

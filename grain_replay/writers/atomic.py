@@ -82,7 +82,7 @@ def _commit(partial: str, path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, *, overwrite: bool) -> Iterator[str]:
+def atomic_path(path: str, *, overwrite: bool, suffix: str = ".partial") -> Iterator[str]:
     """Yields a ``.partial`` path to write; on success it replaces ``path`` atomically.
 
     A crash or an exception leaves ``path`` untouched (the old store or nothing)
@@ -99,7 +99,7 @@ def atomic_path(path: str, *, overwrite: bool) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
-    partial = f"{path}.{uuid.uuid4().hex[:8]}.partial"
+    partial = f"{path}.{uuid.uuid4().hex[:8]}{suffix}"
     try:
         yield partial
         fsync_tree(partial)

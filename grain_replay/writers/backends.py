@@ -12,11 +12,13 @@ import abc
 import json
 import math
 import os
+from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay.errors import InvalidStoreError
+from grain_replay.integrity import as_bytes
 from grain_replay.sources.npy import read_npy_header
 from grain_replay.sources.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
@@ -60,15 +62,15 @@ class Backend(abc.ABC):
         """Writes rows ``[start, start + len)`` of every leaf (not yet committed)."""
 
     @abc.abstractmethod
-    def commit(self, n: int) -> None:
-        """Makes rows ``[0, n)`` durable, then records ``n`` in the metadata."""
+    def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
+        """Makes rows ``[0, n)`` durable, then records ``n`` (and checksums) in the metadata."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Releases file handles."""
 
-    def _meta_with(self, n: int) -> layout_lib.StoreMetadata:
+    def _meta_with(self, n: int, checksums: dict[str, Any] | None) -> layout_lib.StoreMetadata:
         m = self.meta
-        return layout_lib.StoreMetadata(n, m.leaves, m.treedef, m.checksums, m.version)
+        return layout_lib.StoreMetadata(n, m.leaves, m.treedef, checksums, m.version)
 
 
 # -- .npy directory -------------------------------------------------------------
@@ -147,19 +149,19 @@ class NpyBackend(Backend):
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
             offset = _NPY_HEADER + start * _row_bytes(self.meta.leaves[key])
-            view = memoryview(np.ascontiguousarray(arr)).cast("B")
+            view = as_bytes(arr)
             while view:
                 written = os.pwrite(self._fds[key], view, offset)
                 view, offset = view[written:], offset + written
 
-    def commit(self, n: int) -> None:
+    def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         for fd in self._fds.values():
             os.fsync(fd)
         for key, fd in self._fds.items():
             spec = self.meta.leaves[key]
             os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
             os.fsync(fd)
-        self.meta = self._meta_with(n)
+        self.meta = self._meta_with(n, checksums)
         meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
         tmp = meta_file + ".partial"
         with open(tmp, "w") as f:
@@ -242,8 +244,8 @@ class ZarrBackend(Backend):
                 z.resize((stop, *z.shape[1:]))
             z[start:stop] = arr
 
-    def commit(self, n: int) -> None:
-        self.meta = self._meta_with(n)
+    def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
+        self.meta = self._meta_with(n, checksums)
         self._group.attrs[layout_lib.METADATA_ATTR] = self.meta.to_json()
 
 
@@ -334,10 +336,10 @@ class HDF5Backend(Backend):
         for key, arr in arrays.items():
             self._dsets[key][start:stop] = arr
 
-    def commit(self, n: int) -> None:
+    def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
-        self.meta = self._meta_with(n)
+        self.meta = self._meta_with(n, checksums)
         self._file.attrs.modify(layout_lib.METADATA_ATTR, _fixed_metadata(self.meta))
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
+from grain_replay.integrity import Checksummer, as_bytes
 from grain_replay.sources.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
 
-__all__ = ["write", "write_hdf5", "write_npy", "write_zarr", "format_from_path", "FORMATS"]
+__all__ = [
+    "write",
+    "write_hdf5",
+    "write_npy",
+    "write_zarr",
+    "write_blocks",
+    "format_from_path",
+    "FORMATS",
+]
 
 FORMATS = ("hdf5", "npy", "zarr")
 
@@ -23,6 +33,9 @@ COMPRESSED_CHUNK_BYTES = 64 * 2**10
 ZARR_CHUNK_BYTES = 1 * 2**20
 HDF5_COMPRESSIONS = ("gzip", "lzf")
 ZARR_COMPRESSIONS = ("zstd", "gzip", "blosc")
+
+# Rows of every leaf handed to a format writer at a time: (start, {key: rows}).
+Blocks = Iterable[tuple[int, dict[str, np.ndarray]]]
 
 
 def format_from_path(path: str | os.PathLike[str]) -> str:
@@ -51,104 +64,110 @@ def chunk_rows_for(
     return max(1, min(max(arr_shape[0], 1), rows))
 
 
-def _check_chunk_rows(chunk_rows: int | None, where: str) -> None:
+def _check_options(fmt: str, path: str, chunk_rows: int | None, compression: str | None) -> None:
     if chunk_rows is not None and (
         isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0
     ):
-        raise ValueError(f"{where}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
-
-
-def _metadata(arrays: dict[str, np.ndarray], treedef: dict[str, Any], n: int) -> str:
-    leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
-    return layout_lib.StoreMetadata(n, leaves, treedef).to_json()
-
-
-def write_hdf5(
-    path: str | os.PathLike[str],
-    tree: Any,
-    *,
-    chunk_rows: int | None = None,
-    compression: str | None = None,
-    overwrite: bool = False,
-) -> str:
-    """Writes ``tree`` to an HDF5 file, atomically.
-
-    The default layout is contiguous and uncompressed: readers memory-map it.
-    ``compression`` (``"gzip"`` or ``"lzf"``) or ``chunk_rows`` give a chunked
-    layout (default chunks of about 64 KiB).
-
-    Returns:
-      The absolute path written.
-    """
-    import h5py
-
-    path = os.path.abspath(os.fspath(path))
-    _check_chunk_rows(chunk_rows, path)
-    if compression is not None and compression not in HDF5_COMPRESSIONS:
-        raise ValueError(
-            f"{path}: HDF5 compression must be one of {HDF5_COMPRESSIONS} or None, "
-            f"got {compression!r}."
-        )
-    arrays, treedef, n = layout_lib.prepare_leaves(tree, where=path)
-    with atomic_path(path, overwrite=overwrite) as partial:
-        # Page-aligned chunks let readers map unfiltered chunks into one array.
-        with h5py.File(partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE) as f:
-            for key, arr in arrays.items():
-                kwargs: dict[str, Any] = {}
-                # Zero-size records have nothing to chunk or compress.
-                chunked = chunk_rows is not None or compression is not None
-                if chunked and 0 not in arr.shape[1:]:
-                    rows = chunk_rows or chunk_rows_for(
-                        arr.shape, arr.itemsize, COMPRESSED_CHUNK_BYTES,
-                        page_aligned=compression is None,
-                    )  # fmt: skip
-                    kwargs["chunks"] = (min(rows, max(n, 1)), *(max(1, d) for d in arr.shape[1:]))
-                    kwargs["maxshape"] = (None, *arr.shape[1:])
-                    kwargs["compression"] = compression
-                f.create_dataset(layout_lib.disk_name(key), data=arr, **kwargs)
-            f.attrs[layout_lib.METADATA_ATTR] = _metadata(arrays, treedef, n)
-    return path
-
-
-def write_npy(
-    path: str | os.PathLike[str],
-    tree: Any,
-    *,
-    chunk_rows: int | None = None,
-    compression: str | None = None,
-    overwrite: bool = False,
-) -> str:
-    """Writes ``tree`` as a directory of ``.npy`` files (one per leaf), atomically.
-
-    A bare array written to a path ending in ``.npy`` becomes a single ``.npy``
-    file. ``.npy`` stores are neither chunked nor compressed: pass
-    ``chunk_rows``/``compression`` to the HDF5 or Zarr writers instead.
-
-    Returns:
-      The absolute path written.
-    """
-    path = os.path.abspath(os.fspath(path))
-    if chunk_rows is not None or compression is not None:
+        raise ValueError(f"{path}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    allowed = {"hdf5": HDF5_COMPRESSIONS, "zarr": ZARR_COMPRESSIONS, "npy": ()}[fmt]
+    if fmt == "npy" and (chunk_rows is not None or compression is not None):
         raise ValueError(
             f"{path}: .npy stores are memory-mapped and cannot be chunked or compressed. "
             "Fix: drop chunk_rows/compression, or write HDF5 (.h5) or Zarr (.zarr)."
         )
-    arrays, treedef, n = layout_lib.prepare_leaves(tree, where=path)
-    single_file = treedef["type"] == "leaf" and path.endswith(".npy")
-    with atomic_path(path, overwrite=overwrite) as partial:
-        if single_file:
-            with open(partial, "wb") as f:
-                np.save(f, arrays[tree_lib.ROOT_KEY], allow_pickle=False)
-            return path
+    if compression is not None and compression not in allowed:
+        raise ValueError(
+            f"{path}: {fmt} compression must be one of {allowed} or None, got {compression!r}."
+        )
+
+
+def _checksummed(
+    blocks: Blocks, summer: Checksummer | None
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    for start, arrays in blocks:
+        if summer is not None:
+            summer.update(arrays)
+        yield start, arrays
+
+
+def _write_hdf5_store(
+    partial: str,
+    meta: layout_lib.StoreMetadata,
+    blocks: Blocks,
+    summer: Checksummer | None,
+    chunk_rows: int | None,
+    compression: str | None,
+) -> None:
+    import h5py
+
+    n = meta.num_records
+    with h5py.File(partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE) as f:
+        dsets = {}
+        for key, spec in meta.leaves.items():
+            kwargs: dict[str, Any] = {}
+            # Zero-size records have nothing to chunk or compress.
+            if (chunk_rows is not None or compression is not None) and 0 not in spec.shape:
+                rows = chunk_rows or chunk_rows_for(
+                    (n, *spec.shape), spec.dtype.itemsize, COMPRESSED_CHUNK_BYTES,
+                    page_aligned=compression is None,
+                )  # fmt: skip
+                kwargs["chunks"] = (min(rows, max(n, 1)), *spec.shape)
+                kwargs["maxshape"] = (None, *spec.shape)
+                kwargs["compression"] = compression
+            dsets[key] = f.create_dataset(
+                layout_lib.disk_name(key), shape=(n, *spec.shape), dtype=spec.dtype, **kwargs
+            )
+        for start, arrays in _checksummed(blocks, summer):
+            for key, arr in arrays.items():
+                if arr.size:
+                    dsets[key][start : start + len(arr)] = arr
+        f.attrs[layout_lib.METADATA_ATTR] = _final(meta, summer).to_json()
+
+
+def _write_npy_store(
+    partial: str,
+    meta: layout_lib.StoreMetadata,
+    blocks: Blocks,
+    summer: Checksummer | None,
+    chunk_rows: int | None,
+    compression: str | None,
+) -> None:
+    n = meta.num_records
+    # A bare array written to `x.npy` is one plain .npy file, without metadata.
+    single_file = meta.treedef["type"] == "leaf" and partial.endswith(".npy.partial")
+    if single_file:
+        files = {tree_lib.ROOT_KEY: open(partial, "wb")}
+    else:
         os.makedirs(partial)
-        for key, arr in arrays.items():
+        files = {}
+        for key in meta.leaves:
             file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
             os.makedirs(os.path.dirname(file), exist_ok=True)
-            with open(file, "wb") as f:
-                np.save(f, arr, allow_pickle=False)
+            files[key] = open(file, "wb")
+    try:
+        for key, f in files.items():
+            spec = meta.leaves[key]
+            header = {
+                "descr": np.lib.format.dtype_to_descr(spec.dtype),
+                "fortran_order": False,
+                "shape": (n, *spec.shape),
+            }
+            np.lib.format.write_array_header_2_0(f, header) if _needs_v2(
+                header
+            ) else np.lib.format.write_array_header_1_0(f, header)
+        for _, arrays in _checksummed(blocks, summer):  # blocks arrive in row order
+            for key, arr in arrays.items():
+                files[key].write(as_bytes(arr))
+    finally:
+        for f in files.values():
+            f.close()
+    if not single_file:
         with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
-            f.write(_metadata(arrays, treedef, n))
-    return path
+            f.write(_final(meta, summer).to_json())
+
+
+def _needs_v2(header: dict[str, Any]) -> bool:
+    return len(repr(header)) > 65000
 
 
 def zarr_compressors(compression: str | None, where: str) -> Any:
@@ -165,6 +184,141 @@ def zarr_compressors(compression: str | None, where: str) -> Any:
     return (makers[compression](),)
 
 
+def _write_zarr_store(
+    partial: str,
+    meta: layout_lib.StoreMetadata,
+    blocks: Blocks,
+    summer: Checksummer | None,
+    chunk_rows: int | None,
+    compression: str | None,
+) -> None:
+    from grain_replay.sources.zarr import import_zarr
+
+    zarr = import_zarr()
+    n = meta.num_records
+    compressors = zarr_compressors(compression, partial)
+    target = ZARR_CHUNK_BYTES if compression is None else COMPRESSED_CHUNK_BYTES
+    group = zarr.open_group(partial, mode="w", zarr_format=3)
+    arrays_out = {}
+    for key, spec in meta.leaves.items():
+        rows = chunk_rows or chunk_rows_for(
+            (n, *spec.shape), spec.dtype.itemsize, target, page_aligned=compression is None
+        )
+        arrays_out[key] = group.create_array(
+            layout_lib.disk_name(key),
+            shape=(n, *spec.shape),
+            dtype=spec.dtype,
+            chunks=(rows, *(max(1, d) for d in spec.shape)),
+            compressors=compressors,
+            filters=None,
+            fill_value=None,
+            # Every chunk on disk, even all-zero ones, so readers can map them.
+            config={"write_empty_chunks": True},
+        )
+    for start, arrays in _checksummed(blocks, summer):
+        for key, arr in arrays.items():
+            if arr.size:
+                arrays_out[key][start : start + len(arr)] = arr
+    group.attrs[layout_lib.METADATA_ATTR] = _final(meta, summer).to_json()
+
+
+def _final(meta: layout_lib.StoreMetadata, summer: Checksummer | None) -> layout_lib.StoreMetadata:
+    checksums = summer.state() if summer is not None else None
+    return layout_lib.StoreMetadata(meta.num_records, meta.leaves, meta.treedef, checksums)
+
+
+_STORES = {"hdf5": _write_hdf5_store, "npy": _write_npy_store, "zarr": _write_zarr_store}
+
+
+def write_blocks(
+    path: str | os.PathLike[str],
+    meta: layout_lib.StoreMetadata,
+    blocks: Blocks,
+    *,
+    format: str,
+    chunk_rows: int | None = None,
+    compression: str | None = None,
+    overwrite: bool = False,
+    checksum: bool = True,
+) -> str:
+    """Writes a store of known size from blocks of rows arriving in row order, atomically.
+
+    The streaming core of :func:`write` and of ``grain-replay convert``: memory
+    is bounded by one block. ``meta`` gives N, the leaves and the structure.
+    """
+    path = os.path.abspath(os.fspath(path))
+    _check_options(format, path, chunk_rows, compression)
+    summer = Checksummer(meta.leaves) if checksum else None
+    single_npy = format == "npy" and meta.treedef["type"] == "leaf" and path.endswith(".npy")
+    with atomic_path(
+        path, overwrite=overwrite, suffix=".npy.partial" if single_npy else ".partial"
+    ) as partial:
+        _STORES[format](partial, meta, blocks, summer, chunk_rows, compression)
+    return path
+
+
+def _write(
+    fmt: str,
+    path: str | os.PathLike[str],
+    tree: Any,
+    chunk_rows: int | None,
+    compression: str | None,
+    overwrite: bool,
+    checksum: bool,
+) -> str:
+    where = os.path.abspath(os.fspath(path))
+    _check_options(fmt, where, chunk_rows, compression)
+    arrays, treedef, n = layout_lib.prepare_leaves(tree, where=where)
+    leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
+    meta = layout_lib.StoreMetadata(n, leaves, treedef)
+    return write_blocks(
+        path, meta, [(0, arrays)], format=fmt, chunk_rows=chunk_rows,
+        compression=compression, overwrite=overwrite, checksum=checksum,
+    )  # fmt: skip
+
+
+def write_hdf5(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    chunk_rows: int | None = None,
+    compression: str | None = None,
+    overwrite: bool = False,
+    checksum: bool = True,
+) -> str:
+    """Writes ``tree`` to an HDF5 file, atomically.
+
+    The default layout is contiguous and uncompressed: readers memory-map it.
+    ``compression`` (``"gzip"`` or ``"lzf"``) or ``chunk_rows`` give a chunked
+    layout (default chunks of about 64 KiB). See :func:`write`.
+
+    Returns:
+      The absolute path written.
+    """
+    return _write("hdf5", path, tree, chunk_rows, compression, overwrite, checksum)
+
+
+def write_npy(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    chunk_rows: int | None = None,
+    compression: str | None = None,
+    overwrite: bool = False,
+    checksum: bool = True,
+) -> str:
+    """Writes ``tree`` as a directory of ``.npy`` files (one per leaf), atomically.
+
+    A bare array written to a path ending in ``.npy`` becomes a single ``.npy``
+    file (no metadata, so no checksums). ``.npy`` stores are neither chunked nor
+    compressed. See :func:`write`.
+
+    Returns:
+      The absolute path written.
+    """
+    return _write("npy", path, tree, chunk_rows, compression, overwrite, checksum)
+
+
 def write_zarr(
     path: str | os.PathLike[str],
     tree: Any,
@@ -172,47 +326,18 @@ def write_zarr(
     chunk_rows: int | None = None,
     compression: str | None = None,
     overwrite: bool = False,
+    checksum: bool = True,
 ) -> str:
     """Writes ``tree`` to a Zarr v3 group, atomically.
 
-    Chunks split only the records axis (default about 1 MiB, or 64 KiB when
-    compressed); ``compression`` is ``"zstd"``, ``"gzip"``, ``"blosc"`` or None.
+    Chunks split only the records axis (default about 1 MiB, whole pages, or
+    64 KiB when compressed); ``compression`` is ``"zstd"``, ``"gzip"``,
+    ``"blosc"`` or None. See :func:`write`.
 
     Returns:
       The absolute path written.
     """
-    from grain_replay.sources.zarr import import_zarr
-
-    zarr = import_zarr()
-    path = os.path.abspath(os.fspath(path))
-    _check_chunk_rows(chunk_rows, path)
-    compressors = zarr_compressors(compression, path)
-    arrays, treedef, n = layout_lib.prepare_leaves(tree, where=path)
-    target = ZARR_CHUNK_BYTES if compression is None else COMPRESSED_CHUNK_BYTES
-    with atomic_path(path, overwrite=overwrite) as partial:
-        group = zarr.open_group(partial, mode="w", zarr_format=3)
-        for key, arr in arrays.items():
-            rows = chunk_rows or chunk_rows_for(
-                arr.shape, arr.itemsize, target, page_aligned=compression is None
-            )
-            z = group.create_array(
-                layout_lib.disk_name(key),
-                shape=arr.shape,
-                dtype=arr.dtype,
-                chunks=(rows, *(max(1, d) for d in arr.shape[1:])),
-                compressors=compressors,
-                filters=None,
-                fill_value=None,
-                # Every chunk on disk, even all-zero ones, so readers can map them.
-                config={"write_empty_chunks": True},
-            )
-            if arr.size:
-                z[...] = arr
-        group.attrs[layout_lib.METADATA_ATTR] = _metadata(arrays, treedef, n)
-    return path
-
-
-_WRITERS = {"hdf5": write_hdf5, "npy": write_npy, "zarr": write_zarr}
+    return _write("zarr", path, tree, chunk_rows, compression, overwrite, checksum)
 
 
 def write(
@@ -223,6 +348,7 @@ def write(
     chunk_rows: int | None = None,
     compression: str | None = None,
     overwrite: bool = False,
+    checksum: bool = True,
 ) -> str:
     """Writes a pytree of numpy or jax arrays to a replay store, atomically.
 
@@ -235,6 +361,7 @@ def write(
       chunk_rows: rows per chunk (HDF5/Zarr); default picked for random access.
       compression: codec name (HDF5: gzip, lzf; Zarr: zstd, gzip, blosc).
       overwrite: replace an existing store.
+      checksum: record a CRC32 per ~1 MiB of each leaf for ``grain-replay verify``.
 
     Returns:
       The absolute path written.
@@ -248,8 +375,6 @@ def write(
       >>> gr.write("replay.h5", {"obs": obs, "action": action, "reward": reward})
     """
     fmt = format or format_from_path(path)
-    if fmt not in _WRITERS:
+    if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
-    return _WRITERS[fmt](
-        path, tree, chunk_rows=chunk_rows, compression=compression, overwrite=overwrite
-    )
+    return _write(fmt, path, tree, chunk_rows, compression, overwrite, checksum)

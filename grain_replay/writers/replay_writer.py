@@ -12,6 +12,7 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay.errors import GrainReplayError, InvalidStoreError, InvalidTreeError
+from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend
 from grain_replay.writers.oneshot import FORMATS, format_from_path
 
@@ -79,6 +80,7 @@ class ReplayWriter:
         self._flush_every = flush_every
         self._lock_fd = self._acquire_lock()
         self._backend: Backend | None = None
+        self._summer: Checksummer | None = None
         self._pending = 0
         try:
             if os.path.exists(self._path):
@@ -119,6 +121,11 @@ class ReplayWriter:
                 "be appended safely. Fix: write a new store with gr.write or ReplayWriter."
             )
         backend = cls(self._path, meta)
+        try:
+            self._summer = Checksummer.resume(meta.leaves, meta.checksums, meta.num_records)
+        except ValueError as e:
+            logger.warning("%s: not recording checksums for appended rows (%s)", self._path, e)
+            self._summer = None
         logger.info("appending to %s after %d committed rows", self._path, meta.num_records)
         return backend
 
@@ -178,10 +185,13 @@ class ReplayWriter:
             meta = layout_lib.StoreMetadata(0, leaves, treedef)
             BACKENDS[self._format].create(self._path, meta, self._chunk_rows, self._compression)
             self._backend = BACKENDS[self._format](self._path, meta)
+            self._summer = Checksummer(leaves)
         self._check_matches(arrays, treedef)
         if n == 0:
             return
         self._backend.write(arrays, self.committed + self._pending)
+        if self._summer is not None:
+            self._summer.update(arrays)
         self._pending += n
         if self._flush_every is not None and self._pending >= self._flush_every:
             self.flush()
@@ -210,7 +220,8 @@ class ReplayWriter:
     def flush(self) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N."""
         if self._backend is not None and self._pending:
-            self._backend.commit(self.committed + self._pending)
+            checksums = self._summer.state() if self._summer is not None else None
+            self._backend.commit(self.committed + self._pending, checksums)
             self._pending = 0
         return self.committed
 

@@ -439,7 +439,7 @@ def _fail_on_second_call(monkeypatch, owner, name):
 
 _INJECT = {
     "hdf5": (h5py.Group, "create_dataset"),
-    "npy": (np, "save"),
+    "npy": (np.lib.format, "write_array_header_1_0"),
     "zarr": (zarr.Group, "create_array"),
 }
 
