@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import threading
 from collections.abc import Sequence
@@ -33,18 +34,28 @@ class LoaderOptions:
     drop_remainder: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
-            raise TypeError(f"batch_size must be an int, got {self.batch_size!r}")
+        object.__setattr__(self, "batch_size", _as_int("batch_size", self.batch_size))
+        object.__setattr__(self, "seed", _as_int("seed", self.seed))
+        if self.num_epochs is not None:
+            object.__setattr__(self, "num_epochs", _as_int("num_epochs", self.num_epochs))
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        if self.num_epochs is not None and (
-            not isinstance(self.num_epochs, int) or self.num_epochs <= 0
-        ):
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.num_epochs is not None and self.num_epochs <= 0:
             raise ValueError(
-                f"num_epochs must be a positive int or None (forever), got {self.num_epochs!r}"
+                f"num_epochs must be a positive int or None (forever), got {self.num_epochs}"
             )
+
+
+def _as_int(name: str, value: Any) -> int:
+    """``value`` as a Python int; numpy integers are fine, bools and floats are not."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
 class BatchedReads:
@@ -201,6 +212,7 @@ def make_data_loader(
       >>> for batch in gr.sharded_device_put(loader): ...
     """
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
+    worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
         raise ValueError(f"worker_count must be >= 0, got {worker_count}")
     shard_options = shard_options if shard_options is not None else _default_shard_options()

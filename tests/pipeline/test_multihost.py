@@ -1,0 +1,113 @@
+"""Two JAX processes (gloo over localhost, 4 CPU devices each) read one store together."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import grain_replay as gr
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_worker.py"
+TIMEOUT_S = 180
+NUM_PROCESSES = 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(store: str, batch_size: int, out_dir: Path) -> list[dict[str, Any]]:
+    """Runs the two processes to completion; kills both and reports stderr on any failure."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_PLATFORMS"] = "cpu"
+    port = _free_port()
+    procs: list[subprocess.Popen[str]] = []
+    logs = [out_dir / f"stderr{i}.txt" for i in range(NUM_PROCESSES)]
+    outs = [out_dir / f"out{i}.json" for i in range(NUM_PROCESSES)]
+    try:
+        for i in range(NUM_PROCESSES):
+            cmd = [
+                sys.executable,
+                str(WORKER),
+                f"--port={port}",
+                f"--process-id={i}",
+                f"--store={store}",
+                f"--batch-size={batch_size}",
+                f"--out={outs[i]}",
+            ]
+            with open(logs[i], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out_dir
+                    )
+                )
+        deadline = time.monotonic() + TIMEOUT_S
+        codes: list[int | None] = [None] * NUM_PROCESSES
+        while any(c is None for c in codes):
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                break  # one failed: the other would wait on it until the timeout
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * NUM_PROCESSES:
+        report = "\n".join(
+            f"--- process {i} (exit {codes[i]}) ---\n{logs[i].read_text()[-6000:]}"
+            for i in range(NUM_PROCESSES)
+        )
+        pytest.fail(f"multihost job failed or timed out after {TIMEOUT_S}s:\n{report}")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize("n", [96, 100], ids=["divisible", "remainder"])
+def test_two_processes_read_every_record_once_per_epoch(tmp_path: Path, n: int) -> None:
+    b = 8
+    store = str(tmp_path / "store.h5")
+    gr.write(
+        store,
+        {
+            "id": np.arange(n, dtype=np.int32),
+            "obs": np.random.default_rng(0).standard_normal((n, 3)).astype(np.float32),
+            "reward": (np.arange(n) * 0.5).astype(np.float32),
+        },
+    )
+    results = _run_job(store, b, tmp_path)
+
+    assert [r["process_index"] for r in results] == [0, 1]
+    assert results[0]["pid"] != results[1]["pid"]
+    per_process = n // (NUM_PROCESSES * b)
+    assert results[0]["num_batches"] == results[1]["num_batches"] == per_process
+    local = [np.array(r["local_ids"]) for r in results]
+    assert all(x.shape == (per_process, b) for x in local)
+
+    seen = np.concatenate([x.ravel() for x in local])
+    assert len(np.unique(seen)) == len(seen) == per_process * NUM_PROCESSES * b
+    if n % (NUM_PROCESSES * b) == 0:
+        np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+    assert n - len(seen) < NUM_PROCESSES * b
+
+    # Both processes saw the same global batches, each the union of their local halves.
+    np.testing.assert_array_equal(results[0]["global_ids"], results[1]["global_ids"])
+    for step, global_ids in enumerate(results[0]["global_ids"]):
+        halves = np.concatenate([local[0][step], local[1][step]])
+        np.testing.assert_array_equal(np.sort(global_ids), np.sort(halves))
+    # A shuffled epoch, not the records in order.
+    assert not np.array_equal(seen, np.arange(len(seen)))
