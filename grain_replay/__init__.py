@@ -56,6 +56,14 @@ __all__ = [
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    # RL views (grain_replay.rl)
+    "EpisodeIndex",
+    "build_episode_index",
+    "WindowDataSource",
+    "NStepDataSource",
+    "TransitionDataSource",
+    "MinariDataSource",
+    "D4RLDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -73,6 +81,18 @@ _LAZY = {
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    **{
+        name: "grain_replay.rl"
+        for name in (
+            "EpisodeIndex",
+            "build_episode_index",
+            "WindowDataSource",
+            "NStepDataSource",
+            "TransitionDataSource",
+            "MinariDataSource",
+            "D4RLDataSource",
+        )
+    },
 }
 
 

@@ -1,0 +1,28 @@
+"""RL views of replay stores: episodes, windows, n-step transitions, Minari and D4RL files."""
+
+from __future__ import annotations
+
+from grain_replay.rl.d4rl import D4RLDataSource
+from grain_replay.rl.episodes import (
+    EpisodeFlags,
+    EpisodeIndex,
+    build_episode_index,
+    episode_cache_path,
+)
+from grain_replay.rl.minari import MinariDataSource
+from grain_replay.rl.transitions import NStepDataSource, NStepOptions, TransitionDataSource
+from grain_replay.rl.windows import WindowDataSource, WindowOptions
+
+__all__ = [
+    "EpisodeIndex",
+    "EpisodeFlags",
+    "build_episode_index",
+    "episode_cache_path",
+    "WindowDataSource",
+    "WindowOptions",
+    "NStepDataSource",
+    "NStepOptions",
+    "TransitionDataSource",
+    "D4RLDataSource",
+    "MinariDataSource",
+]

@@ -1,0 +1,157 @@
+"""Per-leaf reads from a wrapped source, and tree-structure helpers for the derived sources."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidStoreError
+from grain_replay.layout import LeafSpec
+from grain_replay.sources.base import Layout, ReplaySource, select_keys
+
+__all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
+
+
+def describe(source: Any) -> str:
+    """A short name of ``source`` for error messages: its path, else its type."""
+    path = getattr(source, "path", None)
+    return str(path) if path else type(source).__name__
+
+
+class LeafAccess:
+    """Reads chosen leaves of a source at chosen rows, one vectorized read per leaf.
+
+    A :class:`ReplaySource` is read through its per-process leaf readers, so
+    each leaf gets exactly the rows it needs and no bounds check is repeated
+    for rows the caller computed. Any other object with ``spec``, ``__len__``
+    and ``read_batch`` is read with a single ``read_batch`` over the union of
+    the requested rows. Picklable whenever the source is.
+    """
+
+    def __init__(self, source: Any):
+        self.source = source
+        spec = getattr(source, "spec", None)
+        if spec is None or not hasattr(source, "read_batch"):
+            raise TypeError(
+                f"{type(source).__name__} is not a replay source: it needs `spec`, `__len__` "
+                "and `read_batch`. Fix: pass a grain_replay source such as gr.open_source(path)."
+            )
+        self.spec: dict[str, LeafSpec] = dict(spec)
+        self.treedef: dict[str, Any] = (
+            source.treedef
+            if isinstance(getattr(source, "treedef", None), dict)
+            else tree_lib.treedef_from_keys(self.spec)
+        )
+        self.where = describe(source)
+
+    def select(self, keys: Sequence[str] | str | None) -> tuple[list[str], dict[str, Any]]:
+        """The leaf keys and pruned structure selected by ``keys`` (leaves or group prefixes)."""
+        layout = Layout(0, self.spec, self.treedef, {k: k for k in self.spec})
+        chosen = select_keys(layout, keys, self.where)
+        return list(chosen.spec), chosen.treedef
+
+    def leaves_under(self, key: str) -> list[str]:
+        """Leaf keys equal to ``key`` or inside the group ``key``, in tree order."""
+        prefix = key.rstrip("/") + "/"
+        return [k for k in self.spec if k == key or k.startswith(prefix)]
+
+    def take(self, requests: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``{key: rows}`` -> ``{key: leaf[rows]}``; rows are in range, any shape.
+
+        The result of each leaf has shape ``rows.shape + leaf_shape``.
+        """
+        if not requests:
+            return {}
+        src = self.source
+        if isinstance(src, ReplaySource):
+            out = {}
+            for key, rows in requests.items():
+                flat = src.read_leaf(key, rows.reshape(-1))
+                out[key] = flat.reshape(rows.shape + flat.shape[1:])
+            return out
+        # One read_batch over every distinct row array, split afterwards.
+        arrays: dict[int, np.ndarray] = {}
+        for rows in requests.values():
+            arrays.setdefault(id(rows), rows)
+        order = list(arrays)
+        bounds = np.cumsum([0] + [arrays[a].size for a in order])
+        allrows = np.concatenate([arrays[a].reshape(-1) for a in order]).astype(np.int64)
+        leaves, _ = tree_lib.flatten(src.read_batch(allrows))
+        out = {}
+        for key, rows in requests.items():
+            j = order.index(id(rows))
+            flat = np.asarray(leaves[key])[bounds[j] : bounds[j + 1]]
+            out[key] = flat.reshape(rows.shape + flat.shape[1:])
+        return out
+
+    def handle(self) -> Any:
+        return getattr(self.source, "_handle", None)
+
+    def opens(self) -> int:
+        return int(getattr(self.source, "_opens", 0))
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+def local_path(source: Any) -> str | None:
+    """The source's path if it is on the local file system, else None."""
+    path = getattr(source, "path", None)
+    if not isinstance(path, str) or "://" in path or not os.path.exists(path):
+        return None
+    return path
+
+
+def subtree(treedef: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The node of ``treedef`` at the ``/``-joined path ``key``."""
+    node: Mapping[str, Any] = treedef
+    for part in [p for p in key.split("/") if p] if key else []:
+        kind = node["type"]
+        if kind == "dict":
+            names = list(node["keys"])
+        elif kind == "namedtuple":
+            names = list(node["fields"])
+        elif kind in ("list", "tuple"):
+            names = [str(i) for i in range(len(node["children"]))]
+        else:
+            names = []
+        if part not in names:
+            raise KeyError(key)
+        node = node["children"][names.index(part)]
+    return dict(node)
+
+
+def with_entries(
+    treedef: Mapping[str, Any], entries: Sequence[tuple[str, dict[str, Any]]], where: str
+) -> dict[str, Any]:
+    """``treedef`` (a dict at the root) with top-level ``entries`` appended.
+
+    Raises:
+      InvalidStoreError: the root is not a dict, or an entry's name is taken.
+    """
+    if not entries:
+        return dict(treedef)
+    names = [n for n, _ in entries]
+    if treedef.get("type") != "dict":
+        raise InvalidStoreError(
+            f"{where}: the records are a {treedef.get('type')}, but adding the leaves {names} "
+            "needs a dict at the root. Fix: store the tree as a dict, e.g. "
+            "{'obs': ..., 'action': ...}."
+        )
+    taken = [n for n in names if n in treedef["keys"]]
+    if taken:
+        raise InvalidStoreError(
+            f"{where}: the store already has {taken}, which this source adds. Fix: leave them "
+            "out with keys=[...] or pick other names for the added leaves."
+        )
+    return {
+        "type": "dict",
+        "keys": [*treedef["keys"], *names],
+        "children": [*treedef["children"], *(c for _, c in entries)],
+    }

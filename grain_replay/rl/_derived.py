@@ -1,0 +1,256 @@
+"""Base of the sources whose records are computed from a step source's episodes."""
+
+from __future__ import annotations
+
+import abc
+import operator
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.layout import LeafSpec
+from grain_replay.rl._access import LeafAccess
+from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
+
+__all__ = ["DerivedSource", "Spans"]
+
+
+class Spans:
+    """Records laid out as ``count[e]`` positions per episode, ``stride`` steps apart.
+
+    Record ids run over episode 0's positions, then episode 1's, and so on.
+    Memory is O(episodes), not O(records).
+    """
+
+    def __init__(self, first: np.ndarray, count: np.ndarray, stride: int = 1):
+        self.first = np.asarray(first, dtype=np.int64)
+        self.count = np.asarray(count, dtype=np.int64)
+        self.stride = int(stride)
+        self.cum_end = np.cumsum(self.count)
+        self.total = int(self.cum_end[-1]) if self.cum_end.size else 0
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(episode, step)`` of each record id (ids in range)."""
+        episode = np.searchsorted(self.cum_end, ids, side="right")
+        k = ids - (self.cum_end[episode] - self.count[episode])
+        return episode, self.first[episode] + k * self.stride
+
+
+class DerivedSource(abc.ABC):
+    """A grain random-access source over records derived from the steps of ``source``.
+
+    The episode index is built (or loaded from its cache file) once per
+    process: pickling carries the wrapped source and the options, never the
+    index, a handle or array data, and the receiving process rebuilds the
+    index on first read.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        flags: EpisodeFlags,
+        episodes: EpisodeIndex | None,
+        cache: bool,
+    ):
+        self._access = LeafAccess(source)
+        self._flags = flags
+        self._cache = bool(cache)
+        if episodes is not None and episodes.num_steps != len(source):
+            raise InvalidStoreError(
+                f"{self._access.where}: episodes= covers {episodes.num_steps} steps but the "
+                f"source has {len(source)}. Fix: build it from this source with "
+                "gr.build_episode_index(source)."
+            )
+        self._given_episodes = episodes
+        self._lock = threading.Lock()
+        self._state: Any = None
+        self._pid: int | None = None
+        self._num_records = -1
+        self._num_records = self._derived()[1].total
+
+    # -- subclass hooks -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _spans(self, index: EpisodeIndex) -> Spans:
+        """The records of ``index``'s episodes."""
+
+    @abc.abstractmethod
+    def _read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """``{key: array}`` of records ``ids`` (in range, non-negative)."""
+
+    @abc.abstractmethod
+    def _options_repr(self) -> str:
+        """The options part of ``repr``, deterministic."""
+
+    # -- episodes -------------------------------------------------------------------
+
+    def _derived(self) -> tuple[EpisodeIndex, Spans]:
+        pid = os.getpid()
+        state = self._state
+        if state is not None and self._pid == pid:
+            return state
+        if self._pid is not None and self._pid != pid:
+            # Forked: the parent's lock may have been held at fork time.
+            self._lock = threading.Lock()
+        with self._lock:
+            if self._state is None or self._pid != pid:
+                index = self._load_episodes()
+                spans = self._spans(index)
+                if self._num_records >= 0 and spans.total != self._num_records:
+                    raise InvalidStoreError(
+                        f"{self._access.where}: the store changed since this source was made "
+                        f"({spans.total} records now, {self._num_records} before). Fix: create "
+                        "the source again."
+                    )
+                self._state, self._pid = (index, spans), pid
+            return self._state
+
+    def _load_episodes(self) -> EpisodeIndex:
+        if self._given_episodes is not None:
+            return self._given_episodes
+        source = self._access.source
+        own = getattr(source, "episodes", None) if not self._flags.keys else None
+        if isinstance(own, EpisodeIndex) and own.num_steps == len(source):
+            return own
+        return build_episode_index(
+            source,
+            done_key=self._flags.done,
+            terminated_key=self._flags.terminated,
+            truncated_key=self._flags.truncated,
+            cache=self._cache,
+        )
+
+    @property
+    def step_episodes(self) -> EpisodeIndex:
+        """The episode index of the wrapped source's steps."""
+        return self._derived()[0]
+
+    # -- the source protocol --------------------------------------------------------
+
+    @property
+    def source(self) -> Any:
+        """The wrapped step source."""
+        return self._access.source
+
+    @property
+    def path(self) -> str:
+        return self._access.where
+
+    @property
+    def spec(self) -> Mapping[str, LeafSpec]:
+        """Leaf key -> per-record ``LeafSpec(dtype, shape)``, in tree order."""
+        return dict(self._spec)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._spec)
+
+    @property
+    def treedef(self) -> dict[str, Any]:
+        return self._treedef
+
+    def _set_structure(self, treedef: dict[str, Any], spec: dict[str, LeafSpec]) -> None:
+        self._treedef = treedef
+        self._spec = {k: spec[k] for k in tree_lib.leaf_keys(treedef)}
+        self._build = tree_lib.compile_unflatten(treedef)
+
+    def __len__(self) -> int:
+        return self._num_records
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(source={self._access.source!r}, {self._options_repr()}, "
+            f"num_records={self._num_records})"
+        )
+
+    def _check_indices(self, indices: Any) -> np.ndarray:
+        n = len(self)
+        idx = np.asarray(indices)
+        if idx.dtype == np.bool_ or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise TypeError(
+                f"{type(self).__name__}: indices must be integers, got dtype {idx.dtype}. "
+                "Fix: pass a sequence or array of ints."
+            )
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        bad = (idx < -n) | (idx >= n)
+        if bad.any():
+            raise RecordIndexError(
+                f"{type(self).__name__}({self._access.where}): record index "
+                f"{int(idx[np.argmax(bad)])} is out of range for a source of {n} records "
+                f"(valid: -{n} <= index < {n})."
+            )
+        return np.where(idx < 0, idx + n, idx)
+
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+        try:
+            i = operator.index(index)
+        except TypeError as e:
+            raise TypeError(
+                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
+                "Fix: use read_batch(indices) for several records."
+            ) from e
+        flat = self.read_flat([i])
+        return self._build({k: v[0] for k, v in flat.items()})
+
+    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
+        return self._read(self._check_indices(indices))
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """Reads records ``indices`` with one vectorized read per leaf of the wrapped source.
+
+        Args:
+          indices: record indices in any order; duplicates and negative indices
+            are allowed.
+
+        Returns:
+          The record tree with a leading batch axis of ``len(indices)``.
+
+        Raises:
+          RecordIndexError: an index is outside ``[-N, N)``.
+        """
+        return self._build(self.read_flat(indices))
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        """grain's batched-read protocol: the list of records ``indices``."""
+        flat = self.read_flat(indices)
+        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]
+
+    # -- handle, pickling -----------------------------------------------------------
+
+    @property
+    def _handle(self) -> Any:
+        return self._access.handle()
+
+    @property
+    def _opens(self) -> int:
+        return self._access.opens()
+
+    def close(self) -> None:
+        """Releases the wrapped source's handle; reading again reopens it."""
+        self._access.close()
+
+    def __enter__(self) -> DerivedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"], state["_build"]
+        state["_state"] = None
+        state["_pid"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._build = tree_lib.compile_unflatten(self._treedef)

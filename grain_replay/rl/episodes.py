@@ -1,0 +1,389 @@
+"""Episode index from end-of-episode flags: built once, vectorized, cached beside the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.rl._access import LeafAccess, local_path
+
+__all__ = ["EpisodeIndex", "EpisodeFlags", "build_episode_index", "episode_cache_path"]
+
+logger = logging.getLogger(__name__)
+
+# Names tried, in order, when no flag key is given.
+_TERMINATED_NAMES = ("terminated", "terminations", "terminals", "terminal")
+_TRUNCATED_NAMES = ("truncated", "truncations", "timeouts", "timeout")
+_DONE_NAMES = ("done", "dones")
+# Rows of a flag leaf read at a time while building: bounds memory on huge stores.
+_BLOCK_ROWS = 1 << 20
+_CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpisodeIndex:
+    """Where each episode of a step store starts and ends.
+
+    Episodes are contiguous runs of steps. Episode ``e`` holds steps
+    ``[starts[e], ends[e])``. Lookups are vectorized over arrays of steps or
+    episodes; finding the episode of a step is a binary search over the
+    episode ends (O(log E) per step, memory O(E), independent of the number of
+    steps).
+
+    Attributes:
+      ends: ``(E,)`` int64, exclusive end of each episode, increasing; the last
+        one is the number of steps.
+      terminated: ``(E,)`` bool, True where the episode ended by termination
+        (no bootstrapping past its last step); False where it was truncated
+        (time limit) or is unfinished.
+      open_last: the last episode has no end flag: the store stopped (or is
+        still growing) in the middle of it.
+
+    Example:
+      >>> idx = EpisodeIndex.from_flags(np.array([0, 0, 1, 0, 1], bool))
+      >>> idx.episode_of(np.array([0, 3])), idx.starts, idx.ends
+      (array([0, 1]), array([0, 3]), array([3, 5]))
+    """
+
+    ends: np.ndarray
+    terminated: np.ndarray
+    open_last: bool = False
+
+    def __post_init__(self) -> None:
+        ends = np.asarray(self.ends, dtype=np.int64).reshape(-1)
+        term = np.asarray(self.terminated, dtype=bool).reshape(-1)
+        if ends.shape != term.shape:
+            raise ValueError(
+                f"ends and terminated must have one entry per episode, got {ends.shape} "
+                f"and {term.shape}"
+            )
+        if ends.size and (ends[0] <= 0 or np.any(np.diff(ends) <= 0)):
+            raise ValueError("ends must be positive and strictly increasing (no empty episode)")
+        object.__setattr__(self, "ends", ends)
+        object.__setattr__(self, "terminated", term)
+
+    @classmethod
+    def from_flags(cls, done: np.ndarray, terminated: np.ndarray | None = None) -> EpisodeIndex:
+        """Index from per-step flags.
+
+        Args:
+          done: ``(N,)`` flags, True on the last step of each episode.
+          terminated: ``(N,)`` flags, True where an episode ended by termination;
+            default ``done`` (every end is a termination).
+
+        Returns:
+          The index; steps after the last flag form an open last episode.
+        """
+        done = np.asarray(done).reshape(-1) != 0
+        term = done if terminated is None else np.asarray(terminated).reshape(-1) != 0
+        ends = np.flatnonzero(done) + 1
+        return cls._from_ends(ends, term[ends - 1], len(done))
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Sequence[int] | np.ndarray,
+        terminated: Sequence[bool] | np.ndarray,
+        open_last: bool = False,
+    ) -> EpisodeIndex:
+        """Index from per-episode lengths (all positive) and termination flags."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        return cls(np.cumsum(lengths), np.asarray(terminated, dtype=bool), open_last)
+
+    @classmethod
+    def _from_ends(cls, ends: np.ndarray, term: np.ndarray, n: int) -> EpisodeIndex:
+        ends = np.asarray(ends, dtype=np.int64)
+        open_last = bool(n > 0 and (ends.size == 0 or ends[-1] != n))
+        if open_last:
+            ends = np.append(ends, n)
+            term = np.append(term, False)
+        return cls(ends, term, open_last)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.ends[-1]) if self.ends.size else 0
+
+    @property
+    def num_episodes(self) -> int:
+        return int(self.ends.size)
+
+    def __len__(self) -> int:
+        return self.num_episodes
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """``(E,)`` int64, first step of each episode."""
+        return np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """``(E,)`` int64, steps of each episode."""
+        return self.ends - self.starts
+
+    def episode_of(self, steps: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Episode id of each step (vectorized).
+
+        Raises:
+          RecordIndexError: a step is outside ``[0, num_steps)``.
+        """
+        steps = np.asarray(steps, dtype=np.int64)
+        n = self.num_steps
+        bad = (steps < 0) | (steps >= n)
+        if bad.any():
+            raise RecordIndexError(
+                f"step {int(steps[bad].reshape(-1)[0])} is out of range for an episode index of "
+                f"{n} steps (valid: 0 <= step < {n})."
+            )
+        return np.searchsorted(self.ends, steps, side="right")
+
+    def __repr__(self) -> str:
+        return (
+            f"EpisodeIndex(num_episodes={self.num_episodes}, num_steps={self.num_steps}, "
+            f"open_last={self.open_last})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EpisodeIndex):
+            return NotImplemented
+        return (
+            self.open_last == other.open_last
+            and np.array_equal(self.ends, other.ends)
+            and np.array_equal(self.terminated, other.terminated)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeFlags:
+    """Which leaves mark episode ends.
+
+    An episode ends on a step where any given flag is set. It counts as
+    terminated where ``terminated`` is set; with only ``done``, where ``done``
+    is set and ``truncated`` (if given) is not. With none given,
+    :meth:`resolve` looks for ``terminated``/``truncated``,
+    ``terminations``/``truncations`` (Minari), ``terminals``/``timeouts``
+    (D4RL), then ``done``/``dones``.
+
+    Example:
+      >>> EpisodeFlags(done="is_last").resolve(src.spec, src.path).keys
+      ['is_last']
+    """
+
+    done: str | None = None
+    terminated: str | None = None
+    truncated: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("done", "terminated", "truncated"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name}_key must be a leaf key (str) or None, got {value!r}")
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for k in (self.done, self.terminated, self.truncated) if k is not None]
+
+    def resolve(self, spec: Mapping[str, Any], where: str) -> EpisodeFlags:
+        """These flags with defaults filled in from ``spec``'s leaves.
+
+        Raises:
+          InvalidStoreError: a named flag leaf is missing or not one value per
+            step, or no flag leaf is named and none of the usual names exists.
+        """
+        leaves = list(spec)
+        if not self.keys:
+            term = next((k for k in _TERMINATED_NAMES if k in spec), None)
+            trunc = next((k for k in _TRUNCATED_NAMES if k in spec), None)
+            done = next((k for k in _DONE_NAMES if k in spec), None)
+            if term is None and trunc is None and done is None:
+                raise InvalidStoreError(
+                    f"{where}: no end-of-episode flag leaf found; the leaves are {leaves}. "
+                    "Fix: pass done_key='<leaf>' (True on the last step of every episode), or "
+                    "terminated_key=/truncated_key= for separate termination/time-limit flags."
+                )
+            resolved = EpisodeFlags(terminated=term, truncated=trunc) if term or trunc else (
+                EpisodeFlags(done=done)
+            )  # fmt: skip
+        else:
+            resolved = self
+        for name, key in (
+            ("done_key", resolved.done),
+            ("terminated_key", resolved.terminated),
+            ("truncated_key", resolved.truncated),
+        ):
+            if key is None:
+                continue
+            if key not in spec:
+                raise InvalidStoreError(
+                    f"{where}: {name}={key!r} names no leaf of the store; the leaves are "
+                    f"{leaves}. Fix: pass {name}= with the flag leaf's key from that list."
+                )
+            if int(np.prod(spec[key].shape, dtype=np.int64)) != 1:
+                raise InvalidStoreError(
+                    f"{where}: flag leaf {key!r} holds {spec[key].shape} values per step; an "
+                    f"end-of-episode flag has one. Fix: pass {name}= with a per-step flag leaf."
+                )
+        return resolved
+
+    def tag(self) -> str:
+        return json.dumps([self.done, self.terminated, self.truncated])
+
+
+def episode_cache_path(path: str) -> str:
+    """Where the episode index of the store at ``path`` is cached."""
+    if os.path.isdir(path):
+        return os.path.join(path, ".episodes.npz")
+    return path + ".episodes.npz"
+
+
+def _fingerprint(source: Any, path: str, keys: Sequence[str]) -> str:
+    """mtime, size and inode of the store and of the files that hold the flag leaves."""
+    # A directory's own mtime is left out: writing the cache inside it changes it.
+    candidates = [] if os.path.isdir(path) else [path]
+    candidates += [os.path.join(path, "grain_replay.json"), os.path.join(path, "zarr.json")]
+    locations = getattr(getattr(source, "_layout", None), "locations", {}) or {}
+    for key in keys:
+        loc = str(locations.get(key, key))
+        full = loc if os.path.isabs(loc) else os.path.join(path, loc)
+        candidates += [full, full + ".npy", os.path.join(full, "zarr.json")]
+    out = []
+    for c in dict.fromkeys(candidates):
+        try:
+            st = os.stat(c)
+        except OSError:
+            continue
+        out.append([os.path.relpath(c, path), st.st_mtime_ns, st.st_size, st.st_ino])
+    return json.dumps(out)
+
+
+def _read_flags(
+    access: LeafAccess, flags: EpisodeFlags, n: int, block_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Episode ends and their termination flags, reading the flag leaves in blocks."""
+    ends: list[np.ndarray] = []
+    term: list[np.ndarray] = []
+    for a in range(0, n, block_rows):
+        rows = np.arange(a, min(a + block_rows, n), dtype=np.int64)
+        got = {
+            k: v.reshape(len(rows)) != 0
+            for k, v in access.take(dict.fromkeys(flags.keys, rows)).items()
+        }
+        end = np.zeros(len(rows), dtype=bool)
+        for v in got.values():
+            end |= v
+        where = np.flatnonzero(end)
+        if flags.terminated is not None:
+            t = got[flags.terminated][where]
+        elif flags.done is not None:
+            t = got[flags.done][where]
+            if flags.truncated is not None:
+                t &= ~got[flags.truncated][where]
+        else:
+            t = np.zeros(len(where), dtype=bool)
+        ends.append(where + a + 1)
+        term.append(t)
+    if not ends:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    return np.concatenate(ends), np.concatenate(term)
+
+
+def build_episode_index(
+    source: Any,
+    *,
+    done_key: str | None = None,
+    terminated_key: str | None = None,
+    truncated_key: str | None = None,
+    cache: bool = True,
+    block_rows: int = _BLOCK_ROWS,
+) -> EpisodeIndex:
+    """Builds (or loads from its cache) the episode index of a step store.
+
+    The flag leaves are read in blocks of ``block_rows`` through the source's
+    leaf readers and reduced with ``np.flatnonzero``, so memory stays bounded
+    on stores of any size. For a store on the local file system the index is
+    cached in :func:`episode_cache_path` (beside a file store, inside a
+    directory store), keyed by the flag keys, the number of steps and the
+    mtime/size/inode of the files holding the flags; a stale or unreadable
+    cache is rebuilt and replaced atomically.
+
+    Args:
+      source: a grain_replay source (or any object with ``spec``, ``__len__``
+        and ``read_batch``) whose records are steps.
+      done_key: leaf that is True on the last step of every episode.
+      terminated_key: leaf that is True where an episode terminated.
+      truncated_key: leaf that is True where an episode was cut by a time limit.
+      cache: read and write the cache file.
+      block_rows: rows of each flag leaf read at a time.
+
+    Returns:
+      The :class:`EpisodeIndex`; steps after the last flag form an open last
+      episode.
+
+    Raises:
+      InvalidStoreError: no usable flag leaf (the message lists the leaves and
+        the ``*_key=`` argument to pass).
+
+    Example:
+      >>> idx = build_episode_index(gr.open_source("replay.h5"), done_key="done")
+      >>> idx.num_episodes, idx.lengths.mean()
+    """
+    if block_rows <= 0:
+        raise ValueError(f"block_rows must be positive, got {block_rows}")
+    access = LeafAccess(source)
+    flags = EpisodeFlags(done_key, terminated_key, truncated_key).resolve(access.spec, access.where)
+    n = len(source)
+    path = local_path(source) if cache else None
+    cache_file = fingerprint = None
+    if path is not None:
+        cache_file = episode_cache_path(path)
+        fingerprint = _fingerprint(source, path, flags.keys)
+        index = _load(cache_file, flags.tag(), n, fingerprint)
+        if index is not None:
+            return index
+    ends, term = _read_flags(access, flags, n, block_rows)
+    index = EpisodeIndex._from_ends(ends, term, n)
+    if cache_file is not None and fingerprint is not None:
+        _save(cache_file, index, flags.tag(), n, fingerprint)
+    return index
+
+
+def _load(file: str, tag: str, n: int, fingerprint: str) -> EpisodeIndex | None:
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta != {"version": _CACHE_VERSION, "flags": tag, "n": n, "fp": fingerprint}:
+                logger.info("%s: episode index cache is stale; rebuilding it", file)
+                return None
+            return EpisodeIndex(z["ends"], z["terminated"], bool(z["open_last"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError) as e:
+        logger.info("%s: unreadable episode index cache (%s); rebuilding it", file, e)
+        return None
+
+
+def _save(file: str, index: EpisodeIndex, tag: str, n: int, fingerprint: str) -> None:
+    meta = json.dumps({"version": _CACHE_VERSION, "flags": tag, "n": n, "fp": fingerprint})
+    tmp = f"{file}.{os.getpid()}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(
+                f, ends=index.ends, terminated=index.terminated,
+                open_last=np.bool_(index.open_last), meta=np.str_(meta),
+            )  # fmt: skip
+        os.replace(tmp, file)
+    except OSError as e:
+        logger.info("%s: cannot write the episode index cache (%s); continuing without", file, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
