@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +45,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     if not src.path.startswith(("s3://", "gs://", "http")):
         info["size_on_disk"] = _size_on_disk(src.path)
+    info["checksums"] = getattr(src, "checksums", None) is not None
+    episodes = _episodes(src)
+    if episodes is not None:
+        info["episodes"] = episodes
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -52,11 +57,138 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  records: {info['num_records']:,}")
     if "size_on_disk" in info:
         print(f"  size:    {_fmt_bytes(info['size_on_disk'])}")
+    if "episodes" in info:
+        e = info["episodes"]
+        print(
+            f"  episodes: {e['count']:,} (length min/mean/max {e['min_length']}/"
+            f"{e['mean_length']:.1f}/{e['max_length']}; flags {', '.join(e['flags'])})"
+        )
+    print(f"  checksums: {'recorded' if info['checksums'] else 'none'}")
     width = max(len(k) for k in info["leaves"]) if info["leaves"] else 0
     print("  leaves:")
     for k, v in info["leaves"].items():
         print(f"    {k or '<root>':<{width}}  {v['dtype']:<8} {tuple(v['shape'])}")
     return 0
+
+
+def _open(path: str) -> Any:
+    """Opens any store: Minari datasets and D4RL files as transitions, else gr.open_source."""
+    import grain_replay as gr
+
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
+        return gr.MinariDataSource(path)
+    if path.endswith("main_data.hdf5"):
+        return gr.MinariDataSource(path)
+    src = gr.open_source(path) if _is_plain(path) else None
+    if src is not None:
+        return src
+    return gr.D4RLDataSource(path)
+
+
+def _is_plain(path: str) -> bool:
+    """False for a D4RL-layout HDF5 file without grain_replay metadata."""
+    if not path.endswith((".h5", ".hdf5")) or not os.path.isfile(path):
+        return True
+    import h5py
+
+    from grain_replay.layout import METADATA_ATTR
+
+    with h5py.File(path, "r", locking=False) as f:
+        d4rl = {"observations", "actions", "rewards", "terminals"} <= set(f.keys())
+        return METADATA_ATTR in f.attrs or not d4rl
+
+
+def _episodes(src: Any) -> dict[str, Any] | None:
+    from grain_replay.errors import GrainReplayError
+    from grain_replay.rl import build_episode_index
+    from grain_replay.rl.episodes import EpisodeFlags
+
+    try:
+        flags = EpisodeFlags().resolve(src.spec, src.path)
+        index = getattr(src, "episodes", None) or build_episode_index(src)
+    except (GrainReplayError, AttributeError, TypeError):
+        return None
+    lengths = np.asarray(index.lengths)
+    if not len(lengths):
+        return None
+    return {
+        "count": int(index.num_episodes),
+        "min_length": int(lengths.min()),
+        "mean_length": float(lengths.mean()),
+        "max_length": int(lengths.max()),
+        "flags": list(flags.keys),
+    }
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the cli extra is optional
+        enabled = False
+    if not enabled:
+        return contextlib.nullcontext(type("_P", (), {"update": staticmethod(lambda n: None)})())
+    return tqdm(total=total, desc=desc, unit="rec", unit_scale=True, file=sys.stderr)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
+    from grain_replay import layout as layout_lib
+    from grain_replay import tree as tree_lib
+    from grain_replay.writers.oneshot import format_from_path, write_blocks
+
+    src = _open(args.src)
+    n = len(src)
+    fmt = args.format or format_from_path(args.dst)
+    leaves = {k: layout_lib.LeafSpec(v.dtype, tuple(v.shape)) for k, v in src.spec.items()}
+    row_bytes = sum(
+        s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in leaves.values()
+    )
+    block = max(1, args.block_bytes // max(1, row_bytes))
+    probe = src.read_batch(np.arange(min(n, 1)))
+    treedef = tree_lib.flatten(probe)[1]
+    meta = layout_lib.StoreMetadata(n, leaves, treedef)
+    t = time.perf_counter()
+    with _progress(n, f"convert -> {fmt}", not args.quiet) as bar:
+
+        def blocks() -> Any:
+            for start in range(0, n, block):
+                rows = src.read_batch(np.arange(start, min(start + block, n)))
+                flat = tree_lib.flatten(rows)[0]
+                bar.update(min(block, n - start))
+                yield start, {k: np.asarray(v) for k, v in flat.items()}
+
+        try:
+            out = write_blocks(
+                args.dst, meta, blocks(), format=fmt, chunk_rows=args.chunk_rows,
+                compression=args.compression, overwrite=args.overwrite,
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            print(
+                f"\ninterrupted: {args.dst} was not written (no partial store left)",
+                file=sys.stderr,
+            )
+            return 130
+    dt = time.perf_counter() - t
+    print(f"wrote {out}: {n:,} records, {fmt}, {_fmt_bytes(n * row_bytes / max(dt, 1e-9))}/s")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Checks metadata, lengths and every leaf's recorded checksums."""
+    from grain_replay.integrity import verify_source
+
+    src = _open(args.path)
+    with _progress(len(src) * max(1, len(src.spec)), "verify", not args.quiet) as bar:
+        report = verify_source(src, getattr(src, "checksums", None), progress=bar.update)
+    if report.ok:
+        what = "checksums match" if report.has_checksums else "readable (no checksums recorded)"
+        print(
+            f"OK {report.path}: {report.num_records:,} records, {len(src.spec)} leaves, "
+            f"{report.blocks_checked} blocks, {what}"
+        )
+        return 0
+    print(f"CORRUPT {report.path}: {report.problem}", file=sys.stderr)
+    return 1
 
 
 def _demo_tree(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -141,6 +273,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="copy a store into another format, bit-exactly")
+    p.add_argument("src", help="any store, a Minari dataset or a D4RL file")
+    p.add_argument("dst", help="destination; its suffix picks the format as in gr.write")
+    p.add_argument("--format", choices=["hdf5", "npy", "zarr"])
+    p.add_argument("--chunk-rows", type=int)
+    p.add_argument("--compression")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--block-bytes", type=int, default=64 << 20, help="memory per block")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="check metadata, lengths and checksums")
+    p.add_argument("path")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="write a synthetic replay in each format and stream it back")
     p.add_argument("--out", default="demo_out")
