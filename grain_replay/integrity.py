@@ -25,7 +25,8 @@ def block_rows_for(spec: LeafSpec) -> int:
 
 def as_bytes(rows: np.ndarray) -> memoryview:
     """The C-order bytes of ``rows`` (zero-size arrays included), without a copy when possible."""
-    return memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
+    flat: Any = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+    return memoryview(flat)
 
 
 class Checksummer:

@@ -64,7 +64,7 @@ class StoreMetadata:
     num_records: int
     leaves: dict[str, LeafSpec]
     treedef: dict[str, Any]
-    checksums: dict[str, str] | None = None
+    checksums: dict[str, Any] | None = None
     version: int = FORMAT_VERSION
 
     def to_json(self) -> str:

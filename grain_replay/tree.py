@@ -159,14 +159,15 @@ def _namedtuple_class(name: str, fields: tuple[str, ...], module: str, qualname:
         except (ImportError, AttributeError):
             pass
     key = (name, fields)
-    cls = _NAMEDTUPLES.get(key)
-    if cls is None:
-        cls = collections.namedtuple(name, fields)  # type: ignore[misc]
-        # Records cross process boundaries (grain workers): pickle by value of
-        # name and fields so the receiving process can rebuild the class.
-        cls.__reduce__ = lambda self: (_rebuild_namedtuple, (name, fields, tuple(self)))
-        _NAMEDTUPLES[key] = cls
-    return cls
+    cached = _NAMEDTUPLES.get(key)
+    if cached is not None:
+        return cached
+    made: Any = collections.namedtuple(name, fields)  # type: ignore[misc]
+    # Records cross process boundaries (grain workers): pickle by value of
+    # name and fields so the receiving process can rebuild the class.
+    made.__reduce__ = lambda self: (_rebuild_namedtuple, (name, fields, tuple(self)))  # type: ignore[method-assign,arg-type]
+    _NAMEDTUPLES[key] = made
+    return made
 
 
 def unflatten(treedef: Mapping[str, Any], leaves: Mapping[str, Any]) -> Any:

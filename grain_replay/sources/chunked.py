@@ -131,9 +131,7 @@ class ChunkedLeafReader(LeafReader):
                 self._cache.put((self._name, int(chunk_ids[j])), block)
         for j, c in enumerate(chunk_ids):
             pos = order[bounds[j] : bounds[j + 1]]
-            block = blocks[j]
-            assert block is not None
-            out[pos] = block[indices[pos] - int(c) * self._chunk_rows]
+            out[pos] = blocks[j][indices[pos] - int(c) * self._chunk_rows]  # type: ignore[index]
         return out
 
 

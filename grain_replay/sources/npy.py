@@ -79,8 +79,8 @@ class NpyDataSource(ReplaySource):
                 raise InvalidStoreError(
                     f"{path}: the array is a scalar; a store needs a leading records axis."
                 )
-            spec = {tree_lib.ROOT_KEY: layout_lib.LeafSpec(dtype, shape[1:])}
-            return Layout(shape[0], spec, tree_lib.treedef_from_keys([""]), {"": path})
+            root = {tree_lib.ROOT_KEY: layout_lib.LeafSpec(dtype, shape[1:])}
+            return Layout(shape[0], root, tree_lib.treedef_from_keys([""]), {"": path})
         if not os.path.isdir(path):
             raise StoreNotFoundError(
                 f"No .npy store at {path}. Fix: check the path, or write one with "

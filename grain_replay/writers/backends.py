@@ -196,7 +196,9 @@ class ZarrBackend(Backend):
         import zarr
 
         self._group = zarr.open_group(path, mode="r+")
-        self._arrays = {k: self._group[layout_lib.disk_name(k)] for k in meta.leaves}
+        self._arrays: dict[str, Any] = {
+            k: self._group[layout_lib.disk_name(k)] for k in meta.leaves
+        }
         n = meta.num_records
         for arr in self._arrays.values():
             if arr.shape[0] != n:  # rows written after the last commit

@@ -162,8 +162,8 @@ def _write_npy_store(
         for f in files.values():
             f.close()
     if not single_file:
-        with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
-            f.write(_final(meta, summer).to_json())
+        with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as meta_file:
+            meta_file.write(_final(meta, summer).to_json())
 
 
 def _needs_v2(header: dict[str, Any]) -> bool:

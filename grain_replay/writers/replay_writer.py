@@ -78,7 +78,7 @@ class ReplayWriter:
         if flush_every is not None and flush_every <= 0:
             raise ValueError(f"flush_every must be positive or None, got {flush_every}")
         self._flush_every = flush_every
-        self._lock_fd = self._acquire_lock()
+        self._lock_fd: int | None = self._acquire_lock()
         self._backend: Backend | None = None
         self._summer: Checksummer | None = None
         self._pending = 0
