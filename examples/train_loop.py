@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_MAX_IN_FLIGHT = 8
+
+
 def train(args: argparse.Namespace, store: str) -> dict[str, Any]:
     source = gr.open_source(store, keys=["obs", "action"])
     per_process_batch = args.batch_size // jax.process_count()
@@ -152,6 +155,11 @@ def train(args: argparse.Namespace, store: str) -> dict[str, Any]:
         for step, batch in zip(range(args.steps), batches):
             params, velocity, loss = train_step(params, velocity, batch)
             device_losses.append(loss)  # fetched at the end: no host sync per step
+            if step >= _MAX_IN_FLIGHT:
+                # Bound the steps queued ahead of the host: JAX's CPU backend can
+                # deadlock in collectives with an unbounded queue (seen with 8
+                # fake devices), and a real accelerator gains nothing past a few.
+                device_losses[step - _MAX_IN_FLIGHT].block_until_ready()
             if step == 0:  # compilation and worker start-up stay out of the rate
                 print(f"step {step:5d}  loss {float(loss):.4f}  (initial)", flush=True)
                 start = time.perf_counter()

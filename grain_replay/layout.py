@@ -31,6 +31,8 @@ FORMAT_NAME = "grain_replay"
 FORMAT_VERSION = 1
 # HDF5 root attribute / Zarr group attribute holding the metadata JSON.
 METADATA_ATTR = "grain_replay"
+# HDF5 only: the metadata while the main attribute is being grown (see writers).
+METADATA_ATTR_NEXT = "grain_replay.next"
 # File holding the metadata JSON in a `.npy` directory store.
 METADATA_FILE = "grain_replay.json"
 # On-disk name of the leaf of a tree that is a single array.

@@ -254,11 +254,36 @@ class ZarrBackend(Backend):
 # -- HDF5 -----------------------------------------------------------------------
 
 
-def _fixed_metadata(meta: layout_lib.StoreMetadata) -> np.bytes_:
-    """Metadata as a fixed-size string, rewritten in place at each commit."""
+def _fixed_metadata(meta: layout_lib.StoreMetadata, size: int | None = None) -> np.bytes_:
+    """Metadata as a fixed-size string, padded with spaces (JSON ignores them).
+
+    Without ``size``, room is left for the metadata to double (the checksum
+    list grows with the rows), so commits rewrite it in place.
+    """
     text = meta.to_json().encode()
-    size = math.ceil((len(text) + 256) / 1024) * 1024
+    if size is None:
+        size = max(4096, math.ceil(2 * len(text) / 4096) * 4096)
     return np.bytes_(text.ljust(size))
+
+
+def _commit_metadata(f: Any, meta: layout_lib.StoreMetadata) -> None:
+    """Rewrites the metadata attribute in place, or grows it without a moment without one.
+
+    A larger attribute is first written under a second name that readers fall
+    back to, so a crash while the main one is recreated loses nothing.
+    """
+    attrs = f.attrs
+    size = attrs.get_id(layout_lib.METADATA_ATTR).dtype.itemsize
+    text = meta.to_json().encode()
+    if len(text) <= size:
+        attrs.modify(layout_lib.METADATA_ATTR, _fixed_metadata(meta, size))
+        return
+    grown = _fixed_metadata(meta)
+    attrs.create(layout_lib.METADATA_ATTR_NEXT, grown)
+    f.flush()
+    attrs.create(layout_lib.METADATA_ATTR, grown)
+    f.flush()
+    del attrs[layout_lib.METADATA_ATTR_NEXT]
 
 
 class HDF5Backend(Backend):
@@ -277,6 +302,11 @@ class HDF5Backend(Backend):
             path, "r+", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
         )
         self._dsets = {k: self._file[layout_lib.disk_name(k)] for k in meta.leaves}
+        attrs = self._file.attrs
+        if layout_lib.METADATA_ATTR_NEXT in attrs:  # finish a commit that died growing it
+            attrs.create(layout_lib.METADATA_ATTR, attrs[layout_lib.METADATA_ATTR_NEXT])
+            self._file.flush()
+            del attrs[layout_lib.METADATA_ATTR_NEXT]
         for key, d in self._dsets.items():
             if d.chunks is None or d.maxshape[0] is not None:
                 raise InvalidStoreError(
@@ -321,7 +351,9 @@ class HDF5Backend(Backend):
         import h5py
 
         with h5py.File(path, "r", locking=False) as f:
-            raw = f.attrs.get(layout_lib.METADATA_ATTR)
+            raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # a commit died growing it
+            if raw is None:
+                raw = f.attrs.get(layout_lib.METADATA_ATTR)
         return None if raw is None else layout_lib.StoreMetadata.from_json(raw, where=path)
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
@@ -342,7 +374,7 @@ class HDF5Backend(Backend):
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
         self.meta = self._meta_with(n, checksums)
-        self._file.attrs.modify(layout_lib.METADATA_ATTR, _fixed_metadata(self.meta))
+        _commit_metadata(self._file, self.meta)
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
 
