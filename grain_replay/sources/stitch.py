@@ -42,6 +42,7 @@ def _libc() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
     ]  # fmt: skip
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -116,6 +117,8 @@ def stitch(
             os.close(fd)
         if got != addr + i * chunk_bytes:
             return None
+    # Random access: no read-ahead on page faults (see base.advise_random).
+    _LIBC.madvise(addr, total, getattr(mmap, "MADV_RANDOM", 1))
     flat = np.asarray(reservation)
     array = flat.view(dtype).reshape((num_rows, *row_shape))
     array.flags.writeable = False
