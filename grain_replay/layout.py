@@ -94,35 +94,53 @@ class StoreMetadata:
         """
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT_NAME:
-                raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT_NAME!r}")
-            version = int(raw["version"])
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+                got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+                raise ValueError(f"format is {got!r}, expected {FORMAT_NAME!r}")
+            version = _json_int(raw["version"], "version")
             if version > FORMAT_VERSION:
                 raise ValueError(
                     f"format version {version} is newer than this grain_replay "
                     f"(reads up to {FORMAT_VERSION}); upgrade grain_replay"
                 )
-            n = int(raw["num_records"])
-            if n < 0:
-                raise ValueError(f"num_records is {n}")
+            n = _json_int(raw["num_records"], "num_records")
+            if not isinstance(raw["leaves"], dict):
+                raise ValueError("leaves is not a mapping")
             leaves = {}
             for k, v in raw["leaves"].items():
-                shape = tuple(int(s) for s in v["shape"])
-                if any(s < 0 for s in shape):
-                    raise ValueError(f"leaf {k!r} has a negative dimension {shape}")
-                leaves[str(k)] = LeafSpec(check_dtype(np.dtype(v["dtype"]), k, where), shape)
+                try:
+                    if not isinstance(v["shape"], list):
+                        raise ValueError(f"shape {v['shape']!r} is not a list")
+                    shape = tuple(_json_int(s, "a dimension") for s in v["shape"])
+                    dtype = np.dtype(v["dtype"])
+                except InvalidStoreError:
+                    raise
+                except Exception as e:
+                    raise ValueError(f"leaf {k!r}: {type(e).__name__}: {e}") from e
+                leaves[str(k)] = LeafSpec(check_dtype(dtype, k, where), shape)
             treedef = raw["treedef"]
             if tree_lib.leaf_keys(treedef) != list(leaves):
                 raise ValueError("the tree structure does not match the leaf list")
             checksums = raw.get("checksums")
-        except InvalidStoreError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except InvalidStoreError as e:
+            if str(e).startswith(where):
+                raise
+            raise InvalidStoreError(f"{where}: {e}") from e
+        except (
+            ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError,
+        ) as e:  # fmt: skip
             raise InvalidStoreError(
                 f"{where}: grain_replay metadata is malformed ({e}). The store may be "
                 "corrupt; rewrite it, or delete the metadata to open it as a foreign store."
             ) from e
         return cls(n, leaves, treedef, checksums, version)
+
+
+def _json_int(value: Any, name: str) -> int:
+    """A non-negative JSON integer (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def check_dtype(dtype: np.dtype, key: str, where: str) -> np.dtype:

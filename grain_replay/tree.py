@@ -7,8 +7,8 @@ leaves. jax is not imported: jax arrays are leaves like any other array.
 from __future__ import annotations
 
 import collections
-import importlib
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -148,16 +148,21 @@ def _rebuild_namedtuple(name: str, fields: tuple[str, ...], values: tuple[Any, .
 
 
 def _namedtuple_class(name: str, fields: tuple[str, ...], module: str, qualname: str) -> type:
-    """The user's NamedTuple class if importable, else a picklable stand-in."""
+    """The user's NamedTuple class if its module is already imported, else a stand-in.
+
+    The module named in a store's metadata is never imported: that would run
+    code chosen by whoever wrote the file.
+    """
     if module and module != "__main__" and "<" not in qualname:
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-            if isinstance(obj, type) and tuple(getattr(obj, "_fields", ())) == fields:
-                return obj
-        except (ImportError, AttributeError):
-            pass
+        obj: Any = sys.modules.get(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, tuple)
+            and tuple(getattr(obj, "_fields", ())) == fields
+        ):
+            return obj
     key = (name, fields)
     cached = _NAMEDTUPLES.get(key)
     if cached is not None:

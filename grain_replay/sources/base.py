@@ -7,22 +7,39 @@ import dataclasses
 import mmap
 import operator
 import os
+import stat
 import threading
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.errors import GrainReplayError, InvalidStoreError, RecordIndexError
 from grain_replay.layout import LeafSpec
 
 __all__ = ["ReplaySource", "Layout", "LeafReader", "ArrayReader", "Handle", "is_url"]
 
 
+def require_regular_file(path: str, key: str = "") -> None:
+    """Refuses FIFOs, devices and sockets, which would block or never end when read."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        leaf = f" (leaf {key!r})" if key else ""
+        raise InvalidStoreError(
+            f"{path}{leaf} is not a regular file (a FIFO, device or socket). Fix: point the "
+            "store at regular files."
+        )
+
+
 def is_url(path: str) -> bool:
     """True for fsspec URLs such as ``s3://bucket/x.zarr`` (``file://`` included)."""
     return "://" in path
+
+
+# Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
+_STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
 
 class LeafReader(abc.ABC):
@@ -213,7 +230,12 @@ class ReplaySource(abc.ABC):
             self._handle = None
         with self._lock:
             if self._handle is None:
-                self._handle = self._open()
+                try:
+                    self._handle = self._open()
+                except GrainReplayError:
+                    raise
+                except _STORE_FAULTS as e:
+                    raise self._corrupt(None, e) from e
                 self._pid = pid
                 self._opens += 1
             return self._handle
@@ -290,19 +312,47 @@ class ReplaySource(abc.ABC):
         if i < 0:
             i += n
         readers = self._get_handle().readers
-        return self._build({k: readers[k].row(i) for k in self._keys})
+        try:
+            return self._build({k: readers[k].row(i) for k in self._keys})
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS as e:
+            raise self._corrupt(None, e) from e
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``indices`` of the single leaf ``key``."""
         if key not in self._layout.spec:
             raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
-        return self._get_handle().readers[key].take(self._check_indices(indices))
+        idx = self._check_indices(indices)
+        try:
+            return self._get_handle().readers[key].take(idx)
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS as e:
+            raise self._corrupt(key, e) from e
 
     def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
         idx = self._check_indices(indices)
         readers = self._get_handle().readers
-        return {k: readers[k].take(idx) for k in self._keys}
+        out = {}
+        for k in self._keys:
+            try:
+                out[k] = readers[k].take(idx)
+            except GrainReplayError:
+                raise
+            except _STORE_FAULTS as e:
+                raise self._corrupt(k, e) from e
+        return out
+
+    def _corrupt(self, key: str | None, error: BaseException) -> InvalidStoreError:
+        """A read that failed inside a format library, as an error naming file and leaf."""
+        leaf = f" leaf {key!r}:" if key is not None else ""
+        return InvalidStoreError(
+            f"{self._path}:{leaf} reading failed ({type(error).__name__}: {error}). The store "
+            "is truncated, corrupt or was changed while open. Fix: re-create it, or run "
+            "`grain-replay verify` to locate the damage."
+        )
 
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
         """Reads records ``indices`` with one vectorized read per leaf.

@@ -71,13 +71,22 @@ def hdf5_direct_block_reader(
     itemsize = dtype.itemsize
     zero = (0,) * (dset.ndim - 1)
     chunk_items = chunk_rows * int(np.prod(row_shape, dtype=np.int64))
+    chunk_bytes = chunk_items * itemsize
 
     def decode(c: int, mask_raw: tuple[int, bytes]) -> np.ndarray:
         mask, raw = mask_raw
         rows = min(chunk_rows, n - c * chunk_rows)
         if mask:  # a filter was skipped for this chunk: let HDF5 decode it
             return dset[c * chunk_rows : c * chunk_rows + rows]
-        data = zlib.decompress(raw)
+        # Bounded: a chunk that inflates past its declared size (a deflate bomb)
+        # is refused instead of allocating whatever it asks for.
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(raw, chunk_bytes + 1)
+        if len(data) != chunk_bytes or inflater.unconsumed_tail:
+            raise ValueError(
+                f"chunk {c} inflates to {len(data):,}{'+' if inflater.unconsumed_tail else ''} "
+                f"bytes, expected {chunk_bytes:,}"
+            )
         if shuffled:
             data = _unshuffle(data, itemsize)
         flat = np.frombuffer(data, dtype=dtype, count=chunk_items)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -9,7 +10,13 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import ArrayReader, Handle, Layout, ReplaySource
+from grain_replay.sources.base import (
+    ArrayReader,
+    Handle,
+    Layout,
+    ReplaySource,
+    require_regular_file,
+)
 
 __all__ = ["NpyDataSource", "read_npy_header"]
 
@@ -22,6 +29,7 @@ def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, boo
     Reads only the header: no data, never unpickles.
     """
     try:
+        require_regular_file(path, key)
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
@@ -31,9 +39,23 @@ def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, boo
             else:
                 raise ValueError(f"unsupported .npy format version {version}")
             offset = f.tell()
+            size = os.fstat(f.fileno()).st_size
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(f"the header declares a negative dimension {shape}")
+        needed = offset + math.prod(shape) * dtype.itemsize
+        if size < needed:
+            raise ValueError(
+                f"the header declares {dtype}{list(shape)} ({needed:,} bytes with the header) "
+                f"but the file holds {size:,} bytes: it is truncated or lies about its shape"
+            )
+    except InvalidStoreError:
+        raise
     except FileNotFoundError as e:
         raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
-    except (ValueError, OSError, SyntaxError) as e:
+    except (
+        ValueError, OSError, SyntaxError, IndexError, TypeError, RecursionError, MemoryError,
+        OverflowError,
+    ) as e:  # fmt: skip
         raise InvalidStoreError(
             f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "
             "with np.save or gr.write_npy."
