@@ -33,6 +33,24 @@ def require_regular_file(path: str, key: str = "") -> None:
         )
 
 
+def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
+    """Refuses a file of a store that resolves outside the store (a symlink leading out).
+
+    Files from elsewhere on the machine are read only when the user opted in
+    with ``allow_external=True``.
+    """
+    if allow_external:
+        return
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise InvalidStoreError(
+            f"{path} (leaf {key!r}) resolves to {real}, outside the store {root}. A store from "
+            "elsewhere could read any file this way. Fix: pass allow_external=True if you "
+            "trust the store, or copy the file into it."
+        )
+
+
 def is_url(path: str) -> bool:
     """True for fsspec URLs such as ``s3://bucket/x.zarr`` (``file://`` included)."""
     return "://" in path
@@ -150,10 +168,12 @@ class ReplaySource(abc.ABC):
         keys: Sequence[str] | None = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
+        allow_external: bool = False,
     ):
         path = os.fspath(path)
         self._path = path if is_url(path) else os.path.abspath(path)
         self._storage_options = dict(storage_options or {})
+        self._allow_external = bool(allow_external)
         self._requested_keys = (
             None if keys is None else [keys] if isinstance(keys, str) else list(keys)
         )

@@ -15,6 +15,7 @@ from grain_replay.sources.base import (
     Handle,
     Layout,
     ReplaySource,
+    check_inside,
     require_regular_file,
 )
 
@@ -115,7 +116,9 @@ class NpyDataSource(ReplaySource):
             locations = {
                 k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
             }
+            check_inside(path, meta_path, "<metadata>", self._allow_external)
             for key, file in locations.items():
+                check_inside(path, file, key, self._allow_external)
                 shape, dtype, _, _ = read_npy_header(file, key)
                 want = meta.leaves[key]
                 if (
@@ -131,7 +134,7 @@ class NpyDataSource(ReplaySource):
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
             )
-        found = _find_npy_files(path)
+        found = _find_npy_files(path, self._allow_external)
         if not found:
             raise InvalidStoreError(
                 f"{path}: the directory holds no .npy file. Fix: pass a directory of .npy "
@@ -141,6 +144,7 @@ class NpyDataSource(ReplaySource):
         spec: dict[str, layout_lib.LeafSpec] = {}
         lengths: dict[str, int] = {}
         for k in keys:
+            check_inside(path, found[k], k, self._allow_external)
             shape, dtype, _, _ = read_npy_header(found[k], k)
             if len(shape) == 0:
                 raise InvalidStoreError(
@@ -153,10 +157,15 @@ class NpyDataSource(ReplaySource):
         return Layout(n, spec, tree_lib.treedef_from_keys(keys), {k: found[k] for k in keys})
 
 
-def _find_npy_files(root: str) -> dict[str, str]:
+def _find_npy_files(root: str, allow_external: bool) -> dict[str, str]:
     out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    # Symlinked directories are followed (and checked) only when external files
+    # are allowed, which also keeps a symlink cycle from walking forever.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=allow_external):
         dirnames[:] = sorted(d for d in dirnames if not d.endswith(".partial"))
+        for d in dirnames:
+            if os.path.islink(os.path.join(dirpath, d)):
+                check_inside(root, os.path.join(dirpath, d), d, allow_external)
         for name in filenames:
             if name.endswith(".npy"):
                 full = os.path.join(dirpath, name)
