@@ -372,13 +372,14 @@ def _selftest_cases(ok: hostile.Case) -> list[hostile.Case]:
 @pytest.fixture(scope="module")
 def answers(corpus: dict[str, hostile.Case]) -> dict[str, dict[str, Any]]:
     # Cases that hang (FIFOs) and the harness's own crash/hang cases go first, so that
-    # the round-robin deal gives each of the 4 children at most one hang.
+    # the round-robin deal spreads the hangs over the children.
     slow = [c for n, c in corpus.items() if "fifo" in n]
     rest = [c for n, c in corpus.items() if "fifo" not in n]
     selftest = _selftest_cases(corpus["control_npy"])
     order = [*slow, selftest[0], selftest[2], *rest, selftest[1], selftest[3]]
     t0 = time.perf_counter()
-    results = hostile.run_corpus(order, shards=4, hang_after_s=3.0)
+    # One child per core: case timings stay honest on a 2-core CI machine.
+    results = hostile.run_corpus(order, shards=2, hang_after_s=3.0)
     assert set(results) == set(corpus) | set(SELFTEST)
     print(f"\n{len(results)} hostile cases probed in {time.perf_counter() - t0:.1f} s")
     return results
