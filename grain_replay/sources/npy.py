@@ -24,10 +24,14 @@ __all__ = ["NpyDataSource", "read_npy_header"]
 NPY_MAGIC = b"\x93NUMPY"
 
 
-def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
+def read_npy_header(
+    path: str, key: str, *, rows: int | None = None, check_size: bool = True
+) -> tuple[tuple[int, ...], np.dtype, bool, int]:
     """``(shape, dtype, fortran_order, data_offset)`` of a ``.npy`` file.
 
-    Reads only the header: no data, never unpickles.
+    Reads only the header: no data, never unpickles. With ``check_size`` the
+    file must hold the data the header declares, or only its first ``rows``
+    rows when given (a growing store's header may run ahead of its data).
     """
     try:
         require_regular_file(path, key)
@@ -43,8 +47,9 @@ def read_npy_header(path: str, key: str) -> tuple[tuple[int, ...], np.dtype, boo
             size = os.fstat(f.fileno()).st_size
         if any(not isinstance(d, int) or d < 0 for d in shape):
             raise ValueError(f"the header declares a negative dimension {shape}")
-        needed = offset + math.prod(shape) * dtype.itemsize
-        if size < needed:
+        counted = shape if rows is None or not shape else (min(rows, shape[0]), *shape[1:])
+        needed = offset + math.prod(counted) * dtype.itemsize
+        if check_size and size < needed:
             raise ValueError(
                 f"the header declares {dtype}{list(shape)} ({needed:,} bytes with the header) "
                 f"but the file holds {size:,} bytes: it is truncated or lies about its shape"
@@ -71,12 +76,16 @@ class _NpyHandle(Handle):
         self.readers = {}
         for key, file in source._layout.locations.items():
             spec = source._layout.spec[key]
+            _, _, fortran, offset = read_npy_header(file, key, rows=n)
+            shape = (n, *spec.shape)
             if n == 0 or spec.dtype.itemsize == 0 or 0 in spec.shape:
-                # np.memmap refuses empty files.
-                array = np.load(file, allow_pickle=False)
+                array = np.zeros(shape, spec.dtype)  # np.memmap refuses empty maps
             else:
-                array = np.load(file, mmap_mode="r", allow_pickle=False)
-            self.readers[key] = ArrayReader(array[:n])
+                # Only the rows the metadata committed are mapped: a growing
+                # store's header and data may run ahead of them.
+                order = "F" if fortran else "C"
+                array = np.memmap(file, spec.dtype, "r", offset, shape, order=order)
+            self.readers[key] = ArrayReader(array)
 
 
 class NpyDataSource(ReplaySource):
@@ -119,7 +128,7 @@ class NpyDataSource(ReplaySource):
             check_inside(path, meta_path, "<metadata>", self._allow_external)
             for key, file in locations.items():
                 check_inside(path, file, key, self._allow_external)
-                shape, dtype, _, _ = read_npy_header(file, key)
+                shape, dtype, _, _ = read_npy_header(file, key, rows=meta.num_records)
                 want = meta.leaves[key]
                 if (
                     shape[:1] < (meta.num_records,)

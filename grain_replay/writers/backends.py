@@ -102,11 +102,14 @@ class NpyBackend(Backend):
         self._fds: dict[str, int] = {}
         for key, file in self._files.items():
             spec = meta.leaves[key]
-            if read_npy_header(file, key)[3] != _NPY_HEADER:
+            if read_npy_header(file, key, check_size=False)[3] != _NPY_HEADER:
                 self._rewrite_with_fixed_header(file, spec, n)
             fd = os.open(file, os.O_RDWR)
-            os.truncate(fd, _NPY_HEADER + n * _row_bytes(spec))  # drop uncommitted rows
+            # Header first: a crash between the two steps leaves a header of n
+            # rows over a file of at least n rows, which every reader accepts.
             os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
+            os.fsync(fd)
+            os.truncate(fd, _NPY_HEADER + n * _row_bytes(spec))  # drop uncommitted rows
             self._fds[key] = fd
 
     @staticmethod
@@ -196,8 +199,10 @@ class ZarrBackend(Backend):
         import zarr
 
         self._group = zarr.open_group(path, mode="r+")
+        # Every chunk on disk, even all-zero ones, so readers can map them.
         self._arrays: dict[str, Any] = {
-            k: self._group[layout_lib.disk_name(k)] for k in meta.leaves
+            k: self._group[layout_lib.disk_name(k)].with_config({"write_empty_chunks": True})
+            for k in meta.leaves
         }
         n = meta.num_records
         for arr in self._arrays.values():
@@ -308,6 +313,12 @@ class HDF5Backend(Backend):
             self._file.flush()
             del attrs[layout_lib.METADATA_ATTR_NEXT]
         for key, d in self._dsets.items():
+            if d.compression is not None or d.id.get_create_plist().get_nfilters():
+                raise InvalidStoreError(
+                    f"{path}: leaf {key!r} is compressed; appending to compressed HDF5 is not "
+                    "crash-safe (rewritten chunks move on disk). Fix: convert to an "
+                    "uncompressed store, or append to a Zarr store with compression."
+                )
             if d.chunks is None or d.maxshape[0] is not None:
                 raise InvalidStoreError(
                     f"{path}: leaf {key!r} is not resizable (written by gr.write, or by "
@@ -339,7 +350,8 @@ class HDF5Backend(Backend):
                     f.create_dataset(
                         layout_lib.disk_name(key),
                         shape=(0, *spec.shape),
-                        maxshape=(None, *spec.shape),
+                        # A zero-size dim cannot hold a chunk of 1 unless it is unlimited.
+                        maxshape=(None, *(None if d == 0 else d for d in spec.shape)),
                         chunks=(rows, *(max(1, d) for d in spec.shape)),
                         dtype=spec.dtype,
                         dcpl=dcpl,

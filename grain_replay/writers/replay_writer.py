@@ -33,7 +33,7 @@ class ReplayWriter:
     count, which every source reads, moves only after the rows are on disk.
     A crash loses at most the rows appended since the last flush. Reopening an
     existing store continues after its committed rows (uncommitted ones are
-    dropped). One writer per store at a time (a lock file ``<path>.lock``).
+    dropped). One writer per store at a time (``flock`` on ``<path>.lock``, which stays).
 
     Args:
       path: the store; created on the first ``append`` if missing.
@@ -107,8 +107,8 @@ class ReplayWriter:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path + ".lock")
+            # The lock file stays: deleting it would let a writer waiting on the
+            # old inode and a new one on a fresh file both hold "the" lock.
             os.close(self._lock_fd)
             self._lock_fd = None
 
