@@ -52,6 +52,7 @@ def multihost() -> ModuleType:
 
 # -- record_cartpole ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "fmt",
     [

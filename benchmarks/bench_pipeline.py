@@ -1,0 +1,171 @@
+"""Section ``pipeline``: read_batch -> make_data_loader -> sharded_device_put, and baselines."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from baselines import H5OpenPerItemSource, H5PerRecordSource
+from bench_common import PAGE_CACHE, Case, Config, SectionResult, index_batches, time_steps
+from bench_data import Store
+from bench_formats import grain_loader_case, open_source
+
+import grain_replay as gr
+
+__all__ = ["run_pipeline"]
+
+LOADER_TARGET = 0.5
+FULL_TARGET = 0.8
+OPEN_PER_ITEM_TARGET = 100.0
+PER_RECORD_TARGET = 30.0
+HOST_BATCHES = 16
+
+
+def _case(
+    cfg: Config, store: Store, fmt: str, method: str, step: Callable[[int], Any], **kw: Any
+) -> Case | None:
+    name = f"pipeline/{store.dataset.name}/{fmt}/{method}"
+    note = kw.pop("note", "")
+    if not cfg.wants(name):
+        return None
+    batches, times = time_steps(step, cfg, **kw)
+    return Case(
+        name, "pipeline", store.dataset.name, fmt, store.layout.name, method, "pipeline",
+        cfg.batch_size, store.dataset.record_bytes, batches, times, note,
+    )  # fmt: skip
+
+
+def _iterate(it: Iterator[Any], block: Callable[[Any], Any] | None = None) -> Callable[[int], Any]:
+    if block is None:
+        return lambda i: next(it)
+    return lambda i: block(next(it))
+
+
+def run_pipeline(
+    cfg: Config,
+    stores: dict[str, dict[str, Store]],
+    res: SectionResult,
+    log: Callable[[str], None],
+) -> None:
+    import jax
+
+    layouts = stores["transitions"]
+    ds = layouts["npy"].dataset
+    b = cfg.batch_size
+    pool = index_batches(ds.n, cfg)
+    platform = jax.devices()[0].platform
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    res.extra["jax"] = {
+        "platform": platform,
+        "device_count": jax.device_count(),
+        "devices": [str(d) for d in jax.devices()[:8]],
+    }
+    log(f"  jax platform={platform} devices={jax.device_count()}")
+    block = jax.block_until_ready
+    # Iterators with prefetch buffers: time them only once the buffers are drained.
+    steady: dict[str, Any] = {"warmup": 6, "warmup_s": cfg.target_s}
+
+    # sharded_device_put alone, over pre-read host batches, and a bare jax.device_put.
+    npy = layouts["npy"]
+    PAGE_CACHE.keep_only([npy.path])
+    with open_source(npy) as src:
+        host = [src.read_batch(pool[j]) for j in range(HOST_BATCHES)]
+    dp_it = gr.sharded_device_put(itertools.cycle(host))
+    dp_only = res.add(
+        _case(cfg, npy, "host", "sharded_device_put-only", _iterate(dp_it, block), **steady)
+    )
+    dp_it.close()
+    bare = res.add(
+        _case(
+            cfg, npy, "host", "bare-jax.device_put",
+            lambda i: block(jax.device_put(host[i % HOST_BATCHES])),
+            **steady,
+            note="one device" + ("" if on_gpu else " (CPU: no host-to-device link)"),
+        )
+    )  # fmt: skip
+    host.clear()
+    if dp_only is not None and bare is not None:
+        res.extra["device_put_gb_per_s"] = {
+            "sharded_device_put": dp_only.mb_per_s / 1e3,
+            "bare_jax_device_put": bare.mb_per_s / 1e3,
+            "host_to_device": on_gpu,
+        }
+        if on_gpu:
+            res.ratio(
+                "pipeline: sharded_device_put H2D GB/s / bare jax.device_put",
+                dp_only, bare, None, "host-to-device",
+            )  # fmt: skip
+        else:
+            res.notes.append(
+                f"device_put rates are CPU copies (platform={platform}), not host-to-device "
+                "transfers: no GB/s comparison is reported."
+            )
+
+    for fmt in ("npy", "hdf5", "zarr"):
+        store = layouts[fmt]
+        PAGE_CACHE.keep_only([store.path])
+        with open_source(store) as src:
+            rb = res.add(
+                _case(cfg, store, fmt, "read_batch", lambda i, src=src: src.read_batch(pool[i]))
+            )
+            loader = None
+            if cfg.wants(f"pipeline/{ds.name}/{fmt}/make_data_loader"):
+                it = iter(gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None))
+                loader = res.add(_case(cfg, store, fmt, "make_data_loader", _iterate(it), **steady))
+                del it
+            full = None
+            if cfg.wants(f"pipeline/{ds.name}/{fmt}/full"):
+                full_it = gr.sharded_device_put(
+                    gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
+                )
+                full = res.add(
+                    _case(
+                        cfg, store, fmt, "full", _iterate(full_it, block), **steady,
+                        note="sharded_device_put(make_data_loader(...)), blocked per batch",
+                    )
+                )  # fmt: skip
+                full_it.close()
+                del full_it
+            gc.collect()
+        if rb is not None and loader is not None:
+            log(
+                f"  {fmt}: read_batch {rb.records_per_s:,.0f} rec/s, loader "
+                f"{loader.records_per_s:,.0f}"
+                + (f", full {full.records_per_s:,.0f}" if full else "")
+            )
+        p = f"pipeline/{ds.name}: {fmt}"
+        res.ratio(f"{p} make_data_loader / read_batch", loader, rb, LOADER_TARGET, "loader")
+        if full is not None and loader is not None and dp_only is not None:
+            slower = min(loader, dp_only, key=lambda c: c.records_per_s)
+            res.ratio(
+                f"{p} full / min(loader, device_put-only) ({slower.method})",
+                full, slower, FULL_TARGET, "full",
+            )  # fmt: skip
+        res.extra.setdefault("full_cases", []).append(f"pipeline/{ds.name}/{fmt}/full")
+
+    # Baselines on the same HDF5 file, in-process (worker_count=0).
+    h5 = layouts["hdf5"]
+    PAGE_CACHE.keep_only([h5.path])
+    naive = res.add(
+        grain_loader_case(
+            cfg, "pipeline", h5, "grain-h5py-open-per-item",
+            H5OpenPerItemSource(h5.path, ds.keys), [], 0, fmt="hdf5", max_batches=4,
+        )
+    )  # fmt: skip
+    per_record = res.add(
+        grain_loader_case(
+            cfg, "pipeline", h5, "grain-h5py-per-record",
+            H5PerRecordSource(h5.path, ds.keys), [], 0, fmt="hdf5",
+        )
+    )  # fmt: skip
+    for fmt in ("npy", "hdf5", "zarr"):
+        full = res.get(f"pipeline/{ds.name}/{fmt}/full")
+        p = f"pipeline/{ds.name}: {fmt}"
+        res.ratio(
+            f"{p} full / grain+h5py open-per-item", full, naive, OPEN_PER_ITEM_TARGET, "vs naive"
+        )
+        res.ratio(
+            f"{p} full / grain+h5py per-record", full, per_record, PER_RECORD_TARGET, "vs naive"
+        )

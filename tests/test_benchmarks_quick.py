@@ -1,0 +1,122 @@
+"""Smoke test of benchmarks/run.py --quick: it runs and reports every section and format.
+
+Performance targets are not asserted here: timings on shared CI machines are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "benchmarks" / "run.py"
+SECTIONS = ("formats", "pipeline", "cold", "write")
+FORMATS = ("npy", "hdf5", "zarr")
+LAYOUTS = (
+    "npy",
+    "hdf5",
+    "zarr",
+    "hdf5-gzip",
+    "hdf5-lzf",
+    "hdf5-chunked",
+    "zarr-zstd",
+    "zarr-native",
+)
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    proc = subprocess.run(
+        [sys.executable, str(RUN), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench_quick")
+    proc = _run("--quick", "--out", str(out))
+    return out, proc.stdout
+
+
+def test_quick_run_writes_results_for_every_section_and_format(quick_run: tuple[Path, str]):
+    out, stdout = quick_run
+    doc = json.loads((out / "results.json").read_text())
+    assert set(SECTIONS) <= set(doc["sections"])
+    for name in SECTIONS:
+        section = doc["sections"][name]
+        cases = section["cases"]
+        assert cases, f"section {name} has no cases"
+        for case in cases:
+            assert _positive(case["records_per_s"]), case["name"]
+            assert _positive(case["mb_per_s"]), case["name"]
+            assert len(case["repeat_s"]) >= 5, case["name"]
+        formats = {c["fmt"] for c in cases}
+        assert set(FORMATS) <= formats, f"section {name} lacks formats {set(FORMATS) - formats}"
+        assert _positive(section["peak_rss_anon_mb"])
+        assert section["ratios"], f"section {name} reports no ratios"
+        for ratio in section["ratios"]:
+            assert _positive(ratio["value"]), ratio["name"]
+    names = {c["name"] for c in doc["sections"]["formats"]["cases"]}
+    for dataset in ("transitions", "images"):
+        for layout in LAYOUTS:
+            assert f"formats/{dataset}/{layout}/read_batch" in names
+        assert f"formats/{dataset}/memory/numpy-gather" in names
+        assert f"formats/{dataset}/arrayrecord/getitems+decode" in names
+    # A spawned grain pipeline over the importable baselines ran.
+    assert any(n.endswith("-w2") for n in names)
+    assert doc["targets"]["passed"] + doc["targets"]["failed"] > 0
+    assert "| ratio | value | target | pass |" in stdout
+
+
+def test_quick_run_draws_the_plot(quick_run: tuple[Path, str]):
+    out, _ = quick_run
+    png = out / "plot.png"
+    assert png.exists() and png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_only_and_sections_filter_and_reuse_the_data(quick_run: tuple[Path, str], tmp_path: Path):
+    out, _ = quick_run
+    proc = _run(
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--data",
+        str(out / "data"),
+        "--sections",
+        "write",
+        "--only",
+        "hdf5-lzf",
+    )
+    # Datasets are reused, not rewritten. (Only the stores written by other libraries
+    # are checked: gr.write's stores are rewritten whenever grain_replay's writer
+    # code changes, which may happen between the two runs while it is being edited.)
+    assert "wrote transitions-20000/hdf5-gzip.h5" not in proc.stdout
+    assert "wrote images-2000/zarr-zstd.zarr" not in proc.stdout
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert list(doc["sections"]) == ["write"]
+    sources = [c for c in doc["sections"]["write"]["cases"] if c["kind"] == "source"]
+    assert sources and all(c["layout"] == "hdf5-lzf" for c in sources)
+    assert (tmp_path / "plot.png").exists()
