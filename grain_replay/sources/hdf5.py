@@ -19,6 +19,7 @@ from grain_replay.sources.chunked import (
     ChunkedLeafReader,
     mapped_reader,
 )
+from grain_replay.sources.decode import hdf5_direct_block_reader
 
 __all__ = ["HDF5DataSource"]
 
@@ -44,7 +45,7 @@ class _HDF5Handle(Handle):
             self._fileobj = fsspec.open(source.path, "rb", **source._storage_options).open()
             self.file = h5py.File(self._fileobj, "r")
         else:
-            self.file = h5py.File(source.path, "r", locking=False)
+            self.file = open_h5(source.path)
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self.readers = {}
@@ -68,7 +69,9 @@ class _HDF5Handle(Handle):
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype,
-                    _block_reader(dset, chunk_rows, n), self.cache,
+                    (hdf5_direct_block_reader(dset, chunk_rows, n) if local else None)
+                    or _block_reader(dset, chunk_rows, n),
+                    self.cache,
                 )  # fmt: skip
         if not any(isinstance(r, ChunkedLeafReader) for r in self.readers.values()):
             # Every leaf is memory-mapped: the h5py handle is not needed, and
@@ -87,6 +90,21 @@ class _HDF5Handle(Handle):
     def close(self) -> None:
         self.readers = {}
         self._close_file()
+
+
+def open_h5(path: str) -> Any:
+    """Opens read-only with HDF5's default file locking, or without it if that is refused.
+
+    Locking stays on for compatibility with other h5py users in the process; a
+    file already opened without locking (a ReplayWriter) refuses a locking open.
+    """
+    h5py = _h5py()
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        if "lock" not in str(e).lower():
+            raise
+        return h5py.File(path, "r", locking=False)
 
 
 def _rows_per(dset: Any, target_bytes: int) -> int:
@@ -197,7 +215,7 @@ class HDF5DataSource(ReplaySource):
                 with fsspec.open(self._path, "rb", **self._storage_options) as fobj:
                     with h5py.File(fobj, "r") as f:
                         return self._layout_of(f)
-            with h5py.File(self._path, "r", locking=False) as f:
+            with open_h5(self._path) as f:
                 return self._layout_of(f)
         except (OSError, ValueError) as e:
             if isinstance(e, InvalidStoreError):
@@ -211,7 +229,9 @@ class HDF5DataSource(ReplaySource):
 
     def _layout_of(self, f: Any) -> Layout:
         h5py = _h5py()
-        raw = f.attrs.get(layout_lib.METADATA_ATTR)
+        raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # only while a commit grows it
+        if raw is None:
+            raw = f.attrs.get(layout_lib.METADATA_ATTR)
         if raw is not None:
             meta = layout_lib.StoreMetadata.from_json(raw, where=self._path)
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
