@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
+from grain_replay.sources.base import check_indices
 
 __all__ = ["DerivedSource", "Spans"]
 
@@ -170,22 +171,7 @@ class DerivedSource(abc.ABC):
         )
 
     def _check_indices(self, indices: Any) -> np.ndarray:
-        n = len(self)
-        idx = np.asarray(indices)
-        if idx.dtype == np.bool_ or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-            raise TypeError(
-                f"{type(self).__name__}: indices must be integers, got dtype {idx.dtype}. "
-                "Fix: pass a sequence or array of ints."
-            )
-        idx = idx.astype(np.int64, copy=False).reshape(-1)
-        bad = (idx < -n) | (idx >= n)
-        if bad.any():
-            raise RecordIndexError(
-                f"{type(self).__name__}({self._access.where}): record index "
-                f"{int(idx[np.argmax(bad)])} is out of range for a source of {n} records "
-                f"(valid: -{n} <= index < {n})."
-            )
-        return np.where(idx < 0, idx + n, idx)
+        return check_indices(indices, len(self), f"{type(self).__name__}({self._access.where})")
 
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""

@@ -60,6 +60,36 @@ def is_url(path: str) -> bool:
 _STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
 
+def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
+    """Record indices as int64 in ``[0, n)``; negative ones count from the end.
+
+    Raises:
+      TypeError: the indices are not integers.
+      RecordIndexError: an index is outside ``[-n, n)``, naming it, ``n`` and ``where``.
+    """
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        if idx.size:
+            raise TypeError(
+                f"{where}: indices must be integers, got dtype {idx.dtype}. "
+                "Fix: pass a sequence or array of ints."
+            )
+        idx = idx.astype(np.int64)
+    if idx.ndim != 1:
+        idx = idx.reshape(-1)
+    if not idx.size:
+        return idx.astype(np.int64, copy=False)
+    lo, hi = idx.min(), idx.max()
+    if lo < -n or hi >= n:
+        first = int(idx[np.argmax((idx < -n) | (idx >= n))])
+        raise RecordIndexError(
+            f"{where}: record index {first} is out of range for a store of "
+            f"{n} records (valid: -{n} <= index < {n})."
+        )
+    idx = idx.astype(np.int64, copy=False)
+    return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
+
+
 class LeafReader(abc.ABC):
     """Reads rows of one leaf. Implementations must be thread-safe."""
 
@@ -291,28 +321,7 @@ class ReplaySource(abc.ABC):
     # -- reads ----------------------------------------------------------------
 
     def _check_indices(self, indices: Any) -> np.ndarray:
-        n = len(self)
-        idx = np.asarray(indices)
-        if idx.dtype.kind not in "iu":
-            if idx.size:
-                raise TypeError(
-                    f"{self._path}: indices must be integers, got dtype {idx.dtype}. "
-                    "Fix: pass a sequence or array of ints."
-                )
-            idx = idx.astype(np.int64)
-        if idx.ndim != 1:
-            idx = idx.reshape(-1)
-        if not idx.size:
-            return idx.astype(np.int64, copy=False)
-        lo, hi = idx.min(), idx.max()
-        if lo < -n or hi >= n:
-            first = int(idx[np.argmax((idx < -n) | (idx >= n))])
-            raise RecordIndexError(
-                f"{self._path}: record index {first} is out of range for a store of "
-                f"{n} records (valid: -{n} <= index < {n})."
-            )
-        idx = idx.astype(np.int64, copy=False)
-        return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
+        return check_indices(indices, len(self), self._path)
 
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
