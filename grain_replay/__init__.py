@@ -12,8 +12,10 @@ from grain_replay.errors import (
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
+    StoreUnreachableError,
     UnfinishedWriteError,
 )
 from grain_replay.layout import LeafSpec
@@ -74,12 +76,16 @@ __all__ = [
     "RecordIndexError",
     "BatchShardingError",
     "MissingDependencyError",
+    "StoreAccessError",
+    "StoreUnreachableError",
+    "RetryOptions",
 ]
 
 _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
+    "RetryOptions": "grain_replay.sources.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     **{
         name: "grain_replay.rl"

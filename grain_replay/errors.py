@@ -12,6 +12,8 @@ __all__ = [
     "RecordIndexError",
     "BatchShardingError",
     "MissingDependencyError",
+    "StoreAccessError",
+    "StoreUnreachableError",
 ]
 
 
@@ -49,3 +51,11 @@ class BatchShardingError(GrainReplayError, ValueError):
 
 class MissingDependencyError(GrainReplayError, ImportError):
     """An optional dependency is not installed."""
+
+
+class StoreAccessError(InvalidStoreError, PermissionError):
+    """A remote store refused the credentials given, or none were found."""
+
+
+class StoreUnreachableError(InvalidStoreError, ConnectionError):
+    """A remote store's endpoint cannot be reached, or kept failing after retries."""

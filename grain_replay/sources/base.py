@@ -262,10 +262,12 @@ class ReplaySource(abc.ABC):
         return self._layout.num_records
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(path={self._path!r}, keys={self._keys!r}, "
-            f"num_records={len(self)})"
-        )
+        path = self._path
+        if is_url(path):
+            from grain_replay.sources.remote import redact_url
+
+            path = redact_url(path)
+        return f"{type(self).__name__}(path={path!r}, keys={self._keys!r}, num_records={len(self)})"
 
     # -- per-process handle ---------------------------------------------------
 

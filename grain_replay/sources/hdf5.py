@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from grain_replay.sources.chunked import (
     mapped_reader,
 )
 from grain_replay.sources.decode import hdf5_direct_block_reader
+
+if TYPE_CHECKING:
+    from grain_replay.sources.remote import RetryOptions
 
 __all__ = ["HDF5DataSource"]
 
@@ -40,10 +43,15 @@ class _HDF5Handle(Handle):
         self._fileobj: Any = None
         self.file: Any = None
         if is_url(source.path):
-            import fsspec
+            from grain_replay.sources import remote as remote_lib
+            from grain_replay.sources import remote_hdf5
 
-            self._fileobj = fsspec.open(source.path, "rb", **source._storage_options).open()
-            self.file = h5py.File(self._fileobj, "r")
+            # One fsspec file object per process; h5py reads through it under its
+            # global lock, each read retried on transient failures.
+            remote = remote_hdf5.new_remote(source)
+            opts = remote_lib.effective_storage_options(source.path, source._storage_options)
+            self._fileobj = remote_hdf5.RetryingFile(source.path, opts, remote)
+            self.file = remote_hdf5.open_remote_file(h5py, self._fileobj, remote)
         else:
             self.file = open_h5(source.path)
         self.cache = ChunkCache(source._cache_bytes)
@@ -67,11 +75,15 @@ class _HDF5Handle(Handle):
                 )  # fmt: skip
             else:
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
+                read_blocks = (
+                    hdf5_direct_block_reader(dset, chunk_rows, n) if local else None
+                ) or _block_reader(dset, chunk_rows, n)
+                if self._fileobj is not None:
+                    from grain_replay.sources.remote_hdf5 import reraise_file_errors
+
+                    read_blocks = reraise_file_errors(read_blocks, self._fileobj)
                 self.readers[key] = ChunkedLeafReader(
-                    key, n, chunk_rows, spec.shape, spec.dtype,
-                    (hdf5_direct_block_reader(dset, chunk_rows, n) if local else None)
-                    or _block_reader(dset, chunk_rows, n),
-                    self.cache,
+                    key, n, chunk_rows, spec.shape, spec.dtype, read_blocks, self.cache,
                 )  # fmt: skip
         if not any(isinstance(r, ChunkedLeafReader) for r in self.readers.values()):
             # Every leaf is memory-mapped: the h5py handle is not needed, and
@@ -172,8 +184,10 @@ class HDF5DataSource(ReplaySource):
     Args:
       path: the ``.h5`` file, or an fsspec URL (``s3://...``).
       keys: leaves (or groups) to read; default all.
-      storage_options: fsspec options for URLs.
+      storage_options: fsspec options for URLs (see :class:`ZarrDataSource`).
       cache_bytes: bound of the decoded-chunk cache per process.
+      retries: retries of a failed remote read (an int, or ``RetryOptions``);
+        0 fails at once. Ignored for local files.
 
     Example:
       >>> src = gr.HDF5DataSource("replay.h5")
@@ -187,8 +201,12 @@ class HDF5DataSource(ReplaySource):
         *,
         storage_options: Mapping[str, Any] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        retries: int | RetryOptions = 3,
     ):
+        from grain_replay.sources import remote as remote_lib
+
         self._cache_bytes = cache_bytes
+        self._retry = remote_lib.retry_options(retries)
         super().__init__(path, keys, storage_options=storage_options)
 
     def _open(self) -> Handle:
@@ -208,13 +226,11 @@ class HDF5DataSource(ReplaySource):
                         f"{self._path} is not an HDF5 file (no HDF5 signature). Fix: pass an "
                         "HDF5 file, or use gr.open_source(path) to detect the format."
                     )
-        try:
-            if is_url(self._path):
-                import fsspec
+        if is_url(self._path):
+            from grain_replay.sources.remote_hdf5 import inspect_remote
 
-                with fsspec.open(self._path, "rb", **self._storage_options) as fobj:
-                    with h5py.File(fobj, "r") as f:
-                        return self._layout_of(f)
+            return inspect_remote(self, h5py)
+        try:
             with open_h5(self._path) as f:
                 return self._layout_of(f)
         except (OSError, ValueError) as e:

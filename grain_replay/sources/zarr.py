@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import operator
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,7 +15,14 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
+from grain_replay.errors import (
+    InvalidStoreError,
+    MissingDependencyError,
+    RecordIndexError,
+    StoreNotFoundError,
+)
+from grain_replay.sources import remote as remote_lib
+from grain_replay.sources import zarr_remote
 from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
 from grain_replay.sources.chunked import (
     DEFAULT_CACHE_BYTES,
@@ -21,6 +30,7 @@ from grain_replay.sources.chunked import (
     ChunkedLeafReader,
     mapped_reader,
 )
+from grain_replay.sources.remote import RetryOptions
 
 __all__ = ["ZarrDataSource", "import_zarr"]
 
@@ -39,16 +49,63 @@ def _open_group(path: str, storage_options: Mapping[str, Any]) -> Any:
     zarr = import_zarr()
     kwargs: dict[str, Any] = {"mode": "r"}
     if is_url(path):
-        kwargs["storage_options"] = dict(storage_options)
+        kwargs["storage_options"] = remote_lib.effective_storage_options(path, storage_options)
     return zarr.open_group(path, **kwargs)
+
+
+def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:
+    node = arrays[loc]
+    if isinstance(node, KeyError):
+        raise node
+    return node
+
+
+def _metadata_locations(group: Any, where: str) -> list[str]:
+    """Array paths named by grain_replay's metadata (none for a foreign group)."""
+    raw = group.attrs.get(layout_lib.METADATA_ATTR)
+    if raw is None:
+        return []
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    meta = layout_lib.StoreMetadata.from_json(text, where=where)
+    return [layout_lib.disk_name(k) for k in meta.leaves]
 
 
 class _ZarrHandle(Handle):
     def __init__(self, source: ZarrDataSource):
-        self.group = _open_group(source.path, source._storage_options)
+        self.remote = source._new_remote() if is_url(source.path) else None
+        # Leaves of a remote store are read in parallel threads, so that the chunk
+        # GETs of every leaf of a batch are in flight together.
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self.readers = {}
+        if self.remote is not None:
+            remote = self.remote
+            opened = source._take_opened()
+            if opened is None:
+                self.group = zarr_remote.open_remote_group(source, remote)
+                locations = list(source._layout.locations.values())
+                arrays = remote.call(
+                    lambda: zarr_remote.fetch_arrays(self.group, locations), "the array metadata"
+                )
+            else:
+                self.group, arrays = opened
+            limiter = zarr_remote.Limiter(source._max_concurrency)
+            for key, loc in source._layout.locations.items():
+                arr = _lookup(arrays, loc)
+                spec = source._layout.spec[key]
+                chunk_rows = int(arr.chunks[0])
+                self.readers[key] = ChunkedLeafReader(
+                    key, n, chunk_rows, spec.shape, spec.dtype,
+                    zarr_remote.remote_block_reader(arr, chunk_rows, n, remote, limiter, key),
+                    self.cache,
+                )  # fmt: skip
+            if len(self.readers) > 1:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    min(len(self.readers), 16), thread_name_prefix="grain_replay_zarr"
+                )
+            return
+        self.group = _open_group(source.path, source._storage_options)
         for key, loc in source._layout.locations.items():
             arr = self.group[loc]
             spec = source._layout.spec[key]
@@ -63,6 +120,11 @@ class _ZarrHandle(Handle):
                 key, n, chunk_rows, spec.shape, spec.dtype,
                 _block_reader(arr, chunk_rows, n), self.cache,
             )  # fmt: skip
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+            self.pool = None
 
 
 # Beyond this many chunk files, decoding through zarr beats holding the maps.
@@ -129,17 +191,34 @@ class ZarrDataSource(ReplaySource):
 
     A batch read groups the requested rows by chunk, fetches the needed chunks
     concurrently, decodes each once and keeps decoded chunks in a bounded
-    cache.
+    cache. For an URL, the chunks of every leaf of a batch are fetched
+    together (at most ``max_concurrency`` requests in flight, one GET per
+    chunk), and transient failures (5xx, connection reset, timeouts) are
+    retried with exponential backoff.
 
     Args:
       path: the group's directory, or an URL such as ``s3://bucket/replay.zarr``.
       keys: leaves (or groups) to read; default all.
-      storage_options: fsspec options for URLs.
+      storage_options: fsspec options for URLs, e.g. ``{"key": ..., "secret": ...,
+        "client_kwargs": {"endpoint_url": ...}}`` for S3. They travel with the
+        source when it is pickled (into grain's workers) but never appear in
+        ``repr`` or in error messages.
       cache_bytes: bound of the decoded-chunk cache per process.
+      retries: retries of a failed remote request (an int, or ``RetryOptions``
+        for the backoff too); 0 fails at once.
+      max_concurrency: remote requests in flight per process.
+
+    Raises:
+      StoreNotFoundError: no group at ``path`` (for S3, says whether the bucket
+        or the key is missing).
+      InvalidStoreError: not a readable Zarr group; for URLs also missing or
+        refused credentials and an unreachable endpoint, naming the
+        ``storage_options`` key to fix.
 
     Example:
       >>> src = gr.ZarrDataSource("replay.zarr")
       >>> len(src), src.spec["obs"].shape
+      >>> s3 = gr.ZarrDataSource("s3://bucket/replay.zarr", storage_options={"anon": True})
     """
 
     def __init__(
@@ -149,20 +228,93 @@ class ZarrDataSource(ReplaySource):
         *,
         storage_options: Mapping[str, Any] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        retries: int | RetryOptions = 3,
+        max_concurrency: int = remote_lib.DEFAULT_CONCURRENCY,
     ):
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
+            raise TypeError(f"max_concurrency must be an int, got {type(max_concurrency).__name__}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._cache_bytes = cache_bytes
+        self._retry = remote_lib.retry_options(retries)
+        self._max_concurrency = max_concurrency
+        # (pid, group, arrays) opened by _inspect, handed to the first handle of
+        # that process so that it does not fetch the same metadata again.
+        self._opened: tuple[int, Any, dict[str, Any]] | None = None
         super().__init__(path, keys, storage_options=storage_options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_opened", None)
+        return state
+
+    def _take_opened(self) -> tuple[Any, dict[str, Any]] | None:
+        """The group and arrays ``_inspect`` opened in this process, once (saves their GETs)."""
+        opened, self._opened = getattr(self, "_opened", None), None
+        if opened is None or opened[0] != os.getpid():
+            return None
+        return opened[1], opened[2]
+
+    def _new_remote(self) -> remote_lib.Remote:
+        return remote_lib.Remote(self._path, self._storage_options, self._retry, kind="Zarr group")
 
     def _open(self) -> Handle:
         return _ZarrHandle(self)
 
+    # -- reads: every leaf of a remote batch at once ---------------------------
+
+    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
+        handle = self._get_handle()
+        pool = getattr(handle, "pool", None)
+        if pool is None:
+            return super().read_flat(indices)
+        idx = self._check_indices(indices)
+        readers = handle.readers
+        futures = [pool.submit(readers[k].take, idx) for k in self._keys]
+        return {k: f.result() for k, f in zip(self._keys, futures)}
+
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+        if not is_url(self._path):
+            return super().__getitem__(index)
+        try:
+            i = operator.index(index)
+        except TypeError as e:
+            raise TypeError(
+                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
+                "Fix: use read_batch(indices) for several records."
+            ) from e
+        n = len(self)
+        if not -n <= i < n:
+            raise RecordIndexError(
+                f"{self._path}: record index {i} is out of range for a store of {n} records "
+                f"(valid: -{n} <= index < {n})."
+            )
+        flat = self.read_flat(np.array([i], dtype=np.int64))
+        return self._build({k: v[0] for k, v in flat.items()})
+
+    # -- layout -----------------------------------------------------------------
+
     def _inspect(self) -> Layout:
-        if not is_url(self._path) and not os.path.isdir(self._path):
+        if is_url(self._path):
+            remote = self._new_remote()
+            group = zarr_remote.open_remote_group(self, remote)
+
+            def layout() -> Layout:
+                locations = _metadata_locations(group, remote.shown)
+                arrays = zarr_remote.fetch_arrays(group, locations) if locations else {}
+                full = self._layout_of(group, arrays)
+                self._opened = (os.getpid(), group, arrays) if locations else None
+                return full
+
+            return remote.call(layout, "the Zarr metadata")
+        if not os.path.isdir(self._path):
             raise StoreNotFoundError(
                 f"No Zarr store at {self._path}. Fix: check the path, or write one with "
                 "gr.write_zarr(path, tree)."
             )
-        zarr = import_zarr()
+        import_zarr()
         try:
             group = _open_group(self._path, self._storage_options)
         except FileNotFoundError as e:
@@ -172,6 +324,10 @@ class ZarrDataSource(ReplaySource):
                 f"{self._path}: zarr cannot open the group ({type(e).__name__}: {e}). Fix: pass "
                 "the root of a Zarr v3 group."
             ) from e
+        return self._layout_of(group)
+
+    def _layout_of(self, group: Any, arrays: Mapping[str, Any] | None = None) -> Layout:
+        zarr = import_zarr()
         raw = group.attrs.get(layout_lib.METADATA_ATTR)
         if raw is not None:
             text = raw if isinstance(raw, str) else json.dumps(raw)
@@ -179,7 +335,7 @@ class ZarrDataSource(ReplaySource):
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
                 try:
-                    arr = group[loc]
+                    arr = group[loc] if arrays is None else _lookup(arrays, loc)
                 except KeyError as e:
                     raise InvalidStoreError(
                         f"{self._path}: leaf {key!r} is listed in the metadata but array "
