@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: install demo test test-slow bench bench-quick lint clean
+.PHONY: install demo test test-slow bench bench-quick bench-s3 lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) benchmarks/run.py --quick
+
+bench-s3: $(STAMP)
+	$(PY) benchmarks/bench_s3.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grain_replay tests examples benchmarks
