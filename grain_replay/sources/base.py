@@ -325,8 +325,8 @@ class ReplaySource(abc.ABC):
     def _check_indices(self, indices: Any) -> np.ndarray:
         return check_indices(indices, len(self), self._path)
 
-    def __getitem__(self, index: int) -> Any:
-        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+    def _check_index(self, index: Any) -> int:
+        """``index`` as a non-negative record number, or the TypeError / RecordIndexError."""
         try:
             i = operator.index(index)
         except TypeError as e:
@@ -340,8 +340,11 @@ class ReplaySource(abc.ABC):
                 f"{self._path}: record index {i} is out of range for a store of {n} records "
                 f"(valid: -{n} <= index < {n})."
             )
-        if i < 0:
-            i += n
+        return i + n if i < 0 else i
+
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+        i = self._check_index(index)
         readers = self._get_handle().readers
         try:
             return self._build({k: readers[k].row(i) for k in self._keys})

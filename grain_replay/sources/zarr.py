@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import operator
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,11 +17,10 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     InvalidStoreError,
     MissingDependencyError,
-    RecordIndexError,
     StoreNotFoundError,
 )
 from grain_replay.sources import remote as remote_lib
-from grain_replay.sources import zarr_remote
+from grain_replay.sources import zarr_decode, zarr_remote
 from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
 from grain_replay.sources.chunked import (
     DEFAULT_CACHE_BYTES,
@@ -116,9 +114,12 @@ class _ZarrHandle(Handle):
                     [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n
                 )
                 continue
+            # Local chunks with plain codecs: read the files and decode on a pool.
+            fast = zarr_decode.local_chunk_reader(arr, n, key, source.path, source._allow_external)
             self.readers[key] = ChunkedLeafReader(
                 key, n, chunk_rows, spec.shape, spec.dtype,
-                _block_reader(arr, chunk_rows, n), self.cache,
+                _block_reader(arr, chunk_rows, n) if fast is None else fast.read_blocks,
+                self.cache, None if fast is None else fast.read_rows,
             )  # fmt: skip
 
     def close(self) -> None:
@@ -278,19 +279,7 @@ class ZarrDataSource(ReplaySource):
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
         if not is_url(self._path):
             return super().__getitem__(index)
-        try:
-            i = operator.index(index)
-        except TypeError as e:
-            raise TypeError(
-                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
-                "Fix: use read_batch(indices) for several records."
-            ) from e
-        n = len(self)
-        if not -n <= i < n:
-            raise RecordIndexError(
-                f"{self._path}: record index {i} is out of range for a store of {n} records "
-                f"(valid: -{n} <= index < {n})."
-            )
+        i = self._check_index(index)
         flat = self.read_flat(np.array([i], dtype=np.int64))
         return self._build({k: v[0] for k, v in flat.items()})
 
