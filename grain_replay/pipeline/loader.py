@@ -13,6 +13,7 @@ import grain
 import numpy as np
 
 from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 
 __all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
@@ -163,6 +164,34 @@ class _GlobalBatchSampler:
         return f"_GlobalBatchSampler(num_batches={self._num_batches})"
 
 
+class _ReplayDataLoader(grain.DataLoader):
+    """A ``grain.DataLoader`` whose ``worker_count=0`` iterator skips grain's per-element work.
+
+    With workers, or with an operation other than ``grain.transforms.Map``, iteration
+    is grain's own. Otherwise it is an :class:`InProcessLoaderIterator`: the same
+    batches and the same checkpoint bytes, read with ``read_options.num_threads``
+    threads keeping ``read_options.prefetch_buffer_size`` batches in flight.
+    """
+
+    def __iter__(self) -> grain.DataLoaderIterator:
+        ops = self._operations
+        if self.multiprocessing_options.num_workers > 0 or not all(
+            isinstance(op, grain.transforms.Map) for op in ops
+        ):
+            return super().__iter__()
+        shards = self._shard_options
+        return InProcessLoaderIterator(
+            self,
+            self._data_source.__getitem__,
+            length=len(self._sampler) // shards.shard_count,
+            shard_index=shards.shard_index,
+            shard_count=shards.shard_count,
+            maps=ops,
+            num_threads=self._read_options.num_threads,
+            buffer_size=self._read_options.prefetch_buffer_size,
+        )
+
+
 def _default_shard_options() -> Any:
     return grain.sharding.ShardByJaxProcess(drop_remainder=True)
 
@@ -218,7 +247,7 @@ def make_data_loader(
     shard_options = shard_options if shard_options is not None else _default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()
-    return grain.DataLoader(
+    return _ReplayDataLoader(
         data_source=reads,
         sampler=_GlobalBatchSampler(len(reads)),
         operations=list(operations),

@@ -1,0 +1,139 @@
+"""The worker_count=0 iterator of make_data_loader: grain's checkpoints, not its per-batch work."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+
+__all__ = ["InProcessLoaderIterator"]
+
+
+class InProcessLoaderIterator(grain.DataLoaderIterator):
+    """Reads global batches in this process, optionally ahead on a small thread pool.
+
+    A ``grain.DataLoader`` with ``worker_count=0`` wraps every element in a record,
+    a sampler lookup, stats timers and a 16-thread prefetch pool: about 200 us per
+    element, three times the read of a page-cached batch of transitions. This
+    iterator yields the same elements in the same order and reads and writes the
+    same ``get_state`` bytes (so a checkpoint moves freely between the two), but
+    an element costs one ``BatchedReads`` lookup plus the ``grain.transforms.Map``
+    operations. ``num_threads`` threads keep up to ``buffer_size`` batches in
+    flight; either being 0 reads synchronously inside ``next()``.
+
+    Element ``k`` of this process is global batch ``k * shard_count + shard_index``,
+    as grain's sampler dataset shards it; the state counts only batches handed out.
+    """
+
+    # grain.DataLoaderIterator.__init__ would build grain's threaded pipeline,
+    # which this class replaces; the attributes its other methods use are set here.
+    def __init__(
+        self,
+        data_loader: grain.DataLoader,
+        read: Callable[[int], Any],
+        *,
+        length: int,
+        shard_index: int,
+        shard_count: int,
+        maps: Sequence[Any] = (),
+        num_threads: int = 0,
+        buffer_size: int = 0,
+    ) -> None:
+        self._data_loader = data_loader
+        self._validate_state = True
+        self._read = read
+        self._length = length
+        self._shard_index = shard_index
+        self._shard_count = shard_count
+        self._maps = tuple(maps)
+        self._num_threads = num_threads
+        self._buffer_size = buffer_size if num_threads > 0 else 0
+        self._next_index = 0
+        self._pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _element(self, k: int) -> Any:
+        data = self._read(k * self._shard_count + self._shard_index)
+        for op in self._maps:
+            data = op.map(data)
+        return data
+
+    def _fill(self) -> None:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._num_threads, thread_name_prefix="grain_replay_read"
+            )
+        k = self._next_index + len(self._pending)
+        while len(self._pending) < self._buffer_size and k < self._length:
+            self._pending.append(self._pool.submit(self._element, k))
+            k += 1
+
+    def _drop_pending(self) -> None:
+        # Reads are pure: one already running finishes and is thrown away.
+        while self._pending:
+            self._pending.pop().cancel()
+
+    def __next__(self) -> Any:
+        if self._buffer_size == 0:
+            if self._next_index >= self._length:
+                raise StopIteration
+            data = self._element(self._next_index)
+        else:
+            self._fill()
+            if not self._pending:
+                raise StopIteration
+            try:
+                data = self._pending.popleft().result()
+            except BaseException:
+                # Not handed out: the next call reads this batch again.
+                self._drop_pending()
+                raise
+        self._next_index += 1
+        return data
+
+    def get_state(self) -> bytes:
+        """The state of a ``grain.DataLoader`` iterator after the same batches, byte for byte."""
+        loader = self._data_loader
+        state = {
+            "version": 2,
+            "last_seen_indices": {
+                "0": self._shard_index + (self._next_index - 1) * self._shard_count
+            },
+            "last_worker_index": -1,
+            "worker_count": 0,
+            "sampler": repr(loader._sampler),  # grain's own checkpoint fields
+            "data_source": repr(loader._data_source),
+        }
+        return json.dumps(state, indent=4).encode()
+
+    def set_state(self, state: bytes) -> None:
+        """Resumes right after the last batch handed out when ``state`` was taken.
+
+        Args:
+          state: bytes from ``get_state`` of this iterator or of a ``grain.DataLoader``
+            iterator with ``worker_count=0`` over the same batches.
+
+        Raises:
+          ValueError: ``state`` was saved with another worker count, sampler or source.
+        """
+        decoded = json.loads(state.decode())
+        self._data_loader._validate_state(decoded)  # grain's own messages
+        last_seen = decoded["last_seen_indices"]["0"]
+        self._drop_pending()
+        self._next_index = (last_seen + self._shard_count - self._shard_index) // self._shard_count
+
+    def start_prefetch(self) -> None:
+        """Starts reading the first batches in the background (no-op when synchronous)."""
+        if self._buffer_size:
+            self._fill()
+
+    def close(self) -> None:
+        """Drops batches read ahead and stops the read threads."""
+        self._drop_pending()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
