@@ -80,18 +80,23 @@ class _Converter:
                 )
             self._tree = jax.tree_util.tree_map(_to_sharding, sharding, is_leaf=_is_sharding)
         self._shard_counts: dict[tuple[Sharding, int], int | None] = {}
+        self._tree_shardings: dict[Any, list[Sharding]] = {}
 
-    def _leaf_shardings(self, batch: Any, count: int) -> list[Sharding]:
+    def _leaf_shardings(self, batch: Any, treedef: Any, count: int) -> list[Sharding]:
         if self._single is not None:
             return [self._single] * count
-        try:
-            full = jax.tree_util.tree_broadcast(self._tree, batch, is_leaf=_is_sharding)
-        except (ValueError, TypeError) as e:
-            raise BatchShardingError(
-                "The sharding pytree is not a prefix of the batch's structure. Give one "
-                f"sharding per leaf or per subtree of the batch. ({e})"
-            ) from e
-        return list(jax.tree_util.tree_leaves(full, is_leaf=_is_sharding))
+        shardings = self._tree_shardings.get(treedef)
+        if shardings is None:  # depends on the batch's structure only: worked out once
+            try:
+                full = jax.tree_util.tree_broadcast(self._tree, batch, is_leaf=_is_sharding)
+            except (ValueError, TypeError) as e:
+                raise BatchShardingError(
+                    "The sharding pytree is not a prefix of the batch's structure. Give one "
+                    f"sharding per leaf or per subtree of the batch. ({e})"
+                ) from e
+            shardings = list(jax.tree_util.tree_leaves(full, is_leaf=_is_sharding))
+            self._tree_shardings[treedef] = shardings
+        return shardings
 
     def _local_shards(self, sharding: Sharding, ndim: int) -> int | None:
         """Distinct slices of axis 0 this process holds; None if the sharding can't tell."""
@@ -107,16 +112,15 @@ class _Converter:
         return self._shard_counts[key]
 
     def __call__(self, batch: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        shardings = self._leaf_shardings(batch, len(leaves))
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        shardings = self._leaf_shardings(batch, treedef, len(leaves))
         arrays = []
-        for (path, leaf), sharding in zip(leaves, shardings, strict=True):
-            name = jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+        for i, (leaf, sharding) in enumerate(zip(leaves, shardings, strict=True)):
             array = leaf if hasattr(leaf, "ndim") and hasattr(leaf, "shape") else np.asarray(leaf)
             if array.ndim == 0:
                 raise BatchShardingError(
-                    f"Leaf '{name}' is a scalar (rank 0), so it has no leading batch axis to "
-                    "shard. Give every leaf of the batch a leading batch axis."
+                    f"Leaf '{_leaf_name(batch, i)}' is a scalar (rank 0), so it has no leading "
+                    "batch axis to shard. Give every leaf of the batch a leading batch axis."
                 )
             devices = self._local_shards(sharding, array.ndim)
             size = array.shape[0]
@@ -124,10 +128,10 @@ class _Converter:
                 lower, upper = size // devices * devices, (size // devices + 1) * devices
                 nearest = f"{lower} or {upper}" if lower else f"{upper}"
                 raise BatchShardingError(
-                    f"Leaf '{name}' has a per-process batch size of {size}, which does not "
-                    f"split evenly over the {devices} process-local devices its leading axis "
-                    f"is sharded across. Use a per-process batch size that is a multiple of "
-                    f"{devices}: {devices}, {2 * devices}, {3 * devices}, ...; "
+                    f"Leaf '{_leaf_name(batch, i)}' has a per-process batch size of {size}, "
+                    f"which does not split evenly over the {devices} process-local devices its "
+                    f"leading axis is sharded across. Use a per-process batch size that is a "
+                    f"multiple of {devices}: {devices}, {2 * devices}, {3 * devices}, ...; "
                     f"nearest: {nearest}."
                 )
             arrays.append((array, sharding))
@@ -139,6 +143,12 @@ class _Converter:
         else:
             out = [jax.make_array_from_process_local_data(s, a) for a, s in arrays]
         return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _leaf_name(batch: Any, i: int) -> str:
+    """``"obs/pixels"`` for leaf ``i`` of ``batch``: built for error messages only."""
+    path, _ = jax.tree_util.tree_flatten_with_path(batch)[0][i]
+    return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
 def _produce(

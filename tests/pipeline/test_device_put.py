@@ -174,6 +174,33 @@ def test_uses_one_sharding_per_leaf_pytree_of_shardings() -> None:
     _assert_sharded(out, host, [by_all, by_all, by_x])
 
 
+@needs_8_devices
+def test_matches_sharding_tree_per_structure_batches_of_two_structures() -> None:
+    mesh = _mesh_2d()
+    by_x = NamedSharding(mesh, PartitionSpec("x"))
+    by_all = NamedSharding(mesh, PartitionSpec(("x", "y")))
+    nested = _dict_batch(0)  # "obs" is a subtree of two leaves
+    flat = {"obs": np.zeros((8, 3), np.float32), "reward": np.ones(8, np.float32)}
+    bad = {"obs": np.zeros((8, 3), np.float32), "done": np.ones(8, bool)}
+    hosts = [nested, flat, nested, flat, bad]
+    it = sharded_device_put(iter(hosts), {"obs": by_all, "reward": by_x}, prefetch=0)
+    for host in hosts[:-1]:  # the shardings worked out for one structure never leak into another
+        want = [by_all, by_all, by_x] if host is nested else [by_all, by_x]
+        _assert_sharded(next(it), host, want)
+    with pytest.raises(BatchShardingError, match="prefix"):
+        next(it)
+
+
+@needs_8_devices
+def test_names_leaf_uneven_batch_after_earlier_batches_of_same_structure() -> None:
+    good = {"a": np.zeros((8,)), "b": {"c": np.zeros((8, 2)), "d": np.zeros((8,))}}
+    bad = {"a": np.zeros((8,)), "b": {"c": np.zeros((8, 2)), "d": np.zeros((12,))}}
+    it = sharded_device_put([good, good, bad], prefetch=0)
+    next(it), next(it)
+    with pytest.raises(BatchShardingError, match=r"Leaf 'b/d' .* 12,.* 8 process-local"):
+        next(it)
+
+
 def test_same_stream_prefetch_0_1_3() -> None:
     streams = []
     for prefetch in (0, 1, 3):
