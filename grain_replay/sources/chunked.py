@@ -25,6 +25,10 @@ __all__ = [
 # of a transition store.
 DEFAULT_CACHE_BYTES = 128 * 2**20
 
+# A batch's missing blocks are decoded in groups of at most this many bytes, or
+# the cache bound if larger (the blocks of a group decode in parallel).
+_MIN_GROUP_BYTES = 64 * 2**20
+
 
 class ChunkCache:
     """Thread-safe LRU of decoded chunks, bounded by bytes."""
@@ -62,6 +66,12 @@ class ChunkCache:
                 _, evicted = self._data.popitem(last=False)
                 self._bytes -= evicted.nbytes
 
+    def clear(self) -> None:
+        """Drops every decoded chunk (the hit and miss counters stay)."""
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
     @property
     def nbytes(self) -> int:
         return self._bytes
@@ -97,6 +107,10 @@ class ChunkedLeafReader(LeafReader):
       read_blocks: decodes rows ``[c * chunk_rows, (c + 1) * chunk_rows)`` for
         each chunk id ``c`` given; may fetch them concurrently.
       cache: decoded-chunk cache shared by the leaves of a handle.
+      read_rows: optional; ``read_rows(chunk_ids, offsets)`` returns only the
+        rows at ``offsets[j]`` of block ``chunk_ids[j]``. Used instead of
+        ``read_blocks`` when a block is bigger than the cache could ever keep,
+        so that a batch never holds whole giant blocks.
     """
 
     def __init__(
@@ -108,6 +122,8 @@ class ChunkedLeafReader(LeafReader):
         dtype: np.dtype,
         read_blocks: Callable[[Sequence[int]], Sequence[np.ndarray]],
         cache: ChunkCache,
+        read_rows: Callable[[Sequence[int], Sequence[np.ndarray]], Sequence[np.ndarray]]
+        | None = None,
     ):
         self._name = name
         self._n = num_records
@@ -116,22 +132,43 @@ class ChunkedLeafReader(LeafReader):
         self._dtype = dtype
         self._read_blocks = read_blocks
         self._cache = cache
+        self._read_rows = read_rows
+        row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+        self._block_bytes = max(1, self._chunk_rows * row_bytes)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         out = np.empty((len(indices), *self._row_shape), dtype=self._dtype)
         if len(indices) == 0:
             return out
         chunk_ids, order, bounds = group_by_chunk(indices, self._chunk_rows)
-        blocks: list[np.ndarray | None] = [self._cache.get((self._name, int(c))) for c in chunk_ids]
-        missing = [j for j, b in enumerate(blocks) if b is None]
-        if missing:
-            fetched = self._read_blocks([int(chunk_ids[j]) for j in missing])
-            for j, block in zip(missing, fetched):
-                blocks[j] = block
-                self._cache.put((self._name, int(chunk_ids[j])), block)
+        rows = self._chunk_rows
+        if self._read_rows is not None and self._block_bytes > self._cache.max_bytes:
+            # Blocks the cache would refuse: decode them for the rows asked only.
+            positions = [order[bounds[j] : bounds[j + 1]] for j in range(len(chunk_ids))]
+            offsets = [indices[p] - int(c) * rows for p, c in zip(positions, chunk_ids)]
+            for p, got in zip(positions, self._read_rows([int(c) for c in chunk_ids], offsets)):
+                out[p] = got
+            return out
+        missing = []
         for j, c in enumerate(chunk_ids):
+            block = self._cache.get((self._name, int(c)))
+            if block is None:
+                missing.append(j)
+                continue
             pos = order[bounds[j] : bounds[j + 1]]
-            out[pos] = blocks[j][indices[pos] - int(c) * self._chunk_rows]  # type: ignore[index]
+            out[pos] = block[indices[pos] - int(c) * rows]
+        # Fetched in groups of at most ~the cache bound of decoded bytes, so
+        # that a batch touching many big blocks never holds all of them at once.
+        budget = max(self._cache.max_bytes, _MIN_GROUP_BYTES)
+        per_group = max(1, budget // self._block_bytes)
+        for g in range(0, len(missing), per_group):
+            group = missing[g : g + per_group]
+            fetched = self._read_blocks([int(chunk_ids[j]) for j in group])
+            for j, block in zip(group, fetched):
+                c = int(chunk_ids[j])
+                self._cache.put((self._name, c), block)
+                pos = order[bounds[j] : bounds[j + 1]]
+                out[pos] = block[indices[pos] - c * rows]
         return out
 
 
