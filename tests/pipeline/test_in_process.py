@@ -64,13 +64,15 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return p
 
 
-def _loader(source: Any, reads: tuple[int, int] = (2, 4), **kwargs: Any) -> grain.DataLoader:
+def _loader(source: Any, reads: tuple[int, int] | None = (2, 4), **kwargs: Any) -> grain.DataLoader:
+    """``reads``: (num_threads, prefetch_buffer_size), or None for make_data_loader's default."""
     kwargs.setdefault("shard_options", NO_SHARDING)
     kwargs.setdefault("batch_size", 8)
     kwargs.setdefault("seed", 5)
     kwargs.setdefault("num_epochs", 2)
-    options = grain.ReadOptions(num_threads=reads[0], prefetch_buffer_size=reads[1])
-    return gr.make_data_loader(source, read_options=options, **kwargs)
+    if reads is not None:
+        kwargs["read_options"] = grain.ReadOptions(*reads)
+    return gr.make_data_loader(source, **kwargs)
 
 
 def _grain_iter(loader: grain.DataLoader) -> grain.DataLoaderIterator:
@@ -205,8 +207,10 @@ def test_other_operations_and_workers_use_grain_iterator(path: str) -> None:
     assert not isinstance(iter(workers), InProcessLoaderIterator)
 
 
-@pytest.mark.parametrize("reads", [(0, 0), (2, 0)])
-def test_reads_only_inside_next_without_read_ahead(path: str, reads: tuple[int, int]) -> None:
+@pytest.mark.parametrize("reads", [None, (0, 0), (2, 0)], ids=["default", "0-threads", "0-buffer"])
+def test_reads_only_inside_next_without_read_ahead(
+    path: str, reads: tuple[int, int] | None
+) -> None:
     src = FailingSource(gr.open_source(path), fail_on=-1)
     it = iter(_loader(src, reads))
     it.start_prefetch()
