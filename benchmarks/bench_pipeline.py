@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,9 @@ FULL_TARGET = 0.8
 OPEN_PER_ITEM_TARGET = 100.0
 PER_RECORD_TARGET = 30.0
 HOST_BATCHES = 16
+PAIRED_HOST_BATCHES = 256  # 34 MB of transitions at batch 256
+_SLICES = 8  # slices of a repeat timed in turns (_paired)
+_DRAIN = 3  # untimed steps before a slice: more than sharded_device_put's prefetch of 2
 
 
 def _case(
@@ -35,6 +40,48 @@ def _case(
         name, "pipeline", store.dataset.name, fmt, store.layout.name, method, "pipeline",
         cfg.batch_size, store.dataset.record_bytes, batches, times, note,
     )  # fmt: skip
+
+
+def _paired(
+    cfg: Config, store: Store, fmt: str, steps: dict[str, Callable[[int], Any]], **kw: Any
+) -> dict[str, Case]:
+    """Times ``steps`` in turns, in slices of a repeat, so that all see the same machine load.
+
+    Ratios of cases timed seconds apart on a busy 2-core machine measure the load
+    as much as the code. Each case is warmed up and sized on its own (see
+    :func:`time_steps`); then every repeat is cut in ``_SLICES`` slices, and each
+    slice times the cases one after the other. Before a slice of a case,
+    ``_DRAIN`` untimed steps empty what its prefetch threads buffered while the
+    other cases ran, so that a slice sees the case's steady state.
+    """
+    names = {m: f"pipeline/{store.dataset.name}/{fmt}/{m}" for m in steps}
+    steps = {m: f for m, f in steps.items() if cfg.wants(names[m])}
+    one = dataclasses.replace(cfg, repeats=1, case_budget_s=None)
+    per_slice = {}
+    for m, step in steps.items():
+        k, _ = time_steps(step, one, **kw)
+        per_slice[m] = max(1, k // _SLICES)
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for _ in range(cfg.repeats):
+        total = dict.fromkeys(steps, 0.0)
+        for _ in range(_SLICES):
+            for m, step in steps.items():
+                for _ in range(_DRAIN):
+                    step(0)
+                t0 = time.perf_counter()
+                for _ in range(per_slice[m]):
+                    step(0)
+                total[m] += time.perf_counter() - t0
+        for m in steps:
+            times[m].append(total[m])
+    out = {}
+    for m in steps:
+        out[m] = Case(
+            names[m], "pipeline", store.dataset.name, fmt, store.layout.name, m, "pipeline",
+            cfg.batch_size, store.dataset.record_bytes, per_slice[m] * _SLICES, times[m],
+            "timed in turns with its format's other cases",
+        )  # fmt: skip
+    return out
 
 
 def _iterate(it: Iterator[Any], block: Callable[[Any], Any] | None = None) -> Callable[[int], Any]:
@@ -103,32 +150,41 @@ def run_pipeline(
                 "transfers: no GB/s comparison is reported."
             )
 
+    # Per format, the four cases of its two ratios are timed in turns (see _paired):
+    # read_batch, the loader, sharded_device_put over pre-read batches, and both stages.
     for fmt in ("npy", "hdf5", "zarr"):
         store = layouts[fmt]
         PAGE_CACHE.keep_only([store.path])
         with open_source(store) as src:
-            rb = res.add(
-                _case(cfg, store, fmt, "read_batch", lambda i, src=src: src.read_batch(pool[i]))
+            # The batches the full pipeline starts with, too many to stay in CPU caches.
+            first = gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
+            host_batches = list(itertools.islice(first, PAIRED_HOST_BATCHES))
+            reads = itertools.count()
+            loader_it = iter(gr.make_data_loader(src, batch_size=b, num_epochs=None))
+            dp_it = gr.sharded_device_put(itertools.cycle(host_batches))
+            full_it = gr.sharded_device_put(
+                gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
             )
-            loader = None
-            if cfg.wants(f"pipeline/{ds.name}/{fmt}/make_data_loader"):
-                it = iter(gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None))
-                loader = res.add(_case(cfg, store, fmt, "make_data_loader", _iterate(it), **steady))
-                del it
-            full = None
-            if cfg.wants(f"pipeline/{ds.name}/{fmt}/full"):
-                full_it = gr.sharded_device_put(
-                    gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
-                )
-                full = res.add(
-                    _case(
-                        cfg, store, fmt, "full", _iterate(full_it, block), **steady,
-                        note="sharded_device_put(make_data_loader(...)), blocked per batch",
-                    )
-                )  # fmt: skip
-                full_it.close()
-                del full_it
+            cases = _paired(
+                cfg, store, fmt,
+                {
+                    "read_batch": lambda i, src=src, reads=reads: src.read_batch(
+                        pool[next(reads) % len(pool)]
+                    ),
+                    "make_data_loader": _iterate(loader_it),
+                    "sharded_device_put-only": _iterate(dp_it, block),
+                    "full": _iterate(full_it, block),
+                },
+                **steady,
+            )  # fmt: skip
+            dp_it.close()
+            full_it.close()
+            del loader_it, dp_it, full_it, host_batches
             gc.collect()
+        for c in cases.values():
+            res.add(c)
+        rb, loader = cases.get("read_batch"), cases.get("make_data_loader")
+        dp, full = cases.get("sharded_device_put-only"), cases.get("full")
         if rb is not None and loader is not None:
             log(
                 f"  {fmt}: read_batch {rb.records_per_s:,.0f} rec/s, loader "
@@ -137,8 +193,8 @@ def run_pipeline(
             )
         p = f"pipeline/{ds.name}: {fmt}"
         res.ratio(f"{p} make_data_loader / read_batch", loader, rb, LOADER_TARGET, "loader")
-        if full is not None and loader is not None and dp_only is not None:
-            slower = min(loader, dp_only, key=lambda c: c.records_per_s)
+        if full is not None and loader is not None and dp is not None:
+            slower = min(loader, dp, key=lambda c: c.records_per_s)
             res.ratio(
                 f"{p} full / min(loader, device_put-only) ({slower.method})",
                 full, slower, FULL_TARGET, "full",

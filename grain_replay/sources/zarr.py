@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +20,7 @@ from grain_replay.errors import (
     StoreNotFoundError,
 )
 from grain_replay.sources import remote as remote_lib
-from grain_replay.sources import zarr_decode, zarr_remote
+from grain_replay.sources import zarr_checks, zarr_decode, zarr_remote
 from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
 from grain_replay.sources.chunked import (
     DEFAULT_CACHE_BYTES,
@@ -108,7 +108,7 @@ class _ZarrHandle(Handle):
             arr = self.group[loc]
             spec = source._layout.spec[key]
             chunk_rows = int(arr.chunks[0])
-            files = _raw_chunk_files(arr, n)
+            files = _raw_chunk_files(arr, n, key, spec.dtype, source)
             if files is not None:
                 self.readers[key] = mapped_reader(
                     [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n
@@ -118,7 +118,7 @@ class _ZarrHandle(Handle):
             fast = zarr_decode.local_chunk_reader(arr, n, key, source.path, source._allow_external)
             self.readers[key] = ChunkedLeafReader(
                 key, n, chunk_rows, spec.shape, spec.dtype,
-                _block_reader(arr, chunk_rows, n) if fast is None else fast.read_blocks,
+                _block_reader(arr, chunk_rows, n, key) if fast is None else fast.read_blocks,
                 self.cache, None if fast is None else fast.read_rows,
             )  # fmt: skip
 
@@ -132,11 +132,19 @@ class _ZarrHandle(Handle):
 _MAX_MAPPED_CHUNKS = 4096
 
 
-def _raw_chunk_files(arr: Any, n: int) -> list[str] | None:
+def _raw_chunk_files(
+    arr: Any, n: int, key: str, want: np.dtype, source: ZarrDataSource
+) -> list[str] | None:
     """Chunk files of a local, uncompressed, row-chunked array, or None.
 
     Such a chunk file is the rows' bytes, C order: it can be memory-mapped
-    instead of decoded.
+    instead of decoded, as ``want`` (the leaf's dtype) when the bytes codec
+    stores that byte order. Each file is checked once here (regular, inside
+    the store, exactly one chunk's bytes), not at every read.
+
+    Raises:
+      InvalidStoreError: a chunk file that is not a regular file, leads out of
+        the store, or is not the size of one chunk.
     """
     from zarr.codecs import BytesCodec
     from zarr.storage import LocalStore
@@ -151,7 +159,13 @@ def _raw_chunk_files(arr: Any, n: int) -> list[str] | None:
     if dtype.hasobject or dtype.kind == "V":
         return None
     endian = getattr(codecs[0], "endian", None)
-    if dtype.itemsize > 1 and getattr(endian, "value", endian) != sys.byteorder:
+    if dtype.itemsize > 1:
+        # Zarr 3 keeps the byte order in the bytes codec, not in data_type.
+        order = getattr(endian, "value", endian)
+        if order not in ("little", "big"):
+            return None
+        dtype = dtype.newbyteorder("<" if order == "little" else ">")
+    if dtype != want:  # e.g. '>f4' leaves stored little-endian: read through zarr
         return None
     if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or arr.chunks[0] == 0:
         return None
@@ -159,17 +173,20 @@ def _raw_chunk_files(arr: Any, n: int) -> list[str] | None:
     if needed > _MAX_MAPPED_CHUNKS:
         return None
     root = os.path.join(str(arr.store.root), arr.path)
-    files = []
-    for c in range(needed):
-        key = meta.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
-        f = os.path.join(root, key)
-        if not os.path.isfile(f):  # an unwritten chunk reads as the fill value
-            return None
-        files.append(f)
+    files = [
+        os.path.join(root, meta.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1)))
+        for c in range(needed)
+    ]
+    chunk_bytes = dtype.itemsize * math.prod(int(c) for c in arr.chunks)
+    store = source.path
+    if not zarr_checks.check_chunk_files(
+        files, root, key, chunk_bytes, store, source._allow_external
+    ):
+        return None  # an unwritten chunk reads as the fill value
     return files
 
 
-def _block_reader(arr: Any, chunk_rows: int, n: int) -> Any:
+def _block_reader(arr: Any, chunk_rows: int, n: int, key: str) -> Any:
     from zarr.core.sync import sync
 
     async_arr = arr._async_array
@@ -182,7 +199,14 @@ def _block_reader(arr: Any, chunk_rows: int, n: int) -> Any:
         return [np.asarray(b) for b in await asyncio.gather(*coros)]
 
     def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        return sync(fetch(chunk_ids))
+        try:
+            return sync(fetch(chunk_ids))
+        except (ValueError, RuntimeError, TypeError, OSError) as e:
+            where = os.path.join(str(getattr(arr.store, "root", arr.store)), arr.path)
+            raise InvalidStoreError(
+                f"{where}: leaf {key!r} chunks {list(chunk_ids)} cannot be decoded "
+                f"({type(e).__name__}: {e}). The store is corrupt; re-create it."
+            ) from e
 
     return read_blocks
 
@@ -208,11 +232,16 @@ class ZarrDataSource(ReplaySource):
       retries: retries of a failed remote request (an int, or ``RetryOptions``
         for the backoff too); 0 fails at once.
       max_concurrency: remote requests in flight per process.
+      allow_external: follow symlinks (array folders, chunk files) that lead
+        out of a local store; refused by default, since a store from elsewhere
+        could read any file on the machine this way.
 
     Raises:
       StoreNotFoundError: no group at ``path`` (for S3, says whether the bucket
         or the key is missing).
-      InvalidStoreError: not a readable Zarr group; for URLs also missing or
+      InvalidStoreError: not a readable Zarr group, or one whose files lie
+        (array metadata that disagrees with grain_replay's, chunk files of the
+        wrong size, FIFOs, symlinks out of the store); for URLs also missing or
         refused credentials and an unreachable endpoint, naming the
         ``storage_options`` key to fix.
 
@@ -231,6 +260,7 @@ class ZarrDataSource(ReplaySource):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         retries: int | RetryOptions = 3,
         max_concurrency: int = remote_lib.DEFAULT_CONCURRENCY,
+        allow_external: bool = False,
     ):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
             raise TypeError(f"max_concurrency must be an int, got {type(max_concurrency).__name__}")
@@ -242,7 +272,7 @@ class ZarrDataSource(ReplaySource):
         # (pid, group, arrays) opened by _inspect, handed to the first handle of
         # that process so that it does not fetch the same metadata again.
         self._opened: tuple[int, Any, dict[str, Any]] | None = None
-        super().__init__(path, keys, storage_options=storage_options)
+        super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -304,6 +334,8 @@ class ZarrDataSource(ReplaySource):
                 "gr.write_zarr(path, tree)."
             )
         import_zarr()
+        # A FIFO as zarr.json would block zarr's open forever.
+        zarr_checks.check_node(self._path, self._path, None, self._allow_external)
         try:
             group = _open_group(self._path, self._storage_options)
         except FileNotFoundError as e:
@@ -323,12 +355,23 @@ class ZarrDataSource(ReplaySource):
             meta = layout_lib.StoreMetadata.from_json(text, where=self._path)
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
+                where = self._array_metadata_file(loc)
                 try:
+                    if arrays is None:
+                        folder = os.path.join(self._path, loc)
+                        zarr_checks.check_node(self._path, folder, key, self._allow_external)
                     arr = group[loc] if arrays is None else _lookup(arrays, loc)
                 except KeyError as e:
                     raise InvalidStoreError(
                         f"{self._path}: leaf {key!r} is listed in the metadata but array "
                         f"{loc!r} is missing. The store is corrupt; re-create it."
+                    ) from e
+                except (ValueError, TypeError, OSError) as e:
+                    if isinstance(e, InvalidStoreError):
+                        raise
+                    raise InvalidStoreError(
+                        f"{where}: the array metadata of leaf {key!r} cannot be read "
+                        f"({type(e).__name__}: {e}). The store is corrupt; re-create it."
                     ) from e
                 want = meta.leaves[key]
                 if arr.shape[0] < meta.num_records or tuple(arr.shape[1:]) != want.shape:
@@ -336,14 +379,25 @@ class ZarrDataSource(ReplaySource):
                         f"{self._path}: leaf {key!r} has shape {arr.shape} but the metadata "
                         f"says ({meta.num_records}, ...{list(want.shape)}). Re-create the store."
                     )
+                zarr_checks.check_array(arr, key, want.dtype, where, self._cache_bytes)
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
             )
-        found = {
-            name: arr
-            for name, arr in group.members(max_depth=None)
-            if isinstance(arr, zarr.Array) and arr.ndim > 0
-        }
+        if not is_url(self._path):
+            zarr_checks.check_foreign_tree(self._path, self._allow_external)
+        try:
+            found = {
+                name: arr
+                for name, arr in group.members(max_depth=None)
+                if isinstance(arr, zarr.Array) and arr.ndim > 0
+            }
+        except (ValueError, TypeError, OSError) as e:
+            if isinstance(e, InvalidStoreError):
+                raise
+            raise InvalidStoreError(
+                f"{self._path}: the metadata (zarr.json) of a node below the group cannot be "
+                f"read ({type(e).__name__}: {e}). The store is corrupt; re-create it."
+            ) from e
         if not found:
             raise InvalidStoreError(
                 f"{self._path}: the group holds no array with a records axis. Fix: write one "
@@ -353,6 +407,14 @@ class ZarrDataSource(ReplaySource):
         spec = {}
         for k in keys:
             dtype = layout_lib.check_dtype(np.dtype(found[k].dtype), k, self._path)
+            where = self._array_metadata_file(k)
+            zarr_checks.check_array(found[k], k, None, where, self._cache_bytes)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})
         return Layout(n, spec, tree_lib.treedef_from_keys(keys), {k: k for k in keys})
+
+    def _array_metadata_file(self, loc: str) -> str:
+        """The array's zarr.json, as errors name it."""
+        if is_url(self._path):
+            return f"{self._path.rstrip('/')}/{loc}/zarr.json"
+        return os.path.join(self._path, loc, "zarr.json")

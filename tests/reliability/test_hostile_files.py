@@ -206,6 +206,22 @@ _FIXED = frozenset(
         "zarr_zstd_chunk_truncated_00",
         "zarr_zstd_chunk_truncated_01",
         "zarr_zstd_chunk_truncated_02",
+        "zarr_array_json_garbage",
+        "zarr_array_json_truncated_00",
+        "zarr_array_json_truncated_01",
+        "zarr_array_json_truncated_02",
+        "zarr_chunk_truncated_00",
+        "zarr_chunk_truncated_01",
+        "zarr_chunk_truncated_02",
+        "zarr_chunk_truncated_03",
+        "zarr_chunk_truncated_04",
+        "zarr_chunks_lie_bigger",
+        "zarr_dtype_lie",
+        "zarr_fifo_root_json",
+        "zarr_foreign_chunk_shape_2p60",
+        "zarr_meta_dtype_lie",
+        "zarr_symlink_chunk_outside",
+        "zarr_symlink_array_outside",
         "zarr_fifo_chunk",  # sources/zarr_decode.py opens chunks O_NONBLOCK and refuses non-files
     }
 )
@@ -442,7 +458,13 @@ def test_reference_out_of_store_refused_without_allow_external(
 
 
 _FIXED_WITH_OPT_IN = frozenset(
-    {"npy_symlink_leaf_outside", "npy_symlink_dir_outside", "npy_symlink_foreign_outside"}
+    {
+        "npy_symlink_leaf_outside",
+        "npy_symlink_dir_outside",
+        "npy_symlink_foreign_outside",
+        "zarr_symlink_chunk_outside",
+        "zarr_symlink_array_outside",
+    }
 )
 
 

@@ -192,16 +192,7 @@ def test_append_accepts_jax_arrays(tmp_path, fmt):
     [
         "hdf5",
         "npy",
-        pytest.param(
-            "zarr",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: sources/zarr.py memory-maps raw chunks with the metadata dtype "
-                "('>f4') while zarr stored the bytes little-endian (zarr 3 keeps no byte "
-                "order in data_type; the bytes codec says little): values come back "
-                "byte-swapped. gr.write has the same problem.",
-            ),
-        ),
+        "zarr",
     ],
 )
 def test_append_big_endian_leaf_round_trips(tmp_path, fmt):
