@@ -9,6 +9,7 @@ import operator
 import os
 import stat
 import threading
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -130,15 +131,27 @@ class ArrayReader(LeafReader):
     """Rows of an in-process array, typically a read-only memory map of the file."""
 
     def __init__(self, array: np.ndarray):
+        from grain_replay.sources import readahead
+
         advise_random(array)
         # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
         self._array = array.view(np.ndarray)
+        # Reads rows of a file mapping ahead while they are not page-cached.
+        self._ahead = readahead.for_array(array)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
+        ahead = self._ahead
         # np.take along axis 0 is about 2x faster than fancy indexing here.
-        return np.take(self._array, indices, axis=0)
+        if ahead is None or (ahead.cold and not ahead.start(indices)):
+            return np.take(self._array, indices, axis=0)
+        t0 = time.perf_counter()
+        out = np.take(self._array, indices, axis=0)
+        ahead.finish(len(indices), time.perf_counter() - t0)
+        return out
 
     def row(self, index: int) -> np.ndarray:
+        if self._ahead is not None and self._ahead.cold:
+            self._ahead.read_ahead(np.array([index], dtype=np.int64))
         r = self._array[index]
         return r.copy() if isinstance(r, np.ndarray) else r
 

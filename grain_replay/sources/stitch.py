@@ -52,6 +52,9 @@ _LIBC = _libc()
 class _Reservation:
     """Owns the address range; numpy arrays over it keep it alive via ``base``."""
 
+    # Tells readahead.is_file_mapping that the memory is mapped files.
+    file_mapping = True
+
     def __init__(self, addr: int, size: int, used: int):
         self._addr, self._size = addr, size
         self.__array_interface__ = {
