@@ -7,7 +7,6 @@ import dataclasses
 import mmap
 import operator
 import os
-import stat
 import threading
 import time
 import zlib
@@ -19,37 +18,19 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, InvalidStoreError, RecordIndexError
 from grain_replay.layout import LeafSpec
+from grain_replay.sources.files import MappedFile, check_inside, require_regular_file
 
-__all__ = ["ReplaySource", "Layout", "LeafReader", "ArrayReader", "Handle", "is_url"]
-
-
-def require_regular_file(path: str, key: str = "") -> None:
-    """Refuses FIFOs, devices and sockets, which would block or never end when read."""
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        leaf = f" (leaf {key!r})" if key else ""
-        raise InvalidStoreError(
-            f"{path}{leaf} is not a regular file (a FIFO, device or socket). Fix: point the "
-            "store at regular files."
-        )
-
-
-def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
-    """Refuses a file of a store that resolves outside the store (a symlink leading out).
-
-    Files from elsewhere on the machine are read only when the user opted in
-    with ``allow_external=True``.
-    """
-    if allow_external:
-        return
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    if real != real_root and not real.startswith(real_root + os.sep):
-        raise InvalidStoreError(
-            f"{path} (leaf {key!r}) resolves to {real}, outside the store {root}. A store from "
-            "elsewhere could read any file this way. Fix: pass allow_external=True if you "
-            "trust the store, or copy the file into it."
-        )
+__all__ = [
+    "ReplaySource",
+    "Layout",
+    "LeafReader",
+    "ArrayReader",
+    "Handle",
+    "MappedFile",
+    "check_inside",
+    "is_url",
+    "require_regular_file",
+]
 
 
 def is_url(path: str) -> bool:
@@ -107,6 +88,22 @@ class Handle(abc.ABC):
     """An open store: one per process, shared by the threads of that process."""
 
     readers: dict[str, LeafReader]
+    # Leaf key -> files its reader maps; checked for truncation before each read.
+    mapped_files: dict[str, list[MappedFile]]
+
+    def check_mapped(self, keys: Sequence[str]) -> None:
+        """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map."""
+        mapped = getattr(self, "mapped_files", None)
+        if mapped:
+            for key in keys:
+                for file in mapped.get(key, ()):
+                    file.check(key)
+
+    def close_mapped(self) -> None:
+        """Closes the descriptors kept for :meth:`check_mapped` (the maps stay valid)."""
+        for files in getattr(self, "mapped_files", {}).values():
+            for file in files:
+                file.close()
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases OS resources; the default holds none."""
@@ -311,6 +308,7 @@ class ReplaySource(abc.ABC):
             handle, self._handle = self._handle, None
             if handle is not None and self._pid == os.getpid():
                 handle.close()
+                handle.close_mapped()
             self._pid = None
 
     def __enter__(self) -> ReplaySource:
@@ -358,7 +356,9 @@ class ReplaySource(abc.ABC):
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
         i = self._check_index(index)
-        readers = self._get_handle().readers
+        handle = self._get_handle()
+        handle.check_mapped(self._keys)
+        readers = handle.readers
         try:
             return self._build({k: readers[k].row(i) for k in self._keys})
         except GrainReplayError:
@@ -371,8 +371,10 @@ class ReplaySource(abc.ABC):
         if key not in self._layout.spec:
             raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         idx = self._check_indices(indices)
+        handle = self._get_handle()
+        handle.check_mapped([key])
         try:
-            return self._get_handle().readers[key].take(idx)
+            return handle.readers[key].take(idx)
         except GrainReplayError:
             raise
         except _STORE_FAULTS as e:
@@ -381,7 +383,9 @@ class ReplaySource(abc.ABC):
     def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
         idx = self._check_indices(indices)
-        readers = self._get_handle().readers
+        handle = self._get_handle()
+        handle.check_mapped(self._keys)
+        readers = handle.readers
         out = {}
         for k in self._keys:
             try:

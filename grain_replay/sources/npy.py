@@ -14,6 +14,7 @@ from grain_replay.sources.base import (
     ArrayReader,
     Handle,
     Layout,
+    MappedFile,
     ReplaySource,
     check_inside,
     require_regular_file,
@@ -74,6 +75,7 @@ class _NpyHandle(Handle):
     def __init__(self, source: NpyDataSource):
         n = len(source)
         self.readers = {}
+        self.mapped_files = {}
         for key, file in source._layout.locations.items():
             spec = source._layout.spec[key]
             _, _, fortran, offset = read_npy_header(file, key, rows=n)
@@ -83,8 +85,10 @@ class _NpyHandle(Handle):
             else:
                 # Only the rows the metadata committed are mapped: a growing
                 # store's header and data may run ahead of them.
-                order = "F" if fortran else "C"
-                array = np.memmap(file, spec.dtype, "r", offset, shape, order=order)
+                array = np.memmap(
+                    file, spec.dtype, "r", offset, shape, order="F" if fortran else "C"
+                )
+                self.mapped_files[key] = [MappedFile(file, offset + array.nbytes)]
             self.readers[key] = ArrayReader(array)
 
 

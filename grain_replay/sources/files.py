@@ -1,0 +1,82 @@
+"""Checks on the files of a local store: regular, inside the store, not shrunk under a map."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from grain_replay.errors import InvalidStoreError
+
+__all__ = ["MappedFile", "check_inside", "require_regular_file"]
+
+
+def require_regular_file(path: str, key: str = "") -> None:
+    """Refuses FIFOs, devices and sockets, which would block or never end when read."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        leaf = f" (leaf {key!r})" if key else ""
+        raise InvalidStoreError(
+            f"{path}{leaf} is not a regular file (a FIFO, device or socket). Fix: point the "
+            "store at regular files."
+        )
+
+
+def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
+    """Refuses a file of a store that resolves outside the store (a symlink leading out).
+
+    Files from elsewhere on the machine are read only when the user opted in
+    with ``allow_external=True``.
+    """
+    if allow_external:
+        return
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise InvalidStoreError(
+            f"{path} (leaf {key!r}) resolves to {real}, outside the store {root}. A store from "
+            "elsewhere could read any file this way. Fix: pass allow_external=True if you "
+            "trust the store, or copy the file into it."
+        )
+
+
+class MappedFile:
+    """A file that readers memory-map, kept open so each read can check it did not shrink.
+
+    A mapped file truncated in place kills the reading process with SIGBUS at
+    the first access to a lost page. One ``fstat`` per batch (well under a
+    microsecond) turns that into an error naming the file, except for a
+    truncation racing with the very read that follows the check.
+
+    Args:
+      path: the file.
+      needed: bytes the mappings reach into the file (offset + length).
+    """
+
+    def __init__(self, path: str, needed: int):
+        self.path = path
+        self.needed = int(needed)
+        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def check(self, key: str) -> None:
+        fd = self.fd
+        if fd is None:
+            return
+        size = os.fstat(fd).st_size
+        if size < self.needed:
+            raise InvalidStoreError(
+                f"{self.path}: leaf {key!r} is memory-mapped up to byte {self.needed:,} but the "
+                f"file now holds {size:,} bytes: it was truncated while open (reading on "
+                "would crash the process with SIGBUS). Fix: do not rewrite or truncate stores "
+                "in place while they are read; write a new file and os.replace it."
+            )
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
