@@ -12,13 +12,17 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import ArrayReader, Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import (
-    DEFAULT_CACHE_BYTES,
-    ChunkCache,
-    ChunkedLeafReader,
-    mapped_reader,
+from grain_replay.sources import hdf5_raw, hdf5_refs
+from grain_replay.sources.base import (
+    ArrayReader,
+    Handle,
+    Layout,
+    MappedFile,
+    ReplaySource,
+    is_url,
+    require_regular_file,
 )
+from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
 from grain_replay.sources.decode import hdf5_direct_block_reader
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ class _HDF5Handle(Handle):
     def __init__(self, source: HDF5DataSource):
         h5py = _h5py()
         self._fileobj: Any = None
+        self._guards: list[MappedFile] = []  # descriptors of raw chunk reads
         self.file: Any = None
         if is_url(source.path):
             from grain_replay.sources import remote as remote_lib
@@ -57,23 +62,34 @@ class _HDF5Handle(Handle):
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self.readers = {}
+        self.mapped_files = {}
+        needs_h5py = False
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
             spec = source._layout.spec[key]
-            local = self._fileobj is None
+            row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+            # Only the store file itself is mapped or read raw: a dataset behind an
+            # external link (allow_external=True) lives at offsets of another file.
+            local = self._fileobj is None and hdf5_refs.is_own_file(dset, source.path)
             offset = _memmap_offset(dset) if local else None
-            chunks = _chunk_offsets(dset, n) if local and offset is None else None
-            if offset is not None and n > 0 and spec.dtype.itemsize > 0:
+            chunks = hdf5_raw.chunk_table(dset, n) if local and offset is None else None
+            if n == 0 or row_bytes == 0:
+                # Nothing to read: no map, and no h5py handle kept for it.
+                self.readers[key] = ArrayReader(np.zeros((n, *spec.shape), spec.dtype))
+            elif offset is not None:
                 array = np.memmap(
                     source.path, dtype=dset.dtype, mode="r", offset=offset, shape=dset.shape
                 )
                 self.readers[key] = ArrayReader(array[:n])
-            elif chunks:
-                self.readers[key] = mapped_reader(
-                    [(source.path, off) for off in chunks],
-                    dset.chunks[0], spec.dtype, spec.shape, n,
-                )  # fmt: skip
+                self.mapped_files[key] = [MappedFile(source.path, offset + n * row_bytes)]
+            elif chunks is not None:
+                reader, file, mapped = hdf5_raw.raw_chunk_reader(
+                    source.path, key, spec, dset, chunks, n, self.cache
+                )
+                self.readers[key] = reader
+                (self.mapped_files.setdefault(key, []) if mapped else self._guards).append(file)
             else:
+                needs_h5py = True
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
                 read_blocks = (
                     hdf5_direct_block_reader(dset, chunk_rows, n) if local else None
@@ -85,8 +101,8 @@ class _HDF5Handle(Handle):
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype, read_blocks, self.cache,
                 )  # fmt: skip
-        if not any(isinstance(r, ChunkedLeafReader) for r in self.readers.values()):
-            # Every leaf is memory-mapped: the h5py handle is not needed, and
+        if not needs_h5py:
+            # Every leaf is mapped or read raw: the h5py handle is not needed, and
             # keeping it would stop a ReplayWriter in this process from opening
             # the file for writing (HDF5 shares one handle per file per process).
             self._close_file()
@@ -102,6 +118,8 @@ class _HDF5Handle(Handle):
     def close(self) -> None:
         self.readers = {}
         self._close_file()
+        for guard in self._guards:
+            guard.close()
 
 
 def open_h5(path: str) -> Any:
@@ -139,33 +157,6 @@ def _memmap_offset(dset: Any) -> int | None:
     return None if offset is None else int(offset)
 
 
-# Beyond this many chunks, decoding through h5py is cheaper than mapping them.
-_MAX_RUNS = 4096
-
-
-def _chunk_offsets(dset: Any, n: int) -> list[int] | None:
-    """File offsets of the row-chunks of an unfiltered dataset, or None if not mappable."""
-    if n == 0 or dset.chunks is None or dset.dtype.hasobject or dset.dtype.kind == "V":
-        return None
-    if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]) or 0 in dset.chunks:
-        return None
-    if dset.id.get_create_plist().get_nfilters() or dset.external or dset.is_virtual:
-        return None
-    rows = dset.chunks[0]
-    needed = -(-n // rows)
-    if needed > _MAX_RUNS:
-        return None
-    offsets: dict[int, int] = {}
-    for i in range(dset.id.get_num_chunks()):
-        info = dset.id.get_chunk_info(i)
-        c = info.chunk_offset[0] // rows
-        if c < needed and info.filter_mask == 0:
-            offsets[c] = info.byte_offset
-    if len(offsets) < needed:  # unwritten chunks read as the fill value: let h5py do it
-        return None
-    return [offsets[c] for c in range(needed)]
-
-
 def _block_reader(dset: Any, chunk_rows: int, n: int) -> Any:
     def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
         return [dset[c * chunk_rows : min((c + 1) * chunk_rows, n)] for c in chunk_ids]
@@ -188,6 +179,14 @@ class HDF5DataSource(ReplaySource):
       cache_bytes: bound of the decoded-chunk cache per process.
       retries: retries of a failed remote read (an int, or ``RetryOptions``);
         0 fails at once. Ignored for local files.
+      allow_external: read leaves whose data lives outside the file (HDF5
+        external links, virtual datasets, external raw storage). Off by
+        default: such a file could read any file on the machine.
+
+    Raises:
+      StoreNotFoundError: nothing is at ``path``.
+      InvalidStoreError: the file is not a readable HDF5 replay store, or a
+        selected leaf refers outside it and ``allow_external`` is False.
 
     Example:
       >>> src = gr.HDF5DataSource("replay.h5")
@@ -202,15 +201,18 @@ class HDF5DataSource(ReplaySource):
         storage_options: Mapping[str, Any] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         retries: int | RetryOptions = 3,
+        allow_external: bool = False,
     ):
         from grain_replay.sources import remote as remote_lib
 
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
-        super().__init__(path, keys, storage_options=storage_options)
+        super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
 
     def _open(self) -> Handle:
-        return _HDF5Handle(self)
+        if is_url(self._path):
+            return _HDF5Handle(self)
+        return hdf5_raw.retry_while_written(self._path, lambda: _HDF5Handle(self))
 
     def _inspect(self) -> Layout:
         h5py = _h5py()
@@ -220,6 +222,7 @@ class HDF5DataSource(ReplaySource):
                     f"No HDF5 file at {self._path}. Fix: check the path, or write one with "
                     "gr.write_hdf5(path, tree)."
                 )
+            require_regular_file(self._path)  # a FIFO would block open() forever
             with open(self._path, "rb") as f:
                 if f.read(8) != HDF5_SIGNATURE:
                     raise InvalidStoreError(
@@ -231,8 +234,7 @@ class HDF5DataSource(ReplaySource):
 
             return inspect_remote(self, h5py)
         try:
-            with open_h5(self._path) as f:
-                return self._layout_of(f)
+            return hdf5_raw.retry_while_written(self._path, self._read_layout)
         except (OSError, ValueError) as e:
             if isinstance(e, InvalidStoreError):
                 raise
@@ -243,6 +245,10 @@ class HDF5DataSource(ReplaySource):
                 "corrupt. Fix: re-create it."
             ) from e
 
+    def _read_layout(self) -> Layout:
+        with open_h5(self._path) as f:
+            return self._layout_of(f)
+
     def _layout_of(self, f: Any) -> Layout:
         h5py = _h5py()
         raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # only while a commit grows it
@@ -252,27 +258,34 @@ class HDF5DataSource(ReplaySource):
             meta = layout_lib.StoreMetadata.from_json(raw, where=self._path)
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
+                if not self._allow_external:
+                    hdf5_refs.check_link_path(f, self._path, key, loc)
                 dset = f.get(loc)
                 if not isinstance(dset, h5py.Dataset):
                     raise InvalidStoreError(
                         f"{self._path}: leaf {key!r} is listed in the metadata but dataset "
                         f"{loc!r} is missing. The file is corrupt; re-create it."
                     )
-                self._check_dataset(key, dset, meta.num_records, meta.leaves[key].shape)
+                if not self._allow_external:
+                    hdf5_refs.check_dataset_refs(dset, self._path, key)
+                self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
             )
         # A foreign file: every dataset with a records axis is a leaf.
-        found: dict[str, Any] = {}
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                if obj.ndim == 0 or obj.shape is None:
-                    logger.warning("%s: skipping scalar dataset %r", self._path, name)
-                else:
-                    found[name] = obj
-
-        f.visititems(visit)
+        found, links = hdf5_refs.foreign_datasets(f, self._allow_external)
+        for name, link in links.items():
+            if self._requested_keys is None or any(
+                k == name or k.startswith(name + "/") or name.startswith(k.rstrip("/") + "/")
+                for k in self._requested_keys
+            ):
+                raise hdf5_refs.refuse(
+                    self._path, name, f"is an HDF5 external link to {link.filename}:{link.path}"
+                )
+        for name, obj in list(found.items()):
+            if obj.ndim == 0 or obj.shape is None:
+                logger.warning("%s: skipping scalar dataset %r", self._path, name)
+                del found[name]
         if not found:
             raise InvalidStoreError(
                 f"{self._path}: the file holds no dataset with a records axis. Fix: write "
@@ -281,14 +294,22 @@ class HDF5DataSource(ReplaySource):
         keys = layout_lib.foreign_keys(found, self._requested_keys)
         spec = {}
         for k in keys:
+            if not self._allow_external:
+                hdf5_refs.check_dataset_refs(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})
         return Layout(n, spec, tree_lib.treedef_from_keys(keys), {k: k for k in keys})
 
-    def _check_dataset(self, key: str, dset: Any, n: int, shape: tuple[int, ...]) -> None:
-        if dset.shape[0] < n or tuple(dset.shape[1:]) != shape:
+    def _check_dataset(self, key: str, dset: Any, n: int, want: layout_lib.LeafSpec) -> None:
+        shape = want.shape
+        if dset.shape is None or dset.shape[0] < n or tuple(dset.shape[1:]) != shape:
             raise InvalidStoreError(
                 f"{self._path}: leaf {key!r} has shape {dset.shape} but the metadata says "
                 f"({n}, {', '.join(map(str, shape))}). The file is corrupt; re-create it."
+            )
+        if dset.dtype != want.dtype:
+            raise InvalidStoreError(
+                f"{self._path}: leaf {key!r} holds {dset.dtype} but the metadata says "
+                f"{want.dtype}. The file is corrupt or was edited; re-create it."
             )

@@ -566,13 +566,8 @@ def test_reader_in_other_process_sees_only_committed_valid_rows_during_appends(t
     assert max(lengths) <= committed[-1] or any(line.startswith("F ") for line in child.lines)
     assert len(set(lengths)) > 2, f"readers saw no growth: {lengths[:5]}...; {reads} reads"
     print(f"\n{fmt}: {reads} reads of a growing store, {len(errors)} failed opens")
-    if fmt == "hdf5" and errors:
-        pytest.xfail(
-            f"BUG (a race, so not strict): {len(errors)} of {reads + len(errors)} opens of an "
-            "HDF5 store failed while a ReplayWriter in another process grew it, though every "
-            f"committed row was intact: {errors[0][:200]}. HDF5 without SWMR gives readers no "
-            "consistent view of metadata being flushed (HDF5Backend.write: resize + flush)."
-        )
+    # HDF5 without SWMR can show a reader metadata mid-flush; sources/hdf5_raw.py
+    # retries an open that fails while the file is being written.
     assert not errors, errors[:3]
 
 

@@ -10,7 +10,7 @@ limit, so a crash, a hang or a giant allocation costs one case, not the suite.
 Errors may surface at construction or at the first read; either way they must be
 a ``gr.GrainReplayError`` whose message names the store (and the leaf, when one
 is at fault). References out of the store must be refused unless the caller opts
-in with ``allow_external=True``, which the package does not offer yet.
+in with ``allow_external=True``, and then read from where they point.
 
 Known bugs are ``xfail(strict=True)`` with a ``BUG:``/``MISSING:`` reason naming
 the code to fix; fixing one turns its xfail into an XPASS failure, so the mark
@@ -170,6 +170,12 @@ _FIFO_WHERE = {
 _FIXED = frozenset(
     {
         "hdf5_gzip_chunk_bomb",
+        "hdf5_external_link",
+        "hdf5_external_link_foreign",
+        "hdf5_virtual_dataset",
+        "hdf5_external_storage",
+        "hdf5_fifo",
+        "hdf5_meta_dtype_lie",
         "npy_symlink_leaf_outside",
         "npy_symlink_dir_outside",
         "npy_symlink_meta_outside",
@@ -462,6 +468,11 @@ _FIXED_WITH_OPT_IN = frozenset(
         "npy_symlink_leaf_outside",
         "npy_symlink_dir_outside",
         "npy_symlink_foreign_outside",
+        "npy_symlink_meta_outside",
+        "hdf5_external_link",
+        "hdf5_external_link_foreign",
+        "hdf5_virtual_dataset",
+        "hdf5_external_storage",
         "zarr_symlink_chunk_outside",
         "zarr_symlink_array_outside",
     }
@@ -477,10 +488,12 @@ def test_reference_out_of_store_reads_target_with_allow_external(
 ) -> None:
     case = corpus[name]
     src = gr.open_source(case.store, allow_external=True)
-    key = case.leaf
+    # No leaf at fault: the metadata file is the reference, and obs is the store's own.
+    key = case.leaf or "obs"
     assert key in src.spec
     got = src.read_leaf(key, np.arange(hostile.N))
-    np.testing.assert_array_equal(got, hostile.outside_obs())
+    want = hostile.outside_obs() if case.leaf else hostile.base_tree()["obs"]
+    np.testing.assert_array_equal(got, want)
     src.close()
 
 
@@ -573,30 +586,44 @@ def test_probe_reports_crash_and_hang_of_one_case_and_runs_the_rest(
     assert after_crash["outcome"] == after_hang["outcome"] == "accepted"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "LIMITATION: a .npy leaf truncated in place while a source has it memory-mapped kills "
-        "the reading process with SIGBUS on the next read (no Python error, no message). The "
-        "writers replace files atomically (os.replace keeps the mapped inode alive), so only "
-        "in-place truncation by another program triggers it. Mitigation for the package: "
-        "fstat each mapped file once per batch in ArrayReader/SegmentedReader and raise "
-        "InvalidStoreError if it shrank (narrows the window), or read with os.pread for "
-        "stores on shared filesystems; document it in SECURITY.md either way."
-    ),
-)
-def test_leaf_truncated_under_live_map_raises_instead_of_sigbus(tmp_path: Any) -> None:
-    store = str(tmp_path / "store")
-    gr.write(store, hostile.base_tree(4096), format="npy")
+def _write_for_truncation(tmp_path: Any, kind: str) -> tuple[str, str]:
+    """A 4096-record store whose ``obs`` is memory-mapped; returns (store, file to truncate)."""
+    if kind == "npy":
+        store = str(tmp_path / "store")
+        gr.write(store, hostile.base_tree(4096), format="npy")
+        return store, os.path.join(store, "obs.npy")
+    store = str(tmp_path / "store.h5")
+    if kind == "hdf5_contiguous":
+        gr.write(store, hostile.base_tree(4096), format="hdf5")
+    else:  # chunked, written by a ReplayWriter: chunks mapped back to back
+        with gr.ReplayWriter(store, chunk_rows=1024) as w:
+            w.append(hostile.base_tree(4096))
+    return store, store
+
+
+@pytest.mark.parametrize("kind", ["npy", "hdf5_contiguous", "hdf5_chunked"])
+def test_leaf_truncated_under_live_map_raises_instead_of_sigbus(tmp_path: Any, kind: str) -> None:
+    """A mapped file truncated in place: the next batch raises a named error, not SIGBUS.
+
+    Readers fstat each mapped file before a batch. (A truncation racing with the
+    read right after that check can still SIGBUS; SECURITY.md says so.)
+    """
+    store, victim = _write_for_truncation(tmp_path, kind)
     code = (
         "import os, sys, numpy as np, grain_replay as gr\n"
-        f"src = gr.NpyDataSource({store!r})\n"
+        f"src = gr.open_source({store!r})\n"
+        "assert type(src._get_handle().readers['obs']).__name__ == 'ArrayReader'\n"
         "src.read_batch([0, 4095])\n"
-        f"os.truncate(os.path.join({store!r}, 'obs.npy'), 128)\n"
-        "try:\n    src.read_batch([4095])\nexcept gr.GrainReplayError as e:\n"
-        "    print('named error:', e); sys.exit(0)\n"
-        "sys.exit(3)\n"
+        f"os.truncate({victim!r}, 4096)\n"
+        "for read in (lambda: src.read_batch([4095]), lambda: src[4095],\n"
+        "             lambda: src.read_leaf('obs', [4095])):\n"
+        "    try:\n        read()\n    except gr.InvalidStoreError as e:\n"
+        "        print('named error:', e)\n    else:\n        sys.exit(3)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != -signal.SIGBUS, "the reader died of SIGBUS"
-    assert out.returncode == 0 and "obs" in out.stdout, (out.returncode, out.stdout, out.stderr)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        assert victim in line and "'obs'" in line and "truncated" in line, line

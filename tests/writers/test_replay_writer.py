@@ -376,32 +376,7 @@ def test_zarr_all_zero_leaf_is_memory_mapped(tmp_path):
     assert _reader_types(src) == {"done": "ArrayReader", "i": "ArrayReader"}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "rows",
-        pytest.param(
-            "empty",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: sources/hdf5.py keeps its h5py handle when a leaf is not "
-                "memory-mapped (here N == 0: _chunk_offsets returns None), and HDF5 then "
-                "refuses the writer's r+ open in the same process: OSError 'file is already "
-                "open for read-only'",
-            ),
-        ),
-        pytest.param(
-            "many_chunks",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: sources/hdf5.py keeps its h5py handle for stores of more than "
-                "_MAX_RUNS=4096 chunks (ChunkedLeafReader), so a ReplayWriter opened later "
-                "in the same process fails with a raw OSError 'file is already open for "
-                "read-only'",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("case", ["rows", "empty", "many_chunks"])
 def test_hdf5_reader_opened_before_writer_in_same_process_does_not_block_it(tmp_path, case):
     path = _store(tmp_path, "hdf5")
     rows = {"rows": 50, "empty": 0, "many_chunks": 4100}[case]

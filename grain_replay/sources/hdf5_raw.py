@@ -1,0 +1,156 @@
+"""Reading HDF5 files without h5py on the read path: raw chunk reads, retried opens."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from grain_replay.errors import InvalidStoreError
+from grain_replay.layout import LeafSpec
+from grain_replay.sources.base import LeafReader, MappedFile
+from grain_replay.sources.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
+from grain_replay.sources.hdf5_refs import ReferenceRefusedError
+
+__all__ = ["MAX_RUNS", "chunk_table", "count_runs", "raw_chunk_reader", "retry_while_written"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A reader opening a file that a ReplayWriter in another process is growing can
+# see metadata mid-flush (HDF5 without SWMR): retried while the file changes.
+OPEN_TRIES = 6
+_RECENT_WRITE_S = 0.2
+
+
+def retry_while_written(path: str, attempt: Callable[[], T]) -> T:
+    """``attempt()``, retried after a failure while ``path`` is being written."""
+    for i in range(OPEN_TRIES):
+        before = os.stat(path)
+        try:
+            return attempt()
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            if i + 1 == OPEN_TRIES or isinstance(e, (FileNotFoundError, ReferenceRefusedError)):
+                raise
+            after = os.stat(path)
+            changed = (after.st_mtime_ns, after.st_size) != (before.st_mtime_ns, before.st_size)
+            if not changed and time.time() - after.st_mtime > _RECENT_WRITE_S:
+                raise
+            logger.debug("%s: open failed while the file is written (%s); retrying", path, e)
+            time.sleep(0.005 * 2**i)
+    raise AssertionError("unreachable")
+
+
+# Beyond this many separate runs of chunks, reading them with pread is cheaper
+# than one memory map per run (and stays under the kernel's limit of maps).
+MAX_RUNS = 4096
+
+
+def chunk_table(dset: Any, n: int) -> dict[int, int] | None:
+    """File offset of each allocated row-chunk below row ``n`` of an unfiltered dataset.
+
+    None if the dataset cannot be read raw (filters, partial-row chunks, exotic
+    dtypes), or if its chunk index cannot be listed cheaply.
+    """
+    if dset.chunks is None or dset.dtype.hasobject or dset.dtype.kind == "V":
+        return None
+    if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]) or 0 in dset.chunks:
+        return None
+    if dset.id.get_create_plist().get_nfilters() or dset.external or dset.is_virtual:
+        return None
+    rows = dset.chunks[0]
+    needed = -(-n // rows)
+    table: dict[int, int] = {}
+    unfiltered = [True]
+
+    def add(info: Any) -> None:
+        c = info.chunk_offset[0] // rows
+        if info.filter_mask:
+            unfiltered[0] = False
+        elif c < needed and info.byte_offset is not None:
+            table[c] = int(info.byte_offset)
+
+    if hasattr(dset.id, "chunk_iter"):  # HDF5 >= 1.14: one pass over the chunk index
+        dset.id.chunk_iter(add)
+    else:
+        count = dset.id.get_num_chunks()
+        if count > MAX_RUNS:
+            return None
+        for i in range(count):
+            add(dset.id.get_chunk_info(i))
+    return table if unfiltered[0] else None
+
+
+def count_runs(chunks: dict[int, int], count: int, chunk_bytes: int) -> int:
+    """Number of runs of chunks ``0 .. count-1`` stored back to back."""
+    runs = 0
+    for c in range(count):
+        if c == 0 or chunks[c] != chunks[c - 1] + chunk_bytes:
+            runs += 1
+            if runs > MAX_RUNS:
+                break
+    return runs
+
+
+def raw_chunk_reader(
+    path: str,
+    key: str,
+    spec: LeafSpec,
+    dset: Any,
+    chunks: dict[int, int],
+    n: int,
+    cache: ChunkCache,
+) -> tuple[LeafReader, MappedFile, bool]:
+    """Unfiltered row-chunks of ``dset`` read straight from the file at ``path``, without h5py.
+
+    Mapped when every chunk is allocated and they form few runs; otherwise
+    read with ``os.pread`` (unallocated chunks read as the fill value).
+
+    Returns:
+      ``(reader, file, mapped)``: ``file`` keeps the descriptor the reads use
+      (or that checks the mapped file for truncation when ``mapped``).
+    """
+    rows = dset.chunks[0]
+    row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+    chunk_bytes = rows * row_bytes
+    needed = -(-n // rows)
+    reach = max(
+        (off + min(chunk_bytes, (n - c * rows) * row_bytes) for c, off in chunks.items()),
+        default=0,
+    )
+    guard = MappedFile(path, reach)
+    if len(chunks) == needed and count_runs(chunks, needed, chunk_bytes) <= MAX_RUNS:
+        parts = [(path, chunks[c]) for c in range(needed)]
+        return mapped_reader(parts, rows, spec.dtype, spec.shape, n), guard, True
+    fd, fill = guard.fd, dset.fillvalue
+    assert fd is not None
+
+    def read(c: int, first: int, count: int) -> np.ndarray:
+        off = chunks.get(c)
+        if off is None:  # never written: HDF5 reads the fill value
+            return np.full((count, *spec.shape), fill, spec.dtype)
+        data = os.pread(fd, count * row_bytes, off + first * row_bytes)
+        if len(data) != count * row_bytes:
+            raise InvalidStoreError(
+                f"{path}: leaf {key!r} chunk {c} (rows from {c * rows}) at byte "
+                f"{off:,} is cut short: the file is truncated. Fix: re-create it."
+            )
+        return np.frombuffer(data, spec.dtype).reshape((count, *spec.shape))
+
+    def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
+        return [read(c, 0, min(rows, n - c * rows)) for c in chunk_ids]
+
+    def read_rows(chunk_ids: Sequence[int], offsets: Sequence[np.ndarray]) -> list[np.ndarray]:
+        # Chunks too big to cache: only the rows asked for, one pread each.
+        return [
+            np.concatenate([read(c, int(r), 1) for r in rs]) if len(rs) else read(c, 0, 0)
+            for c, rs in zip(chunk_ids, offsets)
+        ]
+
+    reader = ChunkedLeafReader(key, n, rows, spec.shape, spec.dtype, read_blocks, cache, read_rows)
+    return reader, guard, False
