@@ -98,17 +98,17 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
     def get_state(self) -> bytes:
         """The state of a ``grain.DataLoader`` iterator after the same batches, byte for byte."""
         loader = self._data_loader
-        state = {
-            "version": 2,
-            "last_seen_indices": {
-                "0": self._shard_index + (self._next_index - 1) * self._shard_count
-            },
-            "last_worker_index": -1,
-            "worker_count": 0,
-            "sampler": repr(loader._sampler),  # grain's own checkpoint fields
-            "data_source": repr(loader._data_source),
-        }
-        return json.dumps(state, indent=4).encode()
+        # grain writes json.dumps(state, indent=4), whose pure-Python indenting encoder
+        # costs ~30 us, paid for every batch under sharded_device_put; the same bytes
+        # are spelled out here (grain's own tests pin the format).
+        last_seen = self._shard_index + (self._next_index - 1) * self._shard_count
+        sampler = json.dumps(repr(loader._sampler))
+        source = json.dumps(repr(loader._data_source))
+        return (
+            '{\n    "version": 2,\n    "last_seen_indices": {\n        "0": '
+            f'{last_seen}\n    }},\n    "last_worker_index": -1,\n    "worker_count": 0,\n'
+            f'    "sampler": {sampler},\n    "data_source": {source}\n}}'
+        ).encode()
 
     def set_state(self, state: bytes) -> None:
         """Resumes right after the last batch handed out when ``state`` was taken.

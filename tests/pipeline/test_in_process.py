@@ -244,3 +244,30 @@ def test_make_data_loader_types_callable_for_worker_count_zero(path: str) -> Non
     loader = _loader(gr.open_source(path))
     assert isinstance(loader, grain.DataLoader)
     assert isinstance(iter(loader), grain.DataLoaderIterator)
+
+
+class OddReprSource:
+    """A source whose repr needs JSON escaping: quotes, backslashes, a newline, non-ASCII."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return 'Odd("q\\\\uote"\n\té ☃)'
+
+    def read_batch(self, indices: Any) -> Any:
+        return self.source.read_batch(indices)
+
+
+def test_state_bytes_match_grain_iterator_source_repr_needs_escaping(path: str) -> None:
+    loader = _loader(OddReprSource(gr.open_source(path)), (0, 0))
+    ours, theirs = iter(loader), _grain_iter(loader)
+    for _ in range(3):
+        next(ours), next(theirs)
+    assert ours.get_state() == theirs.get_state()
+    resumed = iter(loader)
+    resumed.set_state(ours.get_state())
+    assert _ids([next(resumed)]) == _ids([next(theirs)])
