@@ -13,13 +13,9 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import check_inside
-from grain_replay.sources.decode import decode_pool
+from grain_replay.sources.decode import run_grouped
 
 __all__ = ["LocalChunkReader", "local_chunk_reader"]
-
-# Tasks per pool worker and batch: enough to balance uneven chunks, few enough
-# that the executor's per-task cost stays small next to a 64 KiB decode.
-_TASKS_PER_WORKER = 4
 
 
 def local_chunk_reader(
@@ -205,22 +201,6 @@ class LocalChunkReader:
     def _rows_in(self, c: int) -> int:
         return min(self.chunk_rows, self._n - c * self.chunk_rows)
 
-    def _run(self, tasks: list[Any], fn: Any) -> None:
-        """Runs ``fn(task)`` for every task, spread over the decode pool in a few groups."""
-        if len(tasks) < 2:
-            for t in tasks:
-                fn(t)
-            return
-        pool = decode_pool()
-        groups = min(len(tasks), pool._max_workers * _TASKS_PER_WORKER)
-
-        def run_group(g: int) -> None:
-            for t in tasks[g::groups]:
-                fn(t)
-
-        for f in [pool.submit(run_group, g) for g in range(groups)]:
-            f.result()
-
     def read_blocks(self, chunk_ids: Sequence[int]) -> list[np.ndarray]:
         """Rows ``[c * chunk_rows, (c + 1) * chunk_rows)`` (clipped at N) for each ``c``."""
         blocks = [np.empty((self._rows_in(c), *self._shape), self._dtype) for c in chunk_ids]
@@ -235,7 +215,7 @@ class LocalChunkReader:
             local = tuple(slice(0, s.stop - s.start) for s in where)
             block[(slice(None), *where)] = chunk[(slice(0, len(block)), *local)]
 
-        self._run(
+        run_grouped(
             [(j, coords, where) for j in range(len(chunk_ids)) for coords, where in self._inner],
             fill,
         )
@@ -258,7 +238,7 @@ class LocalChunkReader:
             local = tuple(slice(0, s.stop - s.start) for s in where)
             outs[j][(slice(None), *where)] = chunk[(rows[j], *local)]
 
-        self._run(
+        run_grouped(
             [(j, coords, where) for j in range(len(chunk_ids)) for coords, where in self._inner],
             fill,
         )
