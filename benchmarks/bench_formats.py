@@ -223,9 +223,55 @@ def _formats_sources(
                 _case(
                     cfg, sec, store, layout, store.layout.fmt, "read_batch", "source",
                     lambda i, src=src: src.read_batch(pool[i]),
-                    note=type(src).__name__,
+                    note=f"{type(src).__name__}, default cache, steady state",
                 )
             )  # fmt: skip
+            if store.layout.chunked and store.layout.written_by != "gr.write":
+                _chunk_cache_cases(cfg, sec, store, layout, src, pool, res)
+
+
+# Above this many decoded bytes, the "whole dataset cached" case is skipped.
+CACHE_ALL_MAX_BYTES = 4 * 2**30
+
+
+def _chunk_cache_cases(
+    cfg: Config,
+    sec: str,
+    store: Store,
+    layout: str,
+    src: Any,
+    pool: np.ndarray,
+    res: SectionResult,
+) -> None:
+    """A chunked foreign store read with an empty cache, and with one holding everything."""
+    cache = src._get_handle().cache
+
+    def cold(i: int) -> Any:
+        cache.clear()
+        return src.read_batch(pool[i])
+
+    res.add(
+        _case(
+            cfg, sec, store, layout, store.layout.fmt, "read_batch-cold", "source", cold,
+            note="decoded-chunk cache emptied before every batch",
+        )
+    )  # fmt: skip
+    ds = store.dataset
+    need = ds.n * ds.record_bytes
+    if need > CACHE_ALL_MAX_BYTES or not cfg.wants(f"{sec}/{ds.name}/{layout}/read_batch-cache"):
+        return
+    big = SOURCE_CLASSES[store.layout.fmt](store.path, cache_bytes=need + need // 4 + 2**26)
+    step = max(1, 2**24 // ds.record_bytes)
+    for lo in range(0, ds.n, step):  # one pass decodes every chunk into the cache
+        big.read_batch(np.arange(lo, min(lo + step, ds.n)))
+    res.add(
+        _case(
+            cfg, sec, store, layout, store.layout.fmt, "read_batch-cache-all", "source",
+            lambda i: big.read_batch(pool[i]),
+            note=f"cache_bytes={big._cache_bytes >> 20} MiB: every chunk cached",
+        )
+    )  # fmt: skip
+    big.close()
 
 
 def _formats_baselines(
@@ -326,10 +372,11 @@ def _formats_ratios(
 ) -> None:
     sec = "formats"
     p = f"{sec}/{ds_name}"
-    sources = [c for c in res.cases if c.kind == "source" and c.dataset == ds_name]
-    for c in sources:
-        target = LIMIT_TARGETS.get(c.layout, {}).get(ds_name)
-        res.ratio(f"{p}: {c.layout} read_batch / numpy gather", c, limit, target, "vs limit")
+    every = [c for c in res.cases if c.kind == "source" and c.dataset == ds_name]
+    sources = [c for c in every if c.method == "read_batch"]
+    for c in every:
+        target = LIMIT_TARGETS.get(c.layout, {}).get(ds_name) if c in sources else None
+        res.ratio(f"{p}: {c.layout} {c.method} / numpy gather", c, limit, target, "vs limit")
     take = res.get(f"{p}/memory/numpy-take")
     for c in sources:
         res.ratio(f"{p}: {c.layout} read_batch / np.take", c, take, None, "vs np.take")
@@ -338,19 +385,19 @@ def _formats_ratios(
             continue
         foreign = store.layout.written_by != "gr.write"
         if store.layout.fmt == "hdf5":
-            res.ratio(
-                f"{p}: {layout} read_batch / h5py sorted read",
-                f"{p}/{layout}/read_batch",
-                f"{p}/{layout}/h5py-sorted",
-                H5PY_SORTED_TARGET if foreign else None,
-                "vs library batched read",
-            )
+            base, label, target = "h5py-sorted", "h5py sorted read", H5PY_SORTED_TARGET
         else:
+            base, label, target = "oindex", "zarr oindex", ZARR_OINDEX_TARGET
+        for method, cache in (
+            ("read_batch", "default cache, steady state"),
+            ("read_batch-cold", "cold cache, every batch"),
+            ("read_batch-cache-all", "cache holding every chunk, steady state"),
+        ):
             res.ratio(
-                f"{p}: {layout} read_batch / zarr oindex",
-                f"{p}/{layout}/read_batch",
-                f"{p}/{layout}/oindex",
-                ZARR_OINDEX_TARGET if foreign else None,
+                f"{p}: {layout} {method} / {label} ({cache})",
+                f"{p}/{layout}/{method}",
+                f"{p}/{layout}/{base}",
+                target if foreign else None,
                 "vs library batched read",
             )
     pipelines = [
