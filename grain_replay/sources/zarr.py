@@ -53,7 +53,7 @@ def _open_group(path: str, storage_options: Mapping[str, Any]) -> Any:
 
 def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:
     node = arrays[loc]
-    if isinstance(node, KeyError):
+    if isinstance(node, BaseException):  # missing, or metadata zarr could not parse
         raise node
     return node
 

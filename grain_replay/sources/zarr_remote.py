@@ -40,7 +40,12 @@ def open_remote_group(source: ZarrDataSource, remote: remote_lib.Remote) -> Any:
 
 
 def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
-    """``{location: zarr.Array, or the KeyError}``, the array metadata fetched concurrently."""
+    """``{location: zarr.Array, or the error}``, the array metadata fetched concurrently.
+
+    A missing array (KeyError) or metadata zarr cannot parse (ValueError,
+    TypeError) is kept per location, so that the caller names the leaf; other
+    errors (network, credentials) are raised for the retry logic.
+    """
     from grain_replay.sources.zarr import import_zarr
 
     zarr = import_zarr()
@@ -53,7 +58,9 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for loc, node in zip(locations, sync(fetch_all())):
-        if isinstance(node, KeyError):
+        if isinstance(node, KeyError) or (
+            isinstance(node, (ValueError, TypeError)) and remote_lib.classify(node) == "other"
+        ):
             out[loc] = node
         elif isinstance(node, BaseException):
             raise node

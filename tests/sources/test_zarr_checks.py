@@ -241,3 +241,54 @@ def test_big_endian_bytes_codec_reads_values_not_swapped(tmp_path: Any) -> None:
     arr[...] = np.arange(N * 2, dtype="f4").reshape(N, 2)
     with gr.ZarrDataSource(path) as src:
         np.testing.assert_array_equal(src.read_flat([3])["x"], [[6.0, 7.0]])
+
+
+# -- the same checks over S3 ----------------------------------------------------------------------
+
+
+def _lie_garbage(path: str) -> None:
+    with open(os.path.join(path, "obs", "zarr.json"), "wb") as fh:
+        fh.write(b"\x00\xff binary")
+
+
+def _lie_dtype(path: str) -> None:
+    _edit_array_json(path, "obs", lambda m: m.__setitem__("data_type", "float64"))
+
+
+def _lie_giant_chunk(path: str) -> None:
+    _edit_array_json(
+        path,
+        "obs",
+        lambda m: m["chunk_grid"]["configuration"].__setitem__("chunk_shape", [2**60, 4]),
+    )
+
+
+@pytest.fixture(scope="module")
+def s3() -> Any:
+    s3_server = pytest.importorskip("s3_server")
+    reason = s3_server.moto_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = s3_server.S3Server().start()
+    server.create_bucket("zarr-checks")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "lie, words",
+    [
+        (_lie_garbage, "cannot be read"),
+        (_lie_dtype, "float64"),
+        (_lie_giant_chunk, "declares chunks"),
+    ],
+)
+def test_remote_array_metadata_that_lies_names_url_file_and_leaf(
+    tmp_path: Any, s3: Any, lie: Any, words: str
+) -> None:
+    path = _store(tmp_path)
+    lie(path)
+    url = s3.upload(path, "zarr-checks", f"{lie.__name__}/s.zarr")
+    with pytest.raises(gr.InvalidStoreError, match=words) as e:
+        gr.ZarrDataSource(url, storage_options=s3.storage_options(), retries=0)
+    assert f"{url}/obs/zarr.json" in str(e.value) and "'obs'" in str(e.value)
