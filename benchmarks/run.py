@@ -20,7 +20,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write")
+SECTIONS = ("formats", "pipeline", "cold", "write", "memory")
+# "memory" writes a store larger than half of RAM: run only when asked for.
+DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write")
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -39,7 +41,8 @@ def _parse(argv: list[str] | None) -> object:
         "--sections",
         nargs="+",
         default=None,
-        help=f"sections to run, space- or comma-separated, among {', '.join(SECTIONS)}",
+        help=f"sections to run, space- or comma-separated, among {', '.join(SECTIONS)} "
+        "(default: all but memory)",
     )
     p.add_argument("--transitions", type=int, default=None, help="transition records N")
     p.add_argument("--image-records", type=int, default=None, help="image records")
@@ -50,9 +53,13 @@ def _parse(argv: list[str] | None) -> object:
     p.add_argument(
         "--target-s", type=float, default=None, help="seconds per timed repeat (sets batch count)"
     )
+    p.add_argument(
+        "--memory-format", choices=("npy", "hdf5", "zarr"), default="npy",
+        help="store format of the memory section (default npy)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     chosen = []
-    for item in args.sections or [",".join(SECTIONS)]:
+    for item in args.sections or [",".join(DEFAULT_SECTIONS)]:
         for s in item.split(","):
             if s and s not in SECTIONS:
                 p.error(f"unknown section {s!r}; choose among {', '.join(SECTIONS)}")
@@ -78,6 +85,7 @@ def _versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import functools
     import time
 
     t_start = time.perf_counter()
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_report
     from bench_cold import run_cold
     from bench_formats import run_formats
+    from bench_memory import run_memory
     from bench_pipeline import run_pipeline
     from bench_write import run_write
 
@@ -118,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     datasets = bench_data.dataset_specs(cfg.transitions, cfg.image_records, cfg.seed)
     t0 = time.perf_counter()
     sampler.reset()
-    stores = bench_data.ensure_stores(datasets, data_dir, quick, log)
+    # The memory section writes its own store.
+    needs_stores = set(cfg.sections) - {"memory"}
+    stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
         {s.path: s.nbytes for layouts in stores.values() for s in layouts.values()}
@@ -149,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline": run_pipeline,
         "cold": run_cold,
         "write": run_write,
+        "memory": functools.partial(run_memory, fmt=args.memory_format),
     }
     results: list[common.SectionResult] = []
     json_path = os.path.join(out_dir, "results.json")
