@@ -196,3 +196,13 @@ def test_blocks_bigger_than_cache_read_for_their_rows_only() -> None:
     np.testing.assert_array_equal(reader.take(idx), data[idx])
     assert calls == [[-1, 0, 51, 99]]
     assert reader._cache.nbytes == 0
+
+
+def test_batch_missing_more_than_half_the_cache_reads_rows_only() -> None:
+    reader, calls, data = _recording_reader(2000, with_rows=True)  # blocks fit, 3 of them don't
+    idx = np.array([5, 15, 25, 35])
+    np.testing.assert_array_equal(reader.take(idx), data[idx])
+    assert calls == [[-1, 0, 1, 2, 3]]
+    idx = np.array([5, 7])  # one block: cached for the next batch
+    np.testing.assert_array_equal(reader.take(idx), data[idx])
+    assert calls[-1] == [0] and reader._cache.nbytes == 800
