@@ -223,7 +223,7 @@ def _formats_sources(
                 _case(
                     cfg, sec, store, layout, store.layout.fmt, "read_batch", "source",
                     lambda i, src=src: src.read_batch(pool[i]),
-                    note=f"{type(src).__name__}, default cache, steady state",
+                    note=f"{type(src).__name__}, default cache (fresh: fills while timed)",
                 )
             )  # fmt: skip
             if store.layout.chunked and store.layout.written_by != "gr.write":
@@ -389,7 +389,7 @@ def _formats_ratios(
         else:
             base, label, target = "oindex", "zarr oindex", ZARR_OINDEX_TARGET
         for method, cache in (
-            ("read_batch", "default cache, steady state"),
+            ("read_batch", "default cache, filling from empty"),
             ("read_batch-cold", "cold cache, every batch"),
             ("read_batch-cache-all", "cache holding every chunk, steady state"),
         ):
