@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -26,3 +27,10 @@ def test_open_source_detects_content_not_suffix(tmp_path: Any) -> None:
 def test_open_source_missing_path(tmp_path: Any) -> None:
     with pytest.raises(gr.StoreNotFoundError):
         gr.open_source(str(tmp_path / "nothing"))
+
+
+def test_open_source_refuses_a_fifo_instead_of_calling_it_missing(tmp_path):
+    fifo = str(tmp_path / "replay.h5")
+    os.mkfifo(fifo)
+    with pytest.raises(gr.InvalidStoreError, match="not a regular file"):
+        gr.open_source(fifo)

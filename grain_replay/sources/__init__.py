@@ -8,6 +8,7 @@ from typing import Any
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.sources.base import ReplaySource, is_url
+from grain_replay.sources.files import require_regular_file
 from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
 from grain_replay.sources.npy import NPY_MAGIC, NpyDataSource
 from grain_replay.sources.zarr import ZarrDataSource
@@ -45,6 +46,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         ):
             return "zarr"
         return "npy"
+    if os.path.exists(path):
+        require_regular_file(path)  # a FIFO, device or socket
     raise StoreNotFoundError(f"No replay store at {path}. Fix: check the path.")
 
 

@@ -291,6 +291,25 @@ def _commit_metadata(f: Any, meta: layout_lib.StoreMetadata) -> None:
     del attrs[layout_lib.METADATA_ATTR_NEXT]
 
 
+def _open_h5(path: str, mode: str, **kwargs: Any) -> Any:
+    """``h5py.File``; a handle this process already holds raises WriterBusyError, not OSError."""
+    import h5py
+
+    try:
+        return h5py.File(path, mode, **kwargs)
+    except OSError as e:
+        if "already open" not in str(e) and "locking flag values don't match" not in str(e):
+            raise
+        from grain_replay.writers.replay_writer import WriterBusyError
+
+        raise WriterBusyError(
+            f"{path} is open read-only in this process (an h5py.File, or an HDF5DataSource "
+            "that keeps its h5py handle: compressed leaves or allow_external=True), and HDF5 "
+            "cannot also open it for writing. Fix: close it (src.close()) before opening the "
+            "ReplayWriter, or append from another process."
+        ) from e
+
+
 class HDF5Backend(Backend):
     """Chunked, uncompressed datasets with chunks allocated ahead of the rows.
 
@@ -301,9 +320,8 @@ class HDF5Backend(Backend):
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         super().__init__(path, meta)
-        import h5py
 
-        self._file = h5py.File(
+        self._file = _open_h5(
             path, "r+", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
         )
         self._dsets = {k: self._file[layout_lib.disk_name(k)] for k in meta.leaves}
@@ -360,9 +378,8 @@ class HDF5Backend(Backend):
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
-        import h5py
 
-        with h5py.File(path, "r", locking=False) as f:
+        with _open_h5(path, "r", locking=False) as f:
             raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # a commit died growing it
             if raw is None:
                 raw = f.attrs.get(layout_lib.METADATA_ATTR)

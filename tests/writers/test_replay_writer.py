@@ -391,6 +391,21 @@ def test_hdf5_reader_opened_before_writer_in_same_process_does_not_block_it(tmp_
         np.testing.assert_array_equal(src.read_batch(np.arange(rows + 5))["i"], np.arange(rows + 5))
 
 
+def test_hdf5_writer_blocked_by_an_open_read_handle_says_to_close_it(tmp_path):
+    import h5py
+
+    path = _store(tmp_path, "hdf5")
+    with gr.ReplayWriter(path) as w:
+        w.append({"i": np.arange(5)})
+    for locking in (True, False):  # HDF5 words the two refusals differently
+        with h5py.File(path, "r", locking=locking):
+            with pytest.raises(gr.WriterBusyError, match=r"read-only in this process.*close"):
+                gr.ReplayWriter(path)
+    with gr.ReplayWriter(path) as w:  # the refusal left nothing behind: the lock is free
+        w.append({"i": np.arange(5, 7)})
+    assert len(gr.open_source(path)) == 7
+
+
 # -- reopening ------------------------------------------------------------------------------
 
 
