@@ -235,8 +235,8 @@ class LocalChunkReader:
             if chunk is None:
                 outs[j][(slice(None), *where)] = self._fill
                 return
-            local = tuple(slice(0, s.stop - s.start) for s in where)
-            outs[j][(slice(None), *where)] = chunk[(rows[j], *local)]
+            local: tuple[Any, ...] = (rows[j], *(slice(0, s.stop - s.start) for s in where))
+            outs[j][(slice(None), *where)] = chunk[local]
 
         run_grouped(
             [(j, coords, where) for j in range(len(chunk_ids)) for coords, where in self._inner],
