@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,s3,cli,bench,rl]"
+	$(PY) -m pip install --quiet -e ".[test,s3,cli,bench,rl,fast]"
 	touch $(STAMP)
 
 demo: $(STAMP)
