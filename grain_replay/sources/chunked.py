@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -231,17 +232,20 @@ class SegmentedReader(LeafReader):
     """
 
     def __init__(self, starts: Sequence[int], segments: Sequence[np.ndarray]):
-        from grain_replay.sources.base import advise_random
+        from grain_replay.sources import readahead
+        from grain_replay.sources.base import ArrayReader, advise_random
 
         for s in segments:
             advise_random(s)
         self._starts = np.asarray(starts, dtype=np.int64)
         self._segments = [s.view(np.ndarray) for s in segments]
-        self._single = self._segments[0] if len(self._segments) == 1 else None
+        self._single = ArrayReader(segments[0]) if len(segments) == 1 else None
+        # Per segment: reads rows ahead while they are not page-cached (readahead.py).
+        self._aheads = [readahead.for_array(s) for s in segments]
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         if self._single is not None:
-            return np.take(self._single, indices, axis=0)
+            return self._single.take(indices)
         if len(indices) == 0:
             return self._segments[0][:0].copy()
         seg = np.searchsorted(self._starts, indices, side="right") - 1
@@ -250,10 +254,25 @@ class SegmentedReader(LeafReader):
         cuts = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
         first = self._segments[0]
         out = np.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
+        groups = []
+        timed = True
         for lo, hi in zip(cuts, np.r_[cuts[1:], len(indices)]):
             j = int(sorted_seg[lo])
             pos = order[lo:hi]
-            out[pos] = self._segments[j][indices[pos] - self._starts[j]]
+            groups.append((j, pos, indices[pos] - self._starts[j]))
+            # Every segment's cold rows are asked for before any is gathered.
+            ahead = self._aheads[j]
+            if ahead is not None and ahead.cold and not ahead.start(groups[-1][2]):
+                timed = False
+        t0 = time.perf_counter()
+        for j, pos, rows in groups:
+            out[pos] = self._segments[j][rows]
+        if timed:
+            seconds = time.perf_counter() - t0
+            for j, _, _ in groups:
+                ahead = self._aheads[j]
+                if ahead is not None:
+                    ahead.finish(len(indices), seconds)
         return out
 
     def row(self, index: int) -> np.ndarray:

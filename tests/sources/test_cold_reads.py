@@ -128,3 +128,31 @@ def test_in_memory_and_non_contiguous_arrays_do_not_read_ahead(tmp_path: Any) ->
     np.save(path, np.arange(12.0).reshape(4, 3))
     assert readahead.for_array(np.load(path, mmap_mode="r")[:2]) is not None
     assert readahead.for_array(np.load(path, mmap_mode="r")[:0]) is None
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_segmented_reader_reads_exactly_in_either_state(
+    tmp_path: Any, cold: bool, monkeypatch: Any
+) -> None:
+    from grain_replay.sources.chunked import SegmentedReader
+
+    want = data()["big"]
+    path = gr.write_npy(str(tmp_path / "d"), data())
+    file = os.path.join(path, "big.npy")
+    arr = np.load(file, mmap_mode="r")
+    starts = [0, 100, 230]
+    segments = [
+        np.memmap(
+            file, arr.dtype, "r", arr.offset + lo * want[0].nbytes, (hi - lo, *want.shape[1:])
+        )
+        for lo, hi in zip(starts, [*starts[1:], N])
+    ]
+    reader = SegmentedReader(starts, segments)
+    for ahead in reader._aheads:
+        assert ahead is not None
+        monkeypatch.setattr(ahead, "resident", lambda idx: not cold)
+        ahead.cold = True
+    idx = np.array([5, 299, 5, 0, 250, 17, 100, 99, 230, 123, 229, 8])
+    np.testing.assert_array_equal(reader.take(idx), want[idx])
+    assert all(a.cold is cold for a in reader._aheads if a is not None)
+    np.testing.assert_array_equal(reader.take(idx[:0]), want[:0])
