@@ -258,10 +258,10 @@ def time_steps(
     return k, times
 
 
-def rss_anon_mb() -> float:
-    """This process's anonymous resident memory now (``RssAnon`` of /proc/self/status), MB."""
+def rss_anon_mb(pid: int | str = "self") -> float:
+    """A process's anonymous resident memory (``RssAnon`` of /proc/PID/status), MB; 0 if gone."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("RssAnon:"):
                     return int(line.split()[1]) / 1024

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from bench_common import Case, Config, SectionResult, drop_page_cache
+from bench_common import Case, Config, SectionResult, drop_page_cache, rss_anon_mb
 
 import grain_replay as gr
 
@@ -42,18 +42,6 @@ def mem_total_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no MemTotal in /proc/meminfo")
-
-
-def rss_anon_mb(pid: int | str = "self") -> float:
-    """``RssAnon`` of a process in MB (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def children_of(pid: int) -> list[int]:
