@@ -10,8 +10,9 @@ random records read by
 * ``gr read_batch`` cold: a zero-byte chunk cache, so every batch fetches every
   chunk it touches (the first epoch, or a store far larger than the cache), with
   the default ``max_concurrency`` (64) and with zarr's 10;
-* ``gr read_batch`` steady: the default 128 MiB cache after one pass over the
-  store (the store's decoded size fits), and with a 16 MiB cache (it does not);
+* ``gr read_batch`` steady: the default cache (it grows to fit a store of up to
+  1/32 of RAM) after one pass over the store (the store's decoded size fits),
+  and with a 16 MiB cache (it does not);
 * ``zarr oindex``: ``arr.oindex[sorted unique idx]`` per leaf, with the plain
   storage options a user passes, and with the options grain_replay adds;
 * ``zarr arr[i]``: one read per record per leaf (timed on a subset of each
@@ -215,7 +216,7 @@ def bench_layout(
             gr_reader(counted, max_concurrency=10),
         ),
         Case(
-            "gr read_batch, steady (default 128 MiB cache)",
+            "gr read_batch, steady (default cache)",
             gr_reader(plain, 128 << 20),
             gr_reader(counted, 128 << 20),
             per_call=wb,
