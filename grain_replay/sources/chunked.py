@@ -73,19 +73,48 @@ class ChunkCache:
         self._leaves: dict[str, int] = {}
         self._data: collections.OrderedDict[tuple[str, int], np.ndarray] = collections.OrderedDict()
         self._bytes = 0
+        # When every registered leaf fits the bound, each leaf decodes into one
+        # dense array instead (``dense``): a batch is then one np.take, not a
+        # Python loop over the chunks it touches.
+        self._dense: dict[str, tuple[tuple[Any, ...], np.ndarray, np.ndarray]] = {}
+        self._dense_bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def register(self, name: str, nbytes: int) -> None:
         """Declares leaf ``name``'s decoded size; a default-sized cache grows to fit them all."""
-        if not self._fit:
-            return
         with self._lock:
             self._leaves[name] = nbytes
+            if not self._fit:
+                return
             need = sum(self._leaves.values())
             base = int(DEFAULT_CACHE_BYTES)
             self.max_bytes = max(base, need) if need <= fit_cap_bytes() else base
+
+    def dense(
+        self, name: str, shape: tuple[int, ...], dtype: np.dtype, num_chunks: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(rows, decoded)`` for leaf ``name`` when all registered leaves fit, else None.
+
+        ``rows`` is the whole leaf, filled chunk by chunk (untouched pages cost no
+        memory); ``decoded[c]`` says whether chunk ``c`` is in it.
+        """
+        if sum(self._leaves.values()) > self.max_bytes:
+            return None
+        key = (shape, np.dtype(dtype).str, num_chunks)
+        with self._lock:
+            entry = self._dense.get(name)
+            if entry is None or entry[0] != key:  # new, or the store grew (refresh)
+                entry = (key, np.empty(shape, dtype), np.zeros(num_chunks, bool))
+                self._dense[name] = entry
+            return entry[1], entry[2]
+
+    def count(self, hits: int, misses: int, filled_bytes: int = 0) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self._dense_bytes += filled_bytes
 
     def get(self, key: tuple[str, int]) -> np.ndarray | None:
         with self._lock:
@@ -115,10 +144,12 @@ class ChunkCache:
         with self._lock:
             self._data.clear()
             self._bytes = 0
+            self._dense.clear()
+            self._dense_bytes = 0
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._bytes + self._dense_bytes
 
 
 def group_by_chunk(
@@ -180,12 +211,17 @@ class ChunkedLeafReader(LeafReader):
         self._read_rows = read_rows
         row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
         self._block_bytes = max(1, self._chunk_rows * row_bytes)
+        self._row_bytes = row_bytes
         cache.register(name, num_records * row_bytes)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        out = np.empty((len(indices), *self._row_shape), dtype=self._dtype)
         if len(indices) == 0:
-            return out
+            return np.empty((0, *self._row_shape), dtype=self._dtype)
+        num_chunks = -(-self._n // self._chunk_rows)
+        dense = self._cache.dense(self._name, (self._n, *self._row_shape), self._dtype, num_chunks)
+        if dense is not None:
+            return self._take_dense(indices, *dense)
+        out = np.empty((len(indices), *self._row_shape), dtype=self._dtype)
         chunk_ids, order, bounds = group_by_chunk(indices, self._chunk_rows)
         rows = self._chunk_rows
         missing = []
@@ -220,6 +256,23 @@ class ChunkedLeafReader(LeafReader):
                 pos = order[bounds[j] : bounds[j + 1]]
                 out[pos] = block[indices[pos] - c * rows]
         return out
+
+    def _take_dense(self, indices: np.ndarray, rows: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+        """The batch from the leaf's dense array, decoding the chunks it lacks first."""
+        chunk_ids = np.unique(indices // self._chunk_rows)
+        need = chunk_ids[~decoded[chunk_ids]]
+        filled = 0
+        per_group = max(1, max(self._cache.max_bytes, _MIN_GROUP_BYTES) // self._block_bytes)
+        for g in range(0, len(need), per_group):
+            group = [int(c) for c in need[g : g + per_group]]
+            for c, block in zip(group, self._read_blocks(group)):
+                start = c * self._chunk_rows
+                m = min(len(block), self._n - start)
+                rows[start : start + m] = block[:m]
+                decoded[c] = True  # after the rows: a racing reader sees them or decodes again
+                filled += m * self._row_bytes
+        self._cache.count(len(chunk_ids) - len(need), len(need), filled)
+        return np.take(rows, indices, axis=0)
 
 
 class SegmentedReader(LeafReader):

@@ -58,3 +58,55 @@ def test_default_survives_pickling_as_fit_the_store() -> None:
 
     again = pickle.loads(pickle.dumps(DEFAULT_CACHE_BYTES))
     assert again == DEFAULT_CACHE_BYTES and type(again) is type(DEFAULT_CACHE_BYTES)
+
+
+def _reader(cache_bytes: int, n: int = 1000, chunk_rows: int = 64):
+    from grain_replay.sources.chunked import ChunkedLeafReader
+
+    data = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    calls: list[list[int]] = []
+
+    def read_blocks(ids):
+        calls.append(list(ids))
+        # The last block comes back padded past N, as some codecs return it.
+        blocks = [data[c * chunk_rows : (c + 1) * chunk_rows] for c in ids]
+        return [np.resize(b, (chunk_rows, 3)) for b in blocks]
+
+    cache = ChunkCache(cache_bytes)
+    reader = ChunkedLeafReader("x", n, chunk_rows, (3,), np.dtype(np.float32), read_blocks, cache)
+    return reader, cache, calls, data
+
+
+def test_a_store_that_fits_is_decoded_into_one_dense_array_once() -> None:
+    reader, cache, calls, data = _reader(cache_bytes=1000 * 12)
+    idx = np.array([999, 0, 63, 64, 999, -0, 500])
+    np.testing.assert_array_equal(reader.take(idx), data[idx])
+    assert calls == [[0, 1, 7, 15]] and (cache.misses, cache.hits) == (4, 0)
+    assert cache._data == {} and cache.nbytes == (3 * 64 + 1000 - 960) * 12
+    np.testing.assert_array_equal(reader.take(np.array([1, 998, 70])), data[[1, 998, 70]])
+    assert len(calls) == 1 and cache.hits == 3  # nothing decoded again
+    everything = np.random.default_rng(0).permutation(1000)
+    np.testing.assert_array_equal(reader.take(everything), data[everything])
+    assert cache.nbytes == data.nbytes <= cache.max_bytes
+    cache.clear()  # the benchmark's "cold" case: decoded again after a clear
+    assert cache.nbytes == 0
+    np.testing.assert_array_equal(reader.take(np.array([5])), data[[5]])
+    assert calls[-1] == [0]
+
+
+def test_a_store_larger_than_the_bound_stays_in_the_lru() -> None:
+    reader, cache, _, data = _reader(cache_bytes=1000 * 12 - 1)
+    idx = np.arange(0, 1000, 7)
+    np.testing.assert_array_equal(reader.take(idx), data[idx])
+    assert cache._dense == {} and 0 < cache.nbytes <= cache.max_bytes
+
+
+def test_dense_reads_from_many_threads_agree() -> None:
+    import concurrent.futures
+
+    reader, _, _, data = _reader(cache_bytes=2**20, n=5000, chunk_rows=7)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 5000, 256) for _ in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for idx, got in zip(batches, pool.map(reader.take, batches)):
+            np.testing.assert_array_equal(got, data[idx])
