@@ -198,10 +198,11 @@ class ZarrBackend(Backend):
         super().__init__(path, meta)
         import zarr
 
-        self._group = zarr.open_group(path, mode="r+")
+        group: Any = zarr.open_group(path, mode="r+")  # its members are arrays by construction
+        self._group = group
         # Every chunk on disk, even all-zero ones, so readers can map them.
         self._arrays: dict[str, Any] = {
-            k: self._group[layout_lib.disk_name(k)].with_config({"write_empty_chunks": True})
+            k: group[layout_lib.disk_name(k)].with_config({"write_empty_chunks": True})
             for k in meta.leaves
         }
         n = meta.num_records
