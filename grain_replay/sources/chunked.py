@@ -140,11 +140,15 @@ class ChunkCache:
                 self._bytes -= evicted.nbytes
 
     def clear(self) -> None:
-        """Drops every decoded chunk (the hit and miss counters stay)."""
+        """Forgets every decoded chunk (the hit and miss counters stay).
+
+        Dense leaves keep their memory (it is reused when chunks are decoded again).
+        """
         with self._lock:
             self._data.clear()
             self._bytes = 0
-            self._dense.clear()
+            for _, _, decoded in self._dense.values():
+                decoded[:] = False  # decoded again on demand, into the same memory
             self._dense_bytes = 0
 
     @property
