@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import operator
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -16,7 +15,7 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
-from grain_replay.sources.base import check_indices
+from grain_replay.sources.base import as_record_index, check_indices
 
 __all__ = ["DerivedSource", "Spans"]
 
@@ -175,14 +174,7 @@ class DerivedSource(abc.ABC):
 
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
-        try:
-            i = operator.index(index)
-        except TypeError as e:
-            raise TypeError(
-                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
-                "Fix: use read_batch(indices) for several records."
-            ) from e
-        flat = self.read_flat([i])
+        flat = self.read_flat([as_record_index(index, self)])
         return self._build({k: v[0] for k, v in flat.items()})
 
     def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:

@@ -42,6 +42,17 @@ def is_url(path: str) -> bool:
 _STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
 
+def as_record_index(index: Any, owner: object) -> int:
+    """``operator.index(index)``, or a TypeError naming ``owner``'s class and the fix."""
+    try:
+        return operator.index(index)
+    except TypeError as e:
+        raise TypeError(
+            f"{type(owner).__name__} indices must be integers, got {type(index).__name__}. "
+            "Fix: use read_batch(indices) for several records."
+        ) from e
+
+
 def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
     """Record indices as int64 in ``[0, n)``; negative ones count from the end.
 
@@ -338,13 +349,7 @@ class ReplaySource(abc.ABC):
 
     def _check_index(self, index: Any) -> int:
         """``index`` as a non-negative record number, or the TypeError / RecordIndexError."""
-        try:
-            i = operator.index(index)
-        except TypeError as e:
-            raise TypeError(
-                f"{type(self).__name__} indices must be integers, got {type(index).__name__}. "
-                "Fix: use read_batch(indices) for several records."
-            ) from e
+        i = as_record_index(index, self)
         n = len(self)
         if not -n <= i < n:
             raise RecordIndexError(
