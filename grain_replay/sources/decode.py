@@ -58,7 +58,11 @@ def run_grouped(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
         for i in range(g, len(items), groups):
             out[i] = fn(items[i])
 
-    for f in [pool.submit(run, g) for g in range(groups)]:
+    futures = [pool.submit(run, g) for g in range(groups)]
+    # Every group finishes before an error is raised: callers release what the
+    # groups use (a descriptor) as soon as this returns.
+    concurrent.futures.wait(futures)
+    for f in futures:
         f.result()
     return out
 

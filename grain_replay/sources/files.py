@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import weakref
 
 from grain_replay.errors import InvalidStoreError
 
@@ -55,13 +56,15 @@ class MappedFile:
     def __init__(self, path: str, needed: int):
         self.path = path
         self.needed = int(needed)
-        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.fd = fd
+        # The descriptor closes when the last holder lets go (a handle, or a
+        # reader still running in another thread when its handle was closed),
+        # so no read ever goes to a recycled descriptor number. Also at exit.
+        self._finalizer = weakref.finalize(self, os.close, fd)
 
     def check(self, key: str) -> None:
-        fd = self.fd
-        if fd is None:
-            return
-        size = os.fstat(fd).st_size
+        size = os.fstat(self.fd).st_size
         if size < self.needed:
             raise InvalidStoreError(
                 f"{self.path}: leaf {key!r} is memory-mapped up to byte {self.needed:,} but the "
@@ -69,14 +72,3 @@ class MappedFile:
                 "would crash the process with SIGBUS). Fix: do not rewrite or truncate stores "
                 "in place while they are read; write a new file and os.replace it."
             )
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except OSError:
-            pass

@@ -118,8 +118,7 @@ class _HDF5Handle(Handle):
     def close(self) -> None:
         self.readers = {}
         self._close_file()
-        for guard in self._guards:
-            guard.close()
+        self._guards = []  # each descriptor closes when its last reader is gone
 
 
 def open_h5(path: str) -> Any:

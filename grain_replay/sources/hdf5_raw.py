@@ -127,14 +127,15 @@ def raw_chunk_reader(
     if len(chunks) == needed and count_runs(chunks, needed, chunk_bytes) <= MAX_RUNS:
         parts = [(path, chunks[c]) for c in range(needed)]
         return mapped_reader(parts, rows, spec.dtype, spec.shape, n), guard, True
-    fd, fill = guard.fd, dset.fillvalue
-    assert fd is not None
+    fill = dset.fillvalue
 
     def read(c: int, first: int, count: int) -> np.ndarray:
         off = chunks.get(c)
         if off is None:  # never written: HDF5 reads the fill value
             return np.full((count, *spec.shape), fill, spec.dtype)
-        data = os.pread(fd, count * row_bytes, off + first * row_bytes)
+        # Through ``guard``: this reader keeps its descriptor open while it runs,
+        # even if its handle was closed meanwhile (refresh() in another thread).
+        data = os.pread(guard.fd, count * row_bytes, off + first * row_bytes)
         if len(data) != count * row_bytes:
             raise InvalidStoreError(
                 f"{path}: leaf {key!r} chunk {c} (rows from {c * rows}) at byte "

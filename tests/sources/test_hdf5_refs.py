@@ -192,3 +192,43 @@ def test_open_of_static_broken_file_fails_at_once(tmp_path):
     with pytest.raises(ValueError, match="corrupt"):
         hdf5_raw.retry_while_written(path, attempt)
     assert len(calls) == 1
+
+
+def test_reader_still_running_after_refresh_reads_its_own_file(tmp_path):
+    # A reader used by another thread while refresh() closes its handle must keep
+    # its descriptor: a recycled descriptor number would read another file.
+    path = str(tmp_path / "a.h5")
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=(100, 4), chunks=(10, 4), dtype="f4")
+        d[:50] = np.arange(200, dtype="f4").reshape(50, 4)  # some chunks unwritten: pread
+    src = gr.HDF5DataSource(path)
+    stale = src._get_handle().readers["x"]
+    src.refresh()
+    other = tmp_path / "other.bin"
+    other.write_bytes(np.full(10_000, 7.0, "f4").tobytes())
+    fds = [os.open(other, os.O_RDONLY) for _ in range(4)]  # would take the freed numbers
+    try:
+        np.testing.assert_array_equal(stale.take(np.array([12, 99])), [[48, 49, 50, 51], [0] * 4])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    del stale
+    np.testing.assert_array_equal(src.read_batch([12])["x"], [[48, 49, 50, 51]])
+
+
+def test_closing_a_source_releases_its_descriptors(tmp_path):
+    path = str(tmp_path / "a.h5")
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=(100, 4), chunks=(10, 4), dtype="f4")
+        d[:50] = 1
+        f.create_dataset("y", data=np.arange(100))  # contiguous: mapped, fstat-checked
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    src = gr.HDF5DataSource(path)
+    before = open_fds()
+    src.read_batch([1, 2])
+    assert open_fds() > before
+    src.close()
+    assert open_fds() == before
