@@ -216,13 +216,15 @@ class ChunkedLeafReader(LeafReader):
         row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
         self._block_bytes = max(1, self._chunk_rows * row_bytes)
         self._row_bytes = row_bytes
+        self._num_chunks = -(-num_records // self._chunk_rows)
         cache.register(name, num_records * row_bytes)
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         if len(indices) == 0:
             return np.empty((0, *self._row_shape), dtype=self._dtype)
-        num_chunks = -(-self._n // self._chunk_rows)
-        dense = self._cache.dense(self._name, (self._n, *self._row_shape), self._dtype, num_chunks)
+        dense = self._cache.dense(
+            self._name, (self._n, *self._row_shape), self._dtype, self._num_chunks
+        )
         if dense is not None:
             return self._take_dense(indices, *dense)
         out = np.empty((len(indices), *self._row_shape), dtype=self._dtype)
@@ -247,34 +249,36 @@ class ChunkedLeafReader(LeafReader):
             for p, rows_got in zip(positions, got):
                 out[p] = rows_got
             return out
-        # Fetched in groups of at most ~the cache bound of decoded bytes, so
-        # that a batch touching many big blocks never holds all of them at once.
+        at = {int(chunk_ids[j]): j for j in missing}
+        for c, block in self._decode_in_groups(list(at)):
+            self._cache.put((self._name, c), block)
+            pos = order[bounds[at[c]] : bounds[at[c] + 1]]
+            out[pos] = block[indices[pos] - c * rows]
+        return out
+
+    def _decode_in_groups(self, chunk_ids: list[int]) -> Any:
+        """``(chunk id, block)`` for each of ``chunk_ids``, decoded group by group.
+
+        A group holds at most ~the cache bound of decoded bytes, so a batch that
+        touches many big blocks never holds all of them at once.
+        """
         budget = max(self._cache.max_bytes, _MIN_GROUP_BYTES)
         per_group = max(1, budget // self._block_bytes)
-        for g in range(0, len(missing), per_group):
-            group = missing[g : g + per_group]
-            fetched = self._read_blocks([int(chunk_ids[j]) for j in group])
-            for j, block in zip(group, fetched):
-                c = int(chunk_ids[j])
-                self._cache.put((self._name, c), block)
-                pos = order[bounds[j] : bounds[j + 1]]
-                out[pos] = block[indices[pos] - c * rows]
-        return out
+        for g in range(0, len(chunk_ids), per_group):
+            group = chunk_ids[g : g + per_group]
+            yield from zip(group, self._read_blocks(group))
 
     def _take_dense(self, indices: np.ndarray, rows: np.ndarray, decoded: np.ndarray) -> np.ndarray:
         """The batch from the leaf's dense array, decoding the chunks it lacks first."""
         chunk_ids = np.unique(indices // self._chunk_rows)
         need = chunk_ids[~decoded[chunk_ids]]
         filled = 0
-        per_group = max(1, max(self._cache.max_bytes, _MIN_GROUP_BYTES) // self._block_bytes)
-        for g in range(0, len(need), per_group):
-            group = [int(c) for c in need[g : g + per_group]]
-            for c, block in zip(group, self._read_blocks(group)):
-                start = c * self._chunk_rows
-                m = min(len(block), self._n - start)
-                rows[start : start + m] = block[:m]
-                decoded[c] = True  # after the rows: a racing reader sees them or decodes again
-                filled += m * self._row_bytes
+        for c, block in self._decode_in_groups([int(c) for c in need]):
+            start = c * self._chunk_rows
+            m = min(len(block), self._n - start)
+            rows[start : start + m] = block[:m]
+            decoded[c] = True  # after the rows: a racing reader sees them or decodes again
+            filled += m * self._row_bytes
         self._cache.count(len(chunk_ids) - len(need), len(need), filled)
         return np.take(rows, indices, axis=0)
 
