@@ -17,6 +17,7 @@ from grain_replay.errors import (
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    WorkerDiedError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -75,6 +76,7 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",

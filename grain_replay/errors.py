@@ -49,6 +49,10 @@ class BatchShardingError(GrainReplayError, ValueError):
     """A batch does not split evenly over the devices it is sharded across."""
 
 
+class WorkerDiedError(GrainReplayError, RuntimeError):
+    """A loader worker process exited while the consumer waited for its batch."""
+
+
 class MissingDependencyError(GrainReplayError, ImportError):
     """An optional dependency is not installed."""
 

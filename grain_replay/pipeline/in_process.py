@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
+
+from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
 
 __all__ = ["InProcessLoaderIterator"]
 
@@ -97,18 +98,9 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
 
     def get_state(self) -> bytes:
         """The state of a ``grain.DataLoader`` iterator after the same batches, byte for byte."""
-        loader = self._data_loader
-        # grain writes json.dumps(state, indent=4), whose pure-Python indenting encoder
-        # costs ~30 us, paid for every batch under sharded_device_put; the same bytes
-        # are spelled out here (grain's own tests pin the format).
-        last_seen = self._shard_index + (self._next_index - 1) * self._shard_count
-        sampler = json.dumps(repr(loader._sampler))
-        source = json.dumps(repr(loader._data_source))
-        return (
-            '{\n    "version": 2,\n    "last_seen_indices": {\n        "0": '
-            f'{last_seen}\n    }},\n    "last_worker_index": -1,\n    "worker_count": 0,\n'
-            f'    "sampler": {sampler},\n    "data_source": {source}\n}}'
-        ).encode()
+        return loader_state_bytes(
+            self._data_loader, self._next_index, 0, self._shard_index, self._shard_count
+        )
 
     def set_state(self, state: bytes) -> None:
         """Resumes right after the last batch handed out when ``state`` was taken.
@@ -120,11 +112,11 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
         Raises:
           ValueError: ``state`` was saved with another worker count, sampler or source.
         """
-        decoded = json.loads(state.decode())
-        self._data_loader._validate_state(decoded)  # grain's own messages
-        last_seen = decoded["last_seen_indices"]["0"]
+        handed_out = handed_out_from_state(
+            self._data_loader, state, 0, self._shard_index, self._shard_count
+        )
         self._drop_pending()
-        self._next_index = (last_seen + self._shard_count - self._shard_index) // self._shard_count
+        self._next_index = handed_out
 
     def start_prefetch(self) -> None:
         """Starts reading the first batches in the background (no-op when synchronous)."""

@@ -15,6 +15,7 @@ import numpy as np
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline.workers import WorkerLoaderIterator
 
 __all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
 
@@ -165,25 +166,38 @@ class _GlobalBatchSampler:
 
 
 class _ReplayDataLoader(grain.DataLoader):
-    """A ``grain.DataLoader`` whose ``worker_count=0`` iterator skips grain's per-element work.
+    """A ``grain.DataLoader`` whose iterators skip grain's per-element work.
 
-    With workers, or with an operation other than ``grain.transforms.Map``, iteration
-    is grain's own. Otherwise it is an :class:`InProcessLoaderIterator`: the same
-    batches and the same checkpoint bytes, read with ``read_options.num_threads``
-    threads keeping ``read_options.prefetch_buffer_size`` batches in flight.
+    With ``grain.transforms.Map`` operations only (the usual case), iteration is
+    grain_replay's own: an :class:`InProcessLoaderIterator` (``worker_count=0``)
+    or a :class:`WorkerLoaderIterator` (batches cross processes in shared
+    memory). Both yield grain's elements in grain's order and read and write
+    grain's checkpoint bytes. Any other operation falls back to grain's iterator.
     """
 
     def __iter__(self) -> grain.DataLoaderIterator:
         ops = self._operations
-        if self.multiprocessing_options.num_workers > 0 or not all(
-            isinstance(op, grain.transforms.Map) for op in ops
-        ):
+        if not all(isinstance(op, grain.transforms.Map) for op in ops):
             return super().__iter__()
         shards = self._shard_options
+        length = len(self._sampler) // shards.shard_count
+        workers = self.multiprocessing_options.num_workers
+        if workers > 0:
+            return WorkerLoaderIterator(
+                self,
+                self._data_source.__getitem__,
+                length=length,
+                shard_index=shards.shard_index,
+                shard_count=shards.shard_count,
+                worker_count=workers,
+                maps=ops,
+                buffer_size=self.multiprocessing_options.per_worker_buffer_size,
+                read_threads=int(self._read_options.num_threads),
+            )
         return InProcessLoaderIterator(
             self,
             self._data_source.__getitem__,
-            length=len(self._sampler) // shards.shard_count,
+            length=length,
             shard_index=shards.shard_index,
             shard_count=shards.shard_count,
             maps=ops,
@@ -193,11 +207,12 @@ class _ReplayDataLoader(grain.DataLoader):
 
 
 def _default_read_options(worker_count: int) -> grain.ReadOptions:
-    if worker_count == 0:
-        # Measured on 2 cores: read-ahead threads in the consuming process cost
-        # more in handoffs and GIL contention than they hide for page-cached reads.
-        return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-    return grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    del worker_count  # the same in the consuming process and in each worker
+    # Measured on 2 cores: read-ahead threads cost more in handoffs and GIL
+    # contention than they hide for page-cached reads; workers already read ahead
+    # worker_buffer_size batches each, and the consuming process reads inside next(),
+    # which sharded_device_put calls on its own thread.
+    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _default_shard_options() -> Any:
@@ -233,17 +248,20 @@ def make_data_loader(
       seed: selects the permutations.
       num_epochs: passes over the data; None repeats forever.
       drop_remainder: drop the last partial batch of each epoch.
-      worker_count: grain worker processes (0 reads in this process).
+      worker_count: worker processes reading and mapping batches (0 reads in this
+        process). Each worker writes whole batches into its own shared-memory slots;
+        the consuming process copies a batch out with one ``memcpy`` per leaf.
       shard_options: ``grain.sharding.ShardOptions``; default
         ``ShardByJaxProcess(drop_remainder=True)``.
       operations: grain transformations applied to host batches in the workers.
-      read_options: grain ``ReadOptions``: threads reading ahead and batches in flight
-        per process. Default: 2 threads and 4 batches in each worker; with
-        ``worker_count=0``, none: batches are read inside ``next()``, which
-        ``sharded_device_put`` already calls on its own thread. For a
-        high-latency source (object storage), read ahead in-process with e.g.
-        ``grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)``.
-      worker_buffer_size: batches each worker prepares ahead.
+      read_options: grain ``ReadOptions``: threads reading ahead. Default: none;
+        batches are read inside ``next()`` (which ``sharded_device_put`` calls on its
+        own thread) or, with workers, one at a time in each worker. For a
+        high-latency source (object storage), read ahead with e.g.
+        ``grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)``; in a worker,
+        ``num_threads`` reads are kept in flight.
+      worker_buffer_size: finished batches each worker keeps ahead (its
+        shared-memory slots).
 
     Returns:
       A ``grain.DataLoader`` whose iterator yields numpy batches and supports

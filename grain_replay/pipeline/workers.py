@@ -1,0 +1,456 @@
+"""The worker_count > 0 iterator of make_data_loader: batches cross processes in shared memory.
+
+grain's worker path moves every leaf of every element through a shared-memory
+file of its own and a pickling queue with a reader thread: ~0.7 ms of the
+consuming process's CPU per batch of transitions, ten times the read itself.
+Here each worker owns a few anonymous shared-memory slots (``memfd``, handed
+over once through the pipe), writes a whole batch into one, and sends a tuple
+of four small ints; the consumer copies the batch out (one ``memcpy`` per leaf)
+and gives the slot back. The stream, the operations and the checkpoint bytes
+are those of grain's own iterator with the same ``worker_count``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
+import os
+import pickle
+import signal
+import tempfile
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import grain
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import GrainReplayError, WorkerDiedError
+from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
+
+__all__ = ["WorkerLoaderIterator"]
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
+_JOIN_S = 5.0  # how long close() waits for a worker before killing it
+
+# worker -> consumer: (kind, generation, element, ...)
+_BATCH, _PICKLED, _ERROR, _SLOT = range(4)
+# consumer -> worker
+_FREE, _SEEK, _STOP = range(3)
+
+
+class _Plan:
+    """What a worker reads: element ``k`` of worker ``w`` is global batch ``g(k)``."""
+
+    def __init__(
+        self, worker: int, workers: int, shard_index: int, shard_count: int, length: int
+    ) -> None:
+        self.worker = worker
+        self.workers = workers
+        self.shard_index = shard_index
+        self.shard_count = shard_count
+        self.length = length
+
+    def local(self, k: int) -> int:
+        return k * self.workers + self.worker
+
+    def global_index(self, k: int) -> int:
+        return self.local(k) * self.shard_count + self.shard_index
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(batch: Any) -> tuple[Any, list[np.ndarray], int] | None:
+    """``(spec, leaves, bytes)`` of a batch of plain arrays; None if it must be pickled."""
+    try:
+        leaves, treedef = tree_lib.flatten(batch)
+    except GrainReplayError:
+        return None
+    arrays, fields, offset = [], [], 0
+    for key, leaf in leaves.items():
+        if type(leaf) is not np.ndarray or leaf.dtype.hasobject:
+            return None
+        fields.append((key, leaf.dtype.str, leaf.shape, offset))
+        arrays.append(leaf)
+        offset = _round_up(offset + leaf.nbytes)
+    return (treedef, tuple(fields)), arrays, offset
+
+
+def _new_slot(size: int) -> tuple[int, mmap.mmap]:
+    """An anonymous shared file of ``size`` bytes and its map; the fd travels to the consumer."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("grain_replay_batch", os.MFD_CLOEXEC)
+    else:  # macOS: an unlinked temporary file
+        fd, name = tempfile.mkstemp(prefix="grain_replay_batch_")
+        os.unlink(name)
+    os.ftruncate(fd, size)
+    return fd, mmap.mmap(fd, size)
+
+
+def _picklable(error: BaseException, where: str) -> BaseException:
+    """``error`` with the worker's traceback as a note, or a RuntimeError that says it all."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        error.add_note(f"Raised in {where}:\n{text}")
+        pickle.dumps(error)
+        return error
+    except Exception:  # an exception that does not pickle: keep its text
+        return RuntimeError(f"{type(error).__name__} raised in {where} (unpicklable):\n{text}")
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection,
+    payload: bytes,
+    plan: _Plan,
+    slot_count: int,
+    read_threads: int,
+    generation: int,
+    start: int,
+) -> None:
+    """A worker: reads its elements into free slots until told to stop or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
+    load_error: BaseException | None = None
+    try:
+        read, maps = cloudpickle.loads(payload)
+    except Exception as e:  # every element fails with it, again after each seek
+        load_error = _picklable(e, where)
+        read, maps = None, ()
+
+    def element(k: int) -> Any:
+        data = read(plan.global_index(k))
+        for op in maps:
+            data = op.map(data)
+        return data
+
+    pool = concurrent.futures.ThreadPoolExecutor(read_threads) if read_threads > 0 else None
+    pending: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
+    free = list(range(slot_count))
+    slots: dict[int, mmap.mmap] = {}
+    last_spec: Any = None
+    k = start
+    stalled = False  # after an error: wait for a seek
+    if load_error is not None:
+        conn.send((_ERROR, generation, k, load_error))
+        stalled = True
+
+    def handle(msg: tuple[Any, ...]) -> bool:
+        nonlocal k, generation, stalled
+        if msg[0] == _FREE:
+            free.append(msg[1])
+        elif msg[0] == _SEEK:
+            _, generation, k = msg
+            while pending:  # reads are pure: a running one finishes and is dropped
+                pending.popleft()[1].cancel()
+            stalled = load_error is not None
+            if stalled:
+                conn.send((_ERROR, generation, k, load_error))
+        else:
+            return False
+        return True
+
+    try:
+        while True:
+            while conn.poll() or not free or stalled or plan.local(k) >= plan.length:
+                if not handle(conn.recv()):
+                    return
+            if pool is not None:  # keep read_threads reads in flight
+                while len(pending) < read_threads and plan.local(k + len(pending)) < plan.length:
+                    pending.append((k + len(pending), pool.submit(element, k + len(pending))))
+            try:
+                data = pending.popleft()[1].result() if pool is not None else element(k)
+            except Exception as e:
+                conn.send((_ERROR, generation, k, _picklable(e, where)))
+                stalled = True
+                continue
+            laid = _layout(data)
+            if laid is None:
+                conn.send((_PICKLED, generation, k, data))
+                k += 1
+                continue
+            spec, arrays, size = laid
+            slot = free.pop()
+            if slot not in slots or len(slots[slot]) < size:
+                if slot in slots:
+                    slots[slot].close()
+                fd, slots[slot] = _new_slot(max(size, _ALIGN) + size // 4)
+                conn.send((_SLOT, generation, k, slot, len(slots[slot])))
+                multiprocessing.reduction.send_handle(conn, fd, os.getppid())
+                os.close(fd)
+            buf = np.frombuffer(slots[slot], np.uint8)
+            for (_, _, _, offset), array in zip(spec[1], arrays):
+                buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+            del buf
+            conn.send((_BATCH, generation, k, slot, None if spec == last_spec else spec))
+            last_spec = spec
+            k += 1
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the consumer is gone
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Worker:
+    """The consumer's side of one worker: its process, pipe, slot maps and last layout."""
+
+    def __init__(self, process: Any, conn: multiprocessing.connection.Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.slots: dict[int, mmap.mmap] = {}
+        self.spec: Any = None
+        self.fields: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
+        self.unpack: Callable[[dict[str, Any]], Any] | None = None
+
+    def set_spec(self, spec: Any) -> None:
+        self.spec = spec
+        self.fields = [
+            (key, np.dtype(dtype), shape, int(np.prod(shape, dtype=np.int64)), offset)
+            for key, dtype, shape, offset in spec[1]
+        ]
+        self.unpack = tree_lib.compile_unflatten(spec[0])
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    """Stops the workers (ask, wait, then kill) and unmaps their slots; safe to call twice."""
+    for w in workers:
+        with contextlib.suppress(OSError, ValueError):
+            w.conn.send((_STOP,))
+    for w in workers:
+        w.process.join(_JOIN_S)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(_JOIN_S)
+        w.conn.close()
+        for m in w.slots.values():
+            with contextlib.suppress(BufferError):
+                m.close()
+        w.slots.clear()
+    workers.clear()
+
+
+class _Pool:
+    """Started workers, all at one generation; stale messages are dropped by generation."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        plans: Sequence[_Plan],
+        slot_count: int,
+        read_threads: int,
+        handed_out: int,
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.generation = 0
+        self.broken = False
+        self.workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
+        for plan in plans:
+            ours, theirs = ctx.Pipe(duplex=True)
+            start = _first_element(handed_out, plan)
+            process = ctx.Process(
+                target=_worker_main,
+                args=(theirs, payload, plan, slot_count, read_threads, 0, start),
+                name=f"grain_replay_loader_worker_{plan.worker}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self.workers.append(_Worker(process, ours))
+
+    def seek(self, handed_out: int, plans: Sequence[_Plan]) -> None:
+        self.generation += 1
+        self.broken = False
+        for w, plan in zip(self.workers, plans):
+            w.conn.send((_SEEK, self.generation, _first_element(handed_out, plan)))
+
+    def receive(self, index: int, k: int) -> Any:
+        w = self.workers[index]
+        while True:
+            msg = self._recv(index, w)
+            kind, generation, element = msg[0], msg[1], msg[2]
+            if kind == _SLOT:  # a new or larger slot: its fd follows the message
+                fd = multiprocessing.reduction.recv_handle(w.conn)
+                old = w.slots.pop(msg[3], None)
+                if old is not None:
+                    old.close()
+                try:
+                    w.slots[msg[3]] = mmap.mmap(fd, msg[4], access=mmap.ACCESS_READ)
+                finally:
+                    os.close(fd)
+                continue
+            if kind == _BATCH and msg[4] is not None:
+                w.set_spec(msg[4])
+            if generation != self.generation:
+                if kind == _BATCH:
+                    w.conn.send((_FREE, msg[3]))
+                continue
+            if element != k:  # a broken protocol, not a user error
+                raise RuntimeError(f"worker {index} sent element {element}, expected {k}")
+            if kind == _ERROR:
+                self.broken = True  # the next call seeks back to the failed batch
+                raise msg[3]
+            if kind == _PICKLED:
+                return msg[3]
+            return self._unpack(w, msg[3])
+
+    def _unpack(self, w: _Worker, slot: int) -> Any:
+        mem = w.slots[slot]
+        leaves = {}
+        for key, dtype, shape, count, offset in w.fields:
+            if count:  # a copy: the slot is given back right away
+                leaves[key] = np.frombuffer(mem, dtype, count, offset).reshape(shape).copy()
+            else:
+                leaves[key] = np.empty(shape, dtype)
+        w.conn.send((_FREE, slot))
+        assert w.unpack is not None
+        return w.unpack(leaves)
+
+    def _recv(self, index: int, w: _Worker) -> tuple[Any, ...]:
+        try:
+            # poll() first: wait() builds a selector per call, 20 us a batch.
+            if w.conn.poll() or w.conn in multiprocessing.connection.wait(
+                [w.conn, w.process.sentinel]
+            ):
+                return w.conn.recv()
+        except (EOFError, ConnectionResetError):
+            pass
+        w.process.join(_JOIN_S)
+        self.close()
+        raise WorkerDiedError(
+            f"grain_replay loader worker {index} (pid {w.process.pid}) was terminated "
+            f"unexpectedly with exit code {w.process.exitcode}. A negative code is the "
+            "signal that killed it (-9: SIGKILL, often the kernel's out-of-memory killer). "
+            "The next call to next() starts new workers at the same batch."
+        )
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _first_element(handed_out: int, plan: _Plan) -> int:
+    """The first element of ``plan``'s worker not yet handed out after ``handed_out``."""
+    return max(0, -(-(handed_out - plan.worker) // plan.workers))
+
+
+class WorkerLoaderIterator(grain.DataLoaderIterator):
+    """Reads global batches in ``worker_count`` spawned processes, in grain's order.
+
+    Element ``j`` of this process is global batch ``j * shard_count + shard_index``,
+    read and mapped by worker ``j % worker_count`` (as grain assigns it), which keeps
+    up to ``buffer_size`` finished batches in shared memory ahead of the consumer.
+    ``get_state`` returns the bytes grain's iterator would; the state counts only
+    batches handed out, so a checkpoint moves between the two iterators.
+    """
+
+    # grain.DataLoaderIterator.__init__ would build grain's multiprocessing
+    # pipeline, which this class replaces; its other methods use the attributes set here.
+    def __init__(
+        self,
+        data_loader: grain.DataLoader,
+        read: Callable[[int], Any],
+        *,
+        length: int,
+        shard_index: int,
+        shard_count: int,
+        worker_count: int,
+        maps: Sequence[Any] = (),
+        buffer_size: int = 2,
+        read_threads: int = 0,
+    ) -> None:
+        self._data_loader = data_loader
+        self._validate_state = True
+        try:  # fail here, not in the workers
+            self._payload = cloudpickle.dumps((read, tuple(maps)))
+        except Exception as e:
+            raise TypeError(
+                f"make_data_loader(worker_count={worker_count}) sends the source and the "
+                f"operations to worker processes, but they do not pickle: {e}. Fix: give "
+                "them __getstate__/__setstate__ that drop handles and locks (as grain_replay's "
+                "sources do), or use worker_count=0."
+            ) from e
+        self._length = length
+        self._shard_index = shard_index
+        self._shard_count = shard_count
+        self._worker_count = worker_count
+        self._plans = [
+            _Plan(w, worker_count, shard_index, shard_count, length) for w in range(worker_count)
+        ]
+        self._slots = max(1, int(buffer_size))
+        self._read_threads = max(0, int(read_threads))
+        self._next_index = 0
+        self._pool: _Pool | None = None
+
+    def _ready_pool(self) -> _Pool:
+        pool = self._pool
+        if pool is None or not pool.workers:
+            pool = self._pool = _Pool(
+                self._payload, self._plans, self._slots, self._read_threads, self._next_index
+            )
+        elif pool.broken:
+            pool.seek(self._next_index, self._plans)
+        return pool
+
+    def __next__(self) -> Any:
+        j = self._next_index
+        if j >= self._length:
+            self.close()  # nothing left to read; set_state() starts workers again
+            raise StopIteration
+        batch = self._ready_pool().receive(j % self._worker_count, j // self._worker_count)
+        self._next_index = j + 1
+        return batch
+
+    def get_state(self) -> bytes:
+        """The state of grain's iterator with the same worker count after the same batches."""
+        return loader_state_bytes(
+            self._data_loader,
+            self._next_index,
+            self._worker_count,
+            self._shard_index,
+            self._shard_count,
+        )
+
+    def set_state(self, state: bytes) -> None:
+        """Resumes right after the last batch handed out when ``state`` was taken.
+
+        Args:
+          state: bytes from ``get_state`` of this iterator or of grain's iterator of a
+            loader with the same ``worker_count`` over the same batches.
+
+        Raises:
+          ValueError: ``state`` was saved with another worker count, sampler or source.
+        """
+        self._next_index = handed_out_from_state(
+            self._data_loader, state, self._worker_count, self._shard_index, self._shard_count
+        )
+        if self._pool is not None and self._pool.workers:
+            self._pool.seek(self._next_index, self._plans)
+
+    def start_prefetch(self) -> None:
+        """Starts the workers, which begin reading the next batches."""
+        self._ready_pool()
+
+    def close(self) -> None:
+        """Stops the workers and drops the batches they read ahead; the position is kept."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> WorkerLoaderIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,90 @@
+"""Sources and operations the worker-path tests send to spawned workers (importable by name)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grain
+import numpy as np
+
+
+class FailOnce:
+    """Delegates to ``source``; in each process, the read of global batch ``bad_id`` fails once."""
+
+    def __init__(self, source: Any, bad_id: int) -> None:
+        self.source = source
+        self.bad_id = bad_id
+        self.failed: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return f"FailOnce({self.source!r}, {self.bad_id})"
+
+    def read_batch(self, indices: Any) -> Any:
+        batch = self.source.read_batch(indices)
+        if self.bad_id in batch["id"] and os.getpid() not in self.failed:
+            self.failed.add(os.getpid())
+            raise OSError(f"flaky read of record {self.bad_id}")
+        return batch
+
+
+class Unreadable:
+    """A source whose every read fails: the error must reach the consumer, named."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return f"Unreadable({self.source!r})"
+
+    def read_batch(self, indices: Any) -> Any:
+        raise KeyError("leaf 'obs' is missing in this test")
+
+
+class Grow(grain.transforms.Map):
+    """Repeats every leaf ``1 + id % 3`` times: batches of changing sizes and shapes."""
+
+    def map(self, element: Any) -> Any:
+        reps = 1 + int(element["id"][0]) % 3
+
+        def grow(node: Any) -> Any:
+            if isinstance(node, dict):
+                return {k: grow(v) for k, v in node.items()}
+            return np.concatenate([node] * reps)
+
+        return grow(element)
+
+
+class PythonLeaves(grain.transforms.Map):
+    """Adds leaves that are not arrays: the batch must travel pickled."""
+
+    def map(self, element: Any) -> Any:
+        return {**element, "first": int(element["id"][0]), "tag": "batch", "none": None}
+
+
+class Shapes(grain.transforms.Map):
+    """Adds an empty leaf, a 0-d leaf, a big-endian leaf and a non-contiguous leaf."""
+
+    def map(self, element: Any) -> Any:
+        ids = element["id"]
+        return {
+            **element,
+            "empty": np.zeros((len(ids), 0), np.float32),
+            "scalar": np.array(int(ids.sum())),
+            "big_endian": ids.astype(">i4"),
+            "strided": np.stack([ids, ids * 2], axis=1).T,
+            "text": np.array([str(i) for i in ids]),
+        }
+
+
+class Pid(grain.transforms.Map):
+    """Records the process that mapped the batch."""
+
+    def map(self, element: Any) -> Any:
+        return {**element, "pid": np.full(len(element["id"]), os.getpid())}

@@ -1,0 +1,272 @@
+"""Tests for make_data_loader's worker_count > 0 iterator (grain_replay.pipeline.workers)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from typing import Any
+
+import grain
+import numpy as np
+import pytest
+from conformance import assert_tree_equal, make_tree
+from loader_ops import FailOnce, Grow, Pid, PythonLeaves, Shapes, Unreadable
+
+import grain_replay as gr
+from grain_replay.pipeline.workers import WorkerLoaderIterator
+
+NO_SHARDING = grain.sharding.NoSharding()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tree = make_tree(100)
+    tree["id"] = np.arange(100, dtype=np.int64)
+    p = str(tmp_path_factory.mktemp("workers") / "s.npy")
+    gr.write(p, tree, format="npy")
+    return p
+
+
+def _loader(source: Any, **kwargs: Any) -> grain.DataLoader:
+    kwargs.setdefault("shard_options", NO_SHARDING)
+    kwargs.setdefault("batch_size", 8)
+    kwargs.setdefault("seed", 5)
+    kwargs.setdefault("num_epochs", 2)
+    kwargs.setdefault("worker_count", 2)
+    return gr.make_data_loader(source, **kwargs)
+
+
+def _sorted(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _sorted(tree[k]) for k in sorted(tree)}
+    return tree
+
+
+def _ids(batches: list[Any]) -> list[list[int]]:
+    return [b["id"].tolist() for b in batches]
+
+
+def _children() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                out.add(int(name))
+    return out
+
+
+def _wait_for_no_children(before: set[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _children() - before:
+        assert time.monotonic() < deadline, f"workers left behind: {_children() - before}"
+        gc.collect()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_stream_equals_the_in_process_stream(path: str, workers: int) -> None:
+    src = gr.open_source(path)
+    want = list(_loader(src, worker_count=0, drop_remainder=False))
+    it = iter(_loader(src, worker_count=workers, drop_remainder=False))
+    assert isinstance(it, WorkerLoaderIterator)
+    assert isinstance(it, grain.DataLoaderIterator)
+    got = list(it)
+    assert len(got) == len(want) == 26
+    for g, w in zip(got, want, strict=True):
+        assert_tree_equal(g, w)
+        assert g["id"].flags.writeable and g["id"].flags.owndata  # a copy, not the slot
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_state_bytes_match_grain_iterator_and_move_both_ways(path: str) -> None:
+    loader = _loader(gr.open_source(path))
+    ours, theirs = iter(loader), grain.DataLoader.__iter__(loader)
+    assert not isinstance(theirs, WorkerLoaderIterator)
+    assert ours.get_state() == theirs.get_state()
+    reference = []
+    for want in theirs:
+        got = next(ours)
+        assert_tree_equal(_sorted(got), _sorted(want))  # grain's worker path sorts keys
+        assert ours.get_state() == theirs.get_state()
+        reference.append(want["id"].tolist())
+    assert len(reference) == 24
+    for k in (0, 5, 23):
+        theirs = grain.DataLoader.__iter__(loader)
+        for _ in range(k):
+            next(theirs)
+        resumed = iter(_loader(gr.open_source(path)))
+        resumed.set_state(theirs.get_state())
+        assert _ids(list(resumed)) == reference[k:]
+        back = grain.DataLoader.__iter__(loader)
+        resumed.set_state(theirs.get_state())
+        back.set_state(resumed.get_state())
+        assert _ids(list(back)) == reference[k:]
+
+
+@pytest.mark.parametrize("shard", [0, 2])
+def test_shards_match_in_process_shards(path: str, shard: int) -> None:
+    options = grain.sharding.ShardOptions(shard_index=shard, shard_count=3, drop_remainder=True)
+    src = gr.open_source(path)
+    want = _ids(list(_loader(src, worker_count=0, shard_options=options)))
+    it = iter(_loader(src, worker_count=2, shard_options=options))
+    got = []
+    for _ in range(3):
+        got.append(next(it)["id"].tolist())
+    state = it.get_state()
+    it.close()
+    again = iter(_loader(src, worker_count=2, shard_options=options))
+    again.set_state(state)
+    got += _ids(list(again))
+    assert got == want and len(got) == 8
+
+
+def test_set_state_mid_stream_drops_batches_read_ahead(path: str) -> None:
+    it = iter(_loader(gr.open_source(path), worker_buffer_size=4))
+    first = [next(it) for _ in range(7)]
+    time.sleep(0.5)  # the workers fill their slots
+    it.set_state(b"" + _state_after(path, 2))
+    assert _ids([next(it) for _ in range(5)]) == _ids(first[2:7])
+
+
+def _state_after(path: str, n: int) -> bytes:
+    it = iter(_loader(gr.open_source(path), worker_count=2))
+    for _ in range(n):
+        next(it)
+    state = it.get_state()
+    it.close()
+    return state
+
+
+def test_set_state_rejects_state_of_another_worker_count(path: str) -> None:
+    it = iter(_loader(gr.open_source(path), worker_count=2))
+    other = iter(_loader(gr.open_source(path), worker_count=0)).get_state()
+    with pytest.raises(ValueError, match="worker count"):
+        it.set_state(other)
+
+
+def test_operations_run_in_the_workers_on_host_batches(path: str) -> None:
+    batches = list(_loader(gr.open_source(path), operations=[Pid()], num_epochs=1))
+    pids = {int(p) for b in batches for p in b["pid"]}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_batches_of_changing_size_grow_the_slots(path: str) -> None:
+    src = gr.open_source(path)
+    want = list(_loader(src, worker_count=0, operations=[Grow()]))
+    got = list(_loader(src, operations=[Grow()], worker_buffer_size=1))
+    assert {len(b["id"]) for b in got} == {8, 16, 24}
+    for g, w in zip(got, want, strict=True):
+        assert_tree_equal(g, w)
+
+
+def test_non_array_leaves_travel_pickled(path: str) -> None:
+    src = gr.open_source(path)
+    got = list(_loader(src, operations=[PythonLeaves()], num_epochs=1))
+    want = list(_loader(src, worker_count=0, operations=[PythonLeaves()], num_epochs=1))
+    assert len(got) == 12
+    for g, w in zip(got, want, strict=True):
+        assert g["first"] == w["first"] and g["tag"] == "batch" and g["none"] is None
+        assert_tree_equal(g["obs"], w["obs"])
+
+
+def test_empty_scalar_big_endian_strided_and_text_leaves_round_trip(path: str) -> None:
+    src = gr.open_source(path)
+    got = list(_loader(src, operations=[Shapes()], num_epochs=1))
+    want = list(_loader(src, worker_count=0, operations=[Shapes()], num_epochs=1))
+    for g, w in zip(got, want, strict=True):
+        for key in ("empty", "scalar", "big_endian", "strided", "text"):
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape, key
+            np.testing.assert_array_equal(g[key], w[key])
+
+
+def test_read_error_names_the_worker_and_the_batch_is_read_again(path: str) -> None:
+    reference = _ids(list(_loader(gr.open_source(path))))
+    src = FailOnce(gr.open_source(path), bad_id=reference[3][0])
+    it = iter(_loader(src))
+    got = [next(it)["id"].tolist() for _ in range(3)]
+    with pytest.raises(OSError, match="flaky read") as info:
+        next(it)
+    assert any("grain_replay loader worker 1" in note for note in info.value.__notes__)
+    got += _ids(list(it))  # the failed batch comes again, then the rest
+    assert got == reference
+
+
+def test_every_read_failing_raises_every_time(path: str) -> None:
+    it = iter(_loader(Unreadable(gr.open_source(path))))
+    for _ in range(2):
+        with pytest.raises(KeyError, match="leaf 'obs' is missing"):
+            next(it)
+    it.close()
+
+
+def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: str) -> None:
+    reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
+    before = _children()
+    it = iter(_loader(gr.open_source(path), num_epochs=1))
+    got = [next(it)["id"].tolist() for _ in range(2)]
+    time.sleep(0.3)
+    assert it._pool is not None
+    victim = it._pool.workers[0].process
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(gr.WorkerDiedError, match=r"terminated unexpectedly with exit code -9"):
+        while True:  # batches already in shared memory may still arrive first
+            got.append(next(it)["id"].tolist())
+    got += _ids(list(it))
+    assert got == reference
+    _wait_for_no_children(before)  # an exhausted iterator stops its workers
+
+
+def test_close_and_garbage_collection_leave_no_workers(path: str) -> None:
+    before = _children()
+    it = iter(_loader(gr.open_source(path), num_epochs=None))
+    next(it)
+    assert len(_children() - before) == 2
+    it.close()
+    assert not _children() - before
+    next(it)  # new workers, at the same position
+    assert len(_children() - before) == 2
+    it.close()
+    dropped = iter(_loader(gr.open_source(path), num_epochs=None))
+    next(dropped)
+    del dropped
+    _wait_for_no_children(before)
+
+
+def test_read_threads_in_workers_keep_the_stream(path: str) -> None:
+    src = gr.open_source(path)
+    want = _ids(list(_loader(src, worker_count=0)))
+    reads = grain.ReadOptions(num_threads=3, prefetch_buffer_size=6)
+    assert _ids(list(_loader(src, read_options=reads))) == want
+
+
+def test_close_keeps_the_position(path: str) -> None:
+    reference = _ids(list(_loader(gr.open_source(path))))
+    it = iter(_loader(gr.open_source(path)))
+    got = [next(it)["id"].tolist() for _ in range(5)]
+    it.close()
+    got += _ids(list(it))
+    assert got == reference
+
+
+def test_unpicklable_source_fails_at_iter_naming_the_fix(path: str) -> None:
+    class Local:  # defined in a function: cloudpickle pickles it by value, fine
+        def __init__(self, source: Any) -> None:
+            self.source = source
+            self.lock = __import__("threading").Lock()
+
+        def __len__(self) -> int:
+            return len(self.source)
+
+        def read_batch(self, indices: Any) -> Any:
+            return self.source.read_batch(indices)
+
+    with pytest.raises(TypeError, match=r"worker_count=2.*pickle"):
+        iter(_loader(Local(gr.open_source(path))))
