@@ -383,3 +383,15 @@ def test_overlaps_loading_and_consuming_prefetch_2() -> None:
             time.sleep(delay)
         elapsed.append(time.perf_counter() - start)
     assert min(elapsed) < 0.75 * serial, f"no overlap: {elapsed} vs serial {serial:.2f}s"
+
+
+@needs_8_devices
+def test_jax_array_leaves_are_put_like_numpy_leaves() -> None:
+    expected = NamedSharding(_mesh_1d(), PartitionSpec("data"))
+    host = {"jax": jax.numpy.arange(16), "np": np.arange(16), "np64": np.arange(16.0)}
+    with sharded_device_put(iter([host])) as it:
+        out = next(it)
+    for key in host:
+        assert out[key].sharding == expected, key
+        assert out[key].dtype == jax.device_put(host[key]).dtype, key  # x64 rules kept
+        np.testing.assert_array_equal(np.asarray(out[key]), np.arange(16), key)
