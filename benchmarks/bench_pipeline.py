@@ -84,6 +84,30 @@ def _paired(
     return out
 
 
+_WORKER_METHODS = ("make_data_loader-2-workers", "grain-worker-iterator-2-workers")
+
+
+def _workers_vs_grain(
+    cfg: Config, store: Store, fmt: str, src: Any, steady: dict[str, Any]
+) -> list[Case]:
+    """make_data_loader(worker_count=2): our worker iterator against grain's, same loader."""
+    import grain
+
+    loader = gr.make_data_loader(src, batch_size=cfg.batch_size, worker_count=2, num_epochs=None)
+    out = []
+    for method, make in zip(_WORKER_METHODS, (iter, grain.DataLoader.__iter__), strict=True):
+        it = make(loader)
+        case = _case(cfg, store, fmt, method, _iterate(it), **steady)
+        if case is not None:
+            out.append(case)
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+        del it
+        gc.collect()
+    return out
+
+
 def _iterate(it: Iterator[Any], block: Callable[[Any], Any] | None = None) -> Callable[[int], Any]:
     if block is None:
         return lambda i: next(it)
@@ -165,6 +189,10 @@ def run_pipeline(
             full_it = gr.sharded_device_put(
                 gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
             )
+            # The same with the reads in a worker process, off this process's GIL.
+            full_w_it = gr.sharded_device_put(
+                gr.make_data_loader(src, batch_size=b, worker_count=1, num_epochs=None)
+            )
             cases = _paired(
                 cfg, store, fmt,
                 {
@@ -174,14 +202,16 @@ def run_pipeline(
                     "make_data_loader": _iterate(loader_it),
                     "sharded_device_put-only": _iterate(dp_it, block),
                     "full": _iterate(full_it, block),
+                    "full-1-worker": _iterate(full_w_it, block),
                 },
                 **steady,
             )  # fmt: skip
-            dp_it.close()
-            full_it.close()
-            del loader_it, dp_it, full_it, host_batches
+            for it in (dp_it, full_it, full_w_it):
+                it.close()
+            del loader_it, dp_it, full_it, full_w_it, host_batches
             gc.collect()
-        for c in cases.values():
+            workers = _workers_vs_grain(cfg, store, fmt, src, steady)
+        for c in [*cases.values(), *workers]:
             res.add(c)
         rb, loader = cases.get("read_batch"), cases.get("make_data_loader")
         dp, full = cases.get("sharded_device_put-only"), cases.get("full")
@@ -199,6 +229,15 @@ def run_pipeline(
                 f"{p} full / min(loader, device_put-only) ({slower.method})",
                 full, slower, FULL_TARGET, "full",
             )  # fmt: skip
+            full_w = cases.get("full-1-worker")
+            res.ratio(
+                f"{p} full with 1 worker / min(loader, device_put-only) ({slower.method})",
+                full_w, slower, FULL_TARGET, "full",
+            )  # fmt: skip
+        ours, grains = (res.get(f"pipeline/{ds.name}/{fmt}/{m}") for m in _WORKER_METHODS)
+        res.ratio(
+            f"{p} workers=2: grain_replay / grain's worker iterator", ours, grains, None, "loader"
+        )
         res.extra.setdefault("full_cases", []).append(f"pipeline/{ds.name}/{fmt}/full")
 
     # Baselines on the same HDF5 file, in-process (worker_count=0).
