@@ -28,6 +28,16 @@ _pool_pid: int | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool_in_child() -> None:
+    # A fork copies the lock as it was: held, if another thread was creating the
+    # pool, and then nobody would ever release it in the child.
+    global _pool, _pool_pid, _pool_lock
+    _pool, _pool_pid, _pool_lock = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def decode_pool() -> concurrent.futures.ThreadPoolExecutor:
     """One decoding pool per process (recreated after fork), sized to the cores."""
     global _pool, _pool_pid
