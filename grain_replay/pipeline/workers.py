@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 _JOIN_S = 5.0  # how long close() waits for a worker before killing it
 
-# worker -> consumer: (kind, generation, element, ...)
+# worker -> consumer: (kind, generation, element, slot, ...)
 _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 # consumer -> worker
 _FREE, _SEEK, _STOP = range(3)
@@ -177,12 +177,12 @@ def _worker_main(
                 stalled = True
                 continue
             laid = _layout(data)
+            slot = free.pop()  # a pickled batch holds a slot too: read-ahead stays bounded
             if laid is None:
-                conn.send((_PICKLED, generation, k, data))
+                conn.send((_PICKLED, generation, k, slot, data))
                 k += 1
                 continue
             spec, arrays, size = laid
-            slot = free.pop()
             if slot not in slots or len(slots[slot]) < size:
                 if slot in slots:
                     slots[slot].close()
@@ -295,7 +295,7 @@ class _Pool:
             if kind == _BATCH and msg[4] is not None:
                 w.set_spec(msg[4])
             if generation != self.generation:
-                if kind == _BATCH:
+                if kind in (_BATCH, _PICKLED):
                     w.conn.send((_FREE, msg[3]))
                 continue
             if element != k:  # a broken protocol, not a user error
@@ -304,7 +304,8 @@ class _Pool:
                 self.broken = True  # the next call seeks back to the failed batch
                 raise msg[3]
             if kind == _PICKLED:
-                return msg[3]
+                w.conn.send((_FREE, msg[3]))
+                return msg[4]
             return self._unpack(w, msg[3])
 
     def _unpack(self, w: _Worker, slot: int) -> Any:
