@@ -36,6 +36,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
 from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
+from grain_replay.sources.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
 
@@ -123,6 +124,7 @@ def _worker_main(
     """A worker: reads its elements into free slots until told to stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
+    share_cache_budget(plan.workers)  # the workers split the default cache's memory
     load_error: BaseException | None = None
     try:
         read, maps = cloudpickle.loads(payload)

@@ -43,18 +43,40 @@ class _FitCacheBytes(int):
 DEFAULT_CACHE_BYTES = _FitCacheBytes(128 * 2**20)
 
 
+_cache_share = 1  # processes splitting the budget: a loader's workers (share_cache_budget)
+
+_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def share_cache_budget(processes: int) -> None:
+    """Splits :func:`fit_cap_bytes` between ``processes`` reading the same job's stores.
+
+    ``make_data_loader``'s workers call it with the worker count, so that N
+    workers decoding the same store hold at most 1/32 of the memory together,
+    not each.
+    """
+    global _cache_share
+    _cache_share = max(1, int(processes))
+
+
 def fit_cap_bytes() -> int:
-    """Largest cache the default grows to: 1/32 of the memory (cgroup limit included), <= 1 GiB."""
+    """Largest cache the default grows to: 1/32 of the memory (cgroup v1 or v2 limit
+    included), at most 1 GiB, split between the processes of :func:`share_cache_budget`;
+    never below the 128 MiB default."""
     total = 0
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
     except (OSError, ValueError, AttributeError):
         pass
-    return max(int(DEFAULT_CACHE_BYTES), min(2**30, total // 32))
+    for path in _MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit)) if total else int(limit)
+    return max(int(DEFAULT_CACHE_BYTES), min(2**30, total // 32) // _cache_share)
 
 
 # A batch's missing blocks are decoded in groups of at most this many bytes, or

@@ -88,3 +88,12 @@ class Pid(grain.transforms.Map):
 
     def map(self, element: Any) -> Any:
         return {**element, "pid": np.full(len(element["id"]), os.getpid())}
+
+
+class CacheShare(grain.transforms.Map):
+    """Records how many processes split the default chunk-cache budget where it runs."""
+
+    def map(self, element: Any) -> Any:
+        from grain_replay.sources import chunked
+
+        return {**element, "share": np.full(len(element["id"]), chunked._cache_share)}

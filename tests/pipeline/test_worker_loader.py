@@ -12,7 +12,7 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
-from loader_ops import FailOnce, Grow, Pid, PythonLeaves, Shapes, Unreadable
+from loader_ops import CacheShare, FailOnce, Grow, Pid, PythonLeaves, Shapes, Unreadable
 
 import grain_replay as gr
 from grain_replay.pipeline.workers import WorkerLoaderIterator
@@ -153,9 +153,11 @@ def test_set_state_rejects_state_of_another_worker_count(path: str) -> None:
 
 
 def test_operations_run_in_the_workers_on_host_batches(path: str) -> None:
-    batches = list(_loader(gr.open_source(path), operations=[Pid()], num_epochs=1))
+    ops = [Pid(), CacheShare()]
+    batches = list(_loader(gr.open_source(path), operations=ops, num_epochs=1))
     pids = {int(p) for b in batches for p in b["pid"]}
     assert len(pids) == 2 and os.getpid() not in pids
+    assert {int(s) for b in batches for s in b["share"]} == {2}  # the cache budget is split
 
 
 def test_batches_of_changing_size_grow_the_slots(path: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,29 @@ def test_default_bound_grows_to_fit_the_store_up_to_the_cap() -> None:
     cache.register("pixels", 64 * 2**30)  # the store no longer fits: back to the default
     assert cache.max_bytes == int(DEFAULT_CACHE_BYTES)
     assert fit_cap_bytes() <= 2**30
+
+
+def test_cache_budget_is_split_between_workers_and_reads_cgroup_v1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from grain_replay.sources import chunked
+
+    monkeypatch.setattr(chunked.os, "sysconf", lambda name: 2**20)  # 1 TiB of 1 MiB pages
+    v1 = tmp_path / "memory.limit_in_bytes"
+    v1.write_text("8589934592\n")  # 8 GiB: 256 MiB is 1/32
+    monkeypatch.setattr(chunked, "_MEMORY_LIMITS", (str(tmp_path / "absent"), str(v1)))
+    assert chunked.fit_cap_bytes() == 256 * 2**20
+    v1.write_text("9223372036854771712\n")  # v1's "no limit": physical memory counts
+    assert chunked.fit_cap_bytes() == 2**30
+    v1.write_text("68719476736\n")  # 64 GiB: 1 GiB is the cap
+    try:
+        chunked.share_cache_budget(4)
+        assert chunked.fit_cap_bytes() == 2**30 // 4
+        chunked.share_cache_budget(16)  # never below the 128 MiB default
+        assert chunked.fit_cap_bytes() == int(chunked.DEFAULT_CACHE_BYTES)
+    finally:
+        chunked.share_cache_budget(1)
+    assert chunked.fit_cap_bytes() == 2**30
 
 
 def test_explicit_bound_never_grows() -> None:
