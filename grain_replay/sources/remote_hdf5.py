@@ -55,9 +55,20 @@ class RetryingFile:
             kwargs["cache_type"] = "blockcache"
             kwargs["cache_options"] = {"maxblocks": FILE_CACHE_BLOCKS}
         self._remote = remote
-        self.last_error: GrainReplayError | None = None
+        # Per thread: h5py calls read() in the thread that called into h5py, and
+        # another thread's failure must not be reported as this thread's.
+        self._errors = threading.local()
         self._f = remote.call(lambda: fs.open(path, "rb", **kwargs), "the file")
         self._pos = 0
+
+    @property
+    def last_error(self) -> GrainReplayError | None:
+        """The failure of this thread's last read through h5py, if it failed."""
+        return getattr(self._errors, "error", None)
+
+    @last_error.setter
+    def last_error(self, error: GrainReplayError | None) -> None:
+        self._errors.error = error
 
     def _retrying(self, fn: Callable[[], T], what: str) -> T:
         pos = self._pos
