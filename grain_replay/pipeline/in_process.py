@@ -9,12 +9,12 @@ from typing import Any
 
 import grain
 
-from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
+from grain_replay.pipeline.state import GrainStateIterator
 
 __all__ = ["InProcessLoaderIterator"]
 
 
-class InProcessLoaderIterator(grain.DataLoaderIterator):
+class InProcessLoaderIterator(GrainStateIterator):
     """Reads global batches in this process, optionally ahead on a small thread pool.
 
     A ``grain.DataLoader`` with ``worker_count=0`` wraps every element in a record,
@@ -30,8 +30,6 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
     as grain's sampler dataset shards it; the state counts only batches handed out.
     """
 
-    # grain.DataLoaderIterator.__init__ would build grain's threaded pipeline,
-    # which this class replaces; the attributes its other methods use are set here.
     def __init__(
         self,
         data_loader: grain.DataLoader,
@@ -44,16 +42,17 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
         num_threads: int = 0,
         buffer_size: int = 0,
     ) -> None:
-        self._data_loader = data_loader
-        self._validate_state = True
+        super().__init__(
+            data_loader,
+            length=length,
+            shard_index=shard_index,
+            shard_count=shard_count,
+            worker_count=0,
+        )
         self._read = read
-        self._length = length
-        self._shard_index = shard_index
-        self._shard_count = shard_count
         self._maps = tuple(maps)
         self._num_threads = num_threads
         self._buffer_size = buffer_size if num_threads > 0 else 0
-        self._next_index = 0
         self._pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -96,27 +95,8 @@ class InProcessLoaderIterator(grain.DataLoaderIterator):
         self._next_index += 1
         return data
 
-    def get_state(self) -> bytes:
-        """The state of a ``grain.DataLoader`` iterator after the same batches, byte for byte."""
-        return loader_state_bytes(
-            self._data_loader, self._next_index, 0, self._shard_index, self._shard_count
-        )
-
-    def set_state(self, state: bytes) -> None:
-        """Resumes right after the last batch handed out when ``state`` was taken.
-
-        Args:
-          state: bytes from ``get_state`` of this iterator or of a ``grain.DataLoader``
-            iterator with ``worker_count=0`` over the same batches.
-
-        Raises:
-          ValueError: ``state`` was saved with another worker count, sampler or source.
-        """
-        handed_out = handed_out_from_state(
-            self._data_loader, state, 0, self._shard_index, self._shard_count
-        )
+    def _seek(self) -> None:
         self._drop_pending()
-        self._next_index = handed_out
 
     def start_prefetch(self) -> None:
         """Starts reading the first batches in the background (no-op when synchronous)."""

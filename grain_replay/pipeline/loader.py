@@ -180,29 +180,29 @@ class _ReplayDataLoader(grain.DataLoader):
         if not all(isinstance(op, grain.transforms.Map) for op in ops):
             return super().__iter__()
         shards = self._shard_options
-        length = len(self._sampler) // shards.shard_count
+        common: dict[str, Any] = dict(
+            length=len(self._sampler) // shards.shard_count,
+            shard_index=shards.shard_index,
+            shard_count=shards.shard_count,
+            maps=ops,
+        )
+        threads = int(self._read_options.num_threads)
         workers = self.multiprocessing_options.num_workers
         if workers > 0:
             return WorkerLoaderIterator(
                 self,
                 self._data_source.__getitem__,
-                length=length,
-                shard_index=shards.shard_index,
-                shard_count=shards.shard_count,
                 worker_count=workers,
-                maps=ops,
                 buffer_size=self.multiprocessing_options.per_worker_buffer_size,
-                read_threads=int(self._read_options.num_threads),
+                read_threads=threads,
+                **common,
             )
         return InProcessLoaderIterator(
             self,
             self._data_source.__getitem__,
-            length=length,
-            shard_index=shards.shard_index,
-            shard_count=shards.shard_count,
-            maps=ops,
-            num_threads=int(self._read_options.num_threads),
+            num_threads=threads,
             buffer_size=int(self._read_options.prefetch_buffer_size),
+            **common,
         )
 
 

@@ -1,11 +1,13 @@
-"""grain.DataLoader checkpoint bytes, written and read by grain_replay's own loader iterators."""
+"""grain.DataLoader checkpoint bytes, and the base of grain_replay's own loader iterators."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Self
 
-__all__ = ["loader_state_bytes", "handed_out_from_state"]
+import grain
+
+__all__ = ["GrainStateIterator", "loader_state_bytes", "handed_out_from_state"]
 
 
 def _last_seen(j: int, worker: int, workers: int, shard_index: int, shard_count: int) -> int:
@@ -60,3 +62,67 @@ def handed_out_from_state(
         int((seen[str(w)] + span - shard_index - w * shard_count) // span)
         for w in range(worker_count)
     )
+
+
+class GrainStateIterator(grain.DataLoaderIterator):
+    """A ``grain.DataLoaderIterator`` of a loader's elements that keeps grain's state bytes.
+
+    ``grain.DataLoaderIterator.__init__`` would build grain's own pipeline, which a
+    subclass replaces; this sets the attributes grain's other methods use. Element
+    ``j`` of this process is global element ``j * shard_count + shard_index`` (as
+    grain's sampler dataset shards it); the state counts only elements handed out.
+    """
+
+    def __init__(
+        self,
+        data_loader: grain.DataLoader,
+        *,
+        length: int,
+        shard_index: int,
+        shard_count: int,
+        worker_count: int,
+    ) -> None:
+        self._data_loader = data_loader
+        self._validate_state = True
+        self._length = length
+        self._shard_index = shard_index
+        self._shard_count = shard_count
+        self._worker_count = worker_count
+        self._next_index = 0
+
+    def get_state(self) -> bytes:
+        """The state of grain's iterator of the same loader after the same elements."""
+        return loader_state_bytes(
+            self._data_loader,
+            self._next_index,
+            self._worker_count,
+            self._shard_index,
+            self._shard_count,
+        )
+
+    def set_state(self, state: bytes) -> None:
+        """Resumes right after the last element handed out when ``state`` was taken.
+
+        Args:
+          state: bytes from ``get_state`` of this iterator or of grain's iterator of
+            the same loader (same ``worker_count``, sampler and source).
+
+        Raises:
+          ValueError: ``state`` was saved with another worker count, sampler or source.
+        """
+        self._next_index = handed_out_from_state(
+            self._data_loader, state, self._worker_count, self._shard_index, self._shard_count
+        )
+        self._seek()
+
+    def _seek(self) -> None:
+        """Drops what was read ahead of ``_next_index``."""
+
+    def close(self) -> None:
+        """Stops reading ahead; the position is kept."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -35,7 +35,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
-from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
+from grain_replay.pipeline.state import GrainStateIterator
 from grain_replay.sources.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
@@ -349,7 +349,7 @@ def _first_element(handed_out: int, plan: _Plan) -> int:
     return max(0, -(-(handed_out - plan.worker) // plan.workers))
 
 
-class WorkerLoaderIterator(grain.DataLoaderIterator):
+class WorkerLoaderIterator(GrainStateIterator):
     """Reads global batches in ``worker_count`` spawned processes, in grain's order.
 
     Element ``j`` of this process is global batch ``j * shard_count + shard_index``,
@@ -359,8 +359,6 @@ class WorkerLoaderIterator(grain.DataLoaderIterator):
     batches handed out, so a checkpoint moves between the two iterators.
     """
 
-    # grain.DataLoaderIterator.__init__ would build grain's multiprocessing
-    # pipeline, which this class replaces; its other methods use the attributes set here.
     def __init__(
         self,
         data_loader: grain.DataLoader,
@@ -374,8 +372,13 @@ class WorkerLoaderIterator(grain.DataLoaderIterator):
         buffer_size: int = 2,
         read_threads: int = 0,
     ) -> None:
-        self._data_loader = data_loader
-        self._validate_state = True
+        super().__init__(
+            data_loader,
+            length=length,
+            shard_index=shard_index,
+            shard_count=shard_count,
+            worker_count=worker_count,
+        )
         try:  # fail here, not in the workers
             self._payload = cloudpickle.dumps((read, tuple(maps)))
         except Exception as e:
@@ -385,16 +388,11 @@ class WorkerLoaderIterator(grain.DataLoaderIterator):
                 "them __getstate__/__setstate__ that drop handles and locks (as grain_replay's "
                 "sources do), or use worker_count=0."
             ) from e
-        self._length = length
-        self._shard_index = shard_index
-        self._shard_count = shard_count
-        self._worker_count = worker_count
         self._plans = [
             _Plan(w, worker_count, shard_index, shard_count, length) for w in range(worker_count)
         ]
         self._slots = max(1, int(buffer_size))
         self._read_threads = max(0, int(read_threads))
-        self._next_index = 0
         self._pool: _Pool | None = None
 
     def _ready_pool(self) -> _Pool:
@@ -416,29 +414,7 @@ class WorkerLoaderIterator(grain.DataLoaderIterator):
         self._next_index = j + 1
         return batch
 
-    def get_state(self) -> bytes:
-        """The state of grain's iterator with the same worker count after the same batches."""
-        return loader_state_bytes(
-            self._data_loader,
-            self._next_index,
-            self._worker_count,
-            self._shard_index,
-            self._shard_count,
-        )
-
-    def set_state(self, state: bytes) -> None:
-        """Resumes right after the last batch handed out when ``state`` was taken.
-
-        Args:
-          state: bytes from ``get_state`` of this iterator or of grain's iterator of a
-            loader with the same ``worker_count`` over the same batches.
-
-        Raises:
-          ValueError: ``state`` was saved with another worker count, sampler or source.
-        """
-        self._next_index = handed_out_from_state(
-            self._data_loader, state, self._worker_count, self._shard_index, self._shard_count
-        )
+    def _seek(self) -> None:
         if self._pool is not None and self._pool.workers:
             self._pool.seek(self._next_index, self._plans)
 
@@ -451,9 +427,3 @@ class WorkerLoaderIterator(grain.DataLoaderIterator):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-
-    def __enter__(self) -> WorkerLoaderIterator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
