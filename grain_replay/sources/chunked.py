@@ -370,11 +370,14 @@ def mapped_reader(
     dtype: np.dtype,
     row_shape: tuple[int, ...],
     num_records: int,
+    whole_file: Callable[[], Any] | None = None,
 ) -> LeafReader:
     """Reader over unfiltered row-chunks at ``(file, offset)``, in row order.
 
     Stitched into one contiguous mapping when the layout allows (one gather per
-    batch); else one memory map per run of back-to-back chunks.
+    batch); else one memory map per run of back-to-back chunks, or views of
+    ``whole_file()`` (a map of the one file all parts are in, shared by the
+    leaves: a map per run would hold a descriptor per run).
     """
     from grain_replay.sources.base import ArrayReader
     from grain_replay.sources.stitch import stitch
@@ -392,12 +395,11 @@ def mapped_reader(
             last[3] += 1
         else:
             runs.append([c * chunk_rows, path, offset, 1])
-    return SegmentedReader(
-        [first for first, _, _, _ in runs],
-        [
-            np.memmap(
-                path, dtype, "r", offset, (min(k * chunk_rows, num_records - first), *row_shape)
-            )
-            for first, path, offset, k in runs
-        ],
-    )
+
+    def segment(first: int, path: str, offset: int, k: int) -> np.ndarray:
+        shape = (min(k * chunk_rows, num_records - first), *row_shape)
+        if whole_file is None:
+            return np.memmap(path, dtype, "r", offset, shape)
+        return np.ndarray(shape, dtype, buffer=whole_file(), offset=offset)
+
+    return SegmentedReader([r[0] for r in runs], [segment(*r) for r in runs])

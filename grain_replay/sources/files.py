@@ -8,7 +8,7 @@ import weakref
 
 from grain_replay.errors import InvalidStoreError
 
-__all__ = ["MappedFile", "check_inside", "require_regular_file"]
+__all__ = ["Descriptor", "MappedFile", "check_inside", "require_regular_file"]
 
 
 def require_regular_file(path: str, key: str = "") -> None:
@@ -40,6 +40,19 @@ def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
         )
 
 
+class Descriptor:
+    """A read-only descriptor that closes when its last holder lets go.
+
+    Holders are handles and readers still running in another thread after
+    their handle was closed, so no read ever goes to a recycled descriptor
+    number. Also closed at exit.
+    """
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+
+
 class MappedFile:
     """A file that readers memory-map, kept open so each read can check it did not shrink.
 
@@ -51,17 +64,15 @@ class MappedFile:
     Args:
       path: the file.
       needed: bytes the mappings reach into the file (offset + length).
+      descriptor: an open :class:`Descriptor` of ``path`` to share (the leaves of
+        one HDF5 file share one); default: a new one.
     """
 
-    def __init__(self, path: str, needed: int):
+    def __init__(self, path: str, needed: int, descriptor: Descriptor | None = None):
         self.path = path
         self.needed = int(needed)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.fd = fd
-        # The descriptor closes when the last holder lets go (a handle, or a
-        # reader still running in another thread when its handle was closed),
-        # so no read ever goes to a recycled descriptor number. Also at exit.
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        self.descriptor = descriptor if descriptor is not None else Descriptor(path)
+        self.fd = self.descriptor.fd
 
     def check(self, key: str) -> None:
         size = os.fstat(self.fd).st_size

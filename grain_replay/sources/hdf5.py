@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,7 @@ from grain_replay.sources.base import (
 )
 from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
 from grain_replay.sources.decode import hdf5_direct_block_reader
+from grain_replay.sources.files import Descriptor
 
 if TYPE_CHECKING:
     from grain_replay.sources.remote import RetryOptions
@@ -64,6 +67,26 @@ class _HDF5Handle(Handle):
         self.readers = {}
         self.mapped_files = {}
         needs_h5py = False
+        # One descriptor and one map of the whole file for all its leaves: a map
+        # per leaf would hold a descriptor per leaf (mmap keeps a dup), and a
+        # foreign file with hundreds of datasets, times the workers, runs out.
+        descriptor: Descriptor | None = None
+        whole: mmap.mmap | None = None
+
+        def shared() -> Descriptor:
+            nonlocal descriptor
+            if descriptor is None:
+                descriptor = Descriptor(source.path)
+            return descriptor
+
+        def whole_file() -> mmap.mmap:
+            nonlocal whole
+            if whole is None:
+                whole = mmap.mmap(shared().fd, 0, access=mmap.ACCESS_READ)
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    whole.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead per fault
+            return whole
+
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
             spec = source._layout.spec[key]
@@ -77,14 +100,20 @@ class _HDF5Handle(Handle):
                 # Nothing to read: no map, and no h5py handle kept for it.
                 self.readers[key] = ArrayReader(np.zeros((n, *spec.shape), spec.dtype))
             elif offset is not None:
-                array = np.memmap(
-                    source.path, dtype=dset.dtype, mode="r", offset=offset, shape=dset.shape
-                )
-                self.readers[key] = ArrayReader(array[:n])
-                self.mapped_files[key] = [MappedFile(source.path, offset + n * row_bytes)]
+                reach = offset + n * row_bytes
+                mapping = whole_file()
+                if len(mapping) < reach:
+                    raise InvalidStoreError(
+                        f"{source.path}: leaf {key!r} lies at bytes {offset:,}..{reach:,} but "
+                        f"the file holds {len(mapping):,} bytes: it is truncated. Fix: copy "
+                        "the file again from its source."
+                    )
+                array = np.ndarray((n, *spec.shape), dset.dtype, buffer=mapping, offset=offset)
+                self.readers[key] = ArrayReader(array)
+                self.mapped_files[key] = [MappedFile(source.path, reach, shared())]
             elif chunks is not None:
                 reader, file, mapped = hdf5_raw.raw_chunk_reader(
-                    source.path, key, spec, dset, chunks, n, self.cache
+                    source.path, key, spec, dset, chunks, n, self.cache, shared(), whole_file
                 )
                 self.readers[key] = reader
                 (self.mapped_files.setdefault(key, []) if mapped else self._guards).append(file)

@@ -14,6 +14,7 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import LeafReader, MappedFile
 from grain_replay.sources.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
+from grain_replay.sources.files import Descriptor
 from grain_replay.sources.hdf5_refs import ReferenceRefusedError
 
 __all__ = ["MAX_RUNS", "chunk_table", "count_runs", "raw_chunk_reader", "retry_while_written"]
@@ -105,6 +106,8 @@ def raw_chunk_reader(
     chunks: dict[int, int],
     n: int,
     cache: ChunkCache,
+    descriptor: Descriptor | None = None,
+    whole_file: Callable[[], Any] | None = None,
 ) -> tuple[LeafReader, MappedFile, bool]:
     """Unfiltered row-chunks of ``dset`` read straight from the file at ``path``, without h5py.
 
@@ -123,10 +126,11 @@ def raw_chunk_reader(
         (off + min(chunk_bytes, (n - c * rows) * row_bytes) for c, off in chunks.items()),
         default=0,
     )
-    guard = MappedFile(path, reach)
+    guard = MappedFile(path, reach, descriptor)
     if len(chunks) == needed and count_runs(chunks, needed, chunk_bytes) <= MAX_RUNS:
         parts = [(path, chunks[c]) for c in range(needed)]
-        return mapped_reader(parts, rows, spec.dtype, spec.shape, n), guard, True
+        reader = mapped_reader(parts, rows, spec.dtype, spec.shape, n, whole_file)
+        return reader, guard, True
     fill = dset.fillvalue
 
     def read(c: int, first: int, count: int) -> np.ndarray:

@@ -107,3 +107,27 @@ def test_unaligned_foreign_chunks_read_correctly(tmp_path: Any) -> None:
     idx = np.random.default_rng(0).integers(0, 1000, 300)
     np.testing.assert_array_equal(src.read_batch(idx)["x"], data[idx])
     assert type(src._handle.readers["x"]).__name__ == "SegmentedReader"
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["contiguous", "raw-chunks"])
+def test_leaves_of_one_file_share_one_descriptor(tmp_path: Any, chunked: bool) -> None:
+    path = str(tmp_path / "many.h5")
+    with h5py.File(path, "w") as f:  # a foreign file with many leaves
+        for i in range(60):
+            f.create_dataset(
+                f"leaf{i}",
+                data=np.arange(100, dtype=np.float32) + i,
+                chunks=(25,) if chunked else None,
+            )
+    before = _open_fds()
+    with gr.HDF5DataSource(path) as src:
+        batch = src.read_batch(np.array([3, 7, 99]))
+        np.testing.assert_array_equal(batch["leaf59"], [62.0, 66.0, 158.0])
+        assert _open_fds() - before <= 2  # one shared descriptor (+ h5py's, if it kept one)
+    assert _open_fds() <= before + 1
