@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import time
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
 from loader_ops import CacheShare, FailOnce, Grow, Pid, PythonLeaves, Shapes, Unreadable
+from procs import children, new_children, wait_no_new_children
 
 import grain_replay as gr
 from grain_replay.pipeline.workers import WorkerLoaderIterator
@@ -46,28 +46,6 @@ def _sorted(tree: Any) -> Any:
 
 def _ids(batches: list[Any]) -> list[list[int]]:
     return [b["id"].tolist() for b in batches]
-
-
-def _children() -> set[int]:
-    out = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                out.add(int(name))
-    return out
-
-
-def _wait_for_no_children(before: set[int], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _children() - before:
-        assert time.monotonic() < deadline, f"workers left behind: {_children() - before}"
-        gc.collect()
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -211,7 +189,7 @@ def test_every_read_failing_raises_every_time(path: str) -> None:
 
 def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: str) -> None:
     reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
-    before = _children()
+    before = children()
     it = iter(_loader(gr.open_source(path), num_epochs=1))
     got = [next(it)["id"].tolist() for _ in range(2)]
     time.sleep(0.3)
@@ -223,23 +201,23 @@ def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: st
             got.append(next(it)["id"].tolist())
     got += _ids(list(it))
     assert got == reference
-    _wait_for_no_children(before)  # an exhausted iterator stops its workers
+    wait_no_new_children(before)  # an exhausted iterator stops its workers
 
 
 def test_close_and_garbage_collection_leave_no_workers(path: str) -> None:
-    before = _children()
+    before = children()
     it = iter(_loader(gr.open_source(path), num_epochs=None))
     next(it)
-    assert len(_children() - before) == 2
+    assert len(new_children(before)) == 2
     it.close()
-    assert not _children() - before
+    assert not new_children(before)
     next(it)  # new workers, at the same position
-    assert len(_children() - before) == 2
+    assert len(new_children(before)) == 2
     it.close()
     dropped = iter(_loader(gr.open_source(path), num_epochs=None))
     next(dropped)
     del dropped
-    _wait_for_no_children(before)
+    wait_no_new_children(before)
 
 
 def test_read_threads_in_workers_keep_the_stream(path: str) -> None:

@@ -27,6 +27,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from procs import children as _children
+from procs import cmdline as _cmdline
+from procs import new_children as _new_children
+from procs import wait_no_new_children as _wait_no_new_children
 
 import grain_replay as gr
 
@@ -37,56 +41,8 @@ KILL_DEADLINE_S = 30.0
 FLAT = 1.05  # later epochs may exceed the first by at most 5 %
 QUIESCE_S = 0.5  # pause before each measurement, so that in-flight batches are at capacity
 
-try:
-    import psutil
-except ImportError:  # pragma: no cover - psutil is in the test extras
-    psutil = None
-
 
 # -- processes, descriptors, memory ---------------------------------------------------------
-
-
-def _children(pid: int | None = None) -> set[int]:
-    """Every live descendant of ``pid`` (default: this process)."""
-    pid = os.getpid() if pid is None else pid
-    if psutil is not None:
-        try:
-            return {
-                c.pid
-                for c in psutil.Process(pid).children(recursive=True)
-                if c.status() != psutil.STATUS_ZOMBIE
-            }
-        except psutil.NoSuchProcess:
-            return set()
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] != "Z":
-                parents[int(entry)] = int(stat[1])
-    out: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - out
-        out |= frontier
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _new_children(baseline: set[int]) -> list[int]:
-    """Children started since ``baseline``, less multiprocessing's resource tracker."""
-    return sorted(p for p in _children() - baseline if "resource_tracker" not in _cmdline(p))
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
@@ -98,18 +54,6 @@ def _wait_for(predicate: Any, timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
-
-
-def _wait_no_new_children(baseline: set[int], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _new_children(baseline):
-        if time.monotonic() > deadline:
-            left = {p: _cmdline(p)[:120] for p in _new_children(baseline)}
-            raise AssertionError(
-                f"orphan processes {timeout} s after the loader was closed: {left}"
-            )
-        gc.collect()
-        time.sleep(0.1)
 
 
 def _fd_count(pid: int) -> int:
