@@ -4,9 +4,9 @@ grain's worker path moves every leaf of every element through a shared-memory
 file of its own and a pickling queue with a reader thread: ~0.7 ms of the
 consuming process's CPU per batch of transitions, ten times the read itself.
 Here each worker owns a few anonymous shared-memory slots (``memfd``, handed
-over once through the pipe), writes a whole batch into one, and sends a tuple
-of four small ints; the consumer copies the batch out (one ``memcpy`` per leaf)
-and gives the slot back. The stream, the operations and the checkpoint bytes
+over once through the pipe), writes a whole batch into one, and sends a small
+tuple naming the slot; the consumer copies the batch out (one ``memcpy`` per
+leaf) and gives the slot back. The stream, the operations and the checkpoint bytes
 are those of grain's own iterator with the same ``worker_count``.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import logging
 import mmap
 import multiprocessing
 import multiprocessing.connection
@@ -39,8 +38,6 @@ from grain_replay.pipeline.state import GrainStateIterator
 from grain_replay.sources.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
-
-logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 _JOIN_S = 5.0  # how long close() waits for a worker before killing it
