@@ -318,6 +318,8 @@ def sharded_device_put(
     process, ``jax.make_array_from_callback`` builds the same arrays, faster). A
     background thread pulls from ``batches`` and issues the (asynchronous) transfers, keeping
     up to ``prefetch`` batches in flight. Run it in the consuming process, after the loader.
+    Do not modify a host batch after handing it over: jax may still be copying it, or (on
+    the CPU backend) alias it. grain_replay's loaders never reuse a batch's memory.
 
     Args:
         batches: An iterable or iterator of host batches: pytrees of numpy arrays with a

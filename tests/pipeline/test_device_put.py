@@ -395,3 +395,17 @@ def test_jax_array_leaves_are_put_like_numpy_leaves() -> None:
         assert out[key].sharding == expected, key
         assert out[key].dtype == jax.device_put(host[key]).dtype, key  # x64 rules kept
         np.testing.assert_array_equal(np.asarray(out[key]), np.arange(16), key)
+
+
+@needs_8_devices
+def test_loader_batches_are_fresh_arrays_so_device_arrays_never_change(tmp_path: Any) -> None:
+    import grain_replay as gr
+
+    path = str(tmp_path / "s.npy")
+    gr.write(path, {"x": np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)}, format="npy")
+    loader = gr.make_data_loader(gr.open_source(path), batch_size=16, shuffle=False)
+    with sharded_device_put(loader, prefetch=2) as it:
+        outs = list(it)  # the host batches behind them are not reused for later batches
+    for k, out in enumerate(outs):
+        want = np.arange(k * 16 * 4096, (k + 1) * 16 * 4096, dtype=np.float32).reshape(16, 4096)
+        np.testing.assert_array_equal(np.asarray(out["x"]), want)
