@@ -23,6 +23,7 @@ import os
 import pickle
 import signal
 import tempfile
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
@@ -228,9 +229,10 @@ def _shutdown(workers: list[_Worker]) -> None:
     for w in workers:
         with contextlib.suppress(OSError, ValueError):
             w.conn.send((_STOP,))
+    deadline = time.monotonic() + _JOIN_S  # one wait for all, not one per worker
     for w in workers:
-        w.process.join(_JOIN_S)
-        if w.process.is_alive():
+        w.process.join(max(0.0, deadline - time.monotonic()))
+        if w.process.is_alive():  # busy in a long read, or hung: it would only be waited for
             w.process.kill()
             w.process.join(_JOIN_S)
         w.conn.close()

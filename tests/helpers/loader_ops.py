@@ -97,3 +97,26 @@ class CacheShare(grain.transforms.Map):
         from grain_replay.sources import chunked
 
         return {**element, "share": np.full(len(element["id"]), chunked._cache_share)}
+
+
+class SlowAfterFirst:
+    """Delegates to ``source``; every read after the first in a process sleeps ``seconds``."""
+
+    def __init__(self, source: Any, seconds: float) -> None:
+        self.source = source
+        self.seconds = seconds
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return f"SlowAfterFirst({self.source!r}, {self.seconds})"
+
+    def read_batch(self, indices: Any) -> Any:
+        self.reads += 1
+        if self.reads > 1:
+            import time
+
+            time.sleep(self.seconds)
+        return self.source.read_batch(indices)

@@ -11,7 +11,16 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
-from loader_ops import CacheShare, FailOnce, Grow, Pid, PythonLeaves, Shapes, Unreadable
+from loader_ops import (
+    CacheShare,
+    FailOnce,
+    Grow,
+    Pid,
+    PythonLeaves,
+    Shapes,
+    SlowAfterFirst,
+    Unreadable,
+)
 from procs import children, new_children, wait_no_new_children
 
 import grain_replay as gr
@@ -225,6 +234,17 @@ def test_read_threads_in_workers_keep_the_stream(path: str) -> None:
     want = _ids(list(_loader(src, worker_count=0)))
     reads = grain.ReadOptions(num_threads=3, prefetch_buffer_size=6)
     assert _ids(list(_loader(src, read_options=reads))) == want
+
+
+def test_close_kills_workers_stuck_in_reads_within_one_shared_wait(path: str) -> None:
+    before = children()
+    it = iter(_loader(SlowAfterFirst(gr.open_source(path), 60.0), worker_count=3))
+    next(it)  # every worker is now inside a 60 s read
+    time.sleep(0.5)
+    started = time.monotonic()
+    it.close()
+    assert time.monotonic() - started < 10  # one 5 s wait for all three, then SIGKILL
+    assert not new_children(before)
 
 
 def test_close_keeps_the_position(path: str) -> None:
