@@ -7,7 +7,17 @@ from typing import Any, Self
 
 import grain
 
-__all__ = ["GrainStateIterator", "loader_state_bytes", "handed_out_from_state"]
+__all__ = [
+    "GrainStateIterator",
+    "handed_out_by_worker",
+    "handed_out_from_state",
+    "loader_state_bytes",
+]
+
+
+def handed_out_by_worker(j: int, worker: int, workers: int) -> int:
+    """How many of the first ``j`` elements are worker ``worker``'s (element i is i % workers's)."""
+    return max(0, -(-(j - worker) // workers))
 
 
 def _last_seen(j: int, worker: int, workers: int, shard_index: int, shard_count: int) -> int:
@@ -15,8 +25,8 @@ def _last_seen(j: int, worker: int, workers: int, shard_index: int, shard_count:
     if workers == 0:
         return shard_index + (j - 1) * shard_count
     span = workers * shard_count
-    handed_out = max(0, -(-(j - worker) // workers))
-    return shard_index - span + worker * shard_count + handed_out * span
+    seen = handed_out_by_worker(j, worker, workers)
+    return shard_index - span + worker * shard_count + seen * span
 
 
 def loader_state_bytes(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import mmap
 import multiprocessing
 import multiprocessing.connection
@@ -35,7 +36,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
-from grain_replay.pipeline.state import GrainStateIterator
+from grain_replay.pipeline.state import GrainStateIterator, handed_out_by_worker
 from grain_replay.sources.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
@@ -49,20 +50,22 @@ _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 _FREE, _SEEK, _STOP = range(3)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a worker reads: element ``k`` of worker ``w`` is global batch ``g(k)``."""
+    """What a worker reads: its element ``k`` is global batch ``global_index(k)``."""
 
-    def __init__(
-        self, worker: int, workers: int, shard_index: int, shard_count: int, length: int
-    ) -> None:
-        self.worker = worker
-        self.workers = workers
-        self.shard_index = shard_index
-        self.shard_count = shard_count
-        self.length = length
+    worker: int
+    workers: int
+    shard_index: int
+    shard_count: int
+    length: int
 
     def local(self, k: int) -> int:
         return k * self.workers + self.worker
+
+    def first_unread(self, handed_out: int) -> int:
+        """This worker's first element not handed out after ``handed_out`` elements in all."""
+        return handed_out_by_worker(handed_out, self.worker, self.workers)
 
     def global_index(self, k: int) -> int:
         return self.local(k) * self.shard_count + self.shard_index
@@ -261,7 +264,7 @@ class _Pool:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
         for plan in plans:
             ours, theirs = ctx.Pipe(duplex=True)
-            start = _first_element(handed_out, plan)
+            start = plan.first_unread(handed_out)
             process = ctx.Process(
                 target=_worker_main,
                 args=(theirs, payload, plan, slot_count, read_threads, 0, start),
@@ -276,7 +279,7 @@ class _Pool:
         self.generation += 1
         self.broken = False
         for w, plan in zip(self.workers, plans):
-            w.conn.send((_SEEK, self.generation, _first_element(handed_out, plan)))
+            w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out)))
 
     def receive(self, index: int, k: int) -> Any:
         w = self.workers[index]
@@ -341,11 +344,6 @@ class _Pool:
 
     def close(self) -> None:
         self._finalizer()
-
-
-def _first_element(handed_out: int, plan: _Plan) -> int:
-    """The first element of ``plan``'s worker not yet handed out after ``handed_out``."""
-    return max(0, -(-(handed_out - plan.worker) // plan.workers))
 
 
 class WorkerLoaderIterator(GrainStateIterator):
