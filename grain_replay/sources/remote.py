@@ -318,6 +318,14 @@ class Remote:
             self.shown, what, type(e).__name__, e, attempt + 1, self.retry.retries, wait,
         )  # fmt: skip
 
+    def _retry_wait(self, error: Exception, what: str, attempt: int) -> float:
+        """Seconds to wait before retrying after ``error``; raises it, translated, if no retry."""
+        if attempt < self.retry.retries and is_transient(error):
+            wait = self.retry.delay(attempt)
+            self._note_retry(error, what, attempt, wait)
+            return wait
+        raise self.error(error, what, attempts=attempt + 1) from error
+
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()``, retried on transient errors; other errors become GrainReplayErrors."""
         for attempt in range(self.retry.retries + 1):
@@ -326,12 +334,7 @@ class Remote:
             except GrainReplayError:
                 raise
             except Exception as e:
-                if attempt < self.retry.retries and is_transient(e):
-                    wait = self.retry.delay(attempt)
-                    self._note_retry(e, what, attempt, wait)
-                    time.sleep(wait)
-                    continue
-                raise self.error(e, what, attempts=attempt + 1) from e
+                time.sleep(self._retry_wait(e, what, attempt))
         raise AssertionError("unreachable")
 
     async def call_async(self, make: Callable[[], Awaitable[T]], what: str) -> T:
@@ -342,12 +345,7 @@ class Remote:
             except GrainReplayError:
                 raise
             except Exception as e:
-                if attempt < self.retry.retries and is_transient(e):
-                    wait = self.retry.delay(attempt)
-                    self._note_retry(e, what, attempt, wait)
-                    await asyncio.sleep(wait)
-                    continue
-                raise self.error(e, what, attempts=attempt + 1) from e
+                await asyncio.sleep(self._retry_wait(e, what, attempt))
         raise AssertionError("unreachable")
 
     def error(self, exc: BaseException, what: str, *, attempts: int = 1) -> GrainReplayError:
