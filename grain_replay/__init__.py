@@ -8,16 +8,21 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
     GrainReplayError,
+    InvalidPrefetchError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    ReferenceRefusedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -29,7 +34,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -80,6 +84,10 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
 ]
 

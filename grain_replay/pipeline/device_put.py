@@ -13,7 +13,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from grain_replay.errors import BatchShardingError, GrainReplayError
+from grain_replay.errors import (
+    BatchShardingError,
+    InvalidPrefetchError,
+    InvalidShardingError,
+    UnsupportedStateError,
+)
 
 __all__ = [
     "InvalidPrefetchError",
@@ -27,18 +32,6 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # queued by the producer when the wrapped iterator is exhausted
 _POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
-
-
-class InvalidShardingError(GrainReplayError, TypeError):
-    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
-
-
-class InvalidPrefetchError(GrainReplayError, ValueError):
-    """``prefetch`` is not a non-negative integer."""
-
-
-class UnsupportedStateError(GrainReplayError, TypeError):
-    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
 
 
 class _Failure:

@@ -1,7 +1,7 @@
 """Fuzzes the two parsers that read untrusted bytes first: store metadata JSON and ``.npy`` headers.
 
 Property: on any input, ``layout.StoreMetadata.from_json`` and
-``sources.npy.read_npy_header`` either succeed or raise ``gr.InvalidStoreError``;
+``formats.read_npy_header`` either succeed or raise ``gr.InvalidStoreError``;
 nothing else escapes (no ``RecursionError``, ``OverflowError``, ``IndexError``,
 ``MemoryError``, ...). Examples are derandomized so the suite is reproducible;
 set ``GRAIN_REPLAY_FUZZ_EXAMPLES=5000`` for a longer run with fresh random examples.
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import grain_replay as gr
 from grain_replay import layout
 from grain_replay import tree as tree_lib
-from grain_replay.sources.npy import read_npy_header
+from grain_replay.formats import read_npy_header
 
 pytestmark = pytest.mark.timeout(120)
 
