@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PAGE", "can_stitch", "stitch"]
+from grain_replay.formats import PAGE
+
+__all__ = ["can_stitch", "stitch"]
 
 logger = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
 _MAP_ANONYMOUS = 0x20
