@@ -274,5 +274,5 @@ def test_missing_or_mismatched_leaves_raise_with_fix(kwargs: dict[str, str], mat
 
 @pytest.mark.parametrize("kwargs", [{"n": 0}, {"gamma": 1.5}, {"next_obs_key": "a/b"}])
 def test_bad_nstep_options_raise_value_error(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be .*got"):
         NStepDataSource(ArraySource(step_tree(LENGTHS, TERMINATED)), **kwargs)
