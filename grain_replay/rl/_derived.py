@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -71,7 +70,7 @@ class DerivedSource(SourceSurface):
             )
         self._given_episodes = episodes
         self._lock = threading.Lock()
-        self._state: Any = None
+        self._state: tuple[EpisodeIndex, Spans] | None = None
         self._pid: int | None = None
         self._num_records = -1
         self._num_records = self._derived()[1].total
@@ -93,25 +92,18 @@ class DerivedSource(SourceSurface):
     # -- episodes -------------------------------------------------------------------
 
     def _derived(self) -> tuple[EpisodeIndex, Spans]:
-        pid = os.getpid()
-        state = self._state
-        if state is not None and self._pid == pid:
-            return state
-        if self._pid is not None and self._pid != pid:
-            # Forked: the parent's lock may have been held at fork time.
-            self._lock = threading.Lock()
-        with self._lock:
-            if self._state is None or self._pid != pid:
-                index = self._load_episodes()
-                spans = self._spans(index)
-                if self._num_records >= 0 and spans.total != self._num_records:
-                    raise InvalidStoreError(
-                        f"{self._access.where}: the store changed since this source was made "
-                        f"({spans.total} records now, {self._num_records} before). Fix: create "
-                        "the source again."
-                    )
-                self._state, self._pid = (index, spans), pid
-            return self._state
+        return self._per_process("_state", self._make_state)
+
+    def _make_state(self) -> tuple[EpisodeIndex, Spans]:
+        index = self._load_episodes()
+        spans = self._spans(index)
+        if self._num_records >= 0 and spans.total != self._num_records:
+            raise InvalidStoreError(
+                f"{self._access.where}: the store changed since this source was made "
+                f"({spans.total} records now, {self._num_records} before). Fix: create "
+                "the source again."
+            )
+        return index, spans
 
     def _load_episodes(self) -> EpisodeIndex:
         if self._given_episodes is not None:

@@ -9,7 +9,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, Self, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -28,6 +28,8 @@ __all__ = [
     "check_indices",
     "select_keys",
 ]
+
+T = TypeVar("T")
 
 
 # Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
@@ -148,6 +150,7 @@ class SourceSurface(abc.ABC):
 
     _PER_PROCESS: ClassVar[dict[str, Any]] = {}
     _lock: threading.Lock
+    _pid: int | None
     _build: Callable[[Mapping[str, np.ndarray]], Any]
 
     @abc.abstractmethod
@@ -207,6 +210,27 @@ class SourceSurface(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _per_process(self, name: str, make: Callable[[], T]) -> T:
+        """Attribute ``name``, made by ``make()`` once per process (double-checked lock).
+
+        After a fork the parent's value is dropped and the lock replaced: the
+        parent's lock may have been held at fork time.
+        """
+        pid = os.getpid()
+        value = getattr(self, name)
+        if value is not None and self._pid == pid:
+            return value
+        if self._pid is not None and self._pid != pid:
+            self._lock = threading.Lock()
+            setattr(self, name, None)
+        with self._lock:
+            value = getattr(self, name)
+            if value is None:
+                value = make()
+                setattr(self, name, value)
+                self._pid = pid
+            return value
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -305,25 +329,17 @@ class ReplaySource(SourceSurface):
     # -- per-process handle ---------------------------------------------------
 
     def _get_handle(self) -> Handle:
-        pid = os.getpid()
-        handle = self._handle
-        if handle is not None and self._pid == pid:
-            return handle
-        if self._pid is not None and self._pid != pid:
-            # Forked: the parent's lock may have been held at fork time.
-            self._lock = threading.Lock()
-            self._handle = None
-        with self._lock:
-            if self._handle is None:
-                try:
-                    self._handle = self._open()
-                except GrainReplayError:
-                    raise
-                except _STORE_FAULTS as e:
-                    raise self._corrupt(None, e) from e
-                self._pid = pid
-                self._opens += 1
-            return self._handle
+        return self._per_process("_handle", self._open_counted)
+
+    def _open_counted(self) -> Handle:
+        try:
+            handle = self._open()
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS as e:
+            raise self._corrupt(None, e) from e
+        self._opens += 1
+        return handle
 
     def close(self) -> None:
         """Releases the handle of this process; reading again reopens it."""

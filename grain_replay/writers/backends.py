@@ -26,8 +26,8 @@ from grain_replay.formats import (
     read_npy_metadata,
 )
 from grain_replay.integrity import as_bytes
-from grain_replay.writers.atomic import atomic_path
-from grain_replay.writers.oneshot import chunk_rows_for, zarr_compressors
+from grain_replay.writers.atomic import atomic_path, fsync_path
+from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
 __all__ = ["Backend", "NpyBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
 
@@ -173,20 +173,12 @@ class NpyBackend(Backend):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, meta_file)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- Zarr -----------------------------------------------------------------------
@@ -221,16 +213,7 @@ class ZarrBackend(Backend):
                 rows = chunk_rows or chunk_rows_for(
                     shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
                 )
-                group.create_array(
-                    layout_lib.disk_name(key),
-                    shape=(0, *spec.shape),
-                    dtype=spec.dtype,
-                    chunks=(rows, *(max(1, d) for d in spec.shape)),
-                    compressors=compressors,
-                    filters=None,
-                    fill_value=None,
-                    config={"write_empty_chunks": True},
-                )
+                create_zarr_leaf(group, key, spec, 0, rows, compressors)
             group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
 
     @classmethod

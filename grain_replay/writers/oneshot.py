@@ -21,6 +21,7 @@ __all__ = [
     "write_npy",
     "write_zarr",
     "write_blocks",
+    "create_zarr_leaf",
 ]
 
 # Compressed or chunked layouts decode a whole chunk per random row: keep chunks
@@ -168,6 +169,23 @@ def zarr_compressors(compression: str | None, where: str) -> Any:
     return (makers[compression](),)
 
 
+def create_zarr_leaf(
+    group: Any, key: str, spec: layout_lib.LeafSpec, n: int, chunk_rows: int, compressors: Any
+) -> Any:
+    """The Zarr array of leaf ``key``: ``n`` rows, chunks of ``chunk_rows`` whole rows."""
+    return group.create_array(
+        layout_lib.disk_name(key),
+        shape=(n, *spec.shape),
+        dtype=spec.dtype,
+        chunks=(chunk_rows, *(max(1, d) for d in spec.shape)),
+        compressors=compressors,
+        filters=None,
+        fill_value=None,
+        # Every chunk on disk, even all-zero ones, so readers can map them.
+        config={"write_empty_chunks": True},
+    )
+
+
 def _write_zarr_store(
     partial: str,
     meta: layout_lib.StoreMetadata,
@@ -186,17 +204,7 @@ def _write_zarr_store(
         rows = chunk_rows or chunk_rows_for(
             (n, *spec.shape), spec.dtype.itemsize, target, page_aligned=compression is None
         )
-        arrays_out[key] = group.create_array(
-            layout_lib.disk_name(key),
-            shape=(n, *spec.shape),
-            dtype=spec.dtype,
-            chunks=(rows, *(max(1, d) for d in spec.shape)),
-            compressors=compressors,
-            filters=None,
-            fill_value=None,
-            # Every chunk on disk, even all-zero ones, so readers can map them.
-            config={"write_empty_chunks": True},
-        )
+        arrays_out[key] = create_zarr_leaf(group, key, spec, n, rows, compressors)
     for start, arrays in _checksummed(blocks, summer):
         for key, arr in arrays.items():
             if arr.size:
