@@ -13,6 +13,9 @@ from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
 from grain_replay.sources.npy import NPY_MAGIC, NpyDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
+# Files whose presence makes a directory a Zarr store.
+ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
+
 __all__ = ["ReplaySource", "HDF5DataSource", "NpyDataSource", "ZarrDataSource", "open_source"]
 
 
@@ -41,9 +44,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
         )
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "zarr.json")) or os.path.exists(
-            os.path.join(path, ".zgroup")
-        ):
+        # Zarr v3 (group or array: zarr.json), v2 group (.zgroup), v2 array (.zarray),
+        # and a v2 store with only consolidated metadata or attributes.
+        if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
         return "npy"
     if os.path.exists(path):

@@ -14,7 +14,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources import hdf5_raw, hdf5_refs
+from grain_replay.sources import hdf5_filters, hdf5_raw, hdf5_refs
 from grain_replay.sources.base import (
     ArrayReader,
     Handle,
@@ -89,6 +89,7 @@ class _HDF5Handle(Handle):
 
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
+            hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
             row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
             # Only the store file itself is mapped or read raw: a dataset behind an
@@ -296,6 +297,7 @@ class HDF5DataSource(ReplaySource):
                     )
                 if not self._allow_external:
                     hdf5_refs.check_dataset_refs(dset, self._path, key)
+                hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
@@ -324,6 +326,7 @@ class HDF5DataSource(ReplaySource):
         for k in keys:
             if not self._allow_external:
                 hdf5_refs.check_dataset_refs(found[k], self._path, k)
+            hdf5_filters.require_filters(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})
