@@ -8,10 +8,10 @@ from typing import Any
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.sources.base import ReplaySource, is_url
-from grain_replay.sources.files import require_regular_file
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
+from grain_replay.sources.hdf5.source import HDF5_SIGNATURE, HDF5DataSource
 from grain_replay.sources.npy import NPY_MAGIC, NpyDataSource
-from grain_replay.sources.zarr import ZarrDataSource
+from grain_replay.sources.reading.files import require_regular_file
+from grain_replay.sources.zarr.source import ZarrDataSource
 
 # Files whose presence makes a directory a Zarr store.
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")

@@ -12,15 +12,9 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import (
-    ArrayReader,
-    Handle,
-    Layout,
-    MappedFile,
-    ReplaySource,
-    check_inside,
-    require_regular_file,
-)
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.files import MappedFile, check_inside, require_regular_file
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 
 __all__ = ["NpyDataSource", "read_npy_header"]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources import hdf5_filters
+from grain_replay.sources.hdf5 import filters as hdf5_filters
 
 h5py = pytest.importorskip("h5py")
 hdf5plugin = pytest.importorskip("hdf5plugin")

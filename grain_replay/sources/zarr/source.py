@@ -13,22 +13,25 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
+from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     InvalidStoreError,
     MissingDependencyError,
     StoreNotFoundError,
 )
-from grain_replay.sources import remote as remote_lib
-from grain_replay.sources import zarr_checks, zarr_decode, zarr_remote
-from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import (
+from grain_replay.remote import RetryOptions
+from grain_replay.sources.base import Layout, ReplaySource, is_url
+from grain_replay.sources.reading.chunked import (
     DEFAULT_CACHE_BYTES,
     ChunkCache,
     ChunkedLeafReader,
     mapped_reader,
 )
-from grain_replay.sources.remote import RetryOptions
+from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.zarr import checks as zarr_checks
+from grain_replay.sources.zarr import decode as zarr_decode
+from grain_replay.sources.zarr import remote as zarr_remote
 
 __all__ = ["ZarrDataSource", "import_zarr"]
 
