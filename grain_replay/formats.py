@@ -20,6 +20,7 @@ __all__ = [
     "HDF5_SIGNATURE",
     "NPY_MAGIC",
     "PAGE",
+    "ZARR_MARKERS",
     "detect_format",
     "format_from_path",
     "import_fsspec",
@@ -35,6 +36,8 @@ __all__ = [
 FORMATS = ("hdf5", "npy", "zarr")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NPY_MAGIC = b"\x93NUMPY"
+# Files whose presence makes a directory a Zarr store.
+ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
 PAGE = mmap.PAGESIZE
 
@@ -136,9 +139,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
         )
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "zarr.json")) or os.path.exists(
-            os.path.join(path, ".zgroup")
-        ):
+        # Zarr v3 (group or array: zarr.json), v2 group (.zgroup), v2 array (.zarray),
+        # and a v2 store with only consolidated metadata or attributes.
+        if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
         return "npy"
     if os.path.exists(path):
@@ -187,10 +190,7 @@ def read_npy_header(
         raise
     except FileNotFoundError as e:
         raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
-    except (
-        ValueError, OSError, SyntaxError, IndexError, TypeError, RecursionError, MemoryError,
-        OverflowError,
-    ) as e:  # fmt: skip
+    except Exception as e:  # numpy's header parser raises anything: TokenError, IndexError, ...
         raise InvalidStoreError(
             f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "
             "with np.save or gr.write_npy."

@@ -24,6 +24,7 @@ from grain_replay.formats import (
 )
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.hdf5 import filters as hdf5_filters
 from grain_replay.sources.hdf5 import raw as hdf5_raw
 from grain_replay.sources.hdf5 import refs as hdf5_refs
 from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
@@ -78,6 +79,7 @@ class _HDF5Handle(Handle):
 
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
+            hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
             row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
             # Only the store file itself is mapped or read raw: a dataset behind an
@@ -264,6 +266,7 @@ class HDF5DataSource(ReplaySource):
                     )
                 if not self._allow_external:
                     hdf5_refs.check_dataset_refs(dset, self._path, key)
+                hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
@@ -292,6 +295,7 @@ class HDF5DataSource(ReplaySource):
         for k in keys:
             if not self._allow_external:
                 hdf5_refs.check_dataset_refs(found[k], self._path, k)
+            hdf5_filters.require_filters(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})

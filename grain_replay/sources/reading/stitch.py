@@ -121,7 +121,7 @@ def stitch(
             os.close(fd)
         if got != addr + i * chunk_bytes:
             return None
-    # Random access: no read-ahead on page faults (see base.advise_random).
+    # Random access: no read-ahead on page faults (see readers.advise_random).
     _LIBC.madvise(addr, total, getattr(mmap, "MADV_RANDOM", 1))
     flat = np.asarray(reservation)
     array = flat.view(dtype).reshape((num_rows, *row_shape))

@@ -32,6 +32,32 @@ from grain_replay.sources.zarr import remote as zarr_remote
 __all__ = ["ZarrDataSource"]
 
 
+class _BareArray:
+    """A Zarr array stored on its own (``zarr.save_array``), seen as a group of one root leaf.
+
+    Its records are the array's rows, as for a single ``.npy`` file.
+    """
+
+    def __init__(self, array: Any):
+        self.array = array
+        self.attrs: dict[str, Any] = {}
+
+    def __getitem__(self, loc: str) -> Any:
+        if loc != tree_lib.ROOT_KEY:
+            raise KeyError(loc)
+        return self.array
+
+    def members(self, max_depth: int | None = None) -> list[tuple[str, Any]]:
+        return [(tree_lib.ROOT_KEY, self.array)]
+
+
+def _open_local(path: str) -> Any:
+    """The group at ``path``, or an array stored on its own (v2 or v3) as a group of one."""
+    zarr = import_zarr()
+    node = zarr.open(path, mode="r")
+    return _BareArray(node) if isinstance(node, zarr.Array) else node
+
+
 def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:
     node = arrays[loc]
     if isinstance(node, BaseException):  # missing, or metadata zarr could not parse
@@ -82,7 +108,7 @@ class _ZarrHandle(Handle):
                     min(len(self.readers), 16), thread_name_prefix="grain_replay_zarr"
                 )
             return
-        self.group = import_zarr().open_group(source.path, mode="r")
+        self.group = _open_local(source.path)
         for key, loc in source._layout.locations.items():
             arr = self.group[loc]
             spec = source._layout.spec[key]
@@ -315,7 +341,7 @@ class ZarrDataSource(ReplaySource):
         # A FIFO as zarr.json would block zarr's open forever.
         zarr_checks.check_node(self._path, self._path, None, self._allow_external)
         try:
-            group = import_zarr().open_group(self._path, mode="r")
+            group = _open_local(self._path)
         except FileNotFoundError as e:
             raise StoreNotFoundError(f"No Zarr group at {self._path} ({e}).") from e
         except (ValueError, TypeError, KeyError, OSError) as e:
