@@ -13,7 +13,7 @@ from grain_replay.formats import import_h5py
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout
 from grain_replay.sources.hdf5.raw import memmap_offset
-from grain_replay.sources.reading.chunked import ChunkCache
+from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import Handle, LeafReader
 
 __all__ = ["EpisodeFileHandle", "episode_names"]

@@ -11,7 +11,7 @@ from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.formats import HDF5_SIGNATURE, import_h5py
 from grain_replay.rl.transitions import TransitionDataSource
 from grain_replay.sources.hdf5 import HDF5DataSource
-from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 
 __all__ = ["D4RLDataSource"]
 

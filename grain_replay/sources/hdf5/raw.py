@@ -12,7 +12,8 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError, ReferenceRefusedError
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.reading.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
+from grain_replay.sources.reading.cache import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import LeafReader
 

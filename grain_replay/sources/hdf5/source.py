@@ -28,7 +28,8 @@ from grain_replay.sources.hdf5 import filters as hdf5_filters
 from grain_replay.sources.hdf5 import raw as hdf5_raw
 from grain_replay.sources.hdf5 import refs as hdf5_refs
 from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
-from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle
 

@@ -18,12 +18,8 @@ from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.formats import import_zarr, is_url, metadata_from_attrs
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
-from grain_replay.sources.reading.chunked import (
-    DEFAULT_CACHE_BYTES,
-    ChunkCache,
-    ChunkedLeafReader,
-    mapped_reader,
-)
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
