@@ -7,6 +7,7 @@ from typing import Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidStoreError,
     InvalidTreeError,
@@ -80,6 +81,7 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "CheckpointMismatchError",
     "RetryOptions",
 ]
 
