@@ -122,8 +122,8 @@ class BatchedReads:
         """
         b = self.options.batch_size
         rows: int | None = b if self.options.drop_remainder or self._n % b == 0 else None
-        spec, treedef = self.source.spec, getattr(self.source, "treedef", None)
-        if treedef is None:  # a source without a tree definition: its zero-row batch
+        spec, treedef = getattr(self.source, "spec", None), getattr(self.source, "treedef", None)
+        if spec is None or treedef is None:  # a source that does not say: its zero-row batch
             empty = self.source.read_batch(np.zeros(0, np.int64))
             return tree_lib.map_leaves(
                 lambda _, leaf: grain.experimental.ShapeDtypeStruct(

@@ -186,7 +186,7 @@ def _decode(state: Any) -> dict[str, Any]:
     if not isinstance(state, (bytes, bytearray)):
         raise CheckpointMismatchError(
             f"A loader state is the bytes get_state() returned, got {type(state).__name__}. "
-            "Fix: pass what get_state() (or grain's Orbax handler) saved, unchanged."
+            "Fix: pass the bytes get_state() returned, unchanged."
         )
     try:
         decoded = json.loads(bytes(state).decode())
