@@ -301,6 +301,33 @@ def _process_file(directory: Any) -> Any:
     return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
+_PROCESS_FILE_RE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def _saved_file(directory: Any) -> Any:
+    """This process's state file; from a save on another process count, the one that maps to it.
+
+    Any process's state resumes every process of the same global stream, so process
+    ``i`` takes ``process_<i mod m>-of-<m>.json`` of a checkpoint written by ``m``.
+    """
+    own = _process_file(directory)
+    if own.exists():
+        return own
+    counts = {
+        int(m[2])
+        for m in (_PROCESS_FILE_RE.fullmatch(p.name) for p in directory.iterdir())
+        if m is not None
+    }
+    if len(counts) != 1:
+        raise CheckpointMismatchError(
+            f"File {own} does not exist, and {directory} holds states of "
+            f"{sorted(counts) or 'no'} process count(s). Fix: restore from the directory the "
+            "iterator was saved to."
+        )
+    saved = counts.pop()
+    return directory / f"process_{jax.process_index() % saved}-of-{saved}.json"
+
+
 class GrainStateIterator(grain.DataLoaderIterator):
     """A ``grain.DataLoaderIterator`` of a loader's elements that keeps grain's state bytes.
 
@@ -373,20 +400,15 @@ class GrainStateIterator(grain.DataLoaderIterator):
     async def load(self, directory: Any) -> Any:
         """Orbax's ``StatefulCheckpointable.load``: reads what :meth:`save` wrote.
 
+        A checkpoint saved on another number of processes resumes too (the state of
+        process ``i mod m`` of the ``m`` that saved it: see :func:`handed_out_from_state`).
+
         Returns:
           A coroutine that sets the state.
         """
 
         async def read() -> None:
-            path = _process_file(directory)
-            if not await asyncio.to_thread(path.exists):
-                raise CheckpointMismatchError(
-                    f"File {path} does not exist: the checkpoint holds no state for process "
-                    f"{jax.process_index()} of {jax.process_count()}. Saved on another number "
-                    "of processes? Fix: restore with that many processes, or read one saved "
-                    "state yourself and pass it to set_state() (any process's state resumes "
-                    "every process of the same global stream)."
-                )
+            path = await asyncio.to_thread(_saved_file, directory)
             self.set_state((await asyncio.to_thread(path.read_text)).encode())
 
         return read()

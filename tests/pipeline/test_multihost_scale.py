@@ -147,7 +147,9 @@ def test_resume_on_another_process_count_continues_the_global_stream(tmp_path: P
         np.testing.assert_array_equal(r["global_ids"], stream[1:])
     assert sorted(p.name for p in on_two.iterdir()) == ["state.0", "state.1"]
 
-    third = _run_job(4, tmp_path / "four-again", *common, "--batch-size=4", f"--resume-dir={on_two}")
+    third = _run_job(
+        4, tmp_path / "four-again", *common, "--batch-size=4", f"--resume-dir={on_two}"
+    )
     for r in third:  # from global step 3: crosses into epoch 1
         np.testing.assert_array_equal(r["global_ids"], stream[3:])
     # Each run's shares: every record exactly once per epoch over the three runs.

@@ -183,7 +183,8 @@ def test_stateful_checkpointable_save_and_load(path: str, tmp_path: Path, worker
 
     asyncio.run(load(tmp_path / "it"))
     assert [_ids(b) for b in fresh] == rest
-    with pytest.raises(gr.CheckpointMismatchError, match="process_0-of-1.json does not exist"):
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(gr.CheckpointMismatchError, match=r"process_0-of-1\.json does not exist"):
         asyncio.run(load(tmp_path / "nothing"))
     fresh.close()
     it.close()
@@ -253,3 +254,27 @@ def test_element_spec_of_a_source_without_spec(path: str) -> None:
     ds = gr.replay_dataset(_NoSpec(gr.open_source(path)), batch_size=B, shard_options=NO_SHARDING)
     spec = grain.experimental.get_element_spec(ds)
     _spec_matches(spec, next(iter(ds)), B)
+
+
+def test_stateful_checkpointable_load_of_a_save_on_two_processes(path: str, tmp_path: Path) -> None:
+    """Written by 2 processes (batch 4 each), loaded by this one (batch 8): the same step."""
+    directory = tmp_path / "two"
+    directory.mkdir()
+    for p in range(2):
+        shards = grain.sharding.ShardOptions(shard_index=p, shard_count=2, drop_remainder=True)
+        it = iter(
+            gr.make_data_loader(
+                gr.open_source(path), batch_size=B // 2, seed=7, num_epochs=2, shard_options=shards
+            )
+        )
+        for _ in range(3):
+            next(it)
+        (directory / f"process_{p}-of-2.json").write_bytes(it.get_state())
+    want = [_ids(b) for b in _loader(path)][3:]
+    fresh = iter(_loader(path))
+
+    async def load() -> None:
+        await (await fresh.load(directory))
+
+    asyncio.run(load())
+    assert [_ids(b) for b in fresh] == want
