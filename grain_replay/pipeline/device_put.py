@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import queue
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from grain_replay.errors import BatchShardingError, GrainReplayError
+from grain_replay.pipeline.state import load_text, save_text
 
 __all__ = [
     "InvalidPrefetchError",
@@ -301,6 +303,41 @@ class ShardedDevicePutIterator(Iterator[Any]):
                 f"({type(self._inner).__name__}) has no get_state/set_state. Wrap a grain "
                 "DataLoader or DatasetIterator to checkpoint the stream."
             )
+
+    async def save(self, directory: Any) -> Any:
+        """Orbax's ``StatefulCheckpointable.save``: the wrapped iterator's state, as grain's.
+
+        Args:
+            directory: An Orbax ``PathAwaitingCreation``.
+
+        Returns:
+            A coroutine writing ``process_<i>-of-<n>.json`` once the directory exists.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        state = self.get_state()
+        text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=4)
+        return save_text(directory, text)
+
+    async def load(self, directory: Any) -> Any:
+        """Orbax's ``StatefulCheckpointable.load``: reads what :meth:`save` wrote.
+
+        Returns:
+            A coroutine that sets the state and starts prefetching.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        self._require_state("load")
+        loader_state = isinstance(self._state, bytes)  # else a grain dataset's dict
+
+        async def read() -> None:
+            text = await load_text(directory, elastic=loader_state)
+            self.set_state(text.encode() if loader_state else json.loads(text))
+            self.start_prefetch()
+
+        return read()
 
     def start_prefetch(self) -> None:
         """Starts reading and transferring the next batches in the background.

@@ -108,11 +108,18 @@ class BatchedReads:
         # grain checks restored states against it; it names the process count so that
         # a state resumes on another one (pipeline/state.py).
         o = self.options
-        shape = StreamShape(
-            repr(self.source), o.batch_size, o.shuffle, o.seed, o.num_epochs,
-            o.drop_remainder, self.batches_per_epoch, self.shard_count,
-        )  # fmt: skip
-        return stream_repr(shape)
+        return stream_repr(
+            StreamShape(
+                source=repr(self.source),
+                batch_size=o.batch_size,
+                shuffle=o.shuffle,
+                seed=o.seed,
+                num_epochs=o.num_epochs,
+                drop_remainder=o.drop_remainder,
+                batches_per_epoch=self.batches_per_epoch,
+                shard_count=self.shard_count,
+            )
+        )
 
     def element_spec(self) -> Any:
         """The batches' tree of ``grain.experimental.ShapeDtypeStruct``, from the source's spec.

@@ -16,6 +16,7 @@ there (elastic resume); with the same number of processes grain's own checks app
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import json
@@ -313,11 +314,8 @@ def _saved_file(directory: Any) -> Any:
     own = _process_file(directory)
     if own.exists():
         return own
-    counts = {
-        int(m[2])
-        for m in (_PROCESS_FILE_RE.fullmatch(p.name) for p in directory.iterdir())
-        if m is not None
-    }
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    counts = {int(m[2]) for m in map(_PROCESS_FILE_RE.fullmatch, names) if m is not None}
     if len(counts) != 1:
         raise CheckpointMismatchError(
             f"File {own} does not exist, and {directory} holds states of "
@@ -326,6 +324,29 @@ def _saved_file(directory: Any) -> Any:
         )
     saved = counts.pop()
     return directory / f"process_{jax.process_index() % saved}-of-{saved}.json"
+
+
+async def save_text(directory: Any, text: str) -> None:
+    """Writes a state into an Orbax ``PathAwaitingCreation``, named as grain's handler names it."""
+    path = _process_file(await directory.await_creation())
+    await asyncio.to_thread(path.write_text, text)
+
+
+async def load_text(directory: Any, *, elastic: bool) -> str:
+    """Reads this process's state from a checkpoint directory.
+
+    Args:
+      directory: the directory :func:`save_text` wrote into.
+      elastic: a loader state, which any process's state can stand in for: a
+        directory saved on another process count is read at ``i mod m``.
+    """
+    path = await asyncio.to_thread(_saved_file, directory) if elastic else _process_file(directory)
+    if not await asyncio.to_thread(path.exists):
+        raise CheckpointMismatchError(
+            f"File {path} does not exist. Fix: restore from the directory the iterator "
+            "was saved to, with as many processes as saved it."
+        )
+    return await asyncio.to_thread(path.read_text)
 
 
 class GrainStateIterator(grain.DataLoaderIterator):
@@ -352,8 +373,9 @@ class GrainStateIterator(grain.DataLoaderIterator):
     def __iter__(self) -> Self:
         return self
 
+    @abc.abstractmethod
     def __next__(self) -> Any:
-        raise NotImplementedError  # subclasses read
+        """The next element; subclasses read it."""
 
     def get_state(self) -> bytes:
         """The state of grain's iterator of the same loader after the same elements."""
@@ -389,13 +411,7 @@ class GrainStateIterator(grain.DataLoaderIterator):
         Returns:
           A coroutine writing ``process_<i>-of-<n>.json`` once the directory exists.
         """
-        text = self.get_state().decode()
-
-        async def write() -> None:
-            path = _process_file(await directory.await_creation())
-            await asyncio.to_thread(path.write_text, text)
-
-        return write()
+        return save_text(directory, self.get_state().decode())
 
     async def load(self, directory: Any) -> Any:
         """Orbax's ``StatefulCheckpointable.load``: reads what :meth:`save` wrote.
@@ -408,8 +424,7 @@ class GrainStateIterator(grain.DataLoaderIterator):
         """
 
         async def read() -> None:
-            path = await asyncio.to_thread(_saved_file, directory)
-            self.set_state((await asyncio.to_thread(path.read_text)).encode())
+            self.set_state((await load_text(directory, elastic=True)).encode())
 
         return read()
 
