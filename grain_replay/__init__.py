@@ -7,6 +7,7 @@ from typing import Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidPrefetchError,
     InvalidShardingError,
@@ -88,6 +89,7 @@ __all__ = [
     "InvalidShardingError",
     "InvalidPrefetchError",
     "UnsupportedStateError",
+    "CheckpointMismatchError",
     "RetryOptions",
 ]
 

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidShardingError",
     "InvalidPrefetchError",
     "UnsupportedStateError",
+    "CheckpointMismatchError",
 ]
 
 
@@ -90,3 +91,7 @@ class InvalidPrefetchError(GrainReplayError, ValueError):
 
 class UnsupportedStateError(GrainReplayError, TypeError):
     """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""
