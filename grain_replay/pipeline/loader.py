@@ -18,6 +18,7 @@ from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.state import LoaderIdentity, StreamShape, stream_repr
 from grain_replay.pipeline.workers import WorkerLoaderIterator
+from grain_replay.sources.base import BatchSource
 
 __all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
 
@@ -73,7 +74,7 @@ class BatchedReads:
     when nothing is dropped.
     """
 
-    def __init__(self, source: Any, options: LoaderOptions, shard_count: int = 1):
+    def __init__(self, source: BatchSource, options: LoaderOptions, shard_count: int = 1):
         self.source = source
         self.options = options
         n = len(source)
@@ -325,7 +326,7 @@ def _default_shard_options() -> Any:
 
 
 def make_data_loader(
-    source: Any,
+    source: BatchSource,
     *,
     batch_size: int,
     shuffle: bool = True,
@@ -395,7 +396,7 @@ def make_data_loader(
 
 
 def replay_dataset(
-    source: Any,
+    source: BatchSource,
     *,
     batch_size: int,
     shuffle: bool = True,
