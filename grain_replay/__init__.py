@@ -67,6 +67,8 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    # statistics (grain_replay.stats)
+    "compute_stats",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -89,6 +91,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.sources.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "compute_stats": "grain_replay.stats",
     **{
         name: "grain_replay.rl"
         for name in (
