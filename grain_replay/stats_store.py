@@ -32,11 +32,13 @@ def store_state(
     block_bytes: int,
     cache: bool,
     progress: Callable[[int], None] | None,
-) -> tuple[StoreState, dict[str, Any]]:
-    """The mergeable statistics of ``source``'s selected leaves and their tree structure.
+) -> tuple[StoreState, dict[str, Any], Callable[[], None]]:
+    """The mergeable statistics of ``source``'s selected leaves, their tree structure, and a
+    function that writes them to the cache.
 
     A valid cache covering the first ``c`` rows is reused; rows ``[c, N)`` are
-    read and pooled into it, and the cache is rewritten (atomically).
+    read and pooled into it. The returned function rewrites the cache
+    (atomically) when anything was read or quantiles were added since.
     """
     access = LeafAccess(source)
     chosen, treedef = access.select(keys)
@@ -48,21 +50,30 @@ def store_state(
     path = local_path(source) if cache else None
     cache_file = stats_cache_path(path) if path is not None else None
     opts = {"sample_rows": sample_rows, "block_bytes": block_bytes, "seed": _SEED}
-    state = None
+    state, cached = None, list(spec)
     if cache_file is not None and path is not None:
-        state = _load(cache_file, source, path, spec, sample_rows, n)
-    if state is not None and state.count == n:
-        if progress is not None:
-            progress(n)
-        return state, treedef
-    start = 0 if state is None else state.count
-    if progress is not None and start:
-        progress(start)
-    new = scan(source, spec, start, n, progress=progress, **opts)  # type: ignore[arg-type]
-    state = new if state is None else state.pool(new, _SEED)
-    if cache_file is not None and path is not None:
-        _save(cache_file, source, path, state, sample_rows)
-    return state, treedef
+        state, cached = _load(cache_file, source, path, spec, sample_rows, n)
+    scanned = state is None or state.count < n
+    if scanned:
+        start = 0 if state is None else state.count
+        if progress is not None and start:
+            progress(start)
+        new = scan(source, spec, start, n, progress=progress, **opts)  # type: ignore[arg-type]
+        state = new if state is None else state.pool(new, _SEED)
+    elif progress is not None:
+        progress(n)
+    assert state is not None
+    ready = state
+    taken = {k: len(leaf.quantiles) for k, leaf in ready.leaves.items()}
+
+    def save() -> None:
+        added = any(len(leaf.quantiles) != taken[k] for k, leaf in ready.leaves.items())
+        # A cache of more leaves is only replaced by one with new rows.
+        added = added and set(cached) <= set(spec)
+        if cache_file is not None and path is not None and (scanned or added):
+            _save(cache_file, source, path, ready, sample_rows)
+
+    return state, treedef, save
 
 
 def _check_kinds(spec: dict[str, LeafSpec], where: str) -> None:
@@ -89,9 +100,10 @@ def _probe(source: Any, keys: Sequence[str], n: int) -> dict[str, bytes]:
 
 def _load(
     file: str, source: Any, path: str, spec: dict[str, LeafSpec], sample_rows: int, n: int
-) -> StoreState | None:
+) -> tuple[StoreState | None, list[str]]:
     """The cached statistics of a prefix of the store's current rows (any superset of the
-    leaves serves), or None when there is none or the store was rewritten."""
+    leaves serves), or None when there is none or the store was rewritten; and the leaves
+    the cache holds."""
     try:
         with np.load(file, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
@@ -110,18 +122,20 @@ def _load(
                 fresh = all(bytes(z[f"rows{cached[k]}"]) == probe[k] for k in spec)
             if not fresh:
                 logger.info("%s: statistics cache is stale; recomputing", file)
-                return None
-            leaves = {
-                k: LeafState(*(z[f"{name}{cached[k]}"] for name in ("mean", "m2", "lo", "hi",
-                                                                    "sample")))
-                for k in spec
-            }  # fmt: skip
-            return StoreState(count, dict(spec), leaves, sample_rows)
+                return None, []
+            leaves = {}
+            for k in spec:
+                i = cached[k]
+                leaves[k] = LeafState(
+                    z[f"mean{i}"], z[f"m2{i}"], z[f"lo{i}"], z[f"hi{i}"], z[f"sample{i}"],
+                    dict(zip(z[f"qp{i}"].tolist(), z[f"qv{i}"])),
+                )  # fmt: skip
+            return StoreState(count, dict(spec), leaves, sample_rows), list(cached)
     except FileNotFoundError:
-        return None
+        return None, []
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.info("%s: unreadable statistics cache (%s); recomputing", file, e)
-        return None
+        return None, []
 
 
 def _save(file: str, source: Any, path: str, state: StoreState, sample_rows: int) -> None:
@@ -138,6 +152,10 @@ def _save(file: str, source: Any, path: str, state: StoreState, sample_rows: int
         arrays |= {f"mean{i}": leaf.mean, f"m2{i}": leaf.m2, f"lo{i}": leaf.lo,
                    f"hi{i}": leaf.hi, f"sample{i}": leaf.sample}  # fmt: skip
         arrays[f"rows{i}"] = np.frombuffer(probe[key], np.uint8)
+        arrays[f"qp{i}"] = np.array(list(leaf.quantiles), dtype=np.float64)
+        arrays[f"qv{i}"] = np.array(list(leaf.quantiles.values())).reshape(
+            len(leaf.quantiles), leaf.mean.size
+        )
     tmp = f"{file}.{os.getpid()}.partial"
     try:
         with open(tmp, "wb") as f:

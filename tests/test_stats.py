@@ -143,6 +143,7 @@ def test_quantiles_of_a_sampled_store_are_within_the_rank_error(tmp_path: Any) -
 
 
 def test_quantile_error_bound_and_names() -> None:
+    assert quantile_error(1 << 16) == pytest.approx(0.0105, abs=1e-4)
     assert quantile_error(1 << 18) == pytest.approx(0.0053, abs=1e-4)
     assert [quantile_name(q) for q in (0.01, 0.1, 0.5, 0.99, 0.999, 0.0, 1.0)] == [
         "q01", "q10", "q50", "q99", "q99.9", "q00", "q100",
@@ -358,3 +359,38 @@ def test_progress_counts_every_row(tmp_path: Any) -> None:
     seen: list[int] = []
     gr.compute_stats(path, block_bytes=4096, progress=seen.append, cache=False)
     assert sum(seen) == 1000 and len(seen) > 10
+
+
+def test_threads_and_column_chunks_do_not_change_the_result(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grain_replay.stats as stats_mod
+
+    tree = _tree(20_000)
+    src = gr.open_source(gr.write(str(tmp_path / "s.h5"), tree))
+    monkeypatch.setattr(stats_mod, "_threads", lambda: 3)
+    monkeypatch.setattr(stats_mod, "_MIN_THREAD_ROWS", 1000)
+    monkeypatch.setattr(stats_mod, "_QUANTILE_VALUES", 50_000)  # 2 columns at a time
+    _assert_matches_numpy(gr.compute_stats(src, quantiles=QS, cache=False), tree)
+
+
+def test_cache_keeps_the_quantiles_taken(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grain_replay.stats as stats_mod
+
+    path = gr.write(str(tmp_path / "s.h5"), _tree(400))
+    first = gr.compute_stats(path, quantiles=[0.01, 0.99])
+    taken: list[list[float]] = []
+    real = stats_mod._quantiles
+
+    def spy(sample: Any, quantiles: Any, weights: Any) -> Any:
+        taken.append(list(quantiles))
+        return real(sample, quantiles, weights)
+
+    monkeypatch.setattr(stats_mod, "_quantiles", spy)
+    again = gr.compute_stats(path, quantiles=[0.01, 0.99])
+    assert taken == []  # all from the cache
+    np.testing.assert_array_equal(again["obs"]["vec"]["q99"], first["obs"]["vec"]["q99"])
+    more = gr.compute_stats(path, quantiles=[0.5, 0.99])
+    assert taken and all(t == [0.5] for t in taken)  # only the new one is taken
+    x = _flat(_tree(400))["action"].astype(np.float64)
+    assert float(more["action"]["q50"]) == np.quantile(x, 0.5)
