@@ -75,7 +75,9 @@ def _open(path: str) -> Any:
     """Opens any store: Minari datasets and D4RL files as transitions, else gr.open_source."""
     import grain_replay as gr
 
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
+    if os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, "data", f)) for f in ("main_data.hdf5", "metadata.json")
+    ):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
         return gr.MinariDataSource(path)
