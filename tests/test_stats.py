@@ -394,3 +394,22 @@ def test_cache_keeps_the_quantiles_taken(tmp_path: Any, monkeypatch: pytest.Monk
     assert taken and all(t == [0.5] for t in taken)  # only the new one is taken
     x = _flat(_tree(400))["action"].astype(np.float64)
     assert float(more["action"]["q50"]) == np.quantile(x, 0.5)
+
+
+def test_stats_normalize_the_batches_of_the_loader_on_devices(tmp_path: Any) -> None:
+    import jax
+
+    rng = np.random.default_rng(4)
+    obs = (rng.standard_normal((4096, 3)) * [1.0, 10.0, 0.1] + [5.0, -3.0, 100.0]).astype(
+        np.float32
+    )
+    src = gr.open_source(gr.write(str(tmp_path / "s.h5"), {"obs": obs}))
+    s = gr.compute_stats(src)["obs"]
+    loader = gr.make_data_loader(src, batch_size=512, seed=1, worker_count=0)
+    with gr.sharded_device_put(loader) as batches:
+        seen = [np.asarray(jax.device_get((b["obs"] - s["mean"]) / s["std"])) for b in batches]
+    z = np.concatenate(seen)
+    assert z.shape == (4096, 3)
+    # On the devices the arithmetic is float32: 100 +- 0.1 normalizes to within ~1e-4.
+    np.testing.assert_allclose(z.mean(0), 0.0, atol=2e-4)
+    np.testing.assert_allclose(z.std(0), 1.0, atol=2e-4)
