@@ -20,6 +20,7 @@ __all__ = [
     "LeafState",
     "StoreState",
     "compute_stats",
+    "iter_json",
     "quantile_error",
     "quantile_name",
     "stats_cache_path",
@@ -43,7 +44,6 @@ _AXIS_REDUCE = 64
 # Threads that reduce a block, and the fewest rows worth a thread.
 _MAX_THREADS = 8
 _MIN_THREAD_ROWS = 4096
-_KINDS = "biuf"
 
 
 def quantile_name(q: float) -> str:
@@ -198,6 +198,9 @@ class _Moments:
 
     def update(self, x: np.ndarray) -> None:
         """Adds the rows of ``x`` (``(b, E)``), in steps that fit the cache."""
+        if x.shape[1] == 0:  # a leaf of zero values per record: only rows to count
+            self.count += len(x)
+            return
         step = len(self._d)
         for a in range(0, len(x), step):
             self._add(*self._reduce(x[a : a + step]))

@@ -413,3 +413,10 @@ def test_stats_normalize_the_batches_of_the_loader_on_devices(tmp_path: Any) -> 
     # On the devices the arithmetic is float32: 100 +- 0.1 normalizes to within ~1e-4.
     np.testing.assert_allclose(z.mean(0), 0.0, atol=2e-4)
     np.testing.assert_allclose(z.std(0), 1.0, atol=2e-4)
+
+
+def test_leaf_of_zero_values_per_record_counts_rows() -> None:
+    src = ArraySource({"e": np.zeros((5, 0), np.float32), "x": np.arange(5.0)})
+    s = gr.compute_stats(src)
+    assert int(s["e"]["count"]) == 5 and s["e"]["mean"].shape == (0,)
+    assert s["e"]["q50"].shape == (0,) and float(s["x"]["q50"]) == 2.0

@@ -1,4 +1,4 @@
-"""Minari HDF5 datasets (one ``episode_k`` group per episode) as flat transition sources."""
+"""Minari datasets (HDF5 ``episode_k`` groups, or Arrow files per episode) as transition sources."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def _image_spaces(spaces: dict[str, Any], tuple_item: str) -> dict[str, tuple[in
 
 
 class MinariDataSource(ReplaySource):
-    """A Minari dataset (HDF5 format) as a random-access source of flat transitions.
+    """A Minari dataset (HDF5 or Arrow format) as a random-access source of flat transitions.
 
     Reads Minari's files in place, without conversion. Record ``i`` is step
     ``t`` of episode ``e`` (episodes in numeric order, ``episode_10`` after
@@ -177,13 +177,23 @@ class MinariDataSource(ReplaySource):
     are added as ``infos/...``: the info returned by the step (Minari's info
     row ``t + 1``).
 
-    A batch's steps are grouped by episode; each episode's dataset is read
-    whole with one h5py call (cached, bounded by ``cache_bytes``) or, when it
-    is large, only the needed rows. One h5py file handle per process.
+    Image spaces (uint8 ``Box`` frames of at least 32x32 in 0..255), which
+    ``minari.DataCollector`` JPEG-encodes by default, are decoded with Pillow
+    (Minari's own decoder: bit-identical frames) in the process that reads the
+    batch, once per distinct frame of a batch.
+
+    HDF5: a batch's steps are grouped by episode; each episode's dataset is
+    read whole with one h5py call (cached, bounded by ``cache_bytes``) or, when
+    it is large, only the needed rows. One h5py file handle per process.
+    Arrow (``data_format="arrow"``: ``data/<episode>/part-0.arrow``): every
+    episode file is memory-mapped when the handle opens (no descriptor kept);
+    numeric columns are numpy views of the maps, gathered with one numpy call
+    per leaf and episode touched.
 
     Args:
-      path: the dataset folder (holding ``data/main_data.hdf5``), its ``data``
-        folder, or the ``main_data.hdf5`` file.
+      path: the dataset folder (holding ``data/main_data.hdf5`` or an Arrow
+        dataset's ``data/metadata.json``), its ``data`` folder, or the
+        ``main_data.hdf5`` file.
       keys: leaves (or groups) to read; default all.
       infos: add the recorded infos.
       cache_bytes: bound of the per-process cache of decoded episode data.
@@ -193,8 +203,11 @@ class MinariDataSource(ReplaySource):
 
     Raises:
       StoreNotFoundError: no Minari dataset at ``path``.
-      InvalidStoreError: not HDF5, no episodes, JPEG-encoded image spaces,
-        string leaves, or inconsistent episodes; each message names the fix.
+      InvalidStoreError: not a Minari dataset, no episodes, Minari's parquet
+        format, string leaves, undecodable frames, or inconsistent episodes;
+        each message names the fix.
+      MissingDependencyError: pyarrow (Arrow format) or Pillow (JPEG frames)
+        is not installed.
 
     Example:
       >>> src = gr.MinariDataSource("~/.minari/datasets/mujoco/hopper/expert-v0")
