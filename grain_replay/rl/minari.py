@@ -187,8 +187,9 @@ class MinariDataSource(ReplaySource):
     it is large, only the needed rows. One h5py file handle per process.
     Arrow (``data_format="arrow"``: ``data/<episode>/part-0.arrow``): every
     episode file is memory-mapped when the handle opens (no descriptor kept);
-    numeric columns are numpy views of the maps, gathered with one numpy call
-    per leaf and episode touched.
+    numeric leaves are laid end to end in memory on first use while they fit
+    ``cache_bytes`` together (a batch is then one numpy gather per leaf), else
+    gathered from numpy views of the maps with one call per episode touched.
 
     Args:
       path: the dataset folder (holding ``data/main_data.hdf5`` or an Arrow
@@ -232,7 +233,7 @@ class MinariDataSource(ReplaySource):
 
             return ArrowEpisodeHandle(
                 self._path, len(self), self._num_episodes, self._layout, self._offsets,
-                self._columns, self._jpeg,
+                self._columns, self._jpeg, int(self._cache_bytes),
             )  # fmt: skip
         return EpisodeFileHandle(
             self._path, len(self), self._num_episodes, self._layout, self._offsets,

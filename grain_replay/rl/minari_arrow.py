@@ -200,6 +200,12 @@ class _ArrowLeafReader(LeafReader):
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         h = self._h
+        dense = h.dense(self._key)
+        if dense is not None:
+            # Step i of episode e is row i + e of the episodes' rows laid end to end
+            # (each earlier episode has one row more than steps).
+            episode = np.searchsorted(h.ends, indices, side="right")
+            return np.take(dense, indices + episode + self._offset, axis=0)
         out = np.empty((len(indices), *self._spec.shape), dtype=self._spec.dtype)
         for ep, sel, local in h.by_episode(indices, self._offset):
             out[sel] = np.take(h.column(self._key, ep), local, axis=0)
@@ -242,6 +248,7 @@ class ArrowEpisodeHandle(Handle):
         offsets: dict[str, int],
         columns: dict[str, tuple[str, ...]],
         jpeg: Sequence[str],
+        dense_bytes: int = 0,
     ):
         self.path = data_dir
         self.files = episode_files(data_dir)
@@ -258,6 +265,9 @@ class ArrowEpisodeHandle(Handle):
         self.starts = self.ends - lengths
         self._columns = columns
         self._spec = layout.spec
+        # Numeric leaves laid end to end in memory while they fit dense_bytes together.
+        self._dense: dict[str, np.ndarray | None] = {}
+        self._dense_left = int(dense_bytes)
         self._arrays: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
         self.episodes: Any = None
@@ -322,6 +332,29 @@ class ArrowEpisodeHandle(Handle):
             self._arrays[(key, ep)] = got
             return got
 
+    def dense(self, key: str) -> np.ndarray | None:
+        """Leaf ``key``'s rows of every episode in one array (a batch is then one gather), or
+        None when it does not fit what is left of ``dense_bytes``."""
+        if key in self._dense:
+            return self._dense[key]
+        spec = self._spec[key]
+        rows = int(self.ends[-1]) + len(self.ends) if len(self.ends) else 0
+        nbytes = rows * spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+        got = None
+        if nbytes <= self._dense_left:
+            parts = [self.column(key, ep) for ep in range(len(self.ends))]
+            with self._lock:
+                if key not in self._dense:
+                    self._dense_left -= nbytes
+                    self._dense[key] = np.concatenate(parts) if parts else None
+                    # The per-episode arrays are not needed any more.
+                    for ep in range(len(self.ends)):
+                        self._arrays.pop((key, ep), None)
+                got = self._dense[key]
+        else:
+            self._dense[key] = None
+        return got
+
     def last_terminations(self) -> np.ndarray:
         """Per episode, whether its last step terminated."""
         out = np.zeros(len(self.ends), dtype=bool)
@@ -334,5 +367,6 @@ class ArrowEpisodeHandle(Handle):
 
     def close(self) -> None:
         self.readers = {}
+        self._dense = {}
         self._arrays = {}
         self._tables = {}

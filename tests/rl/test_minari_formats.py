@@ -234,6 +234,17 @@ class TestArrowCartPole(SourceContract):
         col = h.column("observations", 0)
         assert not col.flags.owndata  # a view of the Arrow buffer, not a copy
 
+    def test_batches_are_one_gather_per_leaf_or_per_episode_beyond_the_cache(
+        self, cartpole_arrow: str, expect: Any
+    ) -> None:
+        idx = np.random.default_rng(2).integers(0, 100, 64)
+        for cache_bytes, dense in ((1 << 20, True), (0, False)):
+            src = MinariDataSource(cartpole_arrow, cache_bytes=cache_bytes)
+            got = src.read_flat(idx)
+            for k, v in expect(idx).items():
+                np.testing.assert_array_equal(got[k], v, err_msg=f"{k} {cache_bytes}")
+            assert (src._handle.dense("observations") is not None) == dense
+
     def test_loader_and_sharded_device_put_deliver_every_transition(
         self, src: MinariDataSource, expect: Any
     ) -> None:
