@@ -7,6 +7,7 @@ from typing import Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidStoreError,
     InvalidTreeError,
@@ -82,6 +83,7 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "CheckpointMismatchError",
     "RetryOptions",
 ]
 
@@ -89,7 +91,7 @@ _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
-    "RetryOptions": "grain_replay.sources.remote",
+    "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     "compute_stats": "grain_replay.stats",
     **{

@@ -14,6 +14,7 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "CheckpointMismatchError",
 ]
 
 
@@ -63,3 +64,7 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""

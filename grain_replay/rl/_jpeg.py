@@ -10,7 +10,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError, MissingDependencyError
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import LeafReader
+from grain_replay.sources.reading.readers import LeafReader
 
 __all__ = ["JpegLeafReader", "decode_jpegs", "pack_blobs", "pil_image"]
 

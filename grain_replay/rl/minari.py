@@ -17,9 +17,10 @@ from grain_replay.layout import LeafSpec
 from grain_replay.rl._episode_read import EpisodeFileHandle, episode_names
 from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.minari_arrow import ArrowEpisodeHandle
-from grain_replay.sources.base import Handle, Layout, ReplaySource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.hdf5.source import HDF5_SIGNATURE
+from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES
+from grain_replay.sources.reading.readers import Handle
 
 __all__ = ["MinariDataSource"]
 

@@ -13,7 +13,8 @@ import numpy as np
 from grain_replay.errors import InvalidStoreError, MissingDependencyError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._jpeg import decode_jpegs
-from grain_replay.sources.base import Handle, Layout, LeafReader
+from grain_replay.sources.base import Layout
+from grain_replay.sources.reading.readers import Handle, LeafReader
 
 __all__ = ["ArrowEpisodeHandle", "arrow_layout", "episode_files"]
 
