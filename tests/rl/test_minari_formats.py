@@ -362,3 +362,13 @@ def test_arrow_episode_added_after_pickling_raises_changed(
     with pytest.raises(gr.InvalidStoreError, match="changed since the source was made"):
         pickle.loads(blob)[0]
     assert len(MinariDataSource(copy)) > len(pickle.loads(blob))
+
+
+def test_stats_of_a_jpeg_arrow_dataset_match_numpy_on_minari_frames(images_arrow: str) -> None:
+    src = MinariDataSource(images_arrow)
+    stats = gr.compute_stats(src, keys=["observations/rgb", "rewards"], cache=False)
+    want = _expect_from_minari("images/arrow-v0")(np.arange(len(src)))
+    rgb = want["observations/rgb"].astype(np.float64)
+    np.testing.assert_allclose(stats["observations"]["rgb"]["mean"], rgb.mean(0), rtol=1e-12)
+    np.testing.assert_array_equal(stats["observations"]["rgb"]["q99"], np.quantile(rgb, 0.99, 0))
+    assert float(stats["rewards"]["max"]) == want["rewards"].max()
