@@ -383,10 +383,10 @@ def _quantiles(
     step = max(1, _QUANTILE_VALUES // k)
 
     def columns(a: int) -> None:
-        # Columns made contiguous rows: numpy partitions each along its last axis (2x faster).
+        # Columns made contiguous rows, each sorted along the last axis.
         cols = np.ascontiguousarray(sample[:, a : a + step].T, dtype=np.float64)
         if row_weights is None:
-            out[:, a : a + step] = np.quantile(cols, list(quantiles), axis=1)
+            out[:, a : a + step] = _linear_quantiles(cols, quantiles)
         else:
             w = np.broadcast_to(row_weights, cols.shape)
             out[:, a : a + step] = np.quantile(
@@ -400,6 +400,28 @@ def _quantiles(
         with concurrent.futures.ThreadPoolExecutor(_threads()) as ex:
             list(ex.map(columns, starts))
     return out
+
+
+def _linear_quantiles(rows: np.ndarray, quantiles: Sequence[float]) -> np.ndarray:
+    """numpy's default (linear) quantiles along the last axis of ``rows`` (sorted in place),
+    bit for bit: numpy's virtual index ``(n - 1) q`` and its two-sided lerp.
+
+    ``np.quantile`` selects with ``np.partition``; a full ``np.sort`` (SIMD) of the
+    sample's columns is several times faster for the sample sizes used here.
+    """
+    rows.sort(axis=-1)
+    n = rows.shape[-1]
+    q = np.asarray(quantiles, dtype=np.float64)
+    virtual = (n - 1) * q
+    prev = np.floor(virtual)
+    above = virtual >= n - 1
+    lo = np.where(above, n - 1, prev).astype(np.intp)
+    hi = np.where(above, n - 1, prev + 1).astype(np.intp)
+    gamma = (virtual - np.where(above, -1.0, prev))[:, None]
+    a, b = rows[..., lo].T, rows[..., hi].T
+    diff = b - a
+    out = a + diff * gamma
+    return np.where(gamma >= 0.5, b - diff * (1 - gamma), out)
 
 
 def _result(

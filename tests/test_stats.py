@@ -420,3 +420,14 @@ def test_leaf_of_zero_values_per_record_counts_rows() -> None:
     s = gr.compute_stats(src)
     assert int(s["e"]["count"]) == 5 and s["e"]["mean"].shape == (0,)
     assert s["e"]["q50"].shape == (0,) and float(s["x"]["q50"]) == 2.0
+
+
+def test_sorted_quantiles_equal_numpy_bit_for_bit_for_every_small_size() -> None:
+    import grain_replay.stats as stats_mod
+
+    rng = np.random.default_rng(6)
+    qs = [0.0, 1e-9, 0.01, 0.1, 0.25, 1 / 3, 0.5, 0.75, 0.9, 0.99, 1 - 1e-12, 1.0]
+    for n in range(1, 40):
+        x = rng.integers(-3, 4, (n, 3)).astype(np.float64) + rng.random((n, 3)) * (n % 2)
+        got = stats_mod._quantiles(x, qs, None)
+        np.testing.assert_array_equal(got, np.quantile(x, qs, axis=0), err_msg=str(n))
