@@ -103,7 +103,9 @@ def arrow_layout(
     """
     pa = pyarrow()
     first = read_table(files[0])
-    lengths = np.array([_rows(f, first if i == 0 else None) - 1 for i, f in enumerate(files)])
+    # Every episode is mapped once (no copy) for its length.
+    rows = [first.num_rows] + [read_table(f).num_rows for f in files[1:]]
+    lengths = np.array(rows, dtype=np.int64) - 1
     spec: dict[str, LeafSpec] = {}
     offsets: dict[str, int] = {}
     columns: dict[str, tuple[str, ...]] = {}
@@ -123,10 +125,14 @@ def arrow_layout(
                 if b"shape" in meta:
                     dims = [int(d) for d in meta[b"shape"].split(b",") if d.strip()]
                     shapes[t.field(i).name] = {"shape": dims}
-            is_tuple = (isinstance(space, dict) and space.get("type") == "Tuple") or (
-                names and sorted(items, key=int) == [str(i) for i in range(len(items))]
-                if all(n.isdigit() for n in names) else False
-            )  # fmt: skip
+            numbered = all(n.isdigit() for n in names) and sorted(map(int, names)) == list(
+                range(len(names))
+            )
+            # Minari writes a Tuple space as a struct of fields "0", "1", ...
+            if isinstance(space, dict) and space.get("type"):
+                is_tuple = space["type"] == "Tuple"
+            else:
+                is_tuple = bool(names) and numbered
             if is_tuple:
                 names = [str(i) for i in range(len(items))]
             nodes = [
@@ -151,8 +157,8 @@ def arrow_layout(
         else:
             raise InvalidStoreError(
                 f"{data_dir}: leaf {key!r} is an Arrow column of type {t}, which grain_replay does "
-                "not read (strings, text spaces, variable-length lists). Fix: leave it out "
-                "(infos=False, or keys=[...] in a future version) or record a numeric space."
+                "not read (strings, text spaces, variable-length lists). Fix: for an info, read "
+                "with infos=False; else record the data as a numeric space."
             )
         offsets[key] = offset
         columns[key] = path
@@ -181,13 +187,6 @@ def arrow_layout(
 def _numeric(t: Any) -> bool:
     pa = pyarrow()
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-
-
-def _rows(files: Sequence[str], table: Any | None) -> int:
-    """Rows of an episode (steps + 1): read from the files' record batches."""
-    if table is None:
-        table = read_table(files)
-    return int(table.num_rows)
 
 
 class _ArrowLeafReader(LeafReader):

@@ -372,3 +372,36 @@ def test_stats_of_a_jpeg_arrow_dataset_match_numpy_on_minari_frames(images_arrow
     np.testing.assert_allclose(stats["observations"]["rgb"]["mean"], rgb.mean(0), rtol=1e-12)
     np.testing.assert_array_equal(stats["observations"]["rgb"]["q99"], np.quantile(rgb, 0.99, 0))
     assert float(stats["rewards"]["max"]) == want["rewards"].max()
+
+
+def _arrow_dataset(tmp_path: Any, infos: Any) -> str:
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    folder = tmp_path / "ds" / "data" / "0"
+    folder.mkdir(parents=True)
+    (tmp_path / "ds" / "data" / "metadata.json").write_text(json.dumps({"data_format": "arrow"}))
+    obs = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(8, dtype=np.float32)), 2)
+    table = pa.table(
+        {
+            "observations": obs, "actions": pa.array([0, 1, 0, 0]),
+            "rewards": pa.array([1.0, 2.0, 3.0, 0.0]),
+            "terminations": pa.array([False, False, True, False]),
+            "truncations": pa.array([False] * 4), "infos": infos,
+        }
+    )  # fmt: skip
+    with pa.ipc.new_file(str(folder / "part-0.arrow"), table.schema) as w:
+        w.write_table(table)
+    return str(tmp_path / "ds")
+
+
+def test_string_info_is_refused_naming_it_and_infos_false_reads(tmp_path: Any) -> None:
+    import pyarrow as pa
+
+    infos = pa.StructArray.from_arrays([pa.array(["a", "b", "c", "d"])], names=["msg"])
+    path = _arrow_dataset(tmp_path, infos)
+    with pytest.raises(gr.InvalidStoreError, match=r"'infos/msg'.*string.*infos=False"):
+        MinariDataSource(path, infos=True)
+    src = MinariDataSource(path)
+    np.testing.assert_array_equal(src.read_batch([2])["next_observations"], [[6.0, 7.0]])
+    assert src.episodes.terminated.tolist() == [True]
