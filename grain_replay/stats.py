@@ -627,6 +627,12 @@ def _compute_many(
             pooled = state if pooled is None else pooled.pool(state, [7, i])
         assert pooled is not None
         return tree_lib.unflatten(treedef, finalize(pooled, quantiles))
+    empty = [name for name, state in states.items() if state.count == 0 and weights[name] > 0]
+    if empty:
+        raise ValueError(
+            f"compute_stats: stores {empty} have no rows but a positive share in {dict(weights)}. "
+            "Fix: give them weight 0 or leave them out."
+        )
     return tree_lib.unflatten(
         treedef, mix(states, {k: float(v) for k, v in weights.items()}, quantiles)
     )

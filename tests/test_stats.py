@@ -230,6 +230,15 @@ def test_bad_weights_raise(tmp_path: Any, weights: Any, error: type, match: str)
         gr.compute_stats({"a": src, "b": src}, weights=weights)
 
 
+def test_empty_store_with_a_positive_share_is_refused(tmp_path: Any) -> None:
+    full = ArraySource({"x": np.arange(4.0)})
+    empty = ArraySource({"x": np.zeros(0)})
+    with pytest.raises(ValueError, match=r"\['e'\] have no rows"):
+        gr.compute_stats({"f": full, "e": empty}, weights={"f": 0.5, "e": 0.5})
+    s = gr.compute_stats({"f": full, "e": empty}, weights={"f": 1.0, "e": 0.0})
+    assert float(s["x"]["mean"]) == 1.5
+
+
 def test_bad_arguments_raise(tmp_path: Any) -> None:
     src = gr.open_source(gr.write(str(tmp_path / "a.h5"), {"x": np.zeros((4, 2))}))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
