@@ -145,9 +145,17 @@ class StoreState:
                 m2=m2,
                 lo=np.minimum(a.lo, b.lo),
                 hi=np.maximum(a.hi, b.hi),
-                sample=np.concatenate([a.sample[pick_a], b.sample[pick_b]]),
+                sample=_gather_pair(a.sample, pick_a, b.sample, pick_b),
             )
         return StoreState(n, self.spec, out, sample_rows)
+
+
+def _gather_pair(a: np.ndarray, pick_a: Any, b: np.ndarray, pick_b: Any) -> np.ndarray:
+    """``concatenate([a[pick_a], b[pick_b]])`` written into one new array (no temporaries)."""
+    out = np.empty((len(pick_a) + len(pick_b), *a.shape[1:]), dtype=a.dtype)
+    np.take(a, pick_a, axis=0, out=out[: len(pick_a)])
+    np.take(b, pick_b, axis=0, out=out[len(pick_a) :])
+    return out
 
 
 def _describe(spec: Mapping[str, LeafSpec]) -> str:
