@@ -40,7 +40,7 @@ DEFAULT_BLOCK_BYTES = 64 << 20
 # Values per step of the moment kernel: keeps its float64 scratch in the L2 cache.
 _KERNEL_VALUES = 1 << 16
 # Record sizes from which numpy's own axis-0 reductions are fast (measured).
-_AXIS_REDUCE = 64
+_AXIS_REDUCE = 256
 # Threads that reduce a block, and the fewest rows worth a thread.
 _MAX_THREADS = 8
 _MIN_THREAD_ROWS = 4096

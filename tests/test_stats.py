@@ -440,3 +440,14 @@ def test_sorted_quantiles_equal_numpy_bit_for_bit_for_every_small_size() -> None
         x = rng.integers(-3, 4, (n, 3)).astype(np.float64) + rng.random((n, 3)) * (n % 2)
         got = stats_mod._quantiles(x, qs, None)
         np.testing.assert_array_equal(got, np.quantile(x, qs, axis=0), err_msg=str(n))
+
+
+def test_every_kernel_path_matches_numpy() -> None:
+    # 1 value per record (1-D reductions), 100 (pairwise halving), 300 (numpy's axis-0).
+    rng = np.random.default_rng(8)
+    tree = {
+        "one": rng.standard_normal(3000).astype(np.float32),
+        "hundred": rng.integers(0, 50_000, (3000, 100)).astype(np.int32),
+        "wide": (rng.standard_normal((3000, 300)) + 7).astype(np.float32),
+    }
+    _assert_matches_numpy(gr.compute_stats(ArraySource(tree), block_bytes=300_000), tree)
