@@ -450,4 +450,5 @@ def test_every_kernel_path_matches_numpy() -> None:
         "hundred": rng.integers(0, 50_000, (3000, 100)).astype(np.int32),
         "wide": (rng.standard_normal((3000, 300)) + 7).astype(np.float32),
     }
-    _assert_matches_numpy(gr.compute_stats(ArraySource(tree), block_bytes=300_000), tree)
+    stats = gr.compute_stats(ArraySource(tree), quantiles=QS, block_bytes=300_000)
+    _assert_matches_numpy(stats, tree)
