@@ -46,7 +46,7 @@ def _tree(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 def _write_gzip(path: str, tree: dict[str, np.ndarray]) -> str:
     with h5py.File(path, "w") as f:
         for k, a in tree.items():
-            rows = max(1, (64 << 10) // max(1, a[0].nbytes))
+            rows = min(len(a), max(1, (64 << 10) // max(1, a[0].nbytes)))
             f.create_dataset(k, data=a, chunks=(rows, *a.shape[1:]), compression="gzip")
     return path
 
