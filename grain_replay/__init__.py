@@ -9,16 +9,21 @@ from grain_replay.errors import (
     BatchShardingError,
     CheckpointMismatchError,
     GrainReplayError,
+    InvalidPrefetchError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    ReferenceRefusedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -30,7 +35,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -82,6 +86,10 @@ __all__ = [
     "StoreAccessError",
     "StoreUnreachableError",
     "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
 ]
 

@@ -15,6 +15,12 @@ __all__ = [
     "StoreAccessError",
     "StoreUnreachableError",
     "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "WriterBusyError",
+    "WorkerDiedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
 ]
 
 
@@ -68,3 +74,24 @@ class StoreUnreachableError(InvalidStoreError, ConnectionError):
 
 class CheckpointMismatchError(GrainReplayError, ValueError):
     """A loader state was saved by another stream, or cannot be resumed by this loader."""
+
+
+class ReferenceRefusedError(InvalidStoreError):
+    """A leaf refers outside its file (HDF5 external link, virtual dataset, external storage)
+    and ``allow_external`` is False; never worth a retry."""
+
+
+class WriterBusyError(GrainReplayError, BlockingIOError):
+    """Another ReplayWriter holds the store, or HDF5 refuses a second handle in this process."""
+
+
+class InvalidShardingError(GrainReplayError, TypeError):
+    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
+
+
+class InvalidPrefetchError(GrainReplayError, ValueError):
+    """``prefetch`` is not a non-negative integer."""
+
+
+class UnsupportedStateError(GrainReplayError, TypeError):
+    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
