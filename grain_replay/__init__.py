@@ -6,8 +6,10 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     GrainReplayError,
+    InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
@@ -67,6 +69,7 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -80,6 +83,8 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "RetryOptions",
 ]
 
@@ -99,6 +104,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "SequenceDataSource",
         )
     },
 }
