@@ -16,6 +16,7 @@ from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
+from grain_replay.sources import ReplaySource
 
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 
@@ -226,8 +227,13 @@ class SequenceDataSource(DerivedSource):
     it as ended.
 
     A batch of B anchors is read with one vectorized read per named leaf of
-    the step source: the union of the rows its offsets need (B x K positions,
-    deduplicated), then a gather in memory.
+    the step source, never one per offset or per anchor. A grain_replay source
+    is asked for the B x K rows at once: its readers fetch (and decode) each
+    distinct chunk or page once per batch and copy repeated rows, which
+    measured faster than reading the deduplicated rows and gathering them
+    again in memory. Any other source (read with ``read_batch``, whose rows
+    may cost work each) is asked for the union of the rows once, and the
+    batch is gathered from it in memory.
 
     Args:
       steps: the step source: any grain_replay source (HDF5, .npy, Zarr,
@@ -310,7 +316,18 @@ class SequenceDataSource(DerivedSource):
         self._pad = pad
         # In the step source's leaf order, which is also the output order.
         self._offsets = {k: np.asarray(steps_of[k], np.int64) for k in access.spec if k in steps_of}
-        every = np.concatenate(list(self._offsets.values()))
+        # The distinct offset lists side by side: one (B, K_all) plan per batch, and each leaf
+        # takes its columns (leaves with equal offsets share them).
+        distinct = list({off.tobytes(): off for off in self._offsets.values()}.values())
+        bounds = np.cumsum([0] + [len(off) for off in distinct])
+        columns = {
+            off.tobytes(): slice(int(a), int(b)) for off, a, b in zip(distinct, bounds, bounds[1:])
+        }
+        self._columns = {k: columns[off.tobytes()] for k, off in self._offsets.items()}
+        # A leaf whose columns are the whole plan, shared with no other leaf, owns its mask.
+        self._owns_mask = len(self._offsets) == 1
+        self._all_offsets = np.concatenate(distinct)
+        every = self._all_offsets
         # The anchor itself counts: records are steps of their episode.
         self._lo = min(int(every.min()), 0)
         self._hi = max(int(every.max()), 0)
@@ -320,6 +337,8 @@ class SequenceDataSource(DerivedSource):
             leaf = access.spec[key]
             spec[key] = LeafSpec(leaf.dtype, (len(off), *leaf.shape))
             spec[key + PAD_SUFFIX] = LeafSpec(np.dtype(bool), (len(off),))
+        # grain_replay sources read one leaf at chosen rows; others read every leaf per row.
+        self._per_leaf = isinstance(steps, ReplaySource)
         flags = EpisodeFlags(done_key, terminated_key, truncated_key)
         super().__init__(steps, flags=flags, episodes=episodes, cache=cache)
         self._set_structure(treedef, spec)
@@ -390,40 +409,45 @@ class SequenceDataSource(DerivedSource):
         return self._plan(self._check_indices(indices))
 
     def _plan(self, ids: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        rows, is_pad = self._plan_all(ids)
+        return {key: (rows[:, c], is_pad[:, c]) for key, c in self._columns.items()}
+
+    def _plan_all(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, is_pad)``, both ``(B, K_all)``, over the distinct offsets side by side."""
         index, spans = self._derived()
-        episode, t = spans.locate(ids)
-        first = index.starts[episode][:, None]
-        last = index.ends[episode][:, None] - 1
-        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        done: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        for key, off in self._offsets.items():
-            # Leaves with equal offsets share one row array (one read for LeafAccess' fallback).
-            tag = off.tobytes()
-            if tag not in done:
-                pos = t[:, None] + off
-                done[tag] = (np.minimum(np.maximum(pos, first), last), (pos < first) | (pos > last))
-            out[key] = done[tag]
-        return out
+        if spans.total == index.num_steps:  # every step is a record: record id == step id
+            episode, t = np.searchsorted(index.ends, ids, side="right"), ids
+        else:
+            episode, t = spans.locate(ids)
+        pos = t[:, None] + self._all_offsets
+        rows = np.maximum(pos, index.starts[episode][:, None])
+        np.minimum(rows, index.ends[episode][:, None] - 1, out=rows)
+        return rows, rows != pos
 
     def _read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        plan = self._plan(ids)
-        # One read per leaf of the union of its rows; the batch is gathered from it in memory.
-        unions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        requests: dict[str, np.ndarray] = {}
-        for key, (rows, _) in plan.items():
-            if id(rows) not in unions:
-                unions[id(rows)] = np.unique(rows.reshape(-1), return_inverse=True)
-            requests[key] = unions[id(rows)][0]
-        got = self._access.take(requests)
+        rows, is_pad = self._plan_all(ids)
+        columns = self._columns
+        if self._per_leaf:
+            # The B x K positions in one read per leaf: the readers fetch and decode each
+            # distinct chunk (or page) once per batch, and a repeated row costs them one copy,
+            # which is what a gather from a deduplicated read would cost on top of that read.
+            got = self._access.take({key: rows[:, c] for key, c in columns.items()})
+        else:
+            # A source read with read_batch may do work per row: read the union once, gather.
+            union, inverse = np.unique(rows.reshape(-1), return_inverse=True)
+            inverse = inverse.reshape(rows.shape)
+            read = self._access.take(dict.fromkeys(columns, union))
+            got = {key: np.take(read[key], inverse[:, c], axis=0) for key, c in columns.items()}
         out: dict[str, np.ndarray] = {}
-        for key, (rows, is_pad) in plan.items():
-            inverse = unions[id(rows)][1]
-            values = np.take(got[key], inverse.reshape(-1), axis=0)
-            values = values.reshape(rows.shape + values.shape[1:])
-            if self._pad == "zero" and is_pad.any():
-                values[is_pad] = 0
+        for key, c in columns.items():
+            mask = is_pad if self._owns_mask else is_pad[:, c].copy()
+            values = got[key]
+            if self._pad == "zero" and mask.any():
+                if not values.flags.writeable:
+                    values = values.copy()
+                values[mask] = 0
             out[key] = values
-            out[key + PAD_SUFFIX] = is_pad.copy()
+            out[key + PAD_SUFFIX] = mask
         return out
 
     # -- growing stores -------------------------------------------------------------

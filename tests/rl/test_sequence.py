@@ -206,8 +206,21 @@ def test_keys_not_named_are_not_read(tmp_path: Any) -> None:
     steps.read_leaf = counting  # type: ignore[method-assign]
     src.read_batch(np.arange(len(src)))
     assert sorted(k for k, _ in reads) == ["action", "obs/pixels"]  # one read per named leaf
-    # Each leaf reads the union of its rows once: every step, not B x K positions.
-    assert dict(reads) == {"action": sum(LENGTHS), "obs/pixels": sum(LENGTHS)}
+    # Each read asks for the B x K positions at once.
+    assert dict(reads) == {"action": 4 * len(src), "obs/pixels": 2 * len(src)}
+
+
+def test_compressed_store_decodes_each_chunk_once_per_batch(tmp_path: Any) -> None:
+    path = gr.write_hdf5(
+        str(tmp_path / "c.h5"), step_tree([40, 40]), compression="lzf", chunk_rows=4
+    )
+    view = SequenceDataSource(gr.HDF5DataSource(path), {"obs/pixels": [-3, -2, -1, 0]})
+    view.read_batch([0])  # builds the episode index
+    cache = view.source._handle.cache
+    misses, hits = cache.misses, cache.hits
+    # Rows 7..11, 8..11, 27..30, 47..50: chunks 1, 2, 6, 7, 11, 12 of the one leaf read.
+    view.read_batch([10, 11, 30, 50])
+    assert (cache.misses - misses, cache.hits - hits) == (6, 0)
 
 
 def test_fallback_source_reads_one_batch_for_all_leaves() -> None:
@@ -221,7 +234,9 @@ def test_fallback_source_reads_one_batch_for_all_leaves() -> None:
     src = SequenceDataSource(Counting(step_tree([5, 5])), {"step": [-1, 0], "action": [-1, 0]})
     calls.clear()
     src.read_batch(np.arange(10))
-    assert calls == [10]  # equal offsets share one row array: one read of the 10 rows
+    # The union of the rows (each step once, not 10 x 2 positions), read once for both
+    # leaves, whose equal offsets share it.
+    assert calls == [10]
 
 
 def test_delta_timestamps_use_fps_and_lerobot_rounding() -> None:
