@@ -9,7 +9,9 @@ Two cases, each over npy, HDF5, Zarr and zstd-compressed Zarr stores (page-cache
   in-memory ``np.take`` of the same rows from arrays holding the steps
   (target >= 0.7x).
 
-Both sides read the same anchors, from a pool of batches cycled through. Also
+Both sides read the same anchors, from a pool of batches cycled through; the
+repeats of the cases of a table are interleaved, so that load on a shared
+machine drifts over all of them alike. Also
 prints the bytes of the single-frame store against a store of pre-stacked
 observations. Run alone: ``python benchmarks/bench_sequences.py [--quick]``, or
 as the ``sequences`` section of ``benchmarks/run.py``.
@@ -17,8 +19,10 @@ as the ``sequences`` section of ``benchmarks/run.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,19 +103,43 @@ def _warm(path: str) -> None:
                 pass
 
 
-def _case(
-    cfg: Config, dataset: str, layout: str, method: str, kind: str, record_bytes: int,
-    step: Callable[[int], Any],
-) -> Case | None:  # fmt: skip
-    name = f"{SECTION}/{dataset}/{layout}/{method}"
-    if kind != "limit" and not cfg.wants(name):
-        return None
-    fmt = LAYOUTS[layout][0] if layout in LAYOUTS else "memory"
-    batches, times = time_steps(step, cfg)
-    return Case(
-        name, SECTION, dataset, fmt, layout, method, kind, cfg.batch_size, record_bytes,
-        batches, times,
-    )  # fmt: skip
+def _interleaved(
+    cfg: Config, dataset: str, cases: dict[str, tuple[str, str, int, Callable[[int], Any]]]
+) -> dict[str, Case]:
+    """Times several cases with their repeats interleaved, so load drift hits them alike.
+
+    ``cases``: layout (``"layout:tag"`` for a second case of a layout) ->
+    ``(method, kind, bytes per record, step)``. Each case
+    is warmed up and sized (batches per repeat from ``cfg.target_s``) on its
+    own; then every repeat runs each case once, in turn.
+    """
+    todo = {
+        key: spec
+        for key, spec in cases.items()
+        if spec[1] != "source" or cfg.wants(f"{SECTION}/{dataset}/{key}/{spec[0]}")
+    }
+    sizes = {}
+    step_no = 0
+    for layout, (_, _, _, step) in todo.items():
+        k, _ = time_steps(step, dataclasses.replace(cfg, repeats=1))
+        sizes[layout] = k
+    times: dict[str, list[float]] = {layout: [] for layout in todo}
+    for _ in range(cfg.repeats):
+        for layout, (_, _, _, step) in todo.items():
+            t0 = time.perf_counter()
+            for _ in range(sizes[layout]):
+                step(step_no)
+                step_no += 1
+            times[layout].append(time.perf_counter() - t0)
+    out = {}
+    for key, (method, kind, nbytes, _) in todo.items():
+        layout = key.split(":")[0]
+        fmt = LAYOUTS[layout][0] if layout in LAYOUTS else "memory"
+        out[key] = Case(
+            f"{SECTION}/{dataset}/{layout}/{method}", SECTION, dataset, fmt, layout, method,
+            kind, cfg.batch_size, nbytes, sizes[key], times[key],
+        )  # fmt: skip
+    return out
 
 
 def run_sequences(
@@ -144,23 +172,39 @@ def run_sequences(
         f"  frames store {single / 1e6:,.1f} MB vs pre-stacked {multi / 1e6:,.1f} MB "
         f"({multi / single:.2f}x)"
     )
-    limit = res.add(
-        _case(
-            cfg, "frames", "memory", "prestacked-gather", "limit", stack_bytes,
+    cases: dict[str, tuple[str, str, int, Callable[[int], Any]]] = {
+        "memory": (
+            "prestacked-gather", "limit", stack_bytes,
             lambda i: np.take(prestacked, frame_ids[i % POOL_BATCHES], axis=0),
-        )
-    )  # fmt: skip
+        ),
+    }  # fmt: skip
+    frame_rows = [view.sequence_steps(i)["frame"][0].reshape(-1) for i in frame_ids]
     for layout, path in paths.items():
         _warm(path)
-        view = SequenceDataSource(gr.open_source(path), {"frame": STACK})
-        case = res.add(
-            _case(
-                cfg, "frames", layout, "SequenceDataSource", "source", stack_bytes,
-                lambda i, v=view: v.read_batch(frame_ids[i % POOL_BATCHES]),
-            )
+        src = gr.open_source(path)
+        view = SequenceDataSource(src, {"frame": STACK})
+        cases[layout] = (
+            "SequenceDataSource", "source", stack_bytes,
+            lambda i, v=view: v.read_batch(frame_ids[i % POOL_BATCHES]),
         )  # fmt: skip
+        # The store's own read of the same B x 4 rows: what the view costs on top of it.
+        cases[f"{layout}:rows"] = (
+            "read_leaf-same-rows", "ceiling", stack_bytes,
+            lambda i, s=src: s.read_leaf("frame", frame_rows[i % POOL_BATCHES]),
+        )  # fmt: skip
+    timed = _interleaved(cfg, "frames", cases)
+    for case in timed.values():
+        res.add(case)
+    for layout in LAYOUTS:
         target = FRAME_TARGET if layout != "zarr-zstd" else None
-        res.ratio(f"4-frame stacks: {layout} / pre-stacked gather", case, limit, target, "frames")
+        res.ratio(
+            f"4-frame stacks: {layout} / pre-stacked gather",
+            timed.get(layout), timed["memory"], target, "frames",
+        )  # fmt: skip
+        res.ratio(
+            f"4-frame stacks: {layout} / the store's read of the same rows",
+            timed.get(layout), timed.get(f"{layout}:rows"), None, "frames vs store",
+        )  # fmt: skip
 
     # -- action chunks ------------------------------------------------------------------
     steps = robot_steps(n_steps, cfg.seed)
@@ -176,18 +220,35 @@ def run_sequences(
         plan = plans[i % POOL_BATCHES]
         return {k: np.take(memory[k], plan[k], axis=0) for k in plan}
 
-    limit = res.add(_case(cfg, "robot", "memory", "gather-same-rows", "limit", chunk_bytes, gather))
+    cases = {"memory": ("gather-same-rows", "limit", chunk_bytes, gather)}
+    flat_plans = [{k: r.reshape(-1) for k, r in plan.items()} for plan in plans]
     for layout, path in paths.items():
         _warm(path)
-        view = SequenceDataSource(gr.open_source(path), offsets)
-        case = res.add(
-            _case(
-                cfg, "robot", layout, "SequenceDataSource", "source", chunk_bytes,
-                lambda i, v=view: v.read_batch(chunk_ids[i % POOL_BATCHES]),
-            )
+        src = gr.open_source(path)
+        view = SequenceDataSource(src, offsets)
+        cases[layout] = (
+            "SequenceDataSource", "source", chunk_bytes,
+            lambda i, v=view: v.read_batch(chunk_ids[i % POOL_BATCHES]),
         )  # fmt: skip
+        cases[f"{layout}:rows"] = (
+            "read_leaf-same-rows", "ceiling", chunk_bytes,
+            lambda i, s=src: {
+                k: s.read_leaf(k, r) for k, r in flat_plans[i % POOL_BATCHES].items()
+            },
+        )  # fmt: skip
+    timed = _interleaved(cfg, "robot", cases)
+    for case in timed.values():
+        res.add(case)
+    for layout in LAYOUTS:
         target = CHUNK_TARGET if layout != "zarr-zstd" else None
-        res.ratio(f"2 obs + 16 actions: {layout} / gather", case, limit, target, "chunks")
+        res.ratio(
+            f"2 obs + 16 actions: {layout} / gather",
+            timed.get(layout), timed["memory"], target, "chunks",
+        )  # fmt: skip
+        res.ratio(
+            f"2 obs + 16 actions: {layout} / the store's read of the same rows",
+            timed.get(layout), timed.get(f"{layout}:rows"), None, "chunks vs store",
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
