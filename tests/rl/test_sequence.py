@@ -17,6 +17,8 @@ from rl_fixtures import (
     check_grain_loader,
     flat,
     step_tree,
+    write_d4rl,
+    write_minari_file,
 )
 
 import grain_replay as gr
@@ -288,6 +290,30 @@ def test_nested_tuple_leaves_get_masks_beside_them() -> None:
     b = src.read_batch([0, 3])
     assert b["obs"]["1"].tolist() == [[0, 0], [20, 30]]
     assert b["obs"]["1_is_pad"].tolist() == [[True, False], [False, False]]
+
+
+def test_minari_steps_use_the_files_episodes(tmp_path: Any) -> None:
+    steps = gr.MinariDataSource(write_minari_file(str(tmp_path / "m.hdf5"), [3, 2]))
+    src = SequenceDataSource(steps, {"actions": [-1, 0, 1], "observations": [0]})
+    assert len(src) == 5
+    b = src.read_batch([0, 2, 3])
+    assert b["actions"].tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 1]]  # actions hold the episode
+    assert b["actions_is_pad"].tolist() == [[True, False, False], [False, False, True]] + [
+        [True, False, False]
+    ]
+    assert b["observations"][:, 0].tolist() == [0.0, 2.0, 0.0]
+
+
+def test_d4rl_transitions_as_steps_read_the_union_once(tmp_path: Any) -> None:
+    data = write_d4rl(str(tmp_path / "d.hdf5"), [4, 3], [True, False])
+    steps = gr.D4RLDataSource(str(tmp_path / "d.hdf5"), keys=["observations", "actions"])
+    src = SequenceDataSource(steps, {"observations": [-2, 0]}, pad="zero")
+    assert len(src) == len(steps) == 7
+    b = src.read_batch([0, 3, 5])
+    obs = data["observations"]
+    want = np.stack([[np.zeros(4), obs[0]], [obs[1], obs[3]], [np.zeros(4), obs[5]]])
+    np.testing.assert_array_equal(b["observations"], want.astype(np.float32))
+    assert "actions" not in b
 
 
 # -- growing stores --------------------------------------------------------------------------
