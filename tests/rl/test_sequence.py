@@ -298,9 +298,9 @@ def test_minari_steps_use_the_files_episodes(tmp_path: Any) -> None:
     assert len(src) == 5
     b = src.read_batch([0, 2, 3])
     assert b["actions"].tolist() == [[0, 0, 0], [0, 0, 0], [1, 1, 1]]  # actions hold the episode
-    assert b["actions_is_pad"].tolist() == [[True, False, False], [False, False, True]] + [
-        [True, False, False]
-    ]
+    assert b["actions_is_pad"].tolist() == [
+        [True, False, False], [False, False, True], [True, False, False],
+    ]  # fmt: skip
     assert b["observations"][:, 0].tolist() == [0.0, 2.0, 0.0]
 
 
