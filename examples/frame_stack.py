@@ -50,6 +50,8 @@ BALL = 8
 STACK = [-3, -2, -1, 0]
 # Frames are average-pooled by this factor before the MLP (84 / 4 = 21).
 POOL = 4
+# Training steps dispatched ahead of the host before it waits for one to finish.
+_MAX_IN_FLIGHT = 8
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -238,6 +240,9 @@ def train(args: argparse.Namespace, store: str) -> dict[str, Any]:
         for step, batch in zip(range(args.steps), batches):
             params, opt, loss = train_step(params, opt, batch)
             losses.append(loss)
+            if len(losses) > _MAX_IN_FLIGHT:
+                # Bound the steps dispatched ahead (XLA's CPU collectives can stall otherwise).
+                losses[-_MAX_IN_FLIGHT - 1].block_until_ready()
             if step == 0:  # compilation stays out of the rate
                 print(f"step {step:5d}  loss {float(loss):.4f}  (initial)", flush=True)
                 start = time.perf_counter()
