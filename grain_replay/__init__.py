@@ -8,6 +8,7 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
@@ -85,6 +86,7 @@ __all__ = [
     "StoreUnreachableError",
     "InvalidArgumentError",
     "ArgumentTypeError",
+    "CheckpointMismatchError",
     "RetryOptions",
 ]
 
@@ -92,7 +94,7 @@ _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
-    "RetryOptions": "grain_replay.sources.remote",
+    "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     **{
         name: "grain_replay.rl"
