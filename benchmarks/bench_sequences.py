@@ -35,7 +35,6 @@ if _HERE not in sys.path:
 from bench_common import (  # noqa: E402
     Case,
     Config,
-    Ratio,
     SectionResult,
     files_under,
     time_steps,
@@ -149,15 +148,6 @@ def _interleaved(
     return out
 
 
-def _best_ratio(res: SectionResult, name: str, num: Case | None, den: Case | None) -> None:
-    """``num / den`` from the fastest repeat of each: on a loaded machine, the repeat the
-    other processes disturbed least (the median ratios carry the targets)."""
-    if num is None or den is None:
-        return
-    value = (num.batches / min(num.repeat_s)) / (den.batches / min(den.repeat_s))
-    res.ratios.append(Ratio(f"{name} (best repeats)", num.name, den.name, value, None, "best"))
-
-
 def run_sequences(
     cfg: Config,
     stores: dict[str, Any],
@@ -215,7 +205,6 @@ def run_sequences(
         target = FRAME_TARGET if layout != "zarr-zstd" else None
         name = f"4-frame stacks: {layout} / pre-stacked gather"
         res.ratio(name, timed.get(layout), timed["memory"], target, "frames")
-        _best_ratio(res, name, timed.get(layout), timed["memory"])
         res.ratio(
             f"4-frame stacks: {layout} / the store's read of the same rows",
             timed.get(layout), timed.get(f"{layout}:rows"), None, "frames vs store",
@@ -258,7 +247,6 @@ def run_sequences(
         target = CHUNK_TARGET if layout != "zarr-zstd" else None
         name = f"2 obs + 16 actions: {layout} / gather"
         res.ratio(name, timed.get(layout), timed["memory"], target, "chunks")
-        _best_ratio(res, name, timed.get(layout), timed["memory"])
         res.ratio(
             f"2 obs + 16 actions: {layout} / the store's read of the same rows",
             timed.get(layout), timed.get(f"{layout}:rows"), None, "chunks vs store",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,6 +28,18 @@ from grain_replay.sources import ReplaySource
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 
 PAD_MODES = ("edge", "zero", "drop")
+
+
+class _Anchors(Spans):
+    """The records (anchor steps) per episode, with the episode bounds a batch clips to."""
+
+    def __init__(self, first: np.ndarray, count: np.ndarray, index: EpisodeIndex):
+        super().__init__(first, count)
+        self.ends = index.ends
+        self.starts = index.starts
+        self.lasts = index.ends - 1
+        # Every step anchors one record, in order: a record id is its step id.
+        self.every_step = self.total == index.num_steps
 
 
 class SequenceDataSource(DerivedSource):
@@ -222,12 +234,14 @@ class SequenceDataSource(DerivedSource):
         lengths = index.lengths
         if self._pad == "drop":
             # Anchors t with start <= t + lo and t + hi < end.
-            return Spans(index.starts - self._lo, np.maximum(lengths - (self._hi - self._lo), 0))
-        count = lengths.copy()
-        if index.open_last and count.size:
-            # The unfinished episode: no anchor reaches past the committed rows.
-            count[-1] = max(int(count[-1]) - self._hi, 0)
-        return Spans(index.starts, count)
+            first = index.starts - self._lo
+            count = np.maximum(lengths - (self._hi - self._lo), 0)
+        else:
+            first, count = index.starts, lengths.copy()
+            if index.open_last and count.size:
+                # The unfinished episode: no anchor reaches past the committed rows.
+                count[-1] = max(int(count[-1]) - self._hi, 0)
+        return _Anchors(first, count, index)
 
     def anchor_steps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """The step id of each record's anchor (negative indices count from the end)."""
@@ -258,14 +272,14 @@ class SequenceDataSource(DerivedSource):
 
     def _plan_all(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, is_pad)``, both ``(B, K_all)``, over the distinct offsets side by side."""
-        index, spans = self._derived()
-        if spans.total == index.num_steps:  # every step is a record: record id == step id
-            episode, t = np.searchsorted(index.ends, ids, side="right"), ids
+        spans = cast(_Anchors, self._derived()[1])
+        if spans.every_step:  # record id == step id
+            episode, t = np.searchsorted(spans.ends, ids, side="right"), ids
         else:
             episode, t = spans.locate(ids)
         pos = t[:, None] + self._all_offsets
-        rows = np.maximum(pos, index.starts[episode][:, None])
-        np.minimum(rows, index.ends[episode][:, None] - 1, out=rows)
+        rows = np.maximum(pos, spans.starts[episode][:, None])
+        np.minimum(rows, spans.lasts[episode][:, None], out=rows)
         return rows, rows != pos
 
     def _read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
