@@ -59,6 +59,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "zarr-zstd": ("zarr", {"compression": "zstd"}),
 }
 POOL_BATCHES = 64
+# Interleaved repeats per repeat of the configuration (see _interleaved).
+INTERLEAVE = 5
 
 
 def episode_flags(n: int, rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
@@ -115,9 +117,10 @@ def _interleaved(
     """Times several cases with their repeats interleaved, so load drift hits them alike.
 
     ``cases``: layout (``"layout:tag"`` for a second case of a layout) ->
-    ``(method, kind, bytes per record, step)``. Each case
-    is warmed up and sized (batches per repeat from ``cfg.target_s``) on its
-    own; then every repeat runs each case once, in turn.
+    ``(method, kind, bytes per record, step)``. Each case is warmed up and
+    sized on its own; then every repeat runs each case once, in turn. The
+    repeats are ``INTERLEAVE`` times more and shorter than ``cfg`` says (same
+    total time), so that a burst of load lands in few of them.
     """
     todo = {
         key: spec
@@ -126,11 +129,12 @@ def _interleaved(
     }
     sizes = {}
     step_no = 0
+    short = dataclasses.replace(cfg, repeats=1, target_s=cfg.target_s / INTERLEAVE)
     for layout, (_, _, _, step) in todo.items():
-        k, _ = time_steps(step, dataclasses.replace(cfg, repeats=1))
+        k, _ = time_steps(step, short)
         sizes[layout] = k
     times: dict[str, list[float]] = {layout: [] for layout in todo}
-    for _ in range(cfg.repeats):
+    for _ in range(cfg.repeats * INTERLEAVE):
         for layout, (_, _, _, step) in todo.items():
             t0 = time.perf_counter()
             for _ in range(sizes[layout]):
