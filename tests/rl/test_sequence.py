@@ -503,6 +503,32 @@ def test_records_match_the_per_step_reference(
     assert_flat_equal(flat(src.read_batch(ids)), want)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    open_last=st.booleans(),
+    pad=st.sampled_from(["edge", "zero", "drop"]),
+    offsets=st.dictionaries(
+        st.sampled_from(["step", "obs/vec", "obs/pixels", "reward"]), offset_lists, min_size=1
+    ),
+)
+def test_store_records_match_the_per_step_reference(
+    tmp_path_factory: Any,
+    lengths: list[int],
+    open_last: bool,
+    pad: str,
+    offsets: dict[str, list[int]],
+) -> None:
+    # Through a grain_replay source: one read_leaf of the B x K rows per leaf.
+    tree = step_tree(lengths, [i % 3 == 0 for i in range(len(lengths))], open_last=open_last)
+    path = gr.write_npy(str(tmp_path_factory.mktemp("seq") / "s"), tree)
+    src = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    expect, n = ref_expect(tree, lengths, offsets, pad, open_last)
+    assert len(src) == n
+    ids = np.concatenate([np.arange(n), np.arange(n)[::-2]]).astype(np.int64)
+    assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.integers(1, 6), min_size=1, max_size=6),
