@@ -326,7 +326,9 @@ class SequenceDataSource(DerivedSource):
         Calls the step source's ``refresh()`` (when it has one), rebuilds the
         episode index and the records. Records already seen keep their index
         and content; new ones follow them (see the class docs on unfinished
-        episodes).
+        episodes). A loader made before keeps sampling the records it was
+        made with (its workers hold a copy of this view): make a new one to
+        sample the new records.
 
         Args:
           episodes: the new :class:`EpisodeIndex` of the steps; needed when
