@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--store", help="replay store of single frames; recorded there if missing")
     p.add_argument("--format", choices=sorted(_SUFFIX), default="npy")
-    p.add_argument("--episodes", type=int, default=200, help="episodes to record")
+    p.add_argument("--episodes", type=int, default=100, help="episodes to record")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--batch-size", type=int, default=256, help="global batch size")
     p.add_argument("--workers", type=int, default=0, help="grain worker processes")
