@@ -6,9 +6,11 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
     GrainReplayError,
+    InvalidArgumentError,
     InvalidPrefetchError,
     InvalidShardingError,
     InvalidStoreError,
@@ -72,6 +74,7 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -85,6 +88,8 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "CheckpointMismatchError",
     "ReferenceRefusedError",
     "InvalidShardingError",
@@ -109,6 +114,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "SequenceDataSource",
         )
     },
 }
