@@ -67,6 +67,7 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -99,6 +100,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
         )
     },
 }
