@@ -203,3 +203,57 @@ def decode_all(path: str) -> list[tuple[float, np.ndarray]]:
     with av.open(path) as c:
         s = c.streams.video[0]
         return [(float(fr.pts * s.time_base), fr.to_ndarray(format="rgb24")) for fr in c.decode(s)]
+
+
+def rewrite_as_v21(root: str) -> None:
+    """Turns a v3.0 fixture (one data/video file) into LeRobot's v2.1 layout, in place.
+
+    v2.1: ``data/chunk-000/episode_NNNNNN.parquet`` and
+    ``videos/chunk-000/<camera>/episode_NNNNNN.mp4`` per episode,
+    ``meta/episodes.jsonl`` and ``meta/tasks.jsonl``.
+    """
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    with open(os.path.join(root, "meta/info.json")) as fh:
+        info = json.load(fh)
+    fps = info["fps"]
+    table = pq.read_table(os.path.join(root, DATA_PATH.format(chunk_index=0, file_index=0)))
+    episodes = pq.read_table(os.path.join(root, "meta/episodes/chunk-000/file-000.parquet"))
+    ep = episodes.to_pydict()
+    cams = [k for k, v in info["features"].items() if v["dtype"] == "video"]
+    videos = {
+        cam: decode_all(
+            os.path.join(root, VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=0))
+        )
+        for cam in cams
+    }
+    shutil.rmtree(os.path.join(root, "data"))
+    shutil.rmtree(os.path.join(root, "meta/episodes"))
+    os.remove(os.path.join(root, "meta/tasks.parquet"))
+    if cams:
+        shutil.rmtree(os.path.join(root, "videos"))
+    data_path = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+    video_path = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+    with open(os.path.join(root, "meta/episodes.jsonl"), "w") as fh:
+        for e, lo, hi in zip(ep["episode_index"], ep["dataset_from_index"], ep["dataset_to_index"]):
+            path = os.path.join(root, data_path.format(episode_chunk=0, episode_index=e))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            pq.write_table(table.slice(lo, hi - lo), path)
+            for cam in cams:
+                frames = [img for _, img in videos[cam][lo:hi]]
+                encode_video(
+                    os.path.join(
+                        root, video_path.format(episode_chunk=0, video_key=cam, episode_index=e)
+                    ),
+                    frames,
+                    fps,
+                )
+            fh.write(json.dumps({"episode_index": e, "tasks": [], "length": hi - lo}) + "\n")
+    with open(os.path.join(root, "meta/tasks.jsonl"), "w") as fh:
+        for i, task in enumerate(TASKS):
+            fh.write(json.dumps({"task_index": i, "task": task}) + "\n")
+    info.update(codebase_version="v2.1", data_path=data_path, video_path=video_path if cams else None)
+    with open(os.path.join(root, "meta/info.json"), "w") as fh:
+        json.dump(info, fh, indent=2)

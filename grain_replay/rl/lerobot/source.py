@@ -213,7 +213,7 @@ class LeRobotDataSource(ReplaySource):
         return Layout(meta.num_frames, spec, treedef, {k: k for k in spec})
 
     def _inspect_sequences(self, delta: dict[str, list[float]]) -> Layout:
-        from grain_replay.rl.sequence import SequenceDataSource
+        from grain_replay.rl.sequence import PAD_SUFFIX, SequenceDataSource
 
         frames = LeRobotDataSource(
             self._path, keys=self._requested_keys, tolerance_s=self._tolerance_s,
@@ -222,11 +222,24 @@ class LeRobotDataSource(ReplaySource):
         self._check_delta(delta, frames)
         self._meta = frames._meta
         self._frames = frames
+        fps = frames.fps
+        # Whole frames in seconds (LeRobot's round(dt * fps)), so that the view's own
+        # 0.1 ms check agrees with this source's tolerance_s.
+        exact = {k: [round(d * fps) / fps for d in v] for k, v in delta.items()}
         self._seq = SequenceDataSource(
-            frames, delta_timestamps=delta, fps=frames.fps, pad="edge", episodes=frames.episodes
+            frames, delta_timestamps=exact, fps=fps, pad="edge", episodes=frames.episodes
         )
-        spec = dict(self._seq.spec)
-        return Layout(len(self._seq), spec, self._seq.treedef, {k: k for k in spec})
+        # LeRobot's record: every feature, the delta keys with a time axis and a mask.
+        seq_spec = self._seq.spec
+        spec: dict[str, LeafSpec] = {}
+        for key, leaf in frames.spec.items():
+            if key in delta:
+                spec[key] = seq_spec[key]
+                spec[key + PAD_SUFFIX] = seq_spec[key + PAD_SUFFIX]
+            else:
+                spec[key] = leaf
+        treedef = {"type": "dict", "keys": list(spec), "children": [{"type": "leaf"} for _ in spec]}
+        return Layout(len(frames), spec, treedef, {k: k for k in spec})
 
     def _check_delta(self, delta: Mapping[str, list[float]], frames: LeRobotDataSource) -> None:
         unknown = [k for k in delta if k not in frames.spec]
@@ -332,7 +345,8 @@ class LeRobotDataSource(ReplaySource):
     def __getitem__(self, index: int) -> Any:
         if self._seq is None:
             return super().__getitem__(index)
-        return self._seq[self._check_index(index)]
+        flat = self.read_flat([self._check_index(index)])
+        return self._build({k: v[0] for k, v in flat.items()})
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         if self._seq is None:
@@ -342,10 +356,13 @@ class LeRobotDataSource(ReplaySource):
         return self.read_flat(indices)[key]
 
     def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        if self._seq is None:
+        if self._seq is None or self._frames is None:
             return super().read_flat(indices)
-        leaves, _ = tree_lib.flatten(self._seq.read_batch(self._check_indices(indices)))
-        return {k: leaves[k] for k in self._keys}
+        idx = self._check_indices(indices)
+        # With edge padding every frame is an anchor, in frame order.
+        got, _ = tree_lib.flatten(self._seq.read_batch(idx))
+        frames = self._frames
+        return {k: got[k] if k in got else frames.read_leaf(k, idx) for k in self._keys}
 
     def close(self) -> None:
         super().close()

@@ -1,0 +1,351 @@
+"""LeRobotDataSource on small datasets written to LeRobot's published layout (pyarrow + PyAV)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("av")
+
+import grain  # noqa: E402
+
+import grain_replay as gr  # noqa: E402
+from grain_replay.errors import InvalidStoreError, StoreNotFoundError  # noqa: E402
+from grain_replay.rl.lerobot import FrameTimestampError  # noqa: E402
+from tests.helpers.lerobot_fixture import (  # noqa: E402
+    TASKS,
+    VIDEO_PATH,
+    decode_all,
+    frame_image,
+    rewrite_as_v21,
+    write_dataset,
+)
+
+CAM = "observation.images.top"
+CAM2 = "observation.images.wrist"
+LENGTHS = (5, 7, 4, 6)
+NUMERIC = [
+    "observation.state", "action", "next.reward", "timestamp", "frame_index", "episode_index",
+    "index", "task_index",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: Any) -> tuple[str, dict[str, Any]]:
+    """Two data files and two video files per camera (episodes 0-1 and 2-3)."""
+    root = str(tmp_path_factory.mktemp("lerobot") / "toy")
+    expected = write_dataset(
+        root, LENGTHS, cameras={CAM: (32, 48), CAM2: (16, 16)}, episodes_per_file=2
+    )
+    return root, expected
+
+
+def _copy(dataset: tuple[str, dict[str, Any]], tmp_path: Any) -> str:
+    root = str(tmp_path / "copy")
+    shutil.copytree(dataset[0], root)
+    return root
+
+
+def _reference_frames(root: str, cam: str) -> np.ndarray:
+    """Every frame of the camera by a plain sequential decode of each file, in frame order."""
+    out = []
+    for f in range(2):
+        out += [img for _, img in decode_all(os.path.join(root, VIDEO_PATH.format(
+            video_key=cam, chunk_index=0, file_index=f)))]  # fmt: skip
+    return np.stack(out)
+
+
+def _info(root: str) -> dict[str, Any]:
+    with open(os.path.join(root, "meta", "info.json")) as f:
+        return dict(json.load(f))
+
+
+def _write_info(root: str, info: dict[str, Any]) -> None:
+    with open(os.path.join(root, "meta", "info.json"), "w") as f:
+        json.dump(info, f)
+
+
+# -- values -------------------------------------------------------------------------
+
+
+def test_spec_is_lerobot_features_with_cameras_as_uint8_hwc(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0])
+    assert src.keys == [CAM, CAM2, *NUMERIC]
+    assert src.spec[CAM] == gr.LeafSpec(np.dtype(np.uint8), (32, 48, 3))
+    assert src.spec["observation.state"] == gr.LeafSpec(np.dtype(np.float32), (3,))
+    assert src.spec["next.reward"] == gr.LeafSpec(np.dtype(np.float32), ())
+    assert src.spec["task_index"] == gr.LeafSpec(np.dtype(np.int64), ())
+    assert len(src) == sum(LENGTHS)
+    assert src.fps == 10 and src.version == "v3.0"
+    assert isinstance(src, grain.sources.RandomAccessDataSource)
+
+
+def test_numeric_columns_match_written_values_with_duplicates_and_negatives(dataset: Any) -> None:
+    root, expected = dataset
+    src = gr.LeRobotDataSource(root, keys=NUMERIC)
+    n = len(src)
+    idx = np.array([3, 0, n - 1, 7, 7, -2, 12, 5])
+    batch = src.read_batch(idx)
+    for key in NUMERIC:
+        want = expected["columns"][key][idx]
+        assert batch[key].dtype == want.dtype, key
+        np.testing.assert_array_equal(batch[key], want, err_msg=key)
+    for i in (0, 6, n - 1, -1):
+        rec = src[i]
+        for key in NUMERIC:
+            np.testing.assert_array_equal(rec[key], expected["columns"][key][i])
+
+
+def test_row_group_blocks_give_the_same_values(dataset: Any) -> None:
+    root, expected = dataset
+    # A tiny cache cuts every data file into its row groups (one per episode).
+    src = gr.LeRobotDataSource(root, keys=NUMERIC, cache_bytes=64)
+    idx = np.arange(len(src))[::-1]
+    batch = src.read_batch(idx)
+    for key in NUMERIC:
+        np.testing.assert_array_equal(batch[key], expected["columns"][key][idx])
+    assert len(src._get_handle().readers["action"]._segments.parts) == len(LENGTHS)
+
+
+def test_camera_frames_are_the_decoded_video_frames_at_each_timestamp(dataset: Any) -> None:
+    root, expected = dataset
+    src = gr.LeRobotDataSource(root)
+    idx = np.array([9, 0, 21, 4, 5, 12, 12, 16, 11])
+    batch = src.read_batch(idx)
+    for cam in (CAM, CAM2):
+        ref = _reference_frames(root, cam)
+        np.testing.assert_array_equal(batch[cam], ref[idx])
+        # ... and they are the frames written there (lossy codec: near, not equal).
+        drift = np.abs(batch[cam].astype(int) - expected["images"][cam][idx].astype(int))
+        assert drift.max() <= 8, drift.max()
+        # Neighbouring frames differ by far more than the codec's error.
+        assert abs(int(frame_image(1, 1, 1)[0, 0, 0]) - int(frame_image(2, 1, 1)[0, 0, 0])) > 40
+
+
+def test_random_batches_equal_one_by_one_reads(dataset: Any) -> None:
+    root, _ = dataset
+    src = gr.LeRobotDataSource(root)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(src), 40)
+    batch = src.read_batch(idx)
+    one = gr.LeRobotDataSource(root)
+    for j, i in enumerate(idx):
+        rec = one[int(i)]
+        for k in src.keys:
+            np.testing.assert_array_equal(batch[k][j], rec[k])
+
+
+def test_frame_cache_serves_repeated_frames_without_decoding(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0], keys=[CAM])
+    first = src.read_batch([1, 2, 3])
+    cache = src._get_handle().frame_cache
+    misses = cache.misses
+    again = src.read_batch([3, 2, 1])
+    assert cache.misses == misses
+    np.testing.assert_array_equal(again[CAM], first[CAM][::-1])
+
+
+def test_tasks_stats_and_episodes(dataset: Any) -> None:
+    root, expected = dataset
+    src = gr.LeRobotDataSource(root)
+    assert src.tasks == TASKS
+    task_index = src.read_batch([0, 5])["task_index"]
+    assert [src.tasks[t] for t in task_index] == [TASKS[0], TASKS[1]]
+    stats = src.stats
+    np.testing.assert_allclose(
+        stats["action"]["mean"], expected["columns"]["action"].mean(0), rtol=1e-6
+    )
+    assert isinstance(stats["observation.state"]["std"], np.ndarray)
+    np.testing.assert_array_equal(src.episodes.lengths, LENGTHS)
+    assert not src.episodes.terminated.any()
+
+
+def test_keys_leave_cameras_undecoded(dataset: Any, tmp_path: Any) -> None:
+    root = _copy(dataset, tmp_path)
+    shutil.rmtree(os.path.join(root, "videos"))
+    src = gr.LeRobotDataSource(root, keys=["action", "timestamp"])
+    assert src.keys == ["action", "timestamp"]
+    assert src.read_batch([0, 1])["action"].shape == (2, 2)
+
+
+def test_v21_layout_reads_the_same(dataset: Any, tmp_path: Any) -> None:
+    root = str(tmp_path / "v21")
+    expected = write_dataset(root, (4, 3), cameras={CAM: (16, 16)})
+    rewrite_as_v21(root)
+    src = gr.LeRobotDataSource(root)
+    assert src.version == "v2.1"
+    batch = src.read_batch(np.arange(len(src)))
+    for key in NUMERIC:
+        np.testing.assert_array_equal(batch[key], expected["columns"][key], err_msg=key)
+    ref = [img for e in range(2) for _, img in decode_all(os.path.join(
+        root, f"videos/chunk-000/{CAM}/episode_{e:06d}.mp4"))]  # fmt: skip
+    np.testing.assert_array_equal(batch[CAM], np.stack(ref))
+    assert src.tasks == TASKS
+
+
+# -- the source contract ----------------------------------------------------------
+
+
+def test_pickle_is_small_and_carries_no_handle(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0])
+    src.read_batch([0, 9])
+    blob = pickle.dumps(src)
+    assert len(blob) < 20_000
+    clone = pickle.loads(blob)
+    assert clone._handle is None and repr(clone) == repr(src)
+    np.testing.assert_array_equal(clone.read_batch([9])[CAM], src.read_batch([9])[CAM])
+
+
+def test_close_and_reopen(dataset: Any) -> None:
+    with gr.LeRobotDataSource(dataset[0]) as src:
+        a = src.read_batch([3])
+    assert src._handle is None
+    np.testing.assert_array_equal(src.read_batch([3])[CAM], a[CAM])
+
+
+def test_loader_with_two_workers_and_device_put_equals_direct_reads(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0])
+    loader = gr.make_data_loader(src, batch_size=8, shuffle=True, seed=3, worker_count=2)
+    direct = gr.LeRobotDataSource(dataset[0])
+    seen = []
+    for batch in gr.sharded_device_put(iter(loader)):
+        idx = np.asarray(batch["index"])
+        want = direct.read_batch(idx)
+        for k in src.keys:
+            np.testing.assert_array_equal(np.asarray(batch[k]), want[k], err_msg=k)
+        seen.extend(idx.tolist())
+    assert len(seen) == (len(src) // 8) * 8 and len(set(seen)) == len(seen)
+
+
+# -- bad input ---------------------------------------------------------------------
+
+
+def test_missing_dataset_names_the_fix(tmp_path: Any) -> None:
+    with pytest.raises(StoreNotFoundError, match="meta/info.json"):
+        gr.LeRobotDataSource(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        gr.LeRobotDataSource(tmp_path / "nope")
+
+
+def test_unsupported_version_names_the_conversion_script(dataset: Any, tmp_path: Any) -> None:
+    root = _copy(dataset, tmp_path)
+    info = _info(root)
+    info["codebase_version"] = "v1.6"
+    _write_info(root, info)
+    with pytest.raises(InvalidStoreError, match=r"v1\.6.*convert_dataset_v21_to_v30"):
+        gr.LeRobotDataSource(root)
+
+
+def test_missing_video_names_file_camera_and_episode(dataset: Any, tmp_path: Any) -> None:
+    root = _copy(dataset, tmp_path)
+    gone = os.path.join(root, VIDEO_PATH.format(video_key=CAM2, chunk_index=0, file_index=1))
+    os.remove(gone)
+    src = gr.LeRobotDataSource(root)
+    src.read_batch([0, 1])  # file 0 is there
+    with pytest.raises(StoreNotFoundError) as e:
+        src.read_batch([0, 14])
+    assert gone in str(e.value) and CAM2 in str(e.value) and "episode 2" in str(e.value)
+
+
+def test_timestamp_without_frame_names_file_camera_and_episode(
+    dataset: Any, tmp_path: Any
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = _copy(dataset, tmp_path)
+    path = os.path.join(root, "meta/episodes/chunk-000/file-000.parquet")
+    table = pq.read_table(path)
+    col = f"videos/{CAM}/from_timestamp"
+    shifted = [t + (0.05 if e == 1 else 0.0) for e, t in enumerate(table[col].to_pylist())]
+    table = table.set_column(table.schema.get_field_index(col), col, pa.array(shifted))
+    pq.write_table(table, path)
+    src = gr.LeRobotDataSource(root)
+    src.read_batch([0, 4])  # episode 0 is fine
+    with pytest.raises(FrameTimestampError) as e:
+        src.read_batch([6])
+    msg = str(e.value)
+    assert CAM in msg and "episode 1" in msg and "file-000.mp4" in msg and "tolerance_s" in msg
+    assert isinstance(e.value, ValueError)
+    # A tolerance wider than the shift takes the nearest frame instead.
+    assert gr.LeRobotDataSource(root, tolerance_s=0.06).read_batch([6])[CAM].shape[0] == 1
+
+
+def test_codec_ffmpeg_lacks_is_named(dataset: Any, tmp_path: Any) -> None:
+    root = _copy(dataset, tmp_path)
+    path = os.path.join(root, VIDEO_PATH.format(video_key=CAM2, chunk_index=0, file_index=0))
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.count(b"avc1") >= 1
+    with open(path, "wb") as f:
+        f.write(data.replace(b"avc1", b"zq9x"))  # a sample entry no FFmpeg decoder knows
+    src = gr.LeRobotDataSource(root, keys=[CAM2])
+    with pytest.raises(InvalidStoreError) as e:
+        src.read_batch([0])
+    assert path in str(e.value) and CAM2 in str(e.value) and "episode 0" in str(e.value)
+
+
+def test_image_features_are_refused_unless_left_out(dataset: Any, tmp_path: Any) -> None:
+    root = _copy(dataset, tmp_path)
+    info = _info(root)
+    info["features"]["observation.images.png"] = {"dtype": "image", "shape": [8, 8, 3]}
+    _write_info(root, info)
+    with pytest.raises(InvalidStoreError, match="use_videos=True"):
+        gr.LeRobotDataSource(root)
+    assert gr.LeRobotDataSource(root, keys=["action"]).keys == ["action"]
+
+
+def test_episode_ranges_that_do_not_tile_the_frames_are_refused(
+    dataset: Any, tmp_path: Any
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = _copy(dataset, tmp_path)
+    path = os.path.join(root, "meta/episodes/chunk-000/file-000.parquet")
+    table = pq.read_table(path)
+    col = "dataset_to_index"
+    bad = [v - (1 if e == 3 else 0) for e, v in enumerate(table[col].to_pylist())]
+    pq.write_table(table.set_column(table.schema.get_field_index(col), col, pa.array(bad)), path)
+    with pytest.raises(InvalidStoreError, match="do not\\s+tile"):
+        gr.LeRobotDataSource(root)
+
+
+def test_bad_arguments(dataset: Any) -> None:
+    with pytest.raises(ValueError, match="tolerance_s"):
+        gr.LeRobotDataSource(dataset[0], tolerance_s=0)
+    with pytest.raises(ValueError, match="cache_bytes"):
+        gr.LeRobotDataSource(dataset[0], cache_bytes=-1)
+    with pytest.raises(InvalidStoreError, match="Leaves"):
+        gr.LeRobotDataSource(dataset[0], keys=["observation.nope"])
+
+
+# -- conversion ---------------------------------------------------------------------
+
+
+def test_cli_convert_writes_decoded_frames(dataset: Any, tmp_path: Any) -> None:
+    root, _ = dataset
+    dst = str(tmp_path / "toy.h5")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(
+        [sys.executable, "-m", "grain_replay.cli", "convert", root, dst, "--quiet",
+         "--block-bytes", "20000"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    src = gr.LeRobotDataSource(root)
+    got = gr.HDF5DataSource(dst)
+    assert len(got) == len(src) and set(got.keys) == set(src.keys)
+    want = src.read_batch(np.arange(len(src)))
+    have = got.read_batch(np.arange(len(src)))
+    for k in src.keys:
+        np.testing.assert_array_equal(have[k], want[k], err_msg=k)
