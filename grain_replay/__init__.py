@@ -6,8 +6,10 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     GrainReplayError,
+    InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
@@ -68,6 +70,7 @@ __all__ = [
     "MinariDataSource",
     "D4RLDataSource",
     "LeRobotDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -81,6 +84,8 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "RetryOptions",
 ]
 
@@ -101,6 +106,7 @@ _LAZY = {
             "MinariDataSource",
             "D4RLDataSource",
             "LeRobotDataSource",
+            "SequenceDataSource",
         )
     },
 }

@@ -14,6 +14,8 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
 ]
 
 
@@ -63,3 +65,11 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class InvalidArgumentError(GrainReplayError, ValueError):
+    """An argument's value is outside what the call accepts (an empty offset list, a bad mode)."""
+
+
+class ArgumentTypeError(GrainReplayError, TypeError):
+    """An argument has the wrong type (a float where offsets in steps are integers)."""

@@ -1,4 +1,4 @@
-"""RL views of replay stores: episodes, windows, n-step transitions, Minari, D4RL, LeRobot."""
+"""RL views: episodes, windows, sequences, n-step transitions, Minari, D4RL, LeRobot datasets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from grain_replay.rl.episodes import (
 )
 from grain_replay.rl.lerobot import LeRobotDataSource
 from grain_replay.rl.minari import MinariDataSource
+from grain_replay.rl.sequence import SequenceDataSource
 from grain_replay.rl.transitions import NStepDataSource, NStepOptions, TransitionDataSource
 from grain_replay.rl.windows import WindowDataSource, WindowOptions
 
@@ -21,6 +22,7 @@ __all__ = [
     "episode_cache_path",
     "WindowDataSource",
     "WindowOptions",
+    "SequenceDataSource",
     "NStepDataSource",
     "NStepOptions",
     "TransitionDataSource",
