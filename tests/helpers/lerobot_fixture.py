@@ -147,7 +147,9 @@ def write_dataset(
             eps = np.flatnonzero(file_of == f)
             first = int(starts[eps[0]])
             last = int(starts[eps[-1]] + lengths[eps[-1]])
-            path = os.path.join(root, VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=int(f)))
+            path = os.path.join(
+                root, VIDEO_PATH.format(video_key=cam, chunk_index=0, file_index=int(f))
+            )
             encode_video(path, list(imgs[first:last]), fps, codec)
             from_ts += [(int(starts[e]) - first) / fps for e in eps]
         episodes[f"videos/{cam}/chunk_index"] = [0] * len(lengths)
@@ -254,6 +256,8 @@ def rewrite_as_v21(root: str) -> None:
     with open(os.path.join(root, "meta/tasks.jsonl"), "w") as fh:
         for i, task in enumerate(TASKS):
             fh.write(json.dumps({"task_index": i, "task": task}) + "\n")
-    info.update(codebase_version="v2.1", data_path=data_path, video_path=video_path if cams else None)
+    info.update(
+        codebase_version="v2.1", data_path=data_path, video_path=video_path if cams else None
+    )
     with open(os.path.join(root, "meta/info.json"), "w") as fh:
         json.dump(info, fh, indent=2)

@@ -16,12 +16,12 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("av")
 
-import grain  # noqa: E402
+import grain
 
-import grain_replay as gr  # noqa: E402
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError  # noqa: E402
-from grain_replay.rl.lerobot import FrameTimestampError  # noqa: E402
-from tests.helpers.lerobot_fixture import (  # noqa: E402
+import grain_replay as gr
+from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.rl.lerobot import FrameTimestampError
+from tests.helpers.lerobot_fixture import (
     TASKS,
     VIDEO_PATH,
     decode_all,
@@ -192,6 +192,70 @@ def test_v21_layout_reads_the_same(dataset: Any, tmp_path: Any) -> None:
     assert src.tasks == TASKS
 
 
+# -- delta_timestamps ----------------------------------------------------------------
+
+DELTA = {"action": [-0.2, -0.1, 0.0, 0.1], CAM: [-0.1, 0.0, 0.3], "observation.state": [0.0, 0.5]}
+
+
+def _lerobot_rows(i: int, steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """LeRobot's _get_query_indices: rows clamped to the episode, and the padding mask."""
+    starts = np.r_[0, np.cumsum(LENGTHS)[:-1]]
+    e = int(np.searchsorted(np.cumsum(LENGTHS), i, side="right"))
+    lo, hi = starts[e], starts[e] + LENGTHS[e]
+    pos = np.array([i + k for k in steps])
+    return np.clip(pos, lo, hi - 1), (pos < lo) | (pos >= hi)
+
+
+def test_delta_timestamps_match_lerobot_getitem_semantics(dataset: Any) -> None:
+    root, expected = dataset
+    src = gr.LeRobotDataSource(root, delta_timestamps=DELTA)
+    assert src.spec["action"] == gr.LeafSpec(np.dtype(np.float32), (4, 2))
+    assert src.spec["action_is_pad"] == gr.LeafSpec(np.dtype(bool), (4,))
+    assert src.spec[CAM] == gr.LeafSpec(np.dtype(np.uint8), (3, 32, 48, 3))
+    assert src.spec[CAM2] == gr.LeafSpec(np.dtype(np.uint8), (16, 16, 3))  # not listed: a frame
+    assert len(src) == sum(LENGTHS)
+    frames = _reference_frames(root, CAM)
+    idx = np.array([0, 4, 5, 11, 12, 21, 3])
+    batch = src.read_batch(idx)
+    for j, i in enumerate(idx):
+        for key, seconds in DELTA.items():
+            rows, pad = _lerobot_rows(int(i), [round(d * 10) for d in seconds])
+            want = frames[rows] if key == CAM else expected["columns"][key][rows]
+            np.testing.assert_array_equal(batch[key][j], want, err_msg=f"{key} @ {i}")
+            np.testing.assert_array_equal(batch[key + "_is_pad"][j], pad)
+        np.testing.assert_array_equal(
+            batch["next.reward"][j], expected["columns"]["next.reward"][i]
+        )
+    rec = src[5]
+    for key in src.keys:
+        np.testing.assert_array_equal(rec[key], batch[key][2], err_msg=key)
+    assert src.frames.keys == [CAM, CAM2, *NUMERIC]
+
+
+def test_delta_timestamps_stream_through_workers(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0], delta_timestamps=DELTA)
+    blob = pickle.dumps(src)
+    assert len(blob) < 40_000 and repr(pickle.loads(blob)) == repr(src)
+    loader = gr.make_data_loader(src, batch_size=4, shuffle=True, seed=1, worker_count=2)
+    direct = gr.LeRobotDataSource(dataset[0], delta_timestamps=DELTA)
+    count = 0
+    for batch in loader:
+        want = direct.read_batch(batch["index"])
+        for k in src.keys:
+            np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
+        count += len(batch["index"])
+    assert count == (len(src) // 4) * 4
+
+
+def test_delta_timestamps_off_the_frame_grid_or_unknown_are_refused(dataset: Any) -> None:
+    with pytest.raises(ValueError, match=r"multiples of 1/10"):
+        gr.LeRobotDataSource(dataset[0], delta_timestamps={"action": [0.0, 0.05]})
+    with pytest.raises(ValueError, match=r"observation\.nope"):
+        gr.LeRobotDataSource(dataset[0], delta_timestamps={"observation.nope": [0.0]})
+    with pytest.raises(ValueError, match="not features read"):
+        gr.LeRobotDataSource(dataset[0], delta_timestamps={CAM: [0.0]}, keys=["action"])
+
+
 # -- the source contract ----------------------------------------------------------
 
 
@@ -230,7 +294,7 @@ def test_loader_with_two_workers_and_device_put_equals_direct_reads(dataset: Any
 
 
 def test_missing_dataset_names_the_fix(tmp_path: Any) -> None:
-    with pytest.raises(StoreNotFoundError, match="meta/info.json"):
+    with pytest.raises(StoreNotFoundError, match=r"meta/info\.json"):
         gr.LeRobotDataSource(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         gr.LeRobotDataSource(tmp_path / "nope")
@@ -256,9 +320,7 @@ def test_missing_video_names_file_camera_and_episode(dataset: Any, tmp_path: Any
     assert gone in str(e.value) and CAM2 in str(e.value) and "episode 2" in str(e.value)
 
 
-def test_timestamp_without_frame_names_file_camera_and_episode(
-    dataset: Any, tmp_path: Any
-) -> None:
+def test_timestamp_without_frame_names_file_camera_and_episode(dataset: Any, tmp_path: Any) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -316,7 +378,7 @@ def test_episode_ranges_that_do_not_tile_the_frames_are_refused(
     col = "dataset_to_index"
     bad = [v - (1 if e == 3 else 0) for e, v in enumerate(table[col].to_pylist())]
     pq.write_table(table.set_column(table.schema.get_field_index(col), col, pa.array(bad)), path)
-    with pytest.raises(InvalidStoreError, match="do not\\s+tile"):
+    with pytest.raises(InvalidStoreError, match=r"do not\s+tile"):
         gr.LeRobotDataSource(root)
 
 

@@ -37,8 +37,10 @@ def column_to_numpy(column: Any, shape: tuple[int, ...], dtype: np.dtype, where:
         arr = arr.storage
     values = arr
     depth = 0
-    while pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or (
-        pa.types.is_fixed_size_list(values.type)
+    while (
+        pa.types.is_list(values.type)
+        or pa.types.is_large_list(values.type)
+        or (pa.types.is_fixed_size_list(values.type))
     ):
         if values.null_count:
             break

@@ -15,7 +15,7 @@ from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
 from grain_replay.rl.lerobot.meta import IMAGE, STRING, VIDEO, LeRobotMeta, read_meta
 from grain_replay.rl.lerobot.video import VideoFiles, VideoReader
-from grain_replay.sources.base import Handle, LeafReader, Layout, ReplaySource
+from grain_replay.sources.base import Handle, Layout, LeafReader, ReplaySource
 from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache
 
 __all__ = ["LeRobotDataSource", "DEFAULT_TOLERANCE_S", "DEFAULT_FRAME_CACHE_BYTES"]

@@ -36,7 +36,7 @@ def import_av() -> Any:
 
 
 class _Frame:
-    __slots__ = ("time", "frame")
+    __slots__ = ("frame", "time")
 
     def __init__(self, time: float, frame: Any):
         self.time = time
