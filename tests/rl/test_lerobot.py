@@ -391,6 +391,31 @@ def test_bad_arguments(dataset: Any) -> None:
         gr.LeRobotDataSource(dataset[0], keys=["observation.nope"])
 
 
+# -- the README ----------------------------------------------------------------------
+
+
+def test_readme_example_runs_on_a_toy_dataset(dataset: Any) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"### LeRobot datasets\n\n```python\n(.*?)```", readme, re.S)
+    assert code is not None
+    snippet = code.group(1)
+    for old, new in [
+        ('"~/.cache/huggingface/lerobot/lerobot/pusht"', repr(dataset[0])),
+        ('"observation.image"', repr(CAM)),
+        ("batch_size=256", "batch_size=8"),
+    ]:
+        assert old in snippet, old
+        snippet = snippet.replace(old, new)
+    ns: dict[str, Any] = {"gr": gr}
+    exec(snippet, ns)
+    assert ns["frames"].shape == (8, 2, 32, 48, 3) and ns["frames"].dtype == np.uint8
+    assert ns["actions"].shape == (8, 16, 2) and ns["pad"].shape == (8, 16)
+    assert set(ns["task"]) <= set(TASKS)
+
+
 # -- conversion ---------------------------------------------------------------------
 
 
