@@ -8,6 +8,7 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
+    FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
@@ -80,6 +81,7 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",

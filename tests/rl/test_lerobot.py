@@ -19,8 +19,12 @@ pytest.importorskip("av")
 import grain
 
 import grain_replay as gr
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.rl.lerobot import FrameTimestampError
+from grain_replay.errors import (
+    FrameTimestampError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    StoreNotFoundError,
+)
 from tests.helpers.lerobot_fixture import (
     TASKS,
     VIDEO_PATH,
@@ -248,7 +252,7 @@ def test_delta_timestamps_stream_through_workers(dataset: Any) -> None:
 
 
 def test_delta_timestamps_off_the_frame_grid_or_unknown_are_refused(dataset: Any) -> None:
-    with pytest.raises(ValueError, match=r"multiples of 1/10"):
+    with pytest.raises(InvalidArgumentError, match=r"multiples of 1/10"):
         gr.LeRobotDataSource(dataset[0], delta_timestamps={"action": [0.0, 0.05]})
     with pytest.raises(ValueError, match=r"observation\.nope"):
         gr.LeRobotDataSource(dataset[0], delta_timestamps={"observation.nope": [0.0]})
@@ -353,7 +357,8 @@ def test_codec_ffmpeg_lacks_is_named(dataset: Any, tmp_path: Any) -> None:
     src = gr.LeRobotDataSource(root, keys=[CAM2])
     with pytest.raises(InvalidStoreError) as e:
         src.read_batch([0])
-    assert path in str(e.value) and CAM2 in str(e.value) and "episode 0" in str(e.value)
+    msg = str(e.value)
+    assert path in msg and CAM2 in msg and "episode 0" in msg and "no decoder" in msg
 
 
 def test_image_features_are_refused_unless_left_out(dataset: Any, tmp_path: Any) -> None:
@@ -383,9 +388,9 @@ def test_episode_ranges_that_do_not_tile_the_frames_are_refused(
 
 
 def test_bad_arguments(dataset: Any) -> None:
-    with pytest.raises(ValueError, match="tolerance_s"):
+    with pytest.raises(InvalidArgumentError, match="tolerance_s"):
         gr.LeRobotDataSource(dataset[0], tolerance_s=0)
-    with pytest.raises(ValueError, match="cache_bytes"):
+    with pytest.raises(InvalidArgumentError, match="cache_bytes"):
         gr.LeRobotDataSource(dataset[0], cache_bytes=-1)
     with pytest.raises(InvalidStoreError, match="Leaves"):
         gr.LeRobotDataSource(dataset[0], keys=["observation.nope"])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from grain_replay.errors import FrameTimestampError
 from grain_replay.rl.lerobot.meta import LeRobotMeta, read_meta
 from grain_replay.rl.lerobot.source import LeRobotDataSource
-from grain_replay.rl.lerobot.video import FrameTimestampError
 
 __all__ = ["LeRobotDataSource", "FrameTimestampError", "LeRobotMeta", "read_meta"]

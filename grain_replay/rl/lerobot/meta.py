@@ -106,9 +106,18 @@ def _load_jsonl(path: str) -> list[dict[str, Any]]:
         raise StoreNotFoundError(f"{path}: missing. A LeRobot v2.1 dataset lists its rows there.")
     out = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                out.append(json.loads(line))
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise InvalidStoreError(
+                        f"{path}, line {number}: not JSON ({e}). Fix: restore the file from the "
+                        "dataset's source."
+                    ) from e
+                if not isinstance(row, dict):
+                    raise InvalidStoreError(f"{path}, line {number}: expected a JSON object.")
+                out.append(row)
     return out
 
 
@@ -263,10 +272,16 @@ def _episodes_v3(root: str, info: Mapping[str, Any], cams: list[str]) -> dict[st
 
 
 def _episodes_v21(root: str, info: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    rows = _load_jsonl(os.path.join(root, "meta", "episodes.jsonl"))
-    rows.sort(key=lambda r: int(r["episode_index"]))
-    index = np.array([int(r["episode_index"]) for r in rows], dtype=np.int64)
-    lengths = np.array([int(r["length"]) for r in rows], dtype=np.int64)
+    path = os.path.join(root, "meta", "episodes.jsonl")
+    rows = _load_jsonl(path)
+    try:
+        rows.sort(key=lambda r: int(r["episode_index"]))
+        index = np.array([int(r["episode_index"]) for r in rows], dtype=np.int64)
+        lengths = np.array([int(r["length"]) for r in rows], dtype=np.int64)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidStoreError(
+            f"{path}: every line needs an integer episode_index and length ({e!r})."
+        ) from e
     ends = np.cumsum(lengths)
     return {
         "episode_index": index,
@@ -297,9 +312,12 @@ def read_meta(root: str) -> LeRobotMeta:
         data_rel = _parquet_files(root, "data/*/*.parquet")
     else:
         ep = _episodes_v21(root, info)
-        task_rows = _load_jsonl(os.path.join(root, "meta", "tasks.jsonl"))
+        tasks_path = os.path.join(root, "meta", "tasks.jsonl")
+        task_rows = _load_jsonl(tasks_path)
+        if any("task_index" not in r or "task" not in r for r in task_rows):
+            raise InvalidStoreError(f"{tasks_path}: every line needs task_index and task.")
         tasks = _ordered_tasks(
-            [r["task_index"] for r in task_rows], [r["task"] for r in task_rows], info_path
+            [r["task_index"] for r in task_rows], [r["task"] for r in task_rows], tasks_path
         )
         template = str(info.get("data_path", ""))
         data_rel = [

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
@@ -143,8 +143,8 @@ class LeRobotDataSource(ReplaySource):
         LeRobot's conversion script), inconsistent metadata, or image features
         stored in parquet; on reads, a missing or undecodable video or a frame
         with no video frame at its timestamp (naming file, camera, episode).
-      ValueError: a ``delta_timestamps`` value that is not a multiple of
-        ``1 / fps`` or names no feature.
+      InvalidArgumentError: a ``delta_timestamps`` value that is not a multiple
+        of ``1 / fps`` or a key that names no feature read; a bad option.
 
     Example:
       >>> src = gr.LeRobotDataSource("~/.cache/huggingface/lerobot/lerobot/pusht")
@@ -163,10 +163,10 @@ class LeRobotDataSource(ReplaySource):
         frame_cache_bytes: int = DEFAULT_FRAME_CACHE_BYTES,
     ):
         if not tolerance_s > 0:
-            raise ValueError(f"tolerance_s must be positive, got {tolerance_s}")
+            raise InvalidArgumentError(f"tolerance_s must be positive, got {tolerance_s}")
         for name, value in (("cache_bytes", cache_bytes), ("frame_cache_bytes", frame_cache_bytes)):
             if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
         self._tolerance_s = float(tolerance_s)
         self._cache_bytes = cache_bytes
         self._frame_cache_bytes = int(frame_cache_bytes)
@@ -244,7 +244,7 @@ class LeRobotDataSource(ReplaySource):
     def _check_delta(self, delta: Mapping[str, list[float]], frames: LeRobotDataSource) -> None:
         unknown = [k for k in delta if k not in frames.spec]
         if unknown:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._path}: delta_timestamps names {unknown}, which are not features read "
                 f"from the dataset. Features: {frames.keys}. Fix: pick keys from that list."
             )
@@ -255,7 +255,7 @@ class LeRobotDataSource(ReplaySource):
         }
         off = {k: v for k, v in off.items() if v}
         if off:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{self._path}: delta_timestamps {off} are not multiples of 1/{fps} s (within "
                 f"tolerance_s={self._tolerance_s}). Fix: use multiples of 1/fps, e.g. "
                 f"{[round(i / fps, 6) for i in range(-2, 1)]}."

@@ -11,16 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
+from grain_replay.errors import (
+    FrameTimestampError,
+    InvalidStoreError,
+    MissingDependencyError,
+    StoreNotFoundError,
+)
 from grain_replay.rl.lerobot.meta import Camera
 from grain_replay.sources.base import LeafReader
 from grain_replay.sources.chunked import ChunkCache
 
-__all__ = ["FrameTimestampError", "VideoFiles", "VideoReader", "import_av"]
-
-
-class FrameTimestampError(InvalidStoreError):
-    """No video frame lies within ``tolerance_s`` of a frame's timestamp."""
+__all__ = ["VideoFiles", "VideoReader", "decode_at", "import_av"]
 
 
 def import_av() -> Any:
@@ -63,16 +64,19 @@ class _Video:
                 f"{path}: camera {camera!r} (episode {episode}): not a readable video "
                 f"({type(e).__name__}: {e}). Fix: download or re-encode the file."
             ) from e
-        codec = self.stream.codec_context.name if self.stream.codec_context else None
+        context = self.stream.codec_context
+        codec = context.name if context is not None else None
         try:
             if codec is None:
                 raise ValueError("unknown codec")
             av.codec.Codec(codec, "r")
         except (ValueError, av.error.FFmpegError) as e:
             self.container.close()
+            tag = getattr(self.stream, "codec_tag", None)
             raise InvalidStoreError(
                 f"{path}: camera {camera!r} (episode {episode}): the FFmpeg in PyAV "
-                f"{av.__version__} has no decoder for the video's codec {codec!r}. Fix: "
+                f"{av.__version__} has no decoder for the video's codec "
+                f"{codec or 'unknown'} (tag {tag!r}). Fix: "
                 "re-encode the videos (e.g. ffmpeg -i in.mp4 -c:v libx264 -g 2 out.mp4) or "
                 "install a PyAV build whose FFmpeg decodes it."
             ) from e
