@@ -158,6 +158,43 @@ def test_frame_cache_serves_repeated_frames_without_decoding(dataset: Any) -> No
     np.testing.assert_array_equal(again[CAM], first[CAM][::-1])
 
 
+class _CountingContainer:
+    """Wraps a PyAV container and counts its seeks."""
+
+    def __init__(self, container: Any):
+        self.container = container
+        self.seeks = 0
+
+    def seek(self, *args: Any, **kw: Any) -> None:
+        self.seeks += 1
+        self.container.seek(*args, **kw)
+
+    def decode(self, *args: Any) -> Any:
+        return self.container.decode(*args)
+
+    def close(self) -> None:
+        self.container.close()
+
+
+def test_frames_of_a_file_decode_in_one_forward_pass(dataset: Any) -> None:
+    root, _ = dataset
+    src = gr.LeRobotDataSource(root, keys=[CAM], frame_cache_bytes=0)
+    videos = src._get_handle().videos
+    rel = VIDEO_PATH.format(video_key=CAM, chunk_index=0, file_index=0)
+    video = videos.get(rel, CAM, 0)
+    counter = _CountingContainer(video.container)
+    video.container = counter
+    ref = _reference_frames(root, CAM)
+    # Episodes 0-1 (frames 0-11) share file 0: consecutive frames, shuffled, one seek.
+    idx = np.array([7, 2, 11, 0, 5, 3, 9, 1, 10, 4, 8, 6])
+    np.testing.assert_array_equal(src.read_batch(idx)[CAM], ref[idx])
+    assert counter.seeks == 1
+    # Frames a keyframe interval apart or more are reached by seeking, not by decoding on.
+    counter.seeks = 0
+    np.testing.assert_array_equal(src.read_batch([0, 11])[CAM], ref[[0, 11]])
+    assert counter.seeks == 2
+
+
 def test_tasks_stats_and_episodes(dataset: Any) -> None:
     root, expected = dataset
     src = gr.LeRobotDataSource(root)

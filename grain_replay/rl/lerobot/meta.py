@@ -53,14 +53,25 @@ class Camera:
     Attributes:
       key: the feature name, e.g. ``"observation.images.top"``.
       shape: ``(H, W, C)`` as info.json declares it.
-      files: per episode, the video path relative to the dataset root.
+      files: the video files (paths relative to the dataset root), each once.
+      file_of_episode: per episode, its entry in ``files``.
       from_timestamp: per episode, the time in the file where the episode starts.
     """
 
     key: str
     shape: tuple[int, int, int]
     files: tuple[str, ...]
+    file_of_episode: np.ndarray
     from_timestamp: np.ndarray
+
+    @classmethod
+    def of_episodes(
+        cls, key: str, shape: tuple[int, int, int], paths: list[str], from_ts: np.ndarray
+    ) -> Camera:
+        """A camera from one path per episode (stored once per file: pickles stay small)."""
+        names: dict[str, int] = {}
+        ids = np.array([names.setdefault(p, len(names)) for p in paths], dtype=np.int32)
+        return cls(key, shape, tuple(names), ids, from_ts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,20 +363,21 @@ def read_meta(root: str) -> LeRobotMeta:
     video_template = str(info.get("video_path") or "")
     for cam in cams:
         if version == "v3.0":
-            files = tuple(
+            paths = [
                 video_template.format(video_key=cam, chunk_index=int(c), file_index=int(f))
                 for c, f in zip(ep[f"videos/{cam}/chunk_index"], ep[f"videos/{cam}/file_index"])
-            )
+            ]
             from_ts = ep[f"videos/{cam}/from_timestamp"].astype(np.float64)
         else:
-            files = tuple(
+            paths = [
                 video_template.format(
                     video_key=cam, episode_chunk=int(e) // chunks_size, episode_index=int(e)
                 )
                 for e in ep["episode_index"]
-            )
-            from_ts = np.zeros(len(files))
-        cameras[cam] = Camera(cam, _camera_shape(cam, features[cam], info_path), files, from_ts)
+            ]
+            from_ts = np.zeros(len(paths))
+        shape = _camera_shape(cam, features[cam], info_path)
+        cameras[cam] = Camera.of_episodes(cam, shape, paths, from_ts)
     return LeRobotMeta(
         root=root,
         version=version,

@@ -214,9 +214,8 @@ class VideoReader(LeafReader):
         self._fps = fps
         self._tol = tolerance_s
         self._shape = camera.shape
-        names, file_ids = np.unique(np.asarray(camera.files, dtype=object), return_inverse=True)
-        self._file_names = [str(n) for n in names]
-        self._file_of_episode = file_ids.astype(np.int64).reshape(-1)
+        self._file_names = list(camera.files)
+        self._file_of_episode = camera.file_of_episode
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         out = np.empty((len(indices), *self._shape), dtype=np.uint8)
