@@ -11,8 +11,8 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.rl.lerobot.meta import DataFile, pyarrow_parquet
-from grain_replay.sources.base import LeafReader
-from grain_replay.sources.chunked import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkCache
+from grain_replay.sources.reading.readers import LeafReader
 
 __all__ = ["ParquetFiles", "Segments", "ColumnReader", "column_to_numpy"]
 

@@ -15,8 +15,9 @@ from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
 from grain_replay.rl.lerobot.meta import IMAGE, STRING, VIDEO, LeRobotMeta, read_meta
 from grain_replay.rl.lerobot.video import VideoFiles, VideoReader
-from grain_replay.sources.base import Handle, Layout, LeafReader, ReplaySource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.reading.readers import Handle, LeafReader
 
 __all__ = ["LeRobotDataSource", "DEFAULT_TOLERANCE_S", "DEFAULT_FRAME_CACHE_BYTES"]
 

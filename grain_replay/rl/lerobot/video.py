@@ -18,8 +18,8 @@ from grain_replay.errors import (
     StoreNotFoundError,
 )
 from grain_replay.rl.lerobot.meta import Camera
-from grain_replay.sources.base import LeafReader
-from grain_replay.sources.chunked import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkCache
+from grain_replay.sources.reading.readers import LeafReader
 
 __all__ = ["VideoFiles", "VideoReader", "decode_at", "import_av"]
 
