@@ -148,6 +148,22 @@ def test_random_batches_equal_one_by_one_reads(dataset: Any) -> None:
             np.testing.assert_array_equal(batch[k][j], rec[k])
 
 
+def test_threads_reading_at_once_get_the_right_frames(dataset: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, expected = dataset
+    src = gr.LeRobotDataSource(root, frame_cache_bytes=0)
+    refs = {cam: _reference_frames(root, cam) for cam in (CAM, CAM2)}
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, len(src), 9) for _ in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(src.read_batch, batches))
+    for idx, got in zip(batches, results):
+        for cam, ref in refs.items():
+            np.testing.assert_array_equal(got[cam], ref[idx])
+        np.testing.assert_array_equal(got["action"], expected["columns"]["action"][idx])
+
+
 def test_frame_cache_serves_repeated_frames_without_decoding(dataset: Any) -> None:
     src = gr.LeRobotDataSource(dataset[0], keys=[CAM])
     first = src.read_batch([1, 2, 3])
