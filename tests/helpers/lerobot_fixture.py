@@ -56,12 +56,23 @@ def encode_video(
             out.mux(packet)
 
 
+def encode_png(img: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 (H, W, 3) image (PyAV's encoder: no PIL needed)."""
+    import av
+
+    ctx = av.CodecContext.create("png", "w")
+    ctx.width, ctx.height, ctx.pix_fmt = img.shape[1], img.shape[0], "rgb24"
+    packets = ctx.encode(av.VideoFrame.from_ndarray(img, format="rgb24")) + ctx.encode(None)
+    return b"".join(bytes(p) for p in packets)
+
+
 def write_dataset(
     root: str,
     lengths: Sequence[int] = (5, 7, 4),
     *,
     fps: int = 10,
     cameras: dict[str, tuple[int, int]] | None = None,
+    image_cameras: dict[str, tuple[int, int]] | None = None,
     episodes_per_file: int | None = None,
     codec: str = "libx264",
     seed: int = 0,
@@ -71,6 +82,7 @@ def write_dataset(
     import pyarrow.parquet as pq
 
     cameras = {} if cameras is None else cameras
+    image_cameras = {} if image_cameras is None else image_cameras
     rng = np.random.default_rng(seed)
     n = int(sum(lengths))
     starts = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
@@ -94,6 +106,12 @@ def write_dataset(
             "names": ["height", "width", "channels"],
             "info": {"video.fps": fps, "video.codec": codec, "video.pix_fmt": "yuv420p"},
         }
+    for cam, (h, w) in image_cameras.items():
+        features[cam] = {
+            "dtype": "image",
+            "shape": [h, w, 3],
+            "names": ["height", "width", "channel"],
+        }
     features["observation.state"] = {
         "dtype": "float32", "shape": [STATE_DIM], "names": [f"s{i}" for i in range(STATE_DIM)]
     }  # fmt: skip
@@ -104,6 +122,11 @@ def write_dataset(
     for k in ("frame_index", "episode_index", "index", "task_index"):
         features[k] = {"dtype": "int64", "shape": [1], "names": None}
 
+    images: dict[str, np.ndarray] = {}
+    for shift, cam in enumerate(image_cameras):
+        h, w = image_cameras[cam]
+        images[cam] = np.stack([frame_image(i, h, w, 11 * shift + 3) for i in range(n)])
+        images[cam][:, : h // 2, : w // 2] //= 2
     per_file = episodes_per_file or len(lengths)
     file_of = np.arange(len(lengths)) // per_file
     # Data files, one row group per episode (as LeRobot's ParquetWriter writes them).
@@ -122,6 +145,14 @@ def write_dataset(
                     )
                 else:
                     arrays[k] = pa.array(v)
+            for cam in image_cameras:
+                arrays[cam] = pa.StructArray.from_arrays(
+                    [
+                        pa.array([encode_png(img) for img in images[cam][rows]], pa.binary()),
+                        pa.array([None] * (rows.stop - rows.start), pa.string()),
+                    ],
+                    names=["bytes", "path"],
+                )
             table = pa.table(arrays)
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema, compression="snappy")
@@ -129,7 +160,6 @@ def write_dataset(
         assert writer is not None
         writer.close()
 
-    images: dict[str, np.ndarray] = {}
     episodes: dict[str, list[Any]] = {
         "episode_index": list(range(len(lengths))),
         "tasks": [[TASKS[e % len(TASKS)]] for e in range(len(lengths))],

@@ -3,7 +3,7 @@ dumps what ``LeRobotDataset.__getitem__`` returns, for the main venv's tests to 
 
 Usage:
   python lerobot_peer.py write ROOT [--episodes 3] [--length 12] [--cameras 2] [--size 64]
-                                    [--vcodec libsvtav1]
+                                    [--vcodec libsvtav1] [--images]
   python lerobot_peer.py dump ROOT OUT.npz [--delta JSON]
 """
 
@@ -20,7 +20,7 @@ FPS = 10
 TASKS = ("pick the cube", "push the T")
 
 
-def features(cameras: int, size: int) -> dict:
+def features(cameras: int, size: int, images: bool = False) -> dict:
     out = {
         "observation.state": {"dtype": "float32", "shape": (4,), "names": None},
         "action": {"dtype": "float32", "shape": (2,), "names": None},
@@ -28,20 +28,22 @@ def features(cameras: int, size: int) -> dict:
     }
     for c in range(cameras):
         out[f"observation.images.cam{c}"] = {
-            "dtype": "video",
+            "dtype": "image" if images else "video",
             "shape": (size, size, 3),
             "names": ["height", "width", "channels"],
         }
     return out
 
 
-def write(root: str, episodes: int, length: int, cameras: int, size: int, vcodec: str) -> None:
+def write(
+    root: str, episodes: int, length: int, cameras: int, size: int, vcodec: str, images: bool
+) -> None:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     rng = np.random.default_rng(0)
     ds = LeRobotDataset.create(
-        "local/toy", fps=FPS, features=features(cameras, size), root=root,
-        use_videos=cameras > 0, vcodec=vcodec,
+        "local/toy", fps=FPS, features=features(cameras, size, images), root=root,
+        use_videos=cameras > 0 and not images, vcodec=vcodec,
     )  # fmt: skip
     g = 0
     for e in range(episodes):
@@ -88,13 +90,14 @@ def main(argv: list[str]) -> None:
     w.add_argument("--cameras", type=int, default=2)
     w.add_argument("--size", type=int, default=64)
     w.add_argument("--vcodec", default="libsvtav1")
+    w.add_argument("--images", action="store_true", help="cameras as PNG images in parquet")
     d = sub.add_parser("dump")
     d.add_argument("root")
     d.add_argument("out")
     d.add_argument("--delta", default=None)
     a = p.parse_args(argv)
     if a.cmd == "write":
-        write(os.path.abspath(a.root), a.episodes, a.length, a.cameras, a.size, a.vcodec)
+        write(os.path.abspath(a.root), a.episodes, a.length, a.cameras, a.size, a.vcodec, a.images)
     else:
         dump(os.path.abspath(a.root), a.out, None if a.delta is None else json.loads(a.delta))
 

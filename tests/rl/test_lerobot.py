@@ -414,14 +414,63 @@ def test_codec_ffmpeg_lacks_is_named(dataset: Any, tmp_path: Any) -> None:
     assert path in msg and CAM2 in msg and "episode 0" in msg and "no decoder" in msg
 
 
-def test_image_features_are_refused_unless_left_out(dataset: Any, tmp_path: Any) -> None:
-    root = _copy(dataset, tmp_path)
-    info = _info(root)
-    info["features"]["observation.images.png"] = {"dtype": "image", "shape": [8, 8, 3]}
-    _write_info(root, info)
-    with pytest.raises(InvalidStoreError, match="use_videos=True"):
-        gr.LeRobotDataSource(root)
-    assert gr.LeRobotDataSource(root, keys=["action"]).keys == ["action"]
+IMG = "observation.images.png"
+
+
+@pytest.fixture(scope="module")
+def image_dataset(tmp_path_factory: Any) -> tuple[str, dict[str, Any]]:
+    """Image features (PNG bytes embedded in parquet, use_videos=False) in two data files."""
+    root = str(tmp_path_factory.mktemp("lerobot_img") / "toy")
+    return root, write_dataset(root, (4, 5, 3), image_cameras={IMG: (12, 20)}, episodes_per_file=2)
+
+
+def test_image_features_decode_to_the_written_pixels(image_dataset: Any) -> None:
+    root, expected = image_dataset
+    for kw in ({}, {"cache_bytes": 64}):  # whole files, then row groups
+        src = gr.LeRobotDataSource(root, **kw)
+        assert src.spec[IMG] == gr.LeafSpec(np.dtype(np.uint8), (12, 20, 3))
+        assert src.camera_keys == [IMG]
+        idx = np.array([11, 0, 4, 4, 8, 3])
+        batch = src.read_batch(idx)
+        np.testing.assert_array_equal(batch[IMG], expected["images"][IMG][idx])  # PNG: lossless
+        np.testing.assert_array_equal(batch["action"], expected["columns"]["action"][idx])
+
+
+def test_image_features_with_delta_timestamps(image_dataset: Any) -> None:
+    root, expected = image_dataset
+    src = gr.LeRobotDataSource(root, delta_timestamps={IMG: [-0.1, 0.0, 0.1]})
+    batch = src.read_batch([0, 4, 8])
+    imgs = expected["images"][IMG]
+    np.testing.assert_array_equal(batch[IMG][0], imgs[[0, 0, 1]])
+    np.testing.assert_array_equal(batch[IMG][1], imgs[[4, 4, 5]])
+    np.testing.assert_array_equal(batch[IMG][2], imgs[[7, 8, 8]])
+    np.testing.assert_array_equal(
+        batch[IMG + "_is_pad"], [[True, False, False], [True, False, False], [False, False, True]]
+    )
+
+
+def test_image_without_embedded_bytes_names_file_feature_and_frame(
+    image_dataset: Any, tmp_path: Any
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = str(tmp_path / "copy")
+    shutil.copytree(image_dataset[0], root)
+    path = os.path.join(root, "data/chunk-000/file-001.parquet")
+    table = pq.read_table(path)
+    n = table.num_rows
+    paths_only = pa.StructArray.from_arrays(
+        [pa.array([None] * n, pa.binary()), pa.array(["frame.png"] * n)], names=["bytes", "path"]
+    )
+    table = table.set_column(table.schema.get_field_index(IMG), IMG, paths_only)
+    pq.write_table(table, path)
+    src = gr.LeRobotDataSource(root)
+    src.read_batch([0, 8])  # file 0 is fine
+    with pytest.raises(InvalidStoreError) as e:
+        src.read_batch([10])
+    msg = str(e.value)
+    assert path in msg and IMG in msg and "frame 10" in msg and "embed" in msg
 
 
 def test_episode_ranges_that_do_not_tile_the_frames_are_refused(

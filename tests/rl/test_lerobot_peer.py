@@ -42,11 +42,13 @@ def _peer(*args: str) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
 
 
-@pytest.fixture(scope="module", params=["libsvtav1", "h264"])
+@pytest.fixture(scope="module", params=["libsvtav1", "h264", "png-images"])
 def written(request: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    """Two 64x64 cameras: AV1 or H.264 videos (LeRobot's encoder), or PNG images in parquet."""
     tmp = tmp_path_factory.mktemp(f"lerobot_{request.param}")
     root = str(tmp / "toy")
-    _peer("write", root, "--cameras", "2", "--size", "64", "--vcodec", request.param)
+    camera = ["--images"] if request.param == "png-images" else ["--vcodec", request.param]
+    _peer("write", root, "--cameras", "2", "--size", "64", *camera)
     _peer("dump", root, str(tmp / "frames.npz"))
     _peer("dump", root, str(tmp / "delta.npz"), "--delta", json.dumps(DELTA))
     return {

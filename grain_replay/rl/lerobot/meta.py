@@ -13,7 +13,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
 
-__all__ = ["Camera", "DataFile", "LeRobotMeta", "read_meta", "pyarrow_parquet"]
+__all__ = ["Camera", "DataFile", "LeRobotMeta", "camera_shape", "read_meta", "pyarrow_parquet"]
 
 INFO_PATH = os.path.join("meta", "info.json")
 STATS_PATH = os.path.join("meta", "stats.json")
@@ -248,11 +248,14 @@ def _video_features(features: Mapping[str, Any]) -> list[str]:
     return [k for k, ft in features.items() if ft.get("dtype") == VIDEO]
 
 
-def _camera_shape(key: str, ft: Mapping[str, Any], path: str) -> tuple[int, int, int]:
+def camera_shape(key: str, ft: Mapping[str, Any], path: str) -> tuple[int, int, int]:
     shape = tuple(int(s) for s in ft.get("shape", ()))
     names = list(ft.get("names") or [])
     if len(shape) != 3:
-        raise InvalidStoreError(f"{path}: video feature {key!r} has shape {shape}, not 3-D.")
+        raise InvalidStoreError(
+            f"{path}: camera feature {key!r} has shape {shape}, not (H, W, C). Fix: correct "
+            "meta/info.json."
+        )
     if names[:1] == ["channels"]:  # (C, H, W) as some converted datasets declare it
         return shape[1], shape[2], shape[0]
     return shape[0], shape[1], shape[2]
@@ -376,7 +379,7 @@ def read_meta(root: str) -> LeRobotMeta:
                 for e in ep["episode_index"]
             ]
             from_ts = np.zeros(len(paths))
-        shape = _camera_shape(cam, features[cam], info_path)
+        shape = camera_shape(cam, features[cam], info_path)
         cameras[cam] = Camera.of_episodes(cam, shape, paths, from_ts)
     return LeRobotMeta(
         root=root,

@@ -13,7 +13,15 @@ from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
-from grain_replay.rl.lerobot.meta import IMAGE, STRING, VIDEO, LeRobotMeta, read_meta
+from grain_replay.rl.lerobot.images import EncodedCache, ImageReader
+from grain_replay.rl.lerobot.meta import (
+    IMAGE,
+    STRING,
+    VIDEO,
+    LeRobotMeta,
+    camera_shape,
+    read_meta,
+)
 from grain_replay.rl.lerobot.video import VideoFiles, VideoReader
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES, ChunkCache
@@ -50,6 +58,7 @@ class _FrameHandle(Handle):
         meta: LeRobotMeta,
         spec: Mapping[str, LeafSpec],
         numeric_spec: Mapping[str, LeafSpec],
+        image_keys: Sequence[str],
         cache_bytes: int,
         frame_cache_bytes: int,
         tolerance_s: float,
@@ -57,7 +66,8 @@ class _FrameHandle(Handle):
         self.files = ParquetFiles(meta.root, meta.data_files)
         self.videos = VideoFiles(meta.root)
         cameras = [k for k in spec if k in meta.cameras]
-        numeric = {k: s for k, s in spec.items() if k not in meta.cameras}
+        images = [k for k in spec if k in image_keys]
+        numeric = {k: s for k, s in spec.items() if k in numeric_spec}
         if cameras and "timestamp" not in numeric:
             numeric["timestamp"] = numeric_spec["timestamp"]
         cache = ChunkCache(cache_bytes)
@@ -72,6 +82,12 @@ class _FrameHandle(Handle):
             for k, s in numeric.items()
         }
         frames = ChunkCache(frame_cache_bytes)
+        encoded = EncodedCache(frame_cache_bytes)
+        for key in images:
+            shape = spec[key].shape
+            readers[key] = ImageReader(
+                key, (shape[0], shape[1], shape[2]), self.files, segments, encoded, frames
+            )
         for cam in cameras:
             readers[cam] = VideoReader(
                 meta.cameras[cam], readers["timestamp"], meta.ends, meta.episode_index,
@@ -188,24 +204,20 @@ class LeRobotDataSource(ReplaySource):
         self._meta = meta = read_meta(self._path)
         where = os.path.join(self._path, "meta", "info.json")
         spec: dict[str, LeafSpec] = {}
-        images = []
+        self._image_keys: list[str] = []
         for key, ft in meta.features.items():
             kind = ft.get("dtype")
             if kind == VIDEO:
                 spec[key] = LeafSpec(np.dtype(np.uint8), meta.cameras[key].shape)
             elif kind == IMAGE:
-                images.append(key)
+                spec[key] = LeafSpec(np.dtype(np.uint8), camera_shape(key, ft, where))
+                self._image_keys.append(key)
             elif kind != STRING:
                 spec[key] = _leaf_spec(key, ft, where)
-        if images and (self._requested_keys is None or set(images) & set(self._requested_keys)):
-            raise InvalidStoreError(
-                f"{where}: the features {images} are images stored as PNG bytes in parquet "
-                "(use_videos=False), which LeRobotDataSource does not decode. Fix: leave them "
-                "out with keys=[...], or record the dataset with use_videos=True."
-            )
         if "timestamp" not in spec:
             raise InvalidStoreError(f"{where}: no 'timestamp' feature; LeRobot writes one.")
-        self._numeric_spec = {k: s for k, s in spec.items() if k not in meta.cameras}
+        cams = set(meta.cameras) | set(self._image_keys)
+        self._numeric_spec = {k: s for k, s in spec.items() if k not in cams}
         treedef = {
             "type": "dict",
             "keys": list(spec),
@@ -275,8 +287,8 @@ class LeRobotDataSource(ReplaySource):
         if self._seq is not None:
             return Handle()  # the reads go through the sequence view
         return _FrameHandle(
-            self._meta, self._layout.spec, self._numeric_spec, self._cache_bytes,
-            self._frame_cache_bytes, self._tolerance_s,
+            self._meta, self._layout.spec, self._numeric_spec, self._image_keys,
+            self._cache_bytes, self._frame_cache_bytes, self._tolerance_s,
         )  # fmt: skip
 
     # -- what the dataset says --------------------------------------------------
@@ -298,8 +310,10 @@ class LeRobotDataSource(ReplaySource):
 
     @property
     def camera_keys(self) -> list[str]:
-        """The video features read, in info.json order."""
-        return [k for k in self._meta.cameras if k in (self.frames.spec)]
+        """The camera features read (videos and images), in info.json order."""
+        frames = self.frames
+        cams = set(self._meta.cameras) | set(frames._image_keys)
+        return [k for k in frames.spec if k in cams]
 
     @property
     def tasks(self) -> tuple[str, ...]:
