@@ -110,8 +110,8 @@ class LeRobotDataSource(ReplaySource):
     numeric features (``"observation.state"``, ``"action"``, ``"timestamp"``,
     ``"frame_index"``, ``"episode_index"``, ``"index"``, ``"task_index"``, ...)
     with their info.json dtype and shape (shape ``(1,)`` features are scalars,
-    as LeRobot returns them), and every camera (video feature) as a uint8
-    ``(H, W, 3)`` RGB frame. LeRobot hands out the same frame as float32
+    as LeRobot returns them), and every camera (``video`` or ``image``
+    feature) as a uint8 ``(H, W, 3)`` RGB frame. LeRobot hands out the same frame as float32
     ``(3, H, W)`` in [0, 1]; the two are related exactly by::
 
         lerobot_frame == torch.from_numpy(frame).permute(2, 0, 1).float() / 255
@@ -127,8 +127,10 @@ class LeRobotDataSource(ReplaySource):
     the batch's frames are grouped by video file and decoded in one sorted
     forward pass per file (seeking only past a keyframe interval); a frame is
     the one nearest ``from_timestamp + timestamp``, within ``tolerance_s`` as
-    in ``LeRobotDataset``. Decoded frames are kept in a second bounded cache.
-    Pickles small; opens one handle per file per process.
+    in ``LeRobotDataset``. Image features (PNG bytes in parquet, LeRobot's
+    ``use_videos=False``) are decoded with PyAV frame by frame. Decoded frames
+    are kept in a second bounded cache. Pickles small; opens one handle per
+    file per process.
 
     With ``delta_timestamps`` (LeRobot's ``{key: [seconds, ...]}``), a record
     is what ``LeRobotDataset.__getitem__`` returns with the same argument:
@@ -157,9 +159,10 @@ class LeRobotDataSource(ReplaySource):
     Raises:
       StoreNotFoundError: no dataset at ``path``, or a metadata file missing.
       InvalidStoreError: an unsupported codebase_version (the message names
-        LeRobot's conversion script), inconsistent metadata, or image features
-        stored in parquet; on reads, a missing or undecodable video or a frame
-        with no video frame at its timestamp (naming file, camera, episode).
+        LeRobot's conversion script) or inconsistent metadata; on reads, a
+        missing or undecodable video or image, or a frame with no video frame
+        at its timestamp (:class:`FrameTimestampError`), each naming the file,
+        the camera and the episode or frame.
       InvalidArgumentError: a ``delta_timestamps`` value that is not a multiple
         of ``1 / fps`` or a key that names no feature read; a bad option.
 
