@@ -20,6 +20,7 @@ import grain
 
 import grain_replay as gr
 from grain_replay.errors import (
+    ArgumentTypeError,
     FrameTimestampError,
     InvalidArgumentError,
     InvalidStoreError,
@@ -307,9 +308,12 @@ def test_delta_timestamps_stream_through_workers(dataset: Any) -> None:
 def test_delta_timestamps_off_the_frame_grid_or_unknown_are_refused(dataset: Any) -> None:
     with pytest.raises(InvalidArgumentError, match=r"multiples of 1/10"):
         gr.LeRobotDataSource(dataset[0], delta_timestamps={"action": [0.0, 0.05]})
-    with pytest.raises(ValueError, match=r"observation\.nope"):
+    with pytest.raises(InvalidArgumentError, match=r"observation\.nope"):
         gr.LeRobotDataSource(dataset[0], delta_timestamps={"observation.nope": [0.0]})
-    with pytest.raises(ValueError, match="not features read"):
+    for bad in ([0.0], {"action": "0.1"}, {"action": [None]}):
+        with pytest.raises(ArgumentTypeError, match="lists of seconds"):
+            gr.LeRobotDataSource(dataset[0], delta_timestamps=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="not features read"):
         gr.LeRobotDataSource(dataset[0], delta_timestamps={CAM: [0.0]}, keys=["action"])
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
@@ -48,6 +48,21 @@ def _leaf_spec(key: str, ft: Mapping[str, Any], where: str) -> LeafSpec:
         ) from e
     # LeRobot stores shape-(1,) features as scalar columns and returns them as scalars.
     return LeafSpec(dtype, () if shape == (1,) else shape)
+
+
+def _seconds(delta: Any, path: Any) -> dict[str, list[float]]:
+    """``delta_timestamps`` as ``{key: [float seconds]}``, or ArgumentTypeError naming the fix."""
+    try:
+        if not isinstance(delta, Mapping) or any(
+            isinstance(v, (str, bytes)) for v in delta.values()
+        ):
+            raise TypeError(type(delta).__name__)
+        return {str(k): [float(x) for x in v] for k, v in delta.items()}
+    except (TypeError, ValueError) as e:
+        raise ArgumentTypeError(
+            f"{os.fspath(path)}: delta_timestamps must map feature names to lists of seconds, "
+            f"got {delta!r}. Fix: e.g. delta_timestamps={{'action': [0.0, 0.1, 0.2]}}."
+        ) from e
 
 
 class _FrameHandle(Handle):
@@ -190,11 +205,7 @@ class LeRobotDataSource(ReplaySource):
         self._tolerance_s = float(tolerance_s)
         self._cache_bytes = cache_bytes
         self._frame_cache_bytes = int(frame_cache_bytes)
-        self._delta = (
-            None
-            if delta_timestamps is None
-            else {str(k): [float(x) for x in v] for k, v in delta_timestamps.items()}
-        )
+        self._delta = None if delta_timestamps is None else _seconds(delta_timestamps, path)
         self._frames: LeRobotDataSource | None = None
         self._seq: Any = None
         super().__init__(os.path.expanduser(os.fspath(path)), keys)
