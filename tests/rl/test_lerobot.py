@@ -290,6 +290,17 @@ def test_delta_timestamps_match_lerobot_getitem_semantics(dataset: Any) -> None:
     assert src.frames.keys == [CAM, CAM2, *NUMERIC]
 
 
+def test_frame_source_is_a_step_source_for_the_sequence_view(dataset: Any) -> None:
+    root, expected = dataset
+    frames = gr.LeRobotDataSource(root)
+    # fps and the episodes come from the frame source; pad="drop" keeps full windows only.
+    seq = gr.SequenceDataSource(frames, delta_timestamps={"action": [-0.1, 0.0]}, pad="drop")
+    assert len(seq) == sum(n - 1 for n in LENGTHS)
+    b = seq.read_batch([0, 4])  # episode 0 anchors 1, then episode 1 anchor 1 (frame 6)
+    np.testing.assert_array_equal(b["action"][0], expected["columns"]["action"][[0, 1]])
+    np.testing.assert_array_equal(b["action"][1], expected["columns"]["action"][[5, 6]])
+
+
 def test_delta_timestamps_stream_through_workers(dataset: Any) -> None:
     src = gr.LeRobotDataSource(dataset[0], delta_timestamps=DELTA)
     blob = pickle.dumps(src)
@@ -530,9 +541,10 @@ def test_readme_example_runs_on_a_toy_dataset(dataset: Any) -> None:
 # -- conversion ---------------------------------------------------------------------
 
 
-def test_cli_convert_writes_decoded_frames(dataset: Any, tmp_path: Any) -> None:
+@pytest.mark.parametrize("name", ["toy.h5", "toy_npy", "toy.zarr"])
+def test_cli_convert_writes_decoded_frames(dataset: Any, tmp_path: Any, name: str) -> None:
     root, _ = dataset
-    dst = str(tmp_path / "toy.h5")
+    dst = str(tmp_path / name)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run(
         [sys.executable, "-m", "grain_replay.cli", "convert", root, dst, "--quiet",
@@ -541,7 +553,7 @@ def test_cli_convert_writes_decoded_frames(dataset: Any, tmp_path: Any) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     src = gr.LeRobotDataSource(root)
-    got = gr.HDF5DataSource(dst)
+    got = gr.open_source(dst)
     assert len(got) == len(src) and set(got.keys) == set(src.keys)
     want = src.read_batch(np.arange(len(src)))
     have = got.read_batch(np.arange(len(src)))
