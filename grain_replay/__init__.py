@@ -9,6 +9,7 @@ from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
     FrameTimestampError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
@@ -88,6 +89,7 @@ __all__ = [
     "StoreUnreachableError",
     "InvalidArgumentError",
     "ArgumentTypeError",
+    "CheckpointMismatchError",
     "RetryOptions",
 ]
 

@@ -17,6 +17,7 @@ __all__ = [
     "FrameTimestampError",
     "InvalidArgumentError",
     "ArgumentTypeError",
+    "CheckpointMismatchError",
 ]
 
 
@@ -78,3 +79,7 @@ class InvalidArgumentError(GrainReplayError, ValueError):
 
 class ArgumentTypeError(GrainReplayError, TypeError):
     """An argument has the wrong type (a float where offsets in steps are integers)."""
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""
