@@ -8,8 +8,8 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
-    FrameTimestampError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
