@@ -559,3 +559,25 @@ def test_cli_convert_writes_decoded_frames(dataset: Any, tmp_path: Any, name: st
     have = got.read_batch(np.arange(len(src)))
     for k in src.keys:
         np.testing.assert_array_equal(have[k], want[k], err_msg=k)
+
+
+# -- the benchmark ---------------------------------------------------------------------
+
+
+def test_benchmark_runs_at_toy_size_without_lerobot(tmp_path: Any) -> None:
+    """bench_lerobot.py --quick on fixture datasets (no peer): it runs and reports every case.
+
+    No rate is asserted: timings on shared machines are noise.
+    """
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_lerobot.py")
+    env = {k: v for k, v in os.environ.items() if k != "LEROBOT_PYTHON"}
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run(
+        [sys.executable, script, "--quick", "--repeats", "1", "--workers", "0",
+         "--keep", str(tmp_path / "data")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and " / " in line]
+    assert len(rows) == 5, out.stdout
+    assert all(float(r.split("|")[2].replace(",", "")) > 0 for r in rows), rows
