@@ -9,6 +9,7 @@ from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidPrefetchError,
@@ -74,6 +75,7 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
     "SequenceDataSource",
     # errors
     "GrainReplayError",
@@ -84,6 +86,7 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
@@ -114,6 +117,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
             "SequenceDataSource",
         )
     },

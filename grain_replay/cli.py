@@ -72,9 +72,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _open(path: str) -> Any:
-    """Opens any store: Minari datasets and D4RL files as transitions, else gr.open_source."""
+    """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
+    frames (cameras decoded), else gr.open_source."""
     import grain_replay as gr
 
+    if os.path.isfile(os.path.join(path, "meta", "info.json")):
+        return gr.LeRobotDataSource(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
@@ -277,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("convert", help="copy a store into another format, bit-exactly")
-    p.add_argument("src", help="any store, a Minari dataset or a D4RL file")
+    p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL file")
     p.add_argument("dst", help="destination; its suffix picks the format as in gr.write")
     p.add_argument("--format", choices=["hdf5", "npy", "zarr"])
     p.add_argument("--chunk-rows", type=int)
