@@ -6,19 +6,27 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
+    InvalidArgumentError,
+    InvalidPrefetchError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    ReferenceRefusedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -30,7 +38,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -68,6 +75,8 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
+    "SequenceDataSource",
     # statistics (grain_replay.stats)
     "compute_stats",
     # errors
@@ -79,11 +88,18 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
 ]
 
@@ -104,6 +120,8 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
+            "SequenceDataSource",
         )
     },
 }

@@ -11,7 +11,7 @@ import pytest
 from rl_fixtures import ArraySource
 
 import grain_replay as gr
-import grain_replay.stats_store as stats_store
+import grain_replay.stats.cache as stats_store
 from grain_replay.stats import quantile_error, quantile_name, stats_cache_path
 
 SUFFIX = {"hdf5": ".h5", "npy": "", "zarr": ".zarr"}
@@ -373,18 +373,19 @@ def test_progress_counts_every_row(tmp_path: Any) -> None:
 def test_threads_and_column_chunks_do_not_change_the_result(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import grain_replay.stats as stats_mod
+    import grain_replay.stats.accumulate as accumulate
+    import grain_replay.stats.results as results
 
     tree = _tree(20_000)
     src = gr.open_source(gr.write(str(tmp_path / "s.h5"), tree))
-    monkeypatch.setattr(stats_mod, "_threads", lambda: 3)
-    monkeypatch.setattr(stats_mod, "_MIN_THREAD_ROWS", 1000)
-    monkeypatch.setattr(stats_mod, "_QUANTILE_VALUES", 50_000)  # 2 columns at a time
+    monkeypatch.setattr(accumulate, "worker_threads", lambda: 3)
+    monkeypatch.setattr(accumulate, "_MIN_THREAD_ROWS", 1000)
+    monkeypatch.setattr(results, "_QUANTILE_VALUES", 50_000)  # 2 columns at a time
     _assert_matches_numpy(gr.compute_stats(src, quantiles=QS, cache=False), tree)
 
 
 def test_cache_keeps_the_quantiles_taken(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import grain_replay.stats as stats_mod
+    import grain_replay.stats.results as stats_mod
 
     path = gr.write(str(tmp_path / "s.h5"), _tree(400))
     first = gr.compute_stats(path, quantiles=[0.01, 0.99])
@@ -432,7 +433,7 @@ def test_leaf_of_zero_values_per_record_counts_rows() -> None:
 
 
 def test_sorted_quantiles_equal_numpy_bit_for_bit_for_every_small_size() -> None:
-    import grain_replay.stats as stats_mod
+    import grain_replay.stats.results as stats_mod
 
     rng = np.random.default_rng(6)
     qs = [0.0, 1e-9, 0.01, 0.1, 0.25, 1 / 3, 0.5, 0.75, 0.9, 0.99, 1 - 1e-12, 1.0]

@@ -117,7 +117,7 @@ class JpegLeafReader(LeafReader):
         cache_key = (f"jpeg:{self._loc}", ep)
         packed = h.cache.get(cache_key)
         if packed is not None:
-            return packed  # type: ignore[no-any-return]
+            return packed
         dset = h.groups[ep].get(self._loc)
         steps = int(h.ends[ep] - h.starts[ep])
         need = steps + self._offset

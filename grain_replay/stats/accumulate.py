@@ -1,4 +1,4 @@
-"""Per-leaf statistics for normalization: one streaming pass, mergeable, cached beside the store."""
+"""The statistics' arithmetic: streaming moments, quantile samples, exact merges, results."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,14 +16,18 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 
 __all__ = [
+    "DEFAULT_BLOCK_BYTES",
     "DEFAULT_QUANTILES",
+    "DEFAULT_SAMPLE_ROWS",
+    "SAMPLE_BYTES",
     "LeafState",
     "StoreState",
-    "compute_stats",
-    "iter_json",
+    "describe_spec",
     "quantile_error",
     "quantile_name",
+    "scan",
     "stats_cache_path",
+    "worker_threads",
 ]
 
 # LeRobot's quantiles (its stats.json has q01, q10, q50, q90, q99).
@@ -33,8 +37,6 @@ DEFAULT_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 DEFAULT_SAMPLE_ROWS = 1 << 16
 # Bound of the bytes of one store's quantile sample: stores of large records keep fewer rows.
 SAMPLE_BYTES = 64 << 20
-# Values converted to float64 at a time when the quantiles are taken.
-_QUANTILE_VALUES = 1 << 22
 # Bytes of records read at a time (one read_batch), bounded to at least one row.
 DEFAULT_BLOCK_BYTES = 64 << 20
 # Values per step of the moment kernel: keeps its float64 scratch in the L2 cache.
@@ -120,8 +122,8 @@ class StoreState:
         """
         if other.spec != self.spec:
             raise InvalidStoreError(
-                f"cannot pool statistics of leaves {_describe(self.spec)} with "
-                f"{_describe(other.spec)}. Fix: pool stores with the same leaves, dtypes and "
+                f"cannot pool statistics of leaves {describe_spec(self.spec)} with "
+                f"{describe_spec(other.spec)}. Fix: pool stores with the same leaves, dtypes and "
                 "per-record shapes (select them with keys=[...])."
             )
         na, nb = self.count, other.count
@@ -158,7 +160,8 @@ def _gather_pair(a: np.ndarray, pick_a: Any, b: np.ndarray, pick_b: Any) -> np.n
     return out
 
 
-def _describe(spec: Mapping[str, LeafSpec]) -> str:
+def describe_spec(spec: Mapping[str, LeafSpec]) -> str:
+    """``{key: "dtype[shape]"}`` of a spec, for error messages."""
     return str({k: f"{s.dtype}{list(s.shape)}" for k, s in spec.items()})
 
 
@@ -261,7 +264,7 @@ class _Moments:
         self._add(other.count, other.mean, other.m2, other.lo, other.hi)
 
 
-def _threads() -> int:
+def worker_threads() -> int:
     """Threads that reduce a block (numpy's kernels release the GIL)."""
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -274,7 +277,7 @@ def _flat_reader(source: Any, keys: Sequence[str]) -> Callable[[np.ndarray], dic
     """rows -> ``{key: array}``: the source's ``read_flat`` if it has one, else ``read_batch``."""
     read_flat = getattr(source, "read_flat", None)
     if read_flat is not None and list(getattr(source, "keys", ())) == list(keys):
-        return read_flat  # type: ignore[no-any-return]
+        return read_flat
     read_leaf = getattr(source, "read_leaf", None)
     if read_leaf is not None:
         return lambda rows: {k: read_leaf(k, rows) for k in keys}
@@ -312,7 +315,7 @@ def scan(
     rng = np.random.default_rng([*seed, start, stop])
     k = min(sample_rows, n)
     pick = start + np.sort(rng.choice(n, size=k, replace=False)) if k < n else None
-    threads = _threads()
+    threads = worker_threads()
     # One accumulator per leaf and thread: each thread reduces its slice of every block.
     moments = [{key: _Moments(spec[key].dtype, sizes[key]) for key in keys} for _ in range(threads)]
     samples: dict[str, list[np.ndarray]] = {key: [] for key in keys}
@@ -354,303 +357,3 @@ def scan(
         sample = np.concatenate(samples[key]) if samples[key] else empty
         leaves[key] = LeafState(mo.mean, mo.m2, mo.lo, mo.hi, sample)
     return StoreState(n, spec, leaves, sample_rows)
-
-
-# -- results --------------------------------------------------------------------------------
-
-
-def finalize(state: StoreState, quantiles: Sequence[float]) -> dict[str, dict[str, np.ndarray]]:
-    """``{key: {"count", "mean", "std", "min", "max", "q01", ...}}`` of a pooled state.
-
-    The quantiles taken are kept in the leaves' states (and so in the cache).
-    """
-    out = {}
-    for key, leaf in state.leaves.items():
-        missing = [q for q in dict.fromkeys(quantiles) if q not in leaf.quantiles]
-        if missing:
-            leaf.quantiles |= dict(zip(missing, _quantiles(leaf.sample, missing, None)))
-        qs = np.array([leaf.quantiles[q] for q in quantiles]).reshape(len(quantiles), -1)
-        out[key] = _result(state.count, state.spec[key], leaf.mean, leaf.m2 / max(state.count, 1),
-                           leaf.lo, leaf.hi, qs, quantiles)  # fmt: skip
-    return out
-
-
-def _quantiles(
-    sample: np.ndarray, quantiles: Sequence[float], row_weights: np.ndarray | None
-) -> np.ndarray:
-    """``(len(quantiles), E)`` float64 quantiles of the columns of ``sample``.
-
-    Taken in float64 (exact for integers), a slice of columns at a time so the
-    float64 copy stays small. Without weights numpy's default linear method;
-    with per-row weights its ``inverted_cdf``, the one it defines for weights.
-    """
-    k, e = sample.shape
-    out = np.full((len(quantiles), e), np.nan)
-    if not k or not quantiles:
-        return out
-    step = max(1, _QUANTILE_VALUES // k)
-
-    def columns(a: int) -> None:
-        # Columns made contiguous rows, each sorted along the last axis.
-        cols = np.ascontiguousarray(sample[:, a : a + step].T, dtype=np.float64)
-        if row_weights is None:
-            out[:, a : a + step] = _linear_quantiles(cols, quantiles)
-        else:
-            w = np.broadcast_to(row_weights, cols.shape)
-            out[:, a : a + step] = np.quantile(
-                cols, list(quantiles), axis=1, method="inverted_cdf", weights=w
-            )
-
-    starts = range(0, e, step)
-    if len(starts) == 1:
-        columns(0)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(_threads()) as ex:
-            list(ex.map(columns, starts))
-    return out
-
-
-def _linear_quantiles(rows: np.ndarray, quantiles: Sequence[float]) -> np.ndarray:
-    """numpy's default (linear) quantiles along the last axis of ``rows`` (sorted in place),
-    bit for bit: numpy's virtual index ``(n - 1) q`` and its two-sided lerp.
-
-    ``np.quantile`` selects with ``np.partition``; a full ``np.sort`` (SIMD) of the
-    sample's columns is several times faster for the sample sizes used here.
-    """
-    rows.sort(axis=-1)
-    n = rows.shape[-1]
-    q = np.asarray(quantiles, dtype=np.float64)
-    virtual = (n - 1) * q
-    prev = np.floor(virtual)
-    above = virtual >= n - 1
-    lo = np.where(above, n - 1, prev).astype(np.intp)
-    hi = np.where(above, n - 1, prev + 1).astype(np.intp)
-    gamma = (virtual - np.where(above, -1.0, prev))[:, None]
-    a, b = rows[..., lo].T, rows[..., hi].T
-    diff = b - a
-    out = a + diff * gamma
-    return np.where(gamma >= 0.5, b - diff * (1 - gamma), out)
-
-
-def _result(
-    count: int,
-    spec: LeafSpec,
-    mean: np.ndarray,
-    var: np.ndarray,
-    lo: np.ndarray,
-    hi: np.ndarray,
-    qs: np.ndarray,
-    quantiles: Sequence[float],
-) -> dict[str, np.ndarray]:
-    shape = tuple(spec.shape)
-    if count == 0:
-        nan = np.full(shape, np.nan)
-        res = {"count": np.asarray(0, np.int64), "mean": nan, "std": nan.copy()}
-        res |= {"min": nan.copy(), "max": nan.copy()}
-        return res | {quantile_name(q): nan.copy() for q in quantiles}
-    qs = np.asarray(qs, dtype=np.float64)
-    if spec.dtype.kind == "f":
-        # NaN propagates as in numpy: an element holding a NaN has NaN quantiles too,
-        # even when the sample missed the row.
-        qs[:, np.isnan(lo)] = np.nan
-    res = {
-        "count": np.asarray(count, np.int64),
-        "mean": mean.reshape(shape),
-        "std": np.sqrt(var).reshape(shape),
-        "min": lo.reshape(shape),
-        "max": hi.reshape(shape),
-    }
-    return res | {quantile_name(q): qs[i].reshape(shape) for i, q in enumerate(quantiles)}
-
-
-def mix(
-    states: Mapping[str, StoreState], weights: Mapping[str, float], quantiles: Sequence[float]
-) -> dict[str, dict[str, np.ndarray]]:
-    """Statistics of the mixture that draws a record from store ``s`` with probability ``w[s]``.
-
-    Mean and variance are the mixture's (``sum w mean``, ``sum w (var + (mean -
-    m)**2)``); min and max range over the stores with positive weight; the
-    quantiles invert the mixture CDF ``sum w F_s`` built from the samples
-    (numpy's ``inverted_cdf`` with per-row weights ``w[s] / k_s``); ``count``
-    is the number of rows of all stores.
-    """
-    names = [s for s in states if weights[s] > 0]
-    total = float(sum(weights[s] for s in names))
-    w = {s: weights[s] / total for s in names}
-    first = states[names[0]]
-    out = {}
-    for key, spec in first.spec.items():
-        parts = [states[s] for s in names]
-        means = [p.leaves[key].mean for p in parts]
-        mean = sum(w[s] * m for s, m in zip(names, means))
-        var = sum(
-            w[s] * (p.leaves[key].m2 / max(p.count, 1) + (m - mean) ** 2)
-            for s, p, m in zip(names, parts, means)
-        )
-        lo = np.minimum.reduce([p.leaves[key].lo for p in parts])
-        hi = np.maximum.reduce([p.leaves[key].hi for p in parts])
-        samples = [p.leaves[key].sample for p in parts]
-        row_w = np.concatenate([np.full(len(x), w[s] / max(len(x), 1)) for s, x in
-                                zip(names, samples)])  # fmt: skip
-        qs = _quantiles(np.concatenate(samples), quantiles, row_w)
-        count = sum(states[s].count for s in states)
-        out[key] = _result(count, spec, np.asarray(mean), np.asarray(var), lo, hi, qs, quantiles)
-    return out
-
-
-def compute_stats(
-    source: Any,
-    *,
-    weights: Mapping[str, float] | None = None,
-    keys: Sequence[str] | str | None = None,
-    quantiles: Sequence[float] = DEFAULT_QUANTILES,
-    sample_rows: int = DEFAULT_SAMPLE_ROWS,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    cache: bool = True,
-    progress: Callable[[int], None] | None = None,
-) -> Any:
-    """Per-leaf count, mean, std, min, max and quantiles, for normalizing inputs.
-
-    One streaming pass reads the store in sequential blocks of about
-    ``block_bytes`` with ``read_batch`` (the next block is read while the
-    current one is reduced), so memory is bounded by two blocks plus the
-    quantile sample. Statistics are per element of the record shape (an
-    ``obs`` leaf of shape ``(17,)`` gets 17 means), as LeRobot's
-    ``stats.json``; moments accumulate in float64.
-
-    - ``count``: rows (0-d int64). ``mean``, ``std`` (population, ``ddof=0``):
-      float64 of the record shape. ``min``, ``max``: the leaf's dtype.
-    - Quantiles (``q01``, ``q10``, ``q50``, ``q90``, ``q99`` by default, see
-      :func:`quantile_name`): float64, numpy's linear method over a uniform
-      sample of ``sample_rows`` rows: exact for stores of at most that many
-      rows, otherwise within the rank error :func:`quantile_error`.
-    - NaN propagates as in numpy: an element with a NaN in any row has NaN
-      mean, std, min, max and quantiles. ±inf gives ±inf means and NaN stds.
-
-    The statistics of a local store are cached in :func:`stats_cache_path`.
-    When rows were appended since (``gr.ReplayWriter``), only the new rows are
-    read and merged exactly into the cached ones; a store that was rewritten
-    is read again.
-
-    Args:
-      source: a grain_replay source (or anything with ``spec``, ``__len__``
-        and ``read_batch``), a path for :func:`grain_replay.open_source`, or a
-        mapping ``{name: source}`` of stores with the same leaves.
-      weights: with a mapping, ``{name: share}``: the statistics of the
-        mixture ``make_data_loader(sources, weights=...)`` draws from. Without,
-        the stores are pooled (as one concatenated store, exactly).
-      keys: leaves or groups to compute; default all.
-      quantiles: probabilities in ``[0, 1]``.
-      sample_rows: rows per store kept for the quantiles.
-      block_bytes: bytes read per ``read_batch``.
-      cache: read and write the cache file.
-      progress: called with the number of rows after each block.
-
-    Returns:
-      The source's tree structure with, at each leaf, a dict of numpy arrays.
-
-    Raises:
-      InvalidStoreError: a leaf is not numeric, or the stores of a mapping
-        differ in leaves (each message names the leaf and the fix).
-      ValueError: bad quantiles, weights or sizes.
-
-    Example:
-      >>> stats = gr.compute_stats(gr.open_source("replay.h5"))
-      >>> obs = (batch["obs"] - stats["obs"]["mean"]) / (stats["obs"]["std"] + 1e-8)
-    """
-    from grain_replay.stats_store import store_state
-
-    quantiles = [float(q) for q in quantiles]
-    bad = [q for q in quantiles if not 0 <= q <= 1]
-    if bad:
-        raise ValueError(f"quantiles must lie in [0, 1], got {bad}")
-    if sample_rows <= 0:
-        raise ValueError(f"sample_rows must be positive, got {sample_rows}")
-    if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    opts: dict[str, Any] = {"sample_rows": sample_rows, "block_bytes": block_bytes, "cache": cache,
-            "progress": progress}  # fmt: skip
-    if isinstance(source, Mapping):
-        return _compute_many(source, weights, keys, quantiles, opts)
-    if weights is not None:
-        raise ValueError("weights= is for a mapping {name: source} of stores; got one source.")
-    state, treedef, save = store_state(_as_source(source), keys, **opts)
-    out = tree_lib.unflatten(treedef, finalize(state, quantiles))
-    save()  # after finalize: the cache keeps the quantiles taken
-    return out
-
-
-def _as_source(source: Any) -> Any:
-    if isinstance(source, (str, os.PathLike)):
-        import grain_replay as gr
-
-        return gr.open_source(source)
-    return source
-
-
-def _compute_many(
-    sources: Mapping[str, Any],
-    weights: Mapping[str, float] | None,
-    keys: Sequence[str] | str | None,
-    quantiles: list[float],
-    opts: dict[str, Any],
-) -> Any:
-    from grain_replay.stats_store import store_state
-
-    if not sources:
-        raise ValueError("compute_stats got an empty mapping of sources.")
-    if weights is not None:
-        if callable(weights) or not isinstance(weights, Mapping):
-            raise TypeError(
-                "weights must be a mapping {name: share}; a schedule (callable) has no single "
-                "mixture. Fix: pass the shares of the step you normalize for."
-            )
-        if set(weights) != set(sources):
-            raise ValueError(
-                f"weights names {sorted(weights)} but the sources are {sorted(sources)}. "
-                "Fix: give one share per source."
-            )
-        vals = [float(v) for v in weights.values()]
-        if any(not math.isfinite(v) or v < 0 for v in vals) or sum(vals) <= 0:
-            raise ValueError(f"weights must be finite, >= 0 and not all 0, got {dict(weights)}")
-    states: dict[str, StoreState] = {}
-    treedef: dict[str, Any] | None = None
-    first = ""
-    for name, src in sources.items():
-        state, tdef, save = store_state(_as_source(src), keys, **opts)
-        save()
-        if treedef is None:
-            treedef, first = tdef, name
-        elif state.spec != states[first].spec:
-            raise InvalidStoreError(
-                f"compute_stats: store {name!r} has leaves {_describe(state.spec)} but store "
-                f"{first!r} has {_describe(states[first].spec)}. Fix: mix stores with the same "
-                "leaves, dtypes and per-record shapes (select them with keys=[...])."
-            )
-        states[name] = state
-    assert treedef is not None
-    if weights is None:
-        pooled: StoreState | None = None
-        for i, state in enumerate(states.values()):
-            pooled = state if pooled is None else pooled.pool(state, [7, i])
-        assert pooled is not None
-        return tree_lib.unflatten(treedef, finalize(pooled, quantiles))
-    empty = [name for name, state in states.items() if state.count == 0 and weights[name] > 0]
-    if empty:
-        raise ValueError(
-            f"compute_stats: stores {empty} have no rows but a positive share in {dict(weights)}. "
-            "Fix: give them weight 0 or leave them out."
-        )
-    return tree_lib.unflatten(
-        treedef, mix(states, {k: float(v) for k, v in weights.items()}, quantiles)
-    )
-
-
-def iter_json(stats: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(leaf key, {stat: nested lists})`` pairs of a :func:`compute_stats` result."""
-    flat, _ = tree_lib.flatten(stats, where="stats")
-    grouped: dict[str, dict[str, Any]] = {}
-    for key, value in flat.items():
-        leaf, _, stat = key.rpartition("/")
-        grouped.setdefault(leaf, {})[stat] = np.asarray(value).tolist()
-    yield from grouped.items()

@@ -13,7 +13,13 @@ import numpy as np
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess, local_path
-from grain_replay.stats import SAMPLE_BYTES, LeafState, StoreState, scan, stats_cache_path
+from grain_replay.stats.accumulate import (
+    SAMPLE_BYTES,
+    LeafState,
+    StoreState,
+    scan,
+    stats_cache_path,
+)
 
 __all__ = ["store_state"]
 
@@ -159,7 +165,7 @@ def _save(file: str, source: Any, path: str, state: StoreState, sample_rows: int
     tmp = f"{file}.{os.getpid()}.partial"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
+            np.savez(f, **arrays)
         os.replace(tmp, file)
     except OSError as e:
         logger.info("%s: cannot write the statistics cache (%s); continuing without", file, e)
