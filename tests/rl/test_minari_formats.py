@@ -15,14 +15,8 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from rl_fixtures import (
-    SourceContract,
-    check_grain_loader,
-    collect_minari,
-    register_dict_env,
-    register_image_env,
-    write_minari_file,
-)
+from conformance import SourceTests
+from rl_fixtures import collect_minari, register_dict_env, register_image_env, write_minari_file
 from test_minari import _expect_from_minari
 
 import grain_replay as gr
@@ -97,7 +91,7 @@ def _check_all_match_minari(src: MinariDataSource, dataset_id: str, infos: bool 
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-class TestJpegImagesHdf5(SourceContract):
+class TestJpegImagesHdf5(SourceTests):
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
@@ -113,11 +107,6 @@ class TestJpegImagesHdf5(SourceContract):
         assert src.spec["observations/rgb"].shape == (40, 48, 3)
         assert src.spec["next_observations/grey"] == gr.LeafSpec(np.dtype(np.uint8), (36, 36))
         _check_all_match_minari(src, "images/hdf5-v0")
-
-    def test_grain_dataloader_with_workers_decodes_every_frame(
-        self, src: MinariDataSource, expect: Any
-    ) -> None:
-        check_grain_loader(src, expect)
 
     def test_each_distinct_frame_is_decoded_once_per_batch(
         self, src: MinariDataSource, monkeypatch: pytest.MonkeyPatch
@@ -139,7 +128,7 @@ class TestJpegImagesHdf5(SourceContract):
         assert src.episodes.lengths.tolist() == [len(e.rewards) for e in eps]
 
 
-class TestJpegImagesArrow(SourceContract):
+class TestJpegImagesArrow(SourceTests):
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
@@ -153,11 +142,6 @@ class TestJpegImagesArrow(SourceContract):
     def test_frames_decode_exactly_as_minari_load_dataset(self, src: MinariDataSource) -> None:
         assert src.format == "arrow"
         _check_all_match_minari(src, "images/arrow-v0")
-
-    def test_grain_dataloader_with_workers_decodes_every_frame(
-        self, src: MinariDataSource, expect: Any
-    ) -> None:
-        check_grain_loader(src, expect)
 
     def test_each_distinct_frame_is_decoded_once_per_batch(
         self, src: MinariDataSource, monkeypatch: pytest.MonkeyPatch
@@ -174,7 +158,7 @@ class TestJpegImagesArrow(SourceContract):
         assert sum(decoded) == 4 * 2
 
 
-class TestArrowDictSpace(SourceContract):
+class TestArrowDictSpace(SourceTests):
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
@@ -199,13 +183,8 @@ class TestArrowDictSpace(SourceContract):
         got = src.read_flat(np.arange(len(src)))
         np.testing.assert_array_equal(got["infos/t"], got["rewards"].astype(np.int64))
 
-    def test_grain_dataloader_with_workers_reads_every_transition(
-        self, src: MinariDataSource, expect: Any
-    ) -> None:
-        check_grain_loader(src, expect)
 
-
-class TestArrowCartPole(SourceContract):
+class TestArrowCartPole(SourceTests):
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
