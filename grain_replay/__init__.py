@@ -6,9 +6,12 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
+    InvalidArgumentError,
     InvalidPrefetchError,
     InvalidShardingError,
     InvalidStoreError,
@@ -72,6 +75,10 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
+    "SequenceDataSource",
+    # statistics (grain_replay.stats)
+    "compute_stats",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -81,15 +88,18 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "CheckpointMismatchError",
     "ReferenceRefusedError",
     "InvalidShardingError",
     "InvalidPrefetchError",
     "UnsupportedStateError",
-    "CheckpointMismatchError",
     "RetryOptions",
 ]
 
@@ -99,6 +109,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "compute_stats": "grain_replay.stats",
     **{
         name: "grain_replay.rl"
         for name in (
@@ -109,6 +120,8 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
+            "SequenceDataSource",
         )
     },
 }

@@ -14,13 +14,16 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "CheckpointMismatchError",
     "ReferenceRefusedError",
     "WriterBusyError",
     "WorkerDiedError",
     "InvalidShardingError",
     "InvalidPrefetchError",
     "UnsupportedStateError",
-    "CheckpointMismatchError",
+    "FrameTimestampError",
 ]
 
 
@@ -72,6 +75,22 @@ class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
 
 
+class FrameTimestampError(InvalidStoreError):
+    """No video frame lies within ``tolerance_s`` of a frame's timestamp (LeRobot datasets)."""
+
+
+class InvalidArgumentError(GrainReplayError, ValueError):
+    """An argument's value is outside what the call accepts (an empty offset list, a bad mode)."""
+
+
+class ArgumentTypeError(GrainReplayError, TypeError):
+    """An argument has the wrong type (a float where offsets in steps are integers)."""
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""
+
+
 class ReferenceRefusedError(InvalidStoreError):
     """A leaf refers outside its file (HDF5 external link, virtual dataset, external storage)
     and ``allow_external`` is False; never worth a retry."""
@@ -91,7 +110,3 @@ class InvalidPrefetchError(GrainReplayError, ValueError):
 
 class UnsupportedStateError(GrainReplayError, TypeError):
     """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
-
-
-class CheckpointMismatchError(GrainReplayError, ValueError):
-    """A loader state was saved by another stream, or cannot be resumed by this loader."""
