@@ -17,7 +17,7 @@ from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
-__all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
+__all__ = ["LoaderOptions", "BatchedReads", "LoaderPlan", "make_data_loader", "replay_dataset"]
 
 # Below this many records a whole epoch's order is computed once and sliced
 # per batch (int32: 32 MiB at the limit); above it each batch's slice of the
@@ -92,6 +92,7 @@ class BatchedReads:
                 f"{shard_count} process(es). Fix: lower batch_size, or use drop_remainder=False."
             )
         self.batches_per_epoch = per_epoch
+        self.num_records = n  # fixed at construction: a growing store's new rows are not read
         self._n = n
         self._order_lock = threading.Lock()
         self._orders: dict[int, np.ndarray] = {}
@@ -165,6 +166,21 @@ class _GlobalBatchSampler:
         return f"_GlobalBatchSampler(num_batches={self._num_batches})"
 
 
+@dataclasses.dataclass(frozen=True)
+class LoaderPlan:
+    """What a loader of :func:`make_data_loader` reads, for code that replays it elsewhere.
+
+    Process ``shard_index`` of ``shard_count`` hands out global batches
+    ``shard_index, shard_index + shard_count, ...`` of ``reads``.
+    """
+
+    reads: BatchedReads
+    shard_index: int
+    shard_count: int
+    worker_count: int
+    operations: tuple[Any, ...]
+
+
 class _ReplayDataLoader(grain.DataLoader):
     """A ``grain.DataLoader`` whose iterators skip grain's per-element work.
 
@@ -174,6 +190,15 @@ class _ReplayDataLoader(grain.DataLoader):
     memory). Both yield grain's elements in grain's order and read and write
     grain's checkpoint bytes. Any other operation falls back to grain's iterator.
     """
+
+    def __init__(self, *, plan: LoaderPlan, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._plan = plan
+
+    @property
+    def plan(self) -> LoaderPlan:
+        """The batches this loader reads: its ``BatchedReads``, shard, workers and operations."""
+        return self._plan
 
     def __iter__(self) -> grain.DataLoaderIterator:
         ops = self._operations
@@ -278,7 +303,12 @@ def make_data_loader(
     shard_options = shard_options if shard_options is not None else _default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()
+    operations = tuple(operations)
+    plan = LoaderPlan(
+        reads, shard_options.shard_index, shard_options.shard_count, worker_count, operations
+    )
     return _ReplayDataLoader(
+        plan=plan,
         data_source=reads,
         sampler=_GlobalBatchSampler(len(reads)),
         operations=list(operations),
