@@ -238,6 +238,7 @@ class ResidentReplayIterator(Iterator[Any]):
         self._window = max(
             1, min(_MAX_WINDOW, _WINDOW_BYTES // max(1, rows_per_device * probe.record_bytes))
         )
+        self.window = self._window  # batches gathered by one dispatch
         store_bytes = n * probe.record_bytes
         # Up to one and a half windows are alive at once (see __next__); count two.
         window_bytes = 2 * self._window * rows_per_device * (probe.record_bytes + 4)
