@@ -91,7 +91,7 @@ _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
-    "RetryOptions": "grain_replay.sources.remote",
+    "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     **{
         name: "grain_replay.rl"

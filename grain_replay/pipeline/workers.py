@@ -37,7 +37,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
 from grain_replay.pipeline.state import GrainStateIterator, handed_out_by_worker
-from grain_replay.sources.chunked import share_cache_budget
+from grain_replay.sources.reading.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
 
