@@ -39,6 +39,7 @@ __all__ = ["run_device"]
 _SLICES = 6
 _DRAIN = 3  # untimed steps before a slice: more than sharded_device_put's prefetch of 2
 ON_DEVICE_BATCHES = 8
+_WHOLE_BUDGET_S = 15.0  # most seconds a case may take to time whole gather windows
 # Targets of issue 17. On CPU only the resident/host ratio has one; the others are
 # host-to-device targets, reported as plain numbers where there is no such link.
 RESIDENT_CPU_TARGET = 5.0
@@ -64,10 +65,10 @@ def _paired(
     one = dataclasses.replace(cfg, repeats=1, case_budget_s=None)
     per_slice = {}
     for m, step in steps.items():
-        k, _ = time_steps(step, one, warmup=6, warmup_s=cfg.target_s)
+        k, t = time_steps(step, one, warmup=6, warmup_s=cfg.target_s)
         per_slice[m] = max(1, k // _SLICES)
         rounded = -(-per_slice[m] // whole[m]) * whole[m] if m in whole else 0
-        if rounded and rounded <= 4 * per_slice[m]:
+        if rounded and rounded * _SLICES * cfg.repeats * t[0] / k <= _WHOLE_BUDGET_S:
             per_slice[m] = rounded
         elif m in whole:  # slow steps (a conv step): whole windows would take minutes
             del whole[m]
