@@ -112,7 +112,7 @@ def _host_available_bytes() -> int:
 
 
 class _Probe:
-    """Leaf structure, device dtypes and per-record bytes of a source, from its first record."""
+    """A source's leaves (structure, device dtypes, bytes) from its first record; their packing."""
 
     def __init__(self, source: Any) -> None:
         first = source.read_batch(np.arange(1))
@@ -121,10 +121,80 @@ class _Probe:
         # The dtype jax gives the leaf on the device (float64 -> float32 without x64),
         # as the host pipeline's transfer does.
         self.dtypes = [jax.dtypes.canonicalize_dtype(np.asarray(a).dtype) for a in leaves]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.record_bytes = sum(
-            int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
-            for s, d in zip(self.shapes, self.dtypes, strict=True)
+            n * np.dtype(d).itemsize for n, d in zip(self.sizes, self.dtypes, strict=True)
         )
+        # The store is held as one row matrix per group of leaves: leaves whose dtype
+        # can be bitcast to an unsigned int share the group of that width (a transition's
+        # float32 and int32 leaves become one uint32 row), so a batch is one gather per
+        # group rather than one per leaf (on XLA:CPU, 3-4x less time per batch).
+        # A leaf alone in its group, or of another dtype (complex), is held as it is.
+        self.groups: list[list[int]] = []
+        self.group_dtypes: list[np.dtype[Any]] = []
+        by_width: dict[int, int] = {}
+        for i, d in enumerate(self.dtypes):
+            d = np.dtype(d)
+            packable = d == np.bool_ or d.kind in "iuf" or jnp.issubdtype(d, jnp.floating)
+            if packable and d.itemsize in (1, 2, 4, 8):
+                g = by_width.get(d.itemsize)
+                if g is None:
+                    g = by_width[d.itemsize] = len(self.groups)
+                    self.groups.append([])
+                    self.group_dtypes.append(np.dtype(f"uint{8 * d.itemsize}"))
+                self.groups[g].append(i)
+            else:
+                self.groups.append([i])
+                self.group_dtypes.append(d)
+        for g, members in enumerate(self.groups):  # a leaf alone is held as it is
+            if len(members) == 1:
+                self.group_dtypes[g] = np.dtype(self.dtypes[members[0]])
+
+    def group_shapes(self, n: int) -> list[tuple[int, ...]]:
+        """Shape of each group's row matrix for ``n`` records."""
+        out: list[tuple[int, ...]] = []
+        for members in self.groups:
+            if len(members) == 1:
+                out.append((n, *self.shapes[members[0]]))
+            else:
+                out.append((n, sum(self.sizes[i] for i in members)))
+        return out
+
+    def pack(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        """Traced: the leaves of a chunk of rows as the groups' row matrices (bit-exact)."""
+        out = []
+        for members, dtype in zip(self.groups, self.group_dtypes, strict=True):
+            if len(members) == 1:
+                out.append(leaves[members[0]])
+                continue
+            cols = []
+            for i in members:
+                x = leaves[i].reshape(leaves[i].shape[0], -1)
+                x = (
+                    x.astype(dtype)
+                    if x.dtype == jnp.bool_
+                    else jax.lax.bitcast_convert_type(x, dtype)
+                )
+                cols.append(x)
+            out.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
+        return out
+
+    def unpack(self, rows: list[jax.Array]) -> list[jax.Array]:
+        """Traced: the leaves of gathered group rows, in leaf order."""
+        leaves: list[Any] = [None] * len(self.dtypes)
+        for members, r in zip(self.groups, rows, strict=True):
+            if len(members) == 1:
+                leaves[members[0]] = r
+                continue
+            offset = 0
+            for i in members:
+                x = r[:, offset : offset + self.sizes[i]].reshape(r.shape[0], *self.shapes[i])
+                offset += self.sizes[i]
+                target = self.dtypes[i]
+                leaves[i] = (
+                    x != 0 if target == jnp.bool_ else jax.lax.bitcast_convert_type(x, target)
+                )
+        return leaves
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -141,20 +211,22 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 def _load(
     source: Any, n: int, probe: _Probe, replicated: NamedSharding, progress: bool
 ) -> list[jax.Array]:
-    """Rows ``[0, n)`` of ``source`` as one array per leaf, replicated on every device.
+    """Rows ``[0, n)`` of ``source`` as the probe's group matrices, replicated on every device.
 
     Reads ``_CHUNK_BYTES`` of rows at a time and writes them into preallocated device
     buffers (donated, so updated in place): the host holds one chunk, never the store.
+    Each chunk's leaves are put as the host pipeline puts them (same dtype conversion)
+    and packed on the devices.
     """
-    shapes = [(n, *s) for s in probe.shapes]
+    shapes = probe.group_shapes(n)
     allocate = jax.jit(
-        lambda: [jnp.zeros(s, d) for s, d in zip(shapes, probe.dtypes, strict=True)],
+        lambda: [jnp.zeros(s, d) for s, d in zip(shapes, probe.group_dtypes, strict=True)],
         out_shardings=replicated,
     )
     update = jax.jit(
         lambda bufs, chunk, lo: [
             jax.lax.dynamic_update_slice_in_dim(b, c, lo, axis=0)
-            for b, c in zip(bufs, chunk, strict=True)
+            for b, c in zip(bufs, probe.pack(chunk), strict=True)
         ],
         donate_argnums=0,
         out_shardings=replicated,
@@ -270,7 +342,7 @@ class ResidentReplayIterator(Iterator[Any]):
         def gather(store: list[jax.Array], ids: jax.Array) -> tuple[list[jax.Array], ...]:
             # Per device: ids is (steps, this device's rows); store is the whole replica.
             return tuple(
-                [jnp.take(leaf, ids[k], axis=0, mode="clip") for leaf in store]
+                probe.unpack([jnp.take(group, ids[k], axis=0, mode="clip") for group in store])
                 for k in range(ids.shape[0])
             )
 

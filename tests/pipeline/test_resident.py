@@ -313,3 +313,31 @@ def test_pinned_staging_falls_back_without_pinned_host(
         (out,) = list(gr.sharded_device_put([batch], pinned=True))
     assert "no pinned_host memory" in caplog.text
     np.testing.assert_array_equal(np.asarray(out["x"]), batch["x"])
+
+
+def test_packs_leaves_of_every_width_bit_exact(tmp_path: Path) -> None:
+    """Leaves share a packed row per dtype width; -0.0, NaN payloads and complex survive."""
+    rng = np.random.default_rng(3)
+    n = 64
+    f32 = rng.standard_normal((n, 3)).astype(np.float32)
+    f32[0, 0] = -0.0
+    f32[1, 1] = np.frombuffer(np.uint32(0x7FC00123).tobytes(), np.float32)[0]  # NaN payload
+    tree = {
+        "f32": f32,
+        "i32": rng.integers(-(2**31), 2**31 - 1, (n, 2), dtype=np.int32),
+        "f16": rng.standard_normal((n, 2, 2)).astype(np.float16),
+        "i16": rng.integers(-300, 300, n, dtype=np.int16),
+        "i8": rng.integers(-128, 127, (n, 5), dtype=np.int8),
+        "u8": rng.integers(0, 255, (n, 1), dtype=np.uint8),
+        "b": rng.random((n, 2)) < 0.5,
+        "c64": (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(np.complex64),
+    }
+    gr.write(str(tmp_path / "w"), tree, format="npy")
+    loader = gr.make_data_loader(gr.open_source(str(tmp_path / "w")), batch_size=16, num_epochs=2)
+    host = list(gr.sharded_device_put(loader))
+    resident = list(gr.sharded_device_put(loader, resident=True))
+    _assert_same_batches(host, resident)
+    for h, r in zip(host, resident, strict=True):  # bit patterns, not just values
+        np.testing.assert_array_equal(
+            np.asarray(h["f32"]).view(np.uint32), np.asarray(r["f32"]).view(np.uint32)
+        )
