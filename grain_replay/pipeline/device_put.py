@@ -380,6 +380,8 @@ def sharded_device_put(
             batch is gathered on the devices, the same batches in the same order, sharded
             the same way, with the loader's checkpoint bytes. ``"auto"``: the same, but fall
             back to the host pipeline (with a warning) where it does not apply or fit.
+            ``prefetch`` does not apply: batches are gathered up to 64 per dispatch, the
+            next group queued while half of the current one is left.
         budget_bytes: Device memory per device that ``resident`` may use (the store plus
             the batches gathered ahead); default: half of the free memory the device
             reports (on CPU, half of the available host memory over the devices).

@@ -274,6 +274,11 @@ class ResidentReplayIterator(Iterator[Any]):
     :func:`grain_replay.sharded_device_put`. Yields the same pytrees of sharded
     ``jax.Array`` as ``sharded_device_put(loader)``, in the same order, and its
     ``get_state``/``set_state`` bytes are those of the loader's own iterator.
+
+    Attributes:
+        window: Batches gathered by one dispatch (up to 64, fewer for big batches); the
+            next window is queued when half of the current one is handed out.
+        device_bytes: Device memory used per device: the store's replica plus two windows.
     """
 
     def __init__(
