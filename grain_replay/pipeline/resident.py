@@ -437,11 +437,14 @@ class ResidentReplayIterator(Iterator[Any]):
             self._loader, state, plan.worker_count, plan.shard_index, plan.shard_count
         )
         self._ready.clear()
-        self._closed = False
 
     def close(self) -> None:
-        """Drops the batches gathered ahead; iteration then ends. The store stays loaded."""
+        """Releases the store's device memory and the batches gathered ahead; iteration ends.
+
+        Final: ``set_state`` does not reopen a closed iterator (make a new one).
+        """
         self._ready.clear()
+        self._store = []
         self._closed = True
 
     def __enter__(self) -> Self:

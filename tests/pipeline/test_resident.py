@@ -7,6 +7,7 @@ import os
 # Must precede the first jax import: 8 fake CPU devices, as `make test` runs.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -270,10 +271,18 @@ def test_loads_only_rows_the_loader_was_made_with(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.sort(seen), np.arange(64))
 
 
-def test_close_ends_iteration_and_context_manager(store: str) -> None:
+def test_close_releases_store_and_ends_iteration_for_good(store: str) -> None:
     loader = gr.make_data_loader(gr.open_source(store), batch_size=16, num_epochs=None)
     with gr.sharded_device_put(loader, resident=True) as res:
+        state = res.get_state()
         next(res)
+        # The store's replicas: one (N, ...) array per group of leaves (batches have 16 rows).
+        held = sum(a.shape[:1] == (N,) for a in jax.live_arrays())
+    gc.collect()
+    assert sum(a.shape[:1] == (N,) for a in jax.live_arrays()) <= held - 2
+    with pytest.raises(StopIteration):
+        next(res)
+    res.set_state(state)
     with pytest.raises(StopIteration):
         next(res)
 
