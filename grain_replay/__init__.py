@@ -6,12 +6,19 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
+    CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
+    InvalidArgumentError,
+    InvalidPrefetchError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    ReferenceRefusedError,
     ResidentBudgetError,
     ResidentUnsupportedError,
     StoreAccessError,
@@ -19,7 +26,9 @@ from grain_replay.errors import (
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -31,7 +40,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -69,6 +77,8 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -78,12 +88,20 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "ResidentBudgetError",
     "ResidentUnsupportedError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
 ]
 
@@ -103,6 +121,8 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
+            "SequenceDataSource",
         )
     },
 }

@@ -283,7 +283,6 @@ class ResidentReplayIterator(Iterator[Any]):
 
     def __init__(
         self,
-        loader: Any,
         plan: LoaderPlan,
         sharding: NamedSharding,
         *,
@@ -291,10 +290,9 @@ class ResidentReplayIterator(Iterator[Any]):
         progress: bool = True,
     ) -> None:
         reads = plan.reads
-        self._loader = loader
-        self._plan = plan
+        self._identity = plan.identity
         self._reads = reads
-        self._length = len(reads) // plan.shard_count
+        self._length = len(reads) // plan.identity.shard_count
         self._batch_size = reads.options.batch_size
         self._sharding = sharding
         mesh, axis = sharding.mesh, sharding.spec[0] if sharding.spec else None
@@ -381,8 +379,8 @@ class ResidentReplayIterator(Iterator[Any]):
         return batch
 
     def _record_ids(self, j: int) -> np.ndarray:
-        plan = self._plan
-        return self._reads.record_ids(j * plan.shard_count + plan.shard_index)
+        ident = self._identity
+        return self._reads.record_ids(j * ident.shard_count + ident.shard_index)
 
     def _fill(self, start: int) -> None:
         """Gathers the window of batches from element ``start`` on with one dispatch."""
@@ -417,10 +415,7 @@ class ResidentReplayIterator(Iterator[Any]):
 
     def get_state(self) -> bytes:
         """The loader iterator's state right after the last batch handed out (same bytes)."""
-        plan = self._plan
-        return loader_state_bytes(
-            self._loader, self._next, plan.worker_count, plan.shard_index, plan.shard_count
-        )
+        return loader_state_bytes(self._identity, self._next)
 
     def set_state(self, state: bytes) -> None:
         """Resumes right after the batch at which ``state`` was saved.
@@ -430,12 +425,10 @@ class ResidentReplayIterator(Iterator[Any]):
                 (``sharded_device_put(loader)`` or ``iter(loader)``).
 
         Raises:
-            ValueError: ``state`` was saved with another worker count, sampler or source.
+            CheckpointMismatchError: (a ``ValueError``) ``state`` is not a state of this
+                loader's stream.
         """
-        plan = self._plan
-        self._next = handed_out_from_state(
-            self._loader, state, plan.worker_count, plan.shard_index, plan.shard_count
-        )
+        self._next = handed_out_from_state(self._identity, state)
         self._ready.clear()
 
     def close(self) -> None:
@@ -478,7 +471,7 @@ def resident_device_put(
     try:
         plan = _plan_of(batches)
         return ResidentReplayIterator(
-            batches, plan, _batch_sharding(sharding), budget_bytes=budget_bytes, progress=progress
+            plan, _batch_sharding(sharding), budget_bytes=budget_bytes, progress=progress
         )
     except (ResidentBudgetError, ResidentUnsupportedError) as e:
         if resident != "auto":

@@ -165,7 +165,7 @@ def test_set_state_refuses_state_of_another_loader(store: str) -> None:
     a = gr.make_data_loader(src, batch_size=16, seed=1)
     b = gr.make_data_loader(src, batch_size=8, seed=1)
     res = gr.sharded_device_put(a, resident=True)
-    with pytest.raises(ValueError):
+    with pytest.raises(gr.CheckpointMismatchError, match="Sampler in checkpoint"):
         res.set_state(gr.sharded_device_put(b).get_state())
 
 
