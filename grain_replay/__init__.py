@@ -8,9 +8,13 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
     GrainReplayError,
+    InvalidPriorityError,
+    InvalidSamplingError,
     InvalidStoreError,
     InvalidTreeError,
+    LeafMismatchError,
     MissingDependencyError,
+    PriorityIndexError,
     RecordIndexError,
     StoreAccessError,
     StoreExistsError,
@@ -59,6 +63,10 @@ __all__ = [
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    # sampling: mixtures and replay (grain_replay.sampling)
+    "UniformReplay",
+    "PrioritizedReplay",
+    "Sampled",
     # RL views (grain_replay.rl)
     "EpisodeIndex",
     "build_episode_index",
@@ -81,6 +89,10 @@ __all__ = [
     "StoreAccessError",
     "StoreUnreachableError",
     "RetryOptions",
+    "InvalidSamplingError",
+    "LeafMismatchError",
+    "InvalidPriorityError",
+    "PriorityIndexError",
 ]
 
 _LAZY = {
@@ -89,6 +101,9 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.sources.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "UniformReplay": "grain_replay.sampling",
+    "PrioritizedReplay": "grain_replay.sampling",
+    "Sampled": "grain_replay.sampling",
     **{
         name: "grain_replay.rl"
         for name in (

@@ -14,6 +14,10 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidSamplingError",
+    "LeafMismatchError",
+    "InvalidPriorityError",
+    "PriorityIndexError",
 ]
 
 
@@ -63,3 +67,19 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class InvalidSamplingError(GrainReplayError, ValueError):
+    """A sampling option (mixture weights, replay settings) is not valid."""
+
+
+class LeafMismatchError(GrainReplayError, ValueError):
+    """The sources of a mixture do not hold the same leaves."""
+
+
+class InvalidPriorityError(GrainReplayError, ValueError):
+    """A priority update is negative, NaN, infinite or of the wrong length."""
+
+
+class PriorityIndexError(GrainReplayError, IndexError):
+    """A priority update names a row this iterator never handed out."""

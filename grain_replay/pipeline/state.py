@@ -125,6 +125,11 @@ class GrainStateIterator(grain.DataLoaderIterator):
         )
         self._seek()
 
+    def seek(self, position: int) -> None:
+        """Resumes at element ``position`` of this process (0: the first)."""
+        self._next_index = int(position)
+        self._seek()
+
     def _seek(self) -> None:
         """Drops what was read ahead of ``_next_index``."""
 
