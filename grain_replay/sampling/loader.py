@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 _ENDLESS = sys.maxsize // 4
 _STATE_VERSION = 1
+# Draws kept after their batch is handed out: a consumer reading ahead (such as
+# sharded_device_put) checkpoints a position up to its read-ahead behind ours.
+_KEEP_DRAWN = 64
 
 
 class Stream(Protocol):
@@ -308,7 +311,7 @@ class SamplingIterator:
             task, extra, _ = self._entry(step)
             data = self._read(task)
         with self._lock:
-            self._drawn.pop(step, None)
+            self._drawn.pop(step - _KEEP_DRAWN, None)
             self._position = step + 1
         return self._stream.finish(data, extra)
 
@@ -457,9 +460,7 @@ class SamplingIterator:
             ) from e
         with self._lock:
             sampler.set_state(state)
-            self._drawn = {
-                int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight) if s >= 0
-            }
+            self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
             self._next_draw = next_draw
         if self._inner is not None:
             self._inner.seek(self._position)
