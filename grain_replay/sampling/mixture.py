@@ -22,6 +22,10 @@ from grain_replay.pipeline.shuffle import permute
 
 __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
 
+# As in pipeline/loader.py: below this many records a source's epoch order is
+# computed once per epoch (int32) and sliced; above, each batch permutes its own slice.
+_CACHED_ORDER_MAX_RECORDS = 1 << 23
+
 Weights = Mapping[str, float] | Callable[[int], Mapping[str, float]]
 
 
@@ -104,6 +108,7 @@ class MixtureSampler:
         self._debt = np.zeros(len(self.names))
         self._given = np.zeros(len(self.names), dtype=np.int64)  # rows per process so far
         self._step = 0
+        self._orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> order
 
     def weights_at(self, step: int) -> np.ndarray:
         """The normalized weights of ``step``."""
@@ -141,9 +146,25 @@ class MixtureSampler:
         out = np.empty(count, dtype=np.int64)
         for e in np.unique(epoch):  # a batch spans at most a few epochs
             sel = epoch == e
-            # Each source has its own seed stream: (seed, source position) -> epochs.
-            out[sel] = permute(offset[sel], n, self._seed ^ (0x5EED * (s + 1)), int(e))
+            if n <= _CACHED_ORDER_MAX_RECORDS:
+                out[sel] = self._order(s, int(e))[offset[sel]]
+            else:
+                out[sel] = permute(offset[sel], n, self._source_seed(s), int(e))
         return out
+
+    def _source_seed(self, s: int) -> int:
+        # Each source has its own seed stream: (seed, source position) -> epochs.
+        return (self._seed ^ (0x5EED * (s + 1))) & ((1 << 64) - 1)
+
+    def _order(self, s: int, epoch: int) -> np.ndarray:
+        order = self._orders.get((s, epoch))
+        if order is None:
+            n = self.sizes[s]
+            order = permute(np.arange(n), n, self._source_seed(s), epoch).astype(np.int32)
+            # Keep this and the previous epoch of each source (a batch may span both).
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != s or k[1] >= epoch - 1}
+            self._orders[(s, epoch)] = order
+        return order
 
     def state(self) -> dict[str, Any]:
         """JSON-able state before the next draw (floats round-trip exactly through JSON)."""

@@ -168,6 +168,11 @@ class PrioritySampler:
             self._seen[local] = True
             return local * self._count + self._p, weight.astype(np.float32)
 
+    def apply_updates(self, step: int) -> None:
+        """Writes the queued updates that the draw of ``step`` may see into the tree."""
+        with self._lock:
+            self._apply(step)
+
     def _apply(self, step: int) -> None:
         keep = []
         for stamp, local, priorities in self._pending:

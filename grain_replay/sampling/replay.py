@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,13 +63,24 @@ class UniformReplay:
 
 
 class StoreLength:
-    """The committed length of a source, re-read on a schedule of steps or on request."""
+    """The committed length of a source, re-read on a schedule of steps or on request.
+
+    The length is read from a copy of the source that never reads rows (its
+    ``refresh()`` re-reads the metadata only), so looking costs no reopening of the
+    store's files; the reading copy refreshes only when a drawn row is past its end
+    (:class:`RowReader`).
+    """
 
     def __init__(self, source: Any, refresh_every: int | None) -> None:
-        self._source = source
         self._every = refresh_every
         self._forced = False
         self.n = len(source)
+        self._probe = source
+        if callable(getattr(source, "refresh", None)):
+            try:  # grain_replay's sources pickle without handles: an independent copy
+                self._probe = pickle.loads(pickle.dumps(source))
+            except Exception:
+                self._probe = source
 
     def request(self) -> None:
         """The next draw re-reads the length."""
@@ -79,9 +91,9 @@ class StoreLength:
         due = self._forced or (self._every is not None and step % self._every == 0)
         if due:
             self._forced = False
-            refresh = getattr(self._source, "refresh", None)
+            refresh = getattr(self._probe, "refresh", None)
             # A reader never goes back: a store is only appended to.
-            self.n = max(self.n, int(refresh()) if callable(refresh) else len(self._source))
+            self.n = max(self.n, int(refresh()) if callable(refresh) else len(self._probe))
         return self.n
 
 
