@@ -26,7 +26,7 @@ from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 from grain_replay.sampling.mixture import MixtureReader, MixtureSampler, Weights
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
-from grain_replay.sampling.replay import RowReader, UniformReplay, UniformSampler
+from grain_replay.sampling.replay import RowReader, StoreLength, UniformReplay, UniformSampler
 
 __all__ = [
     "SamplingDataLoader",
@@ -71,8 +71,11 @@ class _MixtureStream:
 
     def describe(self) -> dict[str, Any]:
         s = self.sampler
+        replay = s.replay
         return {
-            "sources": dict(zip(s.names, s.sizes)),
+            # a replayed source grows: its size is no part of what must match
+            "sources": list(s.names) if replay else dict(zip(s.names, s.sizes)),
+            "replay": replay,
             "batch_size": s.batch_size,
             "seed": self._seed,
         }
@@ -157,11 +160,11 @@ def make_stream(
     """The stream of ``source`` (a source or a mapping of them) under ``sampling``."""
     describe = {"batch_size": batch_size, "seed": seed, "shard": [shard_index, shard_count]}
     if isinstance(source, Mapping):
-        if sampling != "epochs":
+        if sampling != "epochs" and not isinstance(sampling, UniformReplay):
             raise InvalidSamplingError(
                 f"sampling={sampling!r} replays one source; got a mapping of "
-                f"{len(source)} sources. Fix: mix them with weights= and the default "
-                "sampling='epochs', or replay one store."
+                f"{len(source)} sources. Fix: mix them with weights= and sampling='epochs' "
+                "or gr.UniformReplay(), or replay one store."
             )
         if weights is None:
             raise InvalidSamplingError(
@@ -173,8 +176,11 @@ def make_stream(
         )
         sizes = {name: len(src) for name, src in source.items()}
         empty = [n for n, size in sizes.items() if size == 0]
-        if empty:
+        if empty and not isinstance(sampling, UniformReplay):
             raise InvalidSamplingError(f"The mixture's sources {empty} hold no records.")
+        lengths = None
+        if isinstance(sampling, UniformReplay):
+            lengths = [StoreLength(src, sampling.refresh_every) for src in source.values()]
         sampler = MixtureSampler(
             sizes,
             weights,
@@ -183,6 +189,7 @@ def make_stream(
             shuffle=shuffle,
             shard_index=shard_index,
             shard_count=shard_count,
+            lengths=lengths,
         )
         return _MixtureStream(sampler, reader, seed)
     if weights is not None or source_leaf is not None:
@@ -468,8 +475,14 @@ class SamplingIterator:
     def refresh(self) -> None:
         """Looks for newly committed rows before the next draw (replay modes)."""
         sampler = getattr(self._stream, "sampler", None)
+        if isinstance(sampler, MixtureSampler) and sampler.replay:
+            sampler.refresh()
+            return
         if not isinstance(sampler, (UniformSampler, PrioritySampler)):
-            raise InvalidSamplingError("refresh() applies to UniformReplay and PrioritizedReplay.")
+            raise InvalidSamplingError(
+                "refresh() applies to UniformReplay and PrioritizedReplay (and mixtures "
+                "under UniformReplay); epochs have a fixed length."
+            )
         sampler.refresh()
 
     def close(self) -> None:

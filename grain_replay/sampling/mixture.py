@@ -11,7 +11,7 @@ epochs (``C_s`` = rows it gave so far), one ``read_batch`` per source per batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,8 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidSamplingError, LeafMismatchError
 from grain_replay.pipeline.shuffle import permute
+from grain_replay.sampling.draws import integers
+from grain_replay.sampling.replay import StoreLength
 
 __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
 
@@ -83,6 +85,9 @@ class MixtureSampler:
       batch_size: rows per batch in this process.
       seed, shuffle: each source walks its own seeded permutations (or its order).
       shard_index, shard_count: this process's disjoint share of every source's stream.
+      lengths: with replay, each source's committed length (``StoreLength``): rows
+        are drawn uniformly with replacement from what each source committed so
+        far (an online store that grows), instead of walking epochs.
     """
 
     def __init__(
@@ -95,8 +100,10 @@ class MixtureSampler:
         shuffle: bool,
         shard_index: int = 0,
         shard_count: int = 1,
+        lengths: Sequence[StoreLength] | None = None,
     ) -> None:
         self.names = tuple(sizes)
+        self._lengths = None if lengths is None else list(lengths)
         self.sizes = tuple(int(sizes[n]) for n in self.names)
         self._weights = weights
         self._fixed = None if callable(weights) else _check_weights(weights, self.names, -1)
@@ -109,6 +116,11 @@ class MixtureSampler:
         self._given = np.zeros(len(self.names), dtype=np.int64)  # rows per process so far
         self._step = 0
         self._orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> order
+
+    @property
+    def replay(self) -> bool:
+        """Whether rows are drawn with replacement from growing sources."""
+        return self._lengths is not None
 
     def weights_at(self, step: int) -> np.ndarray:
         """The normalized weights of ``step``."""
@@ -136,7 +148,22 @@ class MixtureSampler:
         self._step += 1
         return task
 
+    def refresh(self) -> None:
+        """With replay: every source looks for new rows before the next draw."""
+        for length in self._lengths or ():
+            length.request()
+
     def _ids(self, s: int, given: int, count: int) -> np.ndarray:
+        if self._lengths is not None:
+            n = self._lengths[s].at(self._step)
+            if n == 0:
+                raise InvalidSamplingError(
+                    f"Step {self._step} gives source {self.names[s]!r} {count} rows, but it has "
+                    "no committed rows yet. Fix: commit rows first, or give it weight 0 until "
+                    "it has some."
+                )
+            stream = s * self._shard_count + self._shard_index
+            return integers(self._seed, stream, self._step, count, n)
         n = self.sizes[s]
         start = given * self._shard_count + self._shard_index * count
         pos = np.arange(start, start + count, dtype=np.int64)
@@ -168,11 +195,14 @@ class MixtureSampler:
 
     def state(self) -> dict[str, Any]:
         """JSON-able state before the next draw (floats round-trip exactly through JSON)."""
-        return {
+        state: dict[str, Any] = {
             "step": self._step,
             "debt": [float(x) for x in self._debt],
             "given": [int(x) for x in self._given],
         }
+        if self._lengths is not None:
+            state["n"] = [length.n for length in self._lengths]
+        return state
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         debt, given = state["debt"], state["given"]
@@ -184,6 +214,8 @@ class MixtureSampler:
         self._step = int(state["step"])
         self._debt = np.array(debt, dtype=np.float64)
         self._given = np.array(given, dtype=np.int64)
+        for length, n in zip(self._lengths or (), state.get("n", ())):
+            length.n = int(n)
 
 
 def source_leaves(source: Any) -> list[str]:
@@ -272,7 +304,12 @@ class MixtureReader:
             rows = task.get(name)
             if rows is None or not len(rows):
                 continue
-            leaves, _ = tree_lib.flatten(self.sources[name].read_batch(rows))
+            source = self.sources[name]
+            if int(rows.max()) >= len(source):  # drawn from rows committed since it opened
+                refresh = getattr(source, "refresh", None)
+                if callable(refresh):
+                    refresh()
+            leaves, _ = tree_lib.flatten(source.read_batch(rows))
             parts.append(leaves)
             ids.append(np.full(len(rows), s, dtype=np.int32))
         if len(parts) == 1:

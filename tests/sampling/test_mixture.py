@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, ClassVar
 
 import grain
 import numpy as np
@@ -238,3 +238,64 @@ def test_non_map_operations_are_refused(stores: dict[str, str]) -> None:
         gr.make_data_loader(
             _sources(stores), weights={"a": 1}, batch_size=4, operations=[grain.transforms.Batch(2)]
         )
+
+
+def test_mixture_under_uniform_replay_draws_from_growing_sources(tmp_path: Any) -> None:
+    offline = str(tmp_path / "offline")
+    online = str(tmp_path / "online")
+    gr.write_npy(offline, {"id": np.arange(100, dtype=np.int64)})
+    with gr.ReplayWriter(online, format="npy") as writer:
+        writer.append({"id": 1000 + np.arange(4, dtype=np.int64)})
+        writer.flush()
+        srcs = {"offline": gr.NpyDataSource(offline), "online": gr.NpyDataSource(online)}
+        loader = gr.make_data_loader(
+            srcs,
+            weights=lambda step: {"offline": 0.5, "online": 0.5},
+            batch_size=8,
+            sampling=gr.UniformReplay(refresh_every=None),
+        )
+        it = iter(loader)
+        first = np.concatenate([next(it)["id"] for _ in range(10)])
+        assert set(first[first >= 1000].tolist()) <= {1000, 1001, 1002, 1003}
+        assert (first >= 1000).sum() == 40  # exact counts, drawn with replacement
+        writer.append({"id": 1004 + np.arange(96, dtype=np.int64)})
+        writer.flush()
+        state = it.get_state()
+        it.refresh()
+        later = np.concatenate([next(it)["id"] for _ in range(10)])
+        assert later.max() >= 1004  # the online source grew and was read
+        # resume at the saved point: the same draws (same lengths seen)
+        fresh = iter(loader)
+        fresh.set_state(state)
+        fresh.refresh()
+        again = np.concatenate([next(fresh)["id"] for _ in range(10)])
+        np.testing.assert_array_equal(again, later)
+
+
+def test_empty_online_source_with_rows_due_is_refused(tmp_path: Any) -> None:
+    gr.write_npy(tmp_path / "a", {"id": np.arange(10, dtype=np.int64)})
+
+    class Empty:
+        spec: ClassVar[dict[str, Any]] = {"id": None}
+        treedef: ClassVar[dict[str, Any]] = {
+            "type": "dict",
+            "keys": ["id"],
+            "children": [{"type": "leaf"}],
+        }
+
+        def __len__(self) -> int:
+            return 0
+
+        def read_batch(self, rows: np.ndarray) -> Any:
+            raise AssertionError("never read")
+
+    loader = gr.make_data_loader(
+        {"a": gr.NpyDataSource(tmp_path / "a"), "online": Empty()},
+        weights=lambda step: {"a": 1.0, "online": 0.0 if step < 2 else 1.0},
+        batch_size=4,
+        sampling=gr.UniformReplay(),
+    )
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(gr.InvalidSamplingError, match="no committed rows"):
+        next(it)
