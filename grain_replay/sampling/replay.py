@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import pickle
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,13 +70,17 @@ class StoreLength:
     The length is read from a copy of the source that never reads rows (its
     ``refresh()`` re-reads the metadata only), so looking costs no reopening of the
     store's files; the reading copy refreshes only when a drawn row is past its end
-    (:class:`RowReader`).
+    (:class:`RowReader`). A scheduled look at a local store first compares the
+    store's ``stat`` (a commit replaces the metadata file, which changes the
+    directory's or the file's mtime) and re-reads the metadata only on a change;
+    ``refresh()`` always re-reads.
     """
 
     def __init__(self, source: Any, refresh_every: int | None) -> None:
         self._every = refresh_every
         self._forced = False
         self.n = len(source)
+        self._stamp: tuple[int, int, int] | None = None
         self._probe = source
         if callable(getattr(source, "refresh", None)):
             try:  # grain_replay's sources pickle without handles: an independent copy
@@ -82,13 +88,32 @@ class StoreLength:
             except Exception:
                 self._probe = source
 
+    def _changed(self) -> bool:
+        """False only when the local store's stat is what it was at the last look."""
+        path = getattr(self._probe, "path", None)
+        if not isinstance(path, str) or "://" in path:
+            return True
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        # A coarse-grained clock could hide a second commit within the same tick.
+        recent = time.time_ns() - st.st_mtime_ns < 2_000_000_000
+        if stamp == self._stamp and not recent:
+            return False
+        self._stamp = stamp
+        return True
+
     def request(self) -> None:
         """The next draw re-reads the length."""
         self._forced = True
 
     def at(self, step: int) -> int:
         """The length to draw step ``step`` from (re-read when due)."""
-        due = self._forced or (self._every is not None and step % self._every == 0)
+        due = self._forced or (
+            self._every is not None and step % self._every == 0 and self._changed()
+        )
         if due:
             self._forced = False
             refresh = getattr(self._probe, "refresh", None)

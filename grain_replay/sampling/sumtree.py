@@ -6,13 +6,68 @@ is node 1, the ``capacity`` (a power of two) values are nodes
 walks the ``log2(capacity)`` levels with a few numpy calls on ``B``-sized arrays
 each: O(B log N) work and no Python loop per row. (A 16-ary tree has fewer
 levels but gathers ``B x 16`` per level; measured slower for B = 256.)
+
+With numba installed (the ``fast`` extra), the same walks run compiled, one row
+after the other: at B = 256 the numpy walk costs ~10 numpy calls per level, each
+mostly call overhead, while the compiled walk is ~20x faster. Both give the same
+results (a repeated index: the last one wins in both).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
-__all__ = ["SumTree"]
+__all__ = ["SumTree", "compiled"]
+
+logger = logging.getLogger(__name__)
+
+
+def _set_walk(
+    sums: np.ndarray, mins: np.ndarray, cap: int, depth: int, index: np.ndarray, values: np.ndarray
+) -> None:
+    for i in range(index.shape[0]):
+        node = index[i] + cap
+        sums[node] = values[i]
+        mins[node] = values[i]
+        for _ in range(depth):
+            node >>= 1
+            left = node << 1
+            sums[node] = sums[left] + sums[left + 1]
+            a, b = mins[left], mins[left + 1]
+            mins[node] = a if a < b else b
+
+
+def _find_walk(sums: np.ndarray, depth: int, targets: np.ndarray, out: np.ndarray) -> None:
+    for i in range(targets.shape[0]):
+        u = targets[i]
+        node = 1
+        for _ in range(depth):
+            node <<= 1
+            left = sums[node]
+            if u >= left and sums[node + 1] > 0:
+                u -= left
+                node += 1
+        out[i] = node
+
+
+@functools.cache
+def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """The numba-compiled walks, or None without numba (or with GRAIN_REPLAY_NO_NUMBA=1)."""
+    if os.environ.get("GRAIN_REPLAY_NO_NUMBA"):
+        return None
+    try:
+        import numba
+    except ImportError:
+        logger.info("numba is not installed: the sum tree walks in numpy (pip install numba)")
+        return None
+    jit = numba.njit(cache=True, nogil=True)
+    return jit(_set_walk), jit(_find_walk)
 
 
 class SumTree:
@@ -20,6 +75,7 @@ class SumTree:
 
     def __init__(self) -> None:
         self._n = 0
+        self._walks: Any = compiled()
         self._alloc(np.zeros(0))
 
     @classmethod
@@ -93,6 +149,11 @@ class SumTree:
 
     def set(self, index: np.ndarray, values: np.ndarray) -> None:
         """Sets ``values[index]``; with duplicate indices the last one wins. O(B log N)."""
+        if self._walks is not None:
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            values = np.broadcast_to(np.asarray(values, dtype=np.float64), index.shape)
+            self._walks[0](self._sums, self._mins, self._cap, self._depth, index, values)
+            return
         node = np.asarray(index, dtype=np.int64) + self._cap
         self._sums[node] = values
         self._mins[node] = values
@@ -110,6 +171,10 @@ class SumTree:
         a zero value is never returned.
         """
         u = np.minimum(np.asarray(targets, dtype=np.float64), np.nextafter(self.total, 0.0))
+        if self._walks is not None:
+            out = np.empty(len(u), dtype=np.int64)
+            self._walks[1](self._sums, self._depth, u, out)
+            return out - self._cap
         node = np.ones(len(u), dtype=np.int64)
         sums = self._sums
         for _ in range(self._depth):

@@ -5,7 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from grain_replay.sampling import sumtree
 from grain_replay.sampling.sumtree import SumTree
+
+
+@pytest.fixture(autouse=True, params=["numpy", "numba"])
+def walks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both walks: numpy's and (when installed) numba's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sumtree, "compiled", lambda: None)
+    elif sumtree.compiled() is None:
+        pytest.skip("numba is not installed")
+    return str(request.param)
 
 
 def _tree(values: np.ndarray) -> SumTree:
@@ -62,4 +73,25 @@ def test_from_values_equals_incremental_build() -> None:
     a, b = SumTree.from_values(values), _tree(values)
     assert a.total == pytest.approx(b.total)
     u = np.linspace(0, a.total, 1000, endpoint=False)
+    np.testing.assert_array_equal(a.find(u), b.find(u))
+
+
+def test_both_walks_agree() -> None:
+    rng = np.random.default_rng(7)
+    values = rng.random(3000)
+    trees = []
+    for walks in (None, sumtree.compiled()):
+        tree = SumTree()
+        tree._walks = walks
+        tree.extend(3000, 0.0)
+        tree.set(np.arange(3000), values)
+        idx = rng.integers(0, 3000, 256)
+        tree.set(idx, np.r_[rng.random(255), 0.0])
+        trees.append(tree)
+        rng = np.random.default_rng(7)
+        rng.random(3000)
+    a, b = trees
+    np.testing.assert_array_equal(a.values, b.values)
+    assert a.total == pytest.approx(b.total) and a.min == b.min
+    u = np.linspace(0, a.total, 4096, endpoint=False)
     np.testing.assert_array_equal(a.find(u), b.find(u))
