@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -87,12 +88,15 @@ def bench_torchrl(arrays: dict[str, np.ndarray], args: argparse.Namespace) -> di
     sample()
     s = last["s"]
     assert s["obs"].shape == (args.batch, arrays["obs"].shape[1]), s["obs"].shape
-    return {
-        "sample_read_s": _time(sample, args.repeats, args.per_repeat),
-        "update_s": _time(update, args.repeats, args.per_repeat),
-        "fill_s": fill_s,
-        "version": __import__("torchrl").__version__,
-    }
+    try:
+        return {
+            "sample_read_s": _time(sample, args.repeats, args.per_repeat),
+            "update_s": _time(update, args.repeats, args.per_repeat),
+            "fill_s": fill_s,
+            "version": __import__("torchrl").__version__,
+        }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def bench_flashbax(arrays: dict[str, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
