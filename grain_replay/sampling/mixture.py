@@ -166,6 +166,9 @@ class MixtureSampler:
             return integers(self._seed, stream, self._step, count, n)
         n = self.sizes[s]
         start = given * self._shard_count + self._shard_index * count
+        first, at = divmod(start, n)
+        if self._shuffle and n <= _CACHED_ORDER_MAX_RECORDS and at + count <= n:
+            return self._order(s, first)[at : at + count].astype(np.int64)  # within one epoch
         pos = np.arange(start, start + count, dtype=np.int64)
         if not self._shuffle:
             return pos % n
@@ -309,7 +312,11 @@ class MixtureReader:
                 refresh = getattr(source, "refresh", None)
                 if callable(refresh):
                     refresh()
-            leaves, _ = tree_lib.flatten(source.read_batch(rows))
+            read_flat = getattr(source, "read_flat", None)  # grain_replay's sources: no tree
+            if callable(read_flat):
+                leaves = read_flat(rows)
+            else:
+                leaves, _ = tree_lib.flatten(source.read_batch(rows))
             parts.append(leaves)
             ids.append(np.full(len(rows), s, dtype=np.int32))
         if len(parts) == 1:
