@@ -131,7 +131,7 @@ def test_sampling_of_unknown_kind_and_mixture_args_are_refused(tmp_path: Path) -
     with pytest.raises(gr.InvalidSamplingError, match="mixture"):
         gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay(), weights={"a": 1})
     with pytest.raises(gr.InvalidSamplingError, match="replays one source"):
-        gr.make_data_loader({"a": src}, batch_size=4, sampling=gr.UniformReplay())
+        gr.make_data_loader({"a": src}, batch_size=4, sampling=gr.PrioritizedReplay())
     it = iter(gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay()))
     with pytest.raises(gr.InvalidSamplingError, match="PrioritizedReplay"):
         it.update_priorities(np.zeros(1, np.int64), np.ones(1))
