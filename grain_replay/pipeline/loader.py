@@ -284,7 +284,13 @@ def make_data_loader(
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
       >>> for batch in gr.sharded_device_put(loader): ...
     """
-    if isinstance(source, Mapping) or sampling != "epochs" or weights is not None:
+    if (
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    ):
         from grain_replay.sampling.loader import make_sampling_loader
 
         ensure_absl_flags_parsed()
@@ -339,7 +345,13 @@ def replay_dataset(
     Example:
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
-    if isinstance(source, Mapping) or sampling != "epochs" or weights is not None:
+    if (
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    ):
         from grain_replay.sampling.loader import make_sampling_dataset
 
         ensure_absl_flags_parsed()
