@@ -7,6 +7,7 @@ from typing import Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidPriorityError,
     InvalidSamplingError,
@@ -88,6 +89,7 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "CheckpointMismatchError",
     "RetryOptions",
     "InvalidSamplingError",
     "LeafMismatchError",
@@ -99,7 +101,7 @@ _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
-    "RetryOptions": "grain_replay.sources.remote",
+    "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",

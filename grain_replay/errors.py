@@ -14,6 +14,7 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "CheckpointMismatchError",
     "InvalidSamplingError",
     "LeafMismatchError",
     "InvalidPriorityError",
@@ -67,6 +68,10 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""
 
 
 class InvalidSamplingError(GrainReplayError, ValueError):

@@ -31,13 +31,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
-import grain
 import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
-from grain_replay.pipeline.state import GrainStateIterator, handed_out_by_worker
-from grain_replay.sources.chunked import share_cache_budget
+from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity, handed_out_by_worker
+from grain_replay.sources.reading.chunked import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
 
@@ -389,25 +388,23 @@ class WorkerLoaderIterator(GrainStateIterator):
 
     def __init__(
         self,
-        data_loader: grain.DataLoader,
+        identity: LoaderIdentity,
         read: Callable[[int], Any],
         *,
         length: int,
-        shard_index: int,
-        shard_count: int,
-        worker_count: int,
         maps: Sequence[Any] = (),
         buffer_size: int = 2,
         read_threads: int = 0,
         task: Callable[[int], Any] | None = None,
     ) -> None:
-        super().__init__(
-            data_loader,
-            length=length,
-            shard_index=shard_index,
-            shard_count=shard_count,
-            worker_count=worker_count,
+        super().__init__(identity, length=length)
+        worker_count, shard_index, shard_count = (
+            identity.worker_count,
+            identity.shard_index,
+            identity.shard_count,
         )
+        if worker_count <= 0:
+            raise ValueError(f"worker_count must be positive, got {worker_count}")
         try:  # fail here, not in the workers
             self._payload = cloudpickle.dumps((read, tuple(maps)))
         except Exception as e:

@@ -10,9 +10,10 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import Handle, Layout, LeafReader
-from grain_replay.sources.chunked import ChunkCache
-from grain_replay.sources.hdf5 import _memmap_offset
+from grain_replay.sources.base import Layout
+from grain_replay.sources.hdf5.source import _memmap_offset
+from grain_replay.sources.reading.chunked import ChunkCache
+from grain_replay.sources.reading.readers import Handle, LeafReader
 
 __all__ = ["EpisodeFileHandle", "episode_names"]
 

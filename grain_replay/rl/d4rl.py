@@ -9,8 +9,8 @@ from typing import Any
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.rl.transitions import TransitionDataSource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
+from grain_replay.sources.hdf5.source import HDF5_SIGNATURE, HDF5DataSource
+from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES
 
 __all__ = ["D4RLDataSource"]
 

@@ -16,9 +16,10 @@ from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._episode_read import EpisodeFileHandle, episode_names
 from grain_replay.rl.episodes import EpisodeIndex
-from grain_replay.sources.base import Handle, Layout, ReplaySource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.hdf5.source import HDF5_SIGNATURE
+from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES
+from grain_replay.sources.reading.readers import Handle
 
 __all__ = ["MinariDataSource"]
 

@@ -23,6 +23,7 @@ import grain
 import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
+from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 from grain_replay.sampling.mixture import MixtureReader, MixtureSampler, Weights
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
@@ -257,7 +258,6 @@ class SamplingIterator:
         worker_count: int = 0,
         worker_buffer_size: int = 2,
         read_threads: int = 0,
-        loader: grain.DataLoader | None = None,
     ) -> None:
         self._stream = stream
         self._read = _Maps(stream.reader, maps)
@@ -268,14 +268,19 @@ class SamplingIterator:
         self._warned = False
         self._inner: WorkerLoaderIterator | None = None
         if worker_count > 0:
-            assert loader is not None
-            self._inner = WorkerLoaderIterator(
-                loader,
-                self._read,
-                length=_ENDLESS,
+            # The workers read what they are sent; the identity only names the stream
+            # (this iterator keeps its own state).
+            identity = LoaderIdentity(
+                worker_count=worker_count,
+                sampler="_EndlessSampler()",
+                data_source=f"{stream.kind}({json.dumps(stream.describe())})",
                 shard_index=0,
                 shard_count=1,
-                worker_count=worker_count,
+            )
+            self._inner = WorkerLoaderIterator(
+                identity,
+                self._read,
+                length=_ENDLESS,
                 buffer_size=worker_buffer_size,
                 read_threads=read_threads,
                 task=self._task,
@@ -571,7 +576,6 @@ class SamplingDataLoader(grain.DataLoader):
             worker_count=self._workers,
             worker_buffer_size=self._buffer,
             read_threads=self._threads,
-            loader=self,
         )
 
 

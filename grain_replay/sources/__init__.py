@@ -8,10 +8,13 @@ from typing import Any
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.sources.base import ReplaySource, is_url
-from grain_replay.sources.files import require_regular_file
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
+from grain_replay.sources.hdf5.source import HDF5_SIGNATURE, HDF5DataSource
 from grain_replay.sources.npy import NPY_MAGIC, NpyDataSource
-from grain_replay.sources.zarr import ZarrDataSource
+from grain_replay.sources.reading.files import require_regular_file
+from grain_replay.sources.zarr.source import ZarrDataSource
+
+# Files whose presence makes a directory a Zarr store.
+ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
 
 __all__ = ["ReplaySource", "HDF5DataSource", "NpyDataSource", "ZarrDataSource", "open_source"]
 
@@ -41,9 +44,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
         )
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "zarr.json")) or os.path.exists(
-            os.path.join(path, ".zgroup")
-        ):
+        # Zarr v3 (group or array: zarr.json), v2 group (.zgroup), v2 array (.zarray),
+        # and a v2 store with only consolidated metadata or attributes.
+        if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
         return "npy"
     if os.path.exists(path):

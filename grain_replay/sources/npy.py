@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import os
 
 import numpy as np
@@ -10,15 +12,9 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import (
-    ArrayReader,
-    Handle,
-    Layout,
-    MappedFile,
-    ReplaySource,
-    check_inside,
-    require_regular_file,
-)
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.files import MappedFile, check_inside, require_regular_file
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 
 __all__ = ["NpyDataSource", "read_npy_header"]
 
@@ -59,10 +55,7 @@ def read_npy_header(
         raise
     except FileNotFoundError as e:
         raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
-    except (
-        ValueError, OSError, SyntaxError, IndexError, TypeError, RecursionError, MemoryError,
-        OverflowError,
-    ) as e:  # fmt: skip
+    except Exception as e:  # numpy's header parser raises anything: TokenError, IndexError, ...
         raise InvalidStoreError(
             f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "
             "with np.save or gr.write_npy."
@@ -85,11 +78,33 @@ class _NpyHandle(Handle):
             else:
                 # Only the rows the metadata committed are mapped: a growing
                 # store's header and data may run ahead of them.
-                array = np.memmap(
-                    file, spec.dtype, "r", offset, shape, order="F" if fortran else "C"
+                needed = offset + math.prod(shape) * spec.dtype.itemsize
+                mapping = _map_file(file, key, needed)
+                array = np.ndarray(
+                    shape, spec.dtype, buffer=mapping, offset=offset, order="F" if fortran else "C"
                 )
-                self.mapped_files[key] = [MappedFile(file, offset + array.nbytes)]
+                # The map's own descriptor answers the truncation check: one
+                # descriptor per leaf file (np.memmap plus a check held two).
+                self.mapped_files[key] = [MappedFile(file, needed, mapping=mapping)]
             self.readers[key] = ArrayReader(array)
+
+
+def _map_file(path: str, key: str, needed: int) -> mmap.mmap:
+    """A read-only map of the first ``needed`` bytes of ``path``, advised for random reads."""
+    with open(path, "rb") as f:
+        try:
+            mapping = mmap.mmap(f.fileno(), needed, access=mmap.ACCESS_READ)
+        except ValueError as e:  # the file shrank since its header was read
+            size = os.fstat(f.fileno()).st_size
+            raise InvalidStoreError(
+                f"{path}: leaf {key!r} needs {needed:,} bytes but the file holds {size:,}: it "
+                "was truncated after the store was opened. Fix: re-create it, and do not "
+                "rewrite stores in place while they are read."
+            ) from e
+    if hasattr(mmap, "MADV_RANDOM"):
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead per fault
+    return mapping
 
 
 class NpyDataSource(ReplaySource):

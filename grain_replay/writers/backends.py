@@ -20,7 +20,7 @@ from grain_replay import layout as layout_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.integrity import as_bytes
 from grain_replay.sources.npy import read_npy_header
-from grain_replay.sources.stitch import PAGE
+from grain_replay.sources.reading.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
 from grain_replay.writers.oneshot import chunk_rows_for, zarr_compressors
 

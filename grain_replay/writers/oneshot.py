@@ -12,7 +12,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.integrity import Checksummer, as_bytes
-from grain_replay.sources.stitch import PAGE
+from grain_replay.sources.reading.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
 
 __all__ = [
@@ -192,7 +192,7 @@ def _write_zarr_store(
     chunk_rows: int | None,
     compression: str | None,
 ) -> None:
-    from grain_replay.sources.zarr import import_zarr
+    from grain_replay.sources.zarr.source import import_zarr
 
     zarr = import_zarr()
     n = meta.num_records

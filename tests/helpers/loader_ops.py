@@ -94,7 +94,7 @@ class CacheShare(grain.transforms.Map):
     """Records how many processes split the default chunk-cache budget where it runs."""
 
     def map(self, element: Any) -> Any:
-        from grain_replay.sources import chunked
+        from grain_replay.sources.reading import chunked
 
         return {**element, "share": np.full(len(element["id"]), chunked._cache_share)}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import grain
 import numpy as np
 import pytest
 from task_fns import EchoTask
 
+from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
 
@@ -25,19 +25,11 @@ class Tasks:
 
 
 def _iterator(tasks: Tasks, workers: int, buffer: int, threads: int = 0) -> WorkerLoaderIterator:
-    loader = grain.DataLoader(
-        data_source=[0] * 1000, sampler=grain.samplers.SequentialSampler(1000), worker_count=0
+    identity = LoaderIdentity(
+        worker_count=workers, sampler="tasks", data_source="tasks", shard_index=0, shard_count=1
     )
     return WorkerLoaderIterator(
-        loader,
-        EchoTask(),
-        length=50,
-        shard_index=0,
-        shard_count=1,
-        worker_count=workers,
-        buffer_size=buffer,
-        read_threads=threads,
-        task=tasks,
+        identity, EchoTask(), length=50, buffer_size=buffer, read_threads=threads, task=tasks
     )
 
 

@@ -217,6 +217,53 @@ def test_read_npy_header_raises_only_invalid_store_error_on_random_header_dicts(
         assert offset == os.path.getsize(npy_file)
 
 
+_VALID_HEADER = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 2), }"
+_BRACKETS = "{}()[],:'\" \\"
+
+
+def _raw_header(text: str, version: bytes = b"\x01\x00") -> bytes:
+    body = text.encode("latin1", "replace")
+    pad = -(10 + len(body) + 1) % 64
+    full = body + b" " * pad + b"\n"
+    return b"\x93NUMPY" + version + len(full).to_bytes(2, "little") + full
+
+
+@FUZZ
+@given(
+    st.integers(0, len(_VALID_HEADER)),
+    st.text(alphabet=_BRACKETS, max_size=6),
+    st.integers(0, len(_VALID_HEADER)),
+    versions,
+)
+def test_read_npy_header_raises_only_invalid_store_error_on_truncated_or_unbalanced_headers(
+    npy_file: str, cut: int, extra: str, at: int, version: bytes
+) -> None:
+    text = _VALID_HEADER[:cut]
+    text = text[:at] + extra + text[at:]
+    _write(npy_file, _raw_header(text, version))
+    _read_header(npy_file)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (), {}",  # cut short: TokenError
+        "{'descr': '<f4', 'fortran_order': False, 'shape': ((((",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1,)}}",
+        "{'descr': '<f4'",
+        "{",
+        "",
+    ],
+)
+def test_read_npy_header_raises_invalid_store_error_when_header_is_cut_or_unbalanced(
+    npy_file: str, text: str
+) -> None:
+    _write(npy_file, _raw_header(text))
+    with pytest.raises(gr.InvalidStoreError, match=r"not a valid \.npy file") as info:
+        read_npy_header(npy_file, "obs")
+    assert npy_file in str(info.value) and "'obs'" in str(info.value)
+
+
 def test_read_npy_header_refuses_object_dtype_when_descr_is_pickle(npy_file: str) -> None:
     _write(npy_file, _header("|O", False, (3,)))
     with pytest.raises(gr.InvalidStoreError, match="object"):

@@ -511,6 +511,25 @@ def test_write_raises_invalid_tree_error_leading_dims_differ(tmp_path, fmt):
     assert not os.path.exists(_store(tmp_path, fmt))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_raises_invalid_tree_error_two_leaves_differ_names_both(tmp_path, fmt):
+    # No majority: blaming either leaf alone would point at the wrong one half the time.
+    with pytest.raises(gr.InvalidTreeError) as info:
+        gr.write(_store(tmp_path, fmt), {"obs": np.zeros(10), "reward": np.zeros(9)})
+    _check_error(info, TypeError, "'obs' has 10", "'reward' has 9")
+    assert "expected" not in str(info.value)
+    assert not os.path.exists(_store(tmp_path, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_raises_invalid_tree_error_minority_named_not_majority(tmp_path, fmt):
+    tree = {"obs": np.zeros(10), "reward": np.zeros(9), "done": np.zeros(9)}
+    with pytest.raises(gr.InvalidTreeError) as info:
+        gr.write(_store(tmp_path, fmt), tree)
+    _check_error(info, TypeError, "'obs' has 10 records but expected 9")
+    assert "'reward' has" not in str(info.value) and "'done' has" not in str(info.value)
+
+
 @pytest.mark.parametrize("empty", [{}, [], (), {"a": {}}])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_write_raises_invalid_tree_error_empty_tree(tmp_path, fmt, empty):

@@ -13,22 +13,25 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
+from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     InvalidStoreError,
     MissingDependencyError,
     StoreNotFoundError,
 )
-from grain_replay.sources import remote as remote_lib
-from grain_replay.sources import zarr_checks, zarr_decode, zarr_remote
-from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import (
+from grain_replay.remote import RetryOptions
+from grain_replay.sources.base import Layout, ReplaySource, is_url
+from grain_replay.sources.reading.chunked import (
     DEFAULT_CACHE_BYTES,
     ChunkCache,
     ChunkedLeafReader,
     mapped_reader,
 )
-from grain_replay.sources.remote import RetryOptions
+from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.zarr import checks as zarr_checks
+from grain_replay.sources.zarr import decode as zarr_decode
+from grain_replay.sources.zarr import remote as zarr_remote
 
 __all__ = ["ZarrDataSource", "import_zarr"]
 
@@ -43,12 +46,33 @@ def import_zarr() -> Any:
     return zarr
 
 
+class _BareArray:
+    """A Zarr array stored on its own (``zarr.save_array``), seen as a group of one root leaf.
+
+    Its records are the array's rows, as for a single ``.npy`` file.
+    """
+
+    def __init__(self, array: Any):
+        self.array = array
+        self.attrs: dict[str, Any] = {}
+
+    def __getitem__(self, loc: str) -> Any:
+        if loc != tree_lib.ROOT_KEY:
+            raise KeyError(loc)
+        return self.array
+
+    def members(self, max_depth: int | None = None) -> list[tuple[str, Any]]:
+        return [(tree_lib.ROOT_KEY, self.array)]
+
+
 def _open_group(path: str, storage_options: Mapping[str, Any]) -> Any:
     zarr = import_zarr()
     kwargs: dict[str, Any] = {"mode": "r"}
     if is_url(path):
         kwargs["storage_options"] = remote_lib.effective_storage_options(path, storage_options)
-    return zarr.open_group(path, **kwargs)
+        return zarr.open_group(path, **kwargs)
+    node = zarr.open(path, **kwargs)  # a group, or an array stored on its own (v2 or v3)
+    return _BareArray(node) if isinstance(node, zarr.Array) else node
 
 
 def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:

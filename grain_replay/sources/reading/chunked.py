@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.sources.base import LeafReader
+from grain_replay.sources.reading import readahead
+from grain_replay.sources.reading.readers import ArrayReader, LeafReader, advise_random
+from grain_replay.sources.reading.stitch import stitch
 
 __all__ = [
     "ChunkCache",
@@ -315,9 +317,6 @@ class SegmentedReader(LeafReader):
     """
 
     def __init__(self, starts: Sequence[int], segments: Sequence[np.ndarray]):
-        from grain_replay.sources import readahead
-        from grain_replay.sources.base import ArrayReader, advise_random
-
         for s in segments:
             advise_random(s)
         self._starts = np.asarray(starts, dtype=np.int64)
@@ -379,9 +378,6 @@ def mapped_reader(
     ``whole_file()`` (a map of the one file all parts are in, shared by the
     leaves: a map per run would hold a descriptor per run).
     """
-    from grain_replay.sources.base import ArrayReader
-    from grain_replay.sources.stitch import stitch
-
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
     array = stitch(parts, chunk_rows * row_bytes, dtype, row_shape, num_records)
     if array is not None:

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.base import check_inside
-from grain_replay.sources.decode import run_grouped
+from grain_replay.sources.reading.files import check_inside
+from grain_replay.sources.reading.pool import run_grouped
 
 __all__ = ["LocalChunkReader", "local_chunk_reader"]
 

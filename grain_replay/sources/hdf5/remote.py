@@ -9,13 +9,13 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from grain_replay import remote as remote_lib
 from grain_replay.errors import GrainReplayError, InvalidStoreError, StoreNotFoundError
-from grain_replay.sources import remote as remote_lib
+from grain_replay.remote import Remote
 from grain_replay.sources.base import Layout
-from grain_replay.sources.remote import Remote
 
 if TYPE_CHECKING:
-    from grain_replay.sources.hdf5 import HDF5DataSource
+    from grain_replay.sources.hdf5.source import HDF5DataSource
 
 __all__ = [
     "RetryingFile",

@@ -8,17 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from grain_replay import remote as remote_lib
 from grain_replay.errors import StoreNotFoundError
-from grain_replay.sources import remote as remote_lib
 
 if TYPE_CHECKING:
-    from grain_replay.sources.zarr import ZarrDataSource
+    from grain_replay.sources.zarr.source import ZarrDataSource
 
 __all__ = ["Limiter", "fetch_arrays", "open_remote_group", "remote_block_reader"]
 
 
 def open_remote_group(source: ZarrDataSource, remote: remote_lib.Remote) -> Any:
-    from grain_replay.sources.zarr import import_zarr
+    from grain_replay.sources.zarr.source import import_zarr
 
     zarr = import_zarr()
     opts = remote_lib.effective_storage_options(
@@ -46,7 +46,7 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
     TypeError) is kept per location, so that the caller names the leaf; other
     errors (network, credentials) are raised for the retry logic.
     """
-    from grain_replay.sources.zarr import import_zarr
+    from grain_replay.sources.zarr.source import import_zarr
 
     zarr = import_zarr()
     from zarr.core.array import AsyncArray

@@ -14,22 +14,17 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources import hdf5_raw, hdf5_refs
-from grain_replay.sources.base import (
-    ArrayReader,
-    Handle,
-    Layout,
-    MappedFile,
-    ReplaySource,
-    is_url,
-    require_regular_file,
-)
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
-from grain_replay.sources.decode import hdf5_direct_block_reader
-from grain_replay.sources.files import Descriptor
+from grain_replay.sources.base import Layout, ReplaySource, is_url
+from grain_replay.sources.hdf5 import filters as hdf5_filters
+from grain_replay.sources.hdf5 import raw as hdf5_raw
+from grain_replay.sources.hdf5 import refs as hdf5_refs
+from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
+from grain_replay.sources.reading.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
+from grain_replay.sources.reading.files import Descriptor, MappedFile, require_regular_file
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 
 if TYPE_CHECKING:
-    from grain_replay.sources.remote import RetryOptions
+    from grain_replay.remote import RetryOptions
 
 __all__ = ["HDF5DataSource"]
 
@@ -51,8 +46,8 @@ class _HDF5Handle(Handle):
         self._guards: list[MappedFile] = []  # descriptors of raw chunk reads
         self.file: Any = None
         if is_url(source.path):
-            from grain_replay.sources import remote as remote_lib
-            from grain_replay.sources import remote_hdf5
+            from grain_replay import remote as remote_lib
+            from grain_replay.sources.hdf5 import remote as remote_hdf5
 
             # One fsspec file object per process; h5py reads through it under its
             # global lock, each read retried on transient failures.
@@ -89,6 +84,7 @@ class _HDF5Handle(Handle):
 
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
+            hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
             row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
             # Only the store file itself is mapped or read raw: a dataset behind an
@@ -124,7 +120,7 @@ class _HDF5Handle(Handle):
                     hdf5_direct_block_reader(dset, chunk_rows, n) if local else None
                 ) or _block_reader(dset, chunk_rows, n)
                 if self._fileobj is not None:
-                    from grain_replay.sources.remote_hdf5 import reraise_file_errors
+                    from grain_replay.sources.hdf5.remote import reraise_file_errors
 
                     read_blocks = reraise_file_errors(read_blocks, self._fileobj)
                 self.readers[key] = ChunkedLeafReader(
@@ -231,7 +227,7 @@ class HDF5DataSource(ReplaySource):
         retries: int | RetryOptions = 3,
         allow_external: bool = False,
     ):
-        from grain_replay.sources import remote as remote_lib
+        from grain_replay import remote as remote_lib
 
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
@@ -258,7 +254,7 @@ class HDF5DataSource(ReplaySource):
                         "HDF5 file, or use gr.open_source(path) to detect the format."
                     )
         if is_url(self._path):
-            from grain_replay.sources.remote_hdf5 import inspect_remote
+            from grain_replay.sources.hdf5.remote import inspect_remote
 
             return inspect_remote(self, h5py)
         try:
@@ -296,6 +292,7 @@ class HDF5DataSource(ReplaySource):
                     )
                 if not self._allow_external:
                     hdf5_refs.check_dataset_refs(dset, self._path, key)
+                hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
@@ -324,6 +321,7 @@ class HDF5DataSource(ReplaySource):
         for k in keys:
             if not self._allow_external:
                 hdf5_refs.check_dataset_refs(found[k], self._path, k)
+            hdf5_filters.require_filters(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})

@@ -12,10 +12,10 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import LeafReader, MappedFile
-from grain_replay.sources.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
-from grain_replay.sources.files import Descriptor
-from grain_replay.sources.hdf5_refs import ReferenceRefusedError
+from grain_replay.sources.hdf5.refs import ReferenceRefusedError
+from grain_replay.sources.reading.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
+from grain_replay.sources.reading.files import Descriptor, MappedFile
+from grain_replay.sources.reading.readers import LeafReader
 
 __all__ = ["MAX_RUNS", "chunk_table", "count_runs", "raw_chunk_reader", "retry_while_written"]
 
