@@ -173,7 +173,10 @@ def make_stream(
                 f"{ {n: 1.0 for n in source} }, or a callable of the step returning one."
             )
         reader = MixtureReader(
-            source, keys=None if keys is None else list(keys), source_leaf=source_leaf
+            source,
+            keys=None if keys is None else list(keys),
+            source_leaf=source_leaf,
+            growing=isinstance(sampling, UniformReplay),
         )
         sizes = {name: len(src) for name, src in source.items()}
         empty = [n for n, size in sizes.items() if size == 0]

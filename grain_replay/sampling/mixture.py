@@ -249,7 +249,9 @@ class MixtureReader:
         sources: Mapping[str, Any],
         keys: list[str] | None = None,
         source_leaf: str | None = None,
+        growing: bool = False,
     ) -> None:
+        self.growing = growing  # rows may lie past what a source had committed at open
         if not sources:
             raise InvalidSamplingError("A mixture needs at least one source; got an empty mapping.")
         self.sources = dict(sources)
@@ -308,7 +310,7 @@ class MixtureReader:
             if rows is None or not len(rows):
                 continue
             source = self.sources[name]
-            if int(rows.max()) >= len(source):  # drawn from rows committed since it opened
+            if self.growing and int(rows.max()) >= len(source):  # committed since it opened
                 refresh = getattr(source, "refresh", None)
                 if callable(refresh):
                     refresh()

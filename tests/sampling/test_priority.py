@@ -223,3 +223,21 @@ def test_priority_state_from_another_position_is_refused_at_next(path: str) -> N
 def test_bad_options_are_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(gr.InvalidSamplingError):
         gr.PrioritizedReplay(**kwargs)
+
+
+def test_replay_dataset_iterator_takes_updates_and_checkpoints(path: str) -> None:
+    ds = gr.replay_dataset(
+        gr.NpyDataSource(path), batch_size=8, sampling=gr.PrioritizedReplay(alpha=1.0)
+    )
+    it = iter(ds)
+    batch = next(it)
+    it.update_priorities(batch.index, np.full(8, 1e9))  # these rows dominate from now on
+    state, priorities = it.get_state(), _save(it.priority_state())
+    assert isinstance(state, dict)
+    want = [next(it).index for _ in range(3)]
+    assert all(np.isin(w, batch.index).all() for w in want)
+    again = iter(ds)
+    again.set_state(state)
+    again.set_priority_state(priorities)
+    for w in want:
+        np.testing.assert_array_equal(next(again).index, w)
