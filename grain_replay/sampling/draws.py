@@ -7,6 +7,8 @@ numbers are splitmix64 of a key derived from ``(seed, stream, t)`` plus a counte
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["uniforms", "integers"]
@@ -32,10 +34,16 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+@functools.lru_cache(maxsize=8)
+def _counter(count: int) -> np.ndarray:
+    counter = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+    counter.flags.writeable = False
+    return counter
+
+
 def _bits(seed: int, stream: int, step: int, count: int) -> np.ndarray:
     key = _mix_int(_mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64)) ^ (step & _MASK64))
-    counter = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
-    return _mix(counter + np.uint64(key))
+    return _mix(_counter(count) + np.uint64(key))
 
 
 def uniforms(seed: int, stream: int, step: int, count: int) -> np.ndarray:

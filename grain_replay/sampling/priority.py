@@ -214,10 +214,17 @@ class PrioritySampler:
                 "with NaNs removed."
             )
         with self._lock:
-            local, rest = np.divmod(index, self._count)
             n_local = len(self._seen)
-            unknown = (index < 0) | (rest != self._p) | (local >= n_local)
-            unknown[~unknown] = ~self._seen[local[~unknown]]
+            if self._count == 1:
+                local = index
+                unknown = (index < 0) | (index >= n_local)
+            else:
+                local, rest = np.divmod(index, self._count)
+                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
+            if unknown.any():
+                unknown[~unknown] = ~self._seen[local[~unknown]]
+            else:  # the usual case: all in range, one gather
+                unknown = ~self._seen[local]
             if unknown.any():
                 rows = index[unknown][:5].tolist()
                 raise PriorityIndexError(
