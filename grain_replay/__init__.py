@@ -6,23 +6,31 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
+    InvalidArgumentError,
+    InvalidPrefetchError,
     InvalidPriorityError,
     InvalidSamplingError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     LeafMismatchError,
     MissingDependencyError,
     PriorityIndexError,
     RecordIndexError,
+    ReferenceRefusedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -34,7 +42,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -76,6 +83,8 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -85,11 +94,18 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
     "InvalidSamplingError",
     "LeafMismatchError",
@@ -116,6 +132,8 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
+            "SequenceDataSource",
         )
     },
 }

@@ -72,9 +72,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _open(path: str) -> Any:
-    """Opens any store: Minari datasets and D4RL files as transitions, else gr.open_source."""
+    """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
+    frames (cameras decoded), else gr.open_source."""
     import grain_replay as gr
 
+    if os.path.isfile(os.path.join(path, "meta", "info.json")):
+        return gr.LeRobotDataSource(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
@@ -87,11 +90,12 @@ def _open(path: str) -> Any:
 
 def _is_plain(path: str) -> bool:
     """False for a D4RL-layout HDF5 file without grain_replay metadata."""
-    if not path.endswith((".h5", ".hdf5")) or not os.path.isfile(path):
-        return True
-    import h5py
-
+    from grain_replay.formats import format_from_path, import_h5py
     from grain_replay.layout import METADATA_ATTR
+
+    if format_from_path(path) != "hdf5" or not os.path.isfile(path):
+        return True
+    h5py = import_h5py()
 
     with h5py.File(path, "r", locking=False) as f:
         d4rl = {"observations", "actions", "rewards", "terminals"} <= set(f.keys())
@@ -134,7 +138,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
     from grain_replay import layout as layout_lib
     from grain_replay import tree as tree_lib
-    from grain_replay.writers.oneshot import format_from_path, write_blocks
+    from grain_replay.formats import format_from_path
+    from grain_replay.writers.oneshot import write_blocks
 
     src = _open(args.src)
     n = len(src)
@@ -275,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("convert", help="copy a store into another format, bit-exactly")
-    p.add_argument("src", help="any store, a Minari dataset or a D4RL file")
+    p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL file")
     p.add_argument("dst", help="destination; its suffix picks the format as in gr.write")
     p.add_argument("--format", choices=["hdf5", "npy", "zarr"])
     p.add_argument("--chunk-rows", type=int)

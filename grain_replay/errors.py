@@ -14,7 +14,16 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
     "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "WriterBusyError",
+    "WorkerDiedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
+    "FrameTimestampError",
     "InvalidSamplingError",
     "LeafMismatchError",
     "InvalidPriorityError",
@@ -70,8 +79,41 @@ class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
 
 
+class FrameTimestampError(InvalidStoreError):
+    """No video frame lies within ``tolerance_s`` of a frame's timestamp (LeRobot datasets)."""
+
+
+class InvalidArgumentError(GrainReplayError, ValueError):
+    """An argument's value is outside what the call accepts (an empty offset list, a bad mode)."""
+
+
+class ArgumentTypeError(GrainReplayError, TypeError):
+    """An argument has the wrong type (a float where offsets in steps are integers)."""
+
+
 class CheckpointMismatchError(GrainReplayError, ValueError):
     """A loader state was saved by another stream, or cannot be resumed by this loader."""
+
+
+class ReferenceRefusedError(InvalidStoreError):
+    """A leaf refers outside its file (HDF5 external link, virtual dataset, external storage)
+    and ``allow_external`` is False; never worth a retry."""
+
+
+class WriterBusyError(GrainReplayError, BlockingIOError):
+    """Another ReplayWriter holds the store, or HDF5 refuses a second handle in this process."""
+
+
+class InvalidShardingError(GrainReplayError, TypeError):
+    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
+
+
+class InvalidPrefetchError(GrainReplayError, ValueError):
+    """``prefetch`` is not a non-negative integer."""
+
+
+class UnsupportedStateError(GrainReplayError, TypeError):
+    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
 
 
 class InvalidSamplingError(GrainReplayError, ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,6 @@ __all__ = [
     "LeafSpec",
     "StoreMetadata",
     "disk_name",
-    "key_from_disk_name",
     "prepare_leaves",
     "check_dtype",
     "common_length",
@@ -53,10 +52,6 @@ class LeafSpec:
 def disk_name(key: str) -> str:
     """The dataset / array / file path of leaf ``key`` (the root leaf is ``data``)."""
     return key if key != tree_lib.ROOT_KEY else _ROOT_DISK_NAME
-
-
-def key_from_disk_name(name: str, treedef: Mapping[str, Any]) -> str:
-    return tree_lib.ROOT_KEY if treedef.get("type") == "leaf" else name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from grain_replay.errors import BatchShardingError, GrainReplayError
+from grain_replay.errors import (
+    BatchShardingError,
+    InvalidPrefetchError,
+    InvalidShardingError,
+    UnsupportedStateError,
+)
 from grain_replay.pipeline.state import load_text, save_text
 
 __all__ = [
@@ -30,18 +35,6 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # queued by the producer when the wrapped iterator is exhausted
 _POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
-
-
-class InvalidShardingError(GrainReplayError, TypeError):
-    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
-
-
-class InvalidPrefetchError(GrainReplayError, ValueError):
-    """``prefetch`` is not a non-negative integer."""
-
-
-class UnsupportedStateError(GrainReplayError, TypeError):
-    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
 
 
 class _Failure:
@@ -212,7 +205,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         if cls is ShardedDevicePutIterator and isinstance(
             batches, (grain.DatasetIterator, grain.IterDataset, grain.MapDataset)
         ):
-            cls = _DatasetShardedDevicePutIterator  # type: ignore[assignment]
+            cls = _DatasetShardedDevicePutIterator
         return super().__new__(cls)
 
     def __init__(self, batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, WorkerDiedError
 from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity, handed_out_by_worker
-from grain_replay.sources.reading.chunked import share_cache_budget
+from grain_replay.sources.reading.cache import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
 

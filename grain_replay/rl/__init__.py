@@ -1,4 +1,4 @@
-"""RL views of replay stores: episodes, windows, n-step transitions, Minari and D4RL files."""
+"""RL views: episodes, windows, sequences, n-step transitions, Minari, D4RL, LeRobot datasets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from grain_replay.rl.episodes import (
     build_episode_index,
     episode_cache_path,
 )
+from grain_replay.rl.lerobot import LeRobotDataSource
 from grain_replay.rl.minari import MinariDataSource
+from grain_replay.rl.sequence import SequenceDataSource
 from grain_replay.rl.transitions import NStepDataSource, NStepOptions, TransitionDataSource
 from grain_replay.rl.windows import WindowDataSource, WindowOptions
 
@@ -20,9 +22,11 @@ __all__ = [
     "episode_cache_path",
     "WindowDataSource",
     "WindowOptions",
+    "SequenceDataSource",
     "NStepDataSource",
     "NStepOptions",
     "TransitionDataSource",
     "D4RLDataSource",
     "MinariDataSource",
+    "LeRobotDataSource",
 ]

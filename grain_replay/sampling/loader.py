@@ -389,7 +389,7 @@ class SamplingDataLoader(grain.DataLoader):
         self._buffer = max(1, worker_buffer_size)
         self._threads = int(read_options.num_threads)
 
-    def __iter__(self) -> SamplingIterator:  # type: ignore[override]
+    def __iter__(self) -> SamplingIterator:
         lag = max(0, self._workers * self._buffer - 1)
         return SamplingIterator(
             self._make_stream(lag),

@@ -8,22 +8,28 @@ import operator
 import os
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError, InvalidStoreError, RecordIndexError
+from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.reading.readers import Handle
 
-__all__ = ["ReplaySource", "Layout", "as_record_index", "check_indices", "is_url", "select_keys"]
+__all__ = [
+    "BatchSource",
+    "Layout",
+    "ReplaySource",
+    "SourceSurface",
+    "as_record_index",
+    "check_indices",
+    "select_keys",
+]
 
-
-def is_url(path: str) -> bool:
-    """True for fsspec URLs such as ``s3://bucket/x.zarr`` (``file://`` included)."""
-    return "://" in path
+T = TypeVar("T")
 
 
 # Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
@@ -113,12 +119,139 @@ def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layou
     )
 
 
-class ReplaySource(abc.ABC):
+@runtime_checkable
+class BatchSource(Protocol):
+    """What ``make_data_loader`` and the RL views read: a length and batched reads.
+
+    Every grain_replay source and view satisfies it; so does any object with
+    these two methods (``isinstance(x, BatchSource)`` checks them by name).
+    """
+
+    def __len__(self) -> int: ...
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """The records ``indices`` as one tree with a leading batch axis."""
+        ...
+
+
+class SourceSurface(abc.ABC):
+    """The surface every grain_replay source shares, stores and RL views alike.
+
+    A grain ``RandomAccessDataSource`` structurally (``__len__``,
+    ``__getitem__``, ``_getitems``), plus ``read_batch`` (one vectorized read
+    per leaf), ``spec``/``keys``/``treedef``, ``close()`` and the context
+    manager, and pickling that carries no per-process state.
+
+    Subclasses implement :meth:`read_flat`, ``__len__``, ``__getitem__``,
+    :meth:`close`, ``spec`` and ``treedef``, keep a ``threading.Lock`` in
+    ``_lock`` and the compiled unflatten of ``treedef`` in ``_build``, and list
+    in ``_PER_PROCESS`` the attributes a pickle resets (handles, indexes).
+    """
+
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {}
+    _lock: threading.Lock
+    _pid: int | None
+    _build: Callable[[Mapping[str, np.ndarray]], Any]
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """The number of records N."""
+
+    @abc.abstractmethod
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+
+    @abc.abstractmethod
+    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases this process's handle; reading again reopens it."""
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> Mapping[str, LeafSpec]:
+        """Leaf key -> per-record ``LeafSpec(dtype, shape)``, in tree order."""
+
+    @property
+    @abc.abstractmethod
+    def treedef(self) -> dict[str, Any]:
+        """The record's tree structure (see :mod:`grain_replay.tree`)."""
+
+    @property
+    def keys(self) -> list[str]:
+        """The leaf keys, in tree order."""
+        return list(self.spec)
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """Reads records ``indices`` with one vectorized read per leaf.
+
+        Args:
+          indices: record indices in any order; duplicates and negative indices
+            are allowed.
+
+        Returns:
+          The record tree with a leading batch axis of ``len(indices)``, rows in
+          the order given.
+
+        Raises:
+          RecordIndexError: an index is outside ``[-N, N)``.
+        """
+        return self._build(self.read_flat(indices))
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        """grain's batched-read protocol: the list of records ``indices``."""
+        flat = self.read_flat(indices)
+        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _per_process(self, name: str, make: Callable[[], T]) -> T:
+        """Attribute ``name``, made by ``make()`` once per process (double-checked lock).
+
+        After a fork the parent's value is dropped and the lock replaced: the
+        parent's lock may have been held at fork time.
+        """
+        pid = os.getpid()
+        value = getattr(self, name)
+        if value is not None and self._pid == pid:
+            return value
+        if self._pid is not None and self._pid != pid:
+            self._lock = threading.Lock()
+            setattr(self, name, None)
+        with self._lock:
+            value = getattr(self, name)
+            if value is None:
+                value = make()
+                setattr(self, name, value)
+                self._pid = pid
+            return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"], state["_build"]
+        state.update(self._PER_PROCESS)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._build = tree_lib.compile_unflatten(self.treedef)
+
+
+class ReplaySource(SourceSurface):
     """A grain ``RandomAccessDataSource`` over a replay store (structurally typed).
 
     Subclasses implement :meth:`_inspect` (read the layout once, in the
     constructing process) and :meth:`_open` (open a handle, once per process).
     """
+
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_handle": None, "_pid": None, "_opens": 0}
 
     def __init__(
         self,
@@ -174,10 +307,6 @@ class ReplaySource(abc.ABC):
         return dict(self._layout.spec)
 
     @property
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    @property
     def treedef(self) -> dict[str, Any]:
         return self._layout.treedef
 
@@ -200,25 +329,17 @@ class ReplaySource(abc.ABC):
     # -- per-process handle ---------------------------------------------------
 
     def _get_handle(self) -> Handle:
-        pid = os.getpid()
-        handle = self._handle
-        if handle is not None and self._pid == pid:
-            return handle
-        if self._pid is not None and self._pid != pid:
-            # Forked: the parent's lock may have been held at fork time.
-            self._lock = threading.Lock()
-            self._handle = None
-        with self._lock:
-            if self._handle is None:
-                try:
-                    self._handle = self._open()
-                except GrainReplayError:
-                    raise
-                except _STORE_FAULTS as e:
-                    raise self._corrupt(None, e) from e
-                self._pid = pid
-                self._opens += 1
-            return self._handle
+        return self._per_process("_handle", self._open_counted)
+
+    def _open_counted(self) -> Handle:
+        try:
+            handle = self._open()
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS as e:
+            raise self._corrupt(None, e) from e
+        self._opens += 1
+        return handle
 
     def close(self) -> None:
         """Releases the handle of this process; reading again reopens it."""
@@ -228,26 +349,6 @@ class ReplaySource(abc.ABC):
                 handle.close()
                 handle.close_mapped()
             self._pid = None
-
-    def __enter__(self) -> ReplaySource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        state["_opens"] = 0
-        del state["_lock"]
-        del state["_build"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._build = tree_lib.compile_unflatten(self._layout.treedef)
 
     # -- reads ----------------------------------------------------------------
 
@@ -316,24 +417,3 @@ class ReplaySource(abc.ABC):
             "is truncated, corrupt or was changed while open. Fix: re-create it, or run "
             "`grain-replay verify` to locate the damage."
         )
-
-    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
-        """Reads records ``indices`` with one vectorized read per leaf.
-
-        Args:
-          indices: record indices in any order; duplicates and negative indices
-            are allowed.
-
-        Returns:
-          The record tree with a leading batch axis of ``len(indices)``, rows in
-          the order given.
-
-        Raises:
-          RecordIndexError: an index is outside ``[-N, N)``.
-        """
-        return self._build(self.read_flat(indices))
-
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
-        """grain's batched-read protocol: the list of records ``indices``."""
-        flat = self.read_flat(indices)
-        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]

@@ -11,18 +11,19 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import GrainReplayError, InvalidStoreError, InvalidTreeError
+from grain_replay.errors import (
+    GrainReplayError,
+    InvalidStoreError,
+    InvalidTreeError,
+    WriterBusyError,
+)
+from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend
-from grain_replay.writers.oneshot import FORMATS, format_from_path
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
 logger = logging.getLogger(__name__)
-
-
-class WriterBusyError(GrainReplayError, BlockingIOError):
-    """Another ReplayWriter holds the store."""
 
 
 class ReplayWriter:
@@ -63,8 +64,6 @@ class ReplayWriter:
         if format is not None and format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
-            from grain_replay.sources import detect_format
-
             on_disk = detect_format(self._path)
             if format is not None and format != on_disk:
                 raise InvalidStoreError(

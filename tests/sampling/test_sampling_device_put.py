@@ -99,5 +99,5 @@ def test_update_priorities_on_a_plain_iterator_is_refused(paths: dict[str, str])
     loader = gr.make_data_loader(gr.NpyDataSource(paths["a"]), batch_size=8)
     with gr.sharded_device_put(loader) as batches:
         next(batches)
-        with pytest.raises(gr.pipeline.device_put.UnsupportedStateError, match="priorities"):
+        with pytest.raises(gr.UnsupportedStateError, match="priorities"):
             batches.update_priorities(np.zeros(1, np.int64), np.ones(1))

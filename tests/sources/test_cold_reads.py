@@ -1,4 +1,4 @@
-"""Read-ahead of memory-mapped rows that are not in the page cache (sources/readahead.py)."""
+"""Read-ahead of memory-mapped rows not in the page cache (sources/reading/readahead.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources.reading.chunked import ChunkCache, ChunkedLeafReader
+from grain_replay.sources.reading.cache import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader
 from grain_replay.sources.zarr.decode import LocalChunkReader
 
 zarr = pytest.importorskip("zarr")

@@ -1,26 +1,14 @@
-"""Checks on the files of a local store: regular, inside the store, not shrunk under a map."""
+"""Files of a local store: inside the store, shared descriptors, not shrunk under a map."""
 
 from __future__ import annotations
 
 import mmap
 import os
-import stat
 import weakref
 
 from grain_replay.errors import InvalidStoreError
 
-__all__ = ["Descriptor", "MappedFile", "check_inside", "require_regular_file"]
-
-
-def require_regular_file(path: str, key: str = "") -> None:
-    """Refuses FIFOs, devices and sockets, which would block or never end when read."""
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        leaf = f" (leaf {key!r})" if key else ""
-        raise InvalidStoreError(
-            f"{path}{leaf} is not a regular file (a FIFO, device or socket). Fix: point the "
-            "store at regular files."
-        )
+__all__ = ["Descriptor", "MappedFile", "check_inside"]
 
 
 def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
