@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import Any, Self
 import grain
 import numpy as np
 
-from grain_replay.errors import InvalidSamplingError
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 from grain_replay.sampling.mixture import MixtureSampler, Weights
@@ -453,6 +454,21 @@ class SamplingIterDataset(grain.IterDataset):
         return self._description
 
 
+def _check_int(name: str, value: Any, *, low: int) -> int:
+    """``value`` as an int >= ``low`` (numpy integers are fine; bools and floats are not)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+        ) from None
+    if value < low:
+        raise InvalidArgumentError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
 def _streams(
     source: Any,
     *,
@@ -468,9 +484,11 @@ def _streams(
     source_leaf: str | None,
 ) -> tuple[Callable[[int], Stream], str]:
     """Validates the arguments once; returns a stream factory (of the lag) and a description."""
-    from grain_replay.pipeline.loader import LoaderOptions
-
-    options = LoaderOptions(batch_size, shuffle, seed, None, drop_remainder)
+    batch_size = _check_int("batch_size", batch_size, low=1)
+    seed = _check_int("seed", seed, low=0)
+    if seed >= 2**64:
+        raise InvalidArgumentError(f"seed must be in [0, 2**64), got {seed}")
+    del drop_remainder  # every batch of a mixture or replay stream is whole
     if num_epochs not in (None, 1):
         raise InvalidSamplingError(
             f"num_epochs={num_epochs!r}: a mixture or replay stream is endless (each source "
@@ -486,9 +504,9 @@ def _streams(
             source,
             weights=weights,
             sampling=sampling,
-            batch_size=options.batch_size,
-            seed=options.seed,
-            shuffle=options.shuffle,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=bool(shuffle),
             keys=keys,
             source_leaf=source_leaf,
             shard_index=shard_index,

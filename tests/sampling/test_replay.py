@@ -135,3 +135,23 @@ def test_sampling_of_unknown_kind_and_mixture_args_are_refused(tmp_path: Path) -
     it = iter(gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay()))
     with pytest.raises(gr.InvalidSamplingError, match="PrioritizedReplay"):
         it.update_priorities(np.zeros(1, np.int64), np.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"batch_size": 0}, ValueError),
+        ({"batch_size": 2.5}, TypeError),
+        ({"seed": -1}, ValueError),
+        ({"seed": True}, TypeError),
+    ],
+)
+def test_bad_batch_size_or_seed_is_refused(
+    tmp_path: Path, kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    path = str(tmp_path / "s")
+    gr.write_npy(path, _rows(0, 10))
+    args: dict[str, object] = {"batch_size": 4, "sampling": gr.UniformReplay(), **kwargs}
+    with pytest.raises(error) as e:
+        gr.make_data_loader(gr.NpyDataSource(path), **args)  # type: ignore[arg-type]
+    assert isinstance(e.value, gr.GrainReplayError)
