@@ -23,6 +23,8 @@ from grain_replay.errors import (
     PriorityIndexError,
     RecordIndexError,
     ReferenceRefusedError,
+    ResidentBudgetError,
+    ResidentUnsupportedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
@@ -85,6 +87,8 @@ __all__ = [
     "D4RLDataSource",
     "LeRobotDataSource",
     "SequenceDataSource",
+    # statistics (grain_replay.stats)
+    "compute_stats",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -95,6 +99,8 @@ __all__ = [
     "RecordIndexError",
     "BatchShardingError",
     "FrameTimestampError",
+    "ResidentBudgetError",
+    "ResidentUnsupportedError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
@@ -122,6 +128,7 @@ _LAZY = {
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
+    "compute_stats": "grain_replay.stats",
     **{
         name: "grain_replay.rl"
         for name in (

@@ -1,4 +1,4 @@
-"""Command line: ``grain-replay info|convert|verify|demo``."""
+"""Command line: ``grain-replay info|convert|verify|stats|demo``."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def _open(path: str) -> Any:
 
     if os.path.isfile(os.path.join(path, "meta", "info.json")):
         return gr.LeRobotDataSource(path)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
+    if os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, "data", f)) for f in ("main_data.hdf5", "metadata.json")
+    ):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
         return gr.MinariDataSource(path)
@@ -196,6 +198,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per-leaf count, mean, std, min, max and quantiles (cached beside the store)."""
+    from grain_replay.stats import compute_stats, iter_json
+
+    src = _open(args.path)
+    with _progress(len(src), "stats", not (args.quiet or args.json)) as bar:
+        stats = compute_stats(
+            src, keys=args.keys, quantiles=args.quantiles, cache=not args.no_cache,
+            progress=bar.update,
+        )  # fmt: skip
+    leaves = dict(iter_json(stats))
+    if args.json:
+        # Strict JSON: NaN and infinities (a NaN in the data propagates) become null.
+        def strict(v: Any) -> Any:
+            if isinstance(v, list):
+                return [strict(x) for x in v]
+            return v if not isinstance(v, float) or np.isfinite(v) else None
+
+        out = {
+            "path": src.path,
+            "num_records": len(src),
+            "leaves": {k: {n: strict(v) for n, v in d.items()} for k, d in leaves.items()},
+        }
+        print(json.dumps(out, indent=2))  # fmt: skip
+        return 0
+    print(f"{src.path}: {len(src):,} records")
+    with np.printoptions(precision=4, threshold=8, edgeitems=3, linewidth=1000):
+        for key, d in leaves.items():
+            spec = src.spec[key]
+            print(f"  {key or '<root>'}  {spec.dtype} {tuple(spec.shape)}")
+            for name, value in d.items():
+                if name != "count":
+                    print(f"    {name:<5} {np.asarray(value).ravel()}")
+    return 0
+
+
 def _demo_tree(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     obs = rng.standard_normal((n, 17), dtype=np.float32)
@@ -294,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("stats", help="per-leaf count, mean, std, min, max, quantiles")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output (NaN -> null)")
+    p.add_argument("--keys", nargs="+", help="leaves or groups (default all)")
+    p.add_argument("--quantiles", nargs="+", type=float, default=[0.01, 0.1, 0.5, 0.9, 0.99])
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("demo", help="write a synthetic replay in each format and stream it back")
     p.add_argument("--out", default="demo_out")
