@@ -6,7 +6,7 @@ import dataclasses
 import operator
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
@@ -362,6 +362,10 @@ def make_data_loader(
     operations: Sequence[Any] = (),
     read_options: grain.ReadOptions | None = None,
     worker_buffer_size: int = 2,
+    weights: Any = None,
+    sampling: Any = "epochs",
+    keys: Sequence[str] | None = None,
+    source_leaf: str | None = None,
 ) -> grain.DataLoader:
     """A ``grain.DataLoader`` of host batches, each read with one ``read_batch`` call.
 
@@ -392,6 +396,15 @@ def make_data_loader(
         ``num_threads`` reads are kept in flight.
       worker_buffer_size: finished batches each worker keeps ahead (its
         shared-memory slots).
+      weights: with a mapping of sources (a mixture): name -> weight, or a callable
+        of the step returning one. Every batch holds exactly the largest-remainder
+        share of each source, without drift; each source walks its own epochs.
+      sampling: ``"epochs"`` (the default, above), ``gr.UniformReplay()`` or
+        ``gr.PrioritizedReplay()``: draws with replacement over a growing store.
+        Mixtures and replay streams are endless (``num_epochs`` 1 or None).
+      keys: a mixture reads only these leaves (the ones its sources share).
+      source_leaf: a mixture's batches gain this int32 leaf: each row's source
+        position in ``source``.
 
     Returns:
       A ``grain.DataLoader`` whose iterator yields numpy batches and supports
@@ -401,6 +414,23 @@ def make_data_loader(
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
       >>> for batch in gr.sharded_device_put(loader): ...
     """
+    if (
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    ):
+        from grain_replay.sampling.loader import make_sampling_loader
+
+        ensure_absl_flags_parsed()
+        return make_sampling_loader(
+            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+            drop_remainder=drop_remainder, worker_count=worker_count,
+            shard_options=shard_options, operations=operations, read_options=read_options,
+            worker_buffer_size=worker_buffer_size, weights=weights, sampling=sampling,
+            keys=keys, source_leaf=source_leaf,
+        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
@@ -429,15 +459,37 @@ def replay_dataset(
     drop_remainder: bool = True,
     shard_options: Any = None,
     read_options: grain.ReadOptions | None = None,
+    weights: Any = None,
+    sampling: Any = "epochs",
+    keys: Sequence[str] | None = None,
+    source_leaf: str | None = None,
 ) -> grain.IterDataset:
     """A ``grain.IterDataset`` of host batches with the same batch-level reads.
 
     For pipelines composed by hand (``.map``, ``.mp_prefetch``, ...). Arguments
     as in :func:`make_data_loader`.
 
+    A mixture or replay ``sampling`` reads in the iterating process; its iterator
+    has ``update_priorities`` (prioritized replay) until it is wrapped.
+
     Example:
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
+    if (
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    ):
+        from grain_replay.sampling.loader import make_sampling_dataset
+
+        ensure_absl_flags_parsed()
+        return make_sampling_dataset(
+            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+            drop_remainder=drop_remainder, shard_options=shard_options, weights=weights,
+            sampling=sampling, keys=keys, source_leaf=source_leaf,
+        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     shard_options = shard_options if shard_options is not None else _default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
