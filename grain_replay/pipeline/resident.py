@@ -482,6 +482,14 @@ def resident_device_put(
 
 def _plan_of(batches: Any) -> LoaderPlan:
     plan = getattr(batches, "plan", None)
+    sampling = getattr(batches, "sampling", None)
+    if isinstance(sampling, str) and plan is None:
+        raise ResidentUnsupportedError(
+            "Device-resident replay replays make_data_loader's seeded epochs over one store; "
+            f"this loader samples otherwise ({sampling}) and reads on the host. Fix: use "
+            "resident=False (or "
+            'resident="auto" to fall back by itself).'
+        )
     if not isinstance(plan, LoaderPlan) or not isinstance(plan.reads, BatchedReads):
         raise ResidentUnsupportedError(
             "Device-resident replay needs the loader returned by gr.make_data_loader (it "

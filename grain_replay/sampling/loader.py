@@ -385,6 +385,7 @@ class SamplingDataLoader(grain.DataLoader):
             read_options=read_options,
         )
         self._make_stream = make
+        self.sampling = description  # what it samples; sharded_device_put names it
         self._maps = ops
         self._workers = worker_count
         self._buffer = max(1, worker_buffer_size)
