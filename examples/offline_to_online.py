@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 exact &= abs(online - want) < 1.0  # the rounded share, every batch
                 shares.append(online / args.batch_size)
                 params, opt, _ = train_step(params, opt, target, batch)
+                if step % 8 == 7:
+                    # Bound the steps dispatched ahead (XLA's CPU collectives can stall otherwise).
+                    jax.block_until_ready(params)
                 if step % args.target_every == 0:
                     target = params
     finally:
