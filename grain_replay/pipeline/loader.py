@@ -349,6 +349,19 @@ def _default_shard_options() -> Any:
     return grain.sharding.ShardByJaxProcess(drop_remainder=True)
 
 
+def _samples(
+    source: Any, weights: Any, sampling: Any, keys: Sequence[str] | None, source_leaf: str | None
+) -> bool:
+    """Whether the arguments ask for a mixture or replay stream (``grain_replay.sampling``)."""
+    return bool(
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    )
+
+
 def make_data_loader(
     source: BatchSource,
     *,
@@ -414,13 +427,7 @@ def make_data_loader(
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
       >>> for batch in gr.sharded_device_put(loader): ...
     """
-    if (
-        isinstance(source, Mapping)
-        or sampling != "epochs"
-        or weights is not None
-        or keys
-        or source_leaf
-    ):
+    if _samples(source, weights, sampling, keys, source_leaf):
         from grain_replay.sampling.loader import make_sampling_loader
 
         ensure_absl_flags_parsed()
@@ -475,13 +482,7 @@ def replay_dataset(
     Example:
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
-    if (
-        isinstance(source, Mapping)
-        or sampling != "epochs"
-        or weights is not None
-        or keys
-        or source_leaf
-    ):
+    if _samples(source, weights, sampling, keys, source_leaf):
         from grain_replay.sampling.loader import make_sampling_dataset
 
         ensure_absl_flags_parsed()
