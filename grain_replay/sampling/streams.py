@@ -28,8 +28,27 @@ class Stream(Protocol):
     def finish(self, data: Any, extra: Any) -> Any: ...
 
 
-class _MixtureStream:
+class _SelfStatedStream:
+    """A stream whose sampler draws a step's rows and saves its own state; batches go as read."""
+
+    sampler: MixtureSampler | UniformSampler
+
+    def draw(self, step: int) -> tuple[Any, Any]:
+        return self.sampler.draw(), None
+
+    def state(self) -> dict[str, Any]:
+        return self.sampler.state()
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        self.sampler.set_state(state)
+
+    def finish(self, data: Any, extra: Any) -> Any:
+        return data
+
+
+class _MixtureStream(_SelfStatedStream):
     kind = "mixture"
+    sampler: MixtureSampler
 
     def __init__(self, sampler: MixtureSampler, reader: MixtureReader, seed: int) -> None:
         self.sampler = sampler
@@ -47,21 +66,10 @@ class _MixtureStream:
             "seed": self._seed,
         }
 
-    def draw(self, step: int) -> tuple[Any, Any]:
-        return self.sampler.draw(), None
 
-    def state(self) -> dict[str, Any]:
-        return self.sampler.state()
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        self.sampler.set_state(state)
-
-    def finish(self, data: Any, extra: Any) -> Any:
-        return data
-
-
-class _UniformStream:
+class _UniformStream(_SelfStatedStream):
     kind = "uniform"
+    sampler: UniformSampler
 
     def __init__(self, sampler: UniformSampler, reader: RowReader, describe: dict[str, Any]):
         self.sampler = sampler
@@ -70,18 +78,6 @@ class _UniformStream:
 
     def describe(self) -> dict[str, Any]:
         return self._describe
-
-    def draw(self, step: int) -> tuple[Any, Any]:
-        return self.sampler.draw(), None
-
-    def state(self) -> dict[str, Any]:
-        return self.sampler.state()
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        self.sampler.set_state(state)
-
-    def finish(self, data: Any, extra: Any) -> Any:
-        return data
 
 
 class _PriorityStream:
