@@ -14,6 +14,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.state import LoaderIdentity, StreamShape, stream_repr
@@ -336,19 +337,6 @@ class _BatchesMapDataset(grain.MapDataset):
         return self._reads.element_spec()
 
 
-def _default_read_options(worker_count: int) -> grain.ReadOptions:
-    del worker_count  # the same in the consuming process and in each worker
-    # Measured on 2 cores: read-ahead threads cost more in handoffs and GIL
-    # contention than they hide for page-cached reads; workers already read ahead
-    # worker_buffer_size batches each, and the consuming process reads inside next(),
-    # which sharded_device_put calls on its own thread.
-    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-
-
-def _default_shard_options() -> Any:
-    return grain.sharding.ShardByJaxProcess(drop_remainder=True)
-
-
 def _samples(
     source: Any, weights: Any, sampling: Any, keys: Sequence[str] | None, source_leaf: str | None
 ) -> bool:
@@ -442,7 +430,7 @@ def make_data_loader(
     worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
         raise ValueError(f"worker_count must be >= 0, got {worker_count}")
-    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()
     return _ReplayDataLoader(
@@ -452,7 +440,7 @@ def make_data_loader(
         worker_count=worker_count,
         worker_buffer_size=worker_buffer_size,
         shard_options=shard_options,
-        read_options=read_options or _default_read_options(worker_count),
+        read_options=read_options or default_read_options(worker_count),
     )
 
 
@@ -492,7 +480,7 @@ def replay_dataset(
             sampling=sampling, keys=keys, source_leaf=source_leaf,
         )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
-    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ds: grain.MapDataset = _BatchesMapDataset(reads)
     if shard_options.shard_count > 1:

@@ -24,6 +24,7 @@ import grain
 import numpy as np
 
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
+from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 from grain_replay.sampling.mixture import MixtureSampler, Weights
@@ -497,7 +498,7 @@ def _streams(
             "and stop after the steps you want."
         )
     if shard_options is None:
-        shard_options = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+        shard_options = default_shard_options()
     shard_index, shard_count = int(shard_options.shard_index), int(shard_options.shard_count)
 
     def make(lag: int) -> Stream:
@@ -542,7 +543,7 @@ def make_sampling_loader(
     if isinstance(worker_count, bool) or not isinstance(worker_count, int) or worker_count < 0:
         raise InvalidSamplingError(f"worker_count must be an int >= 0, got {worker_count!r}")
     if shard_options is None:
-        shard_options = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+        shard_options = default_shard_options()
     make, text = _streams(
         source,
         batch_size=batch_size,
@@ -563,7 +564,7 @@ def make_sampling_loader(
         worker_count=worker_count,
         worker_buffer_size=worker_buffer_size,
         shard_options=shard_options,
-        read_options=read_options or grain.ReadOptions(num_threads=0, prefetch_buffer_size=0),
+        read_options=read_options or default_read_options(worker_count),
     )
 
 
