@@ -8,6 +8,8 @@ from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     BatchShardingError,
     GrainReplayError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
@@ -17,6 +19,7 @@ from grain_replay.errors import (
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
+    UnknownLeafError,
     WorkerDiedError,
 )
 from grain_replay.layout import LeafSpec
@@ -73,6 +76,9 @@ __all__ = [
     "StoreExistsError",
     "InvalidTreeError",
     "InvalidStoreError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
+    "UnknownLeafError",
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",

@@ -11,9 +11,13 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
+    "UnknownLeafError",
 ]
 
 
@@ -31,6 +35,20 @@ class StoreExistsError(GrainReplayError, FileExistsError):
 
 class InvalidTreeError(GrainReplayError, TypeError):
     """The tree given to a writer is not a pytree of numeric arrays."""
+
+
+class InvalidArgumentError(GrainReplayError, ValueError):
+    """An argument has a value the function does not accept (the store is fine)."""
+
+
+class InvalidArgumentTypeError(GrainReplayError, TypeError):
+    """An argument has a type the function does not accept (the store is fine)."""
+
+
+class UnknownLeafError(InvalidArgumentError, KeyError):
+    """An argument (``keys=``, ``obs_key=``, ...) names a leaf the store does not have."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
 
 
 class InvalidStoreError(GrainReplayError, ValueError):

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from grain_replay.errors import (
     GrainReplayError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidStoreError,
     StoreAccessError,
     StoreNotFoundError,
@@ -69,11 +71,11 @@ class RetryOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+            raise InvalidArgumentError(f"retries must be an int >= 0, got {self.retries!r}")
         if not self.backoff_s >= 0:
-            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s!r}")
+            raise InvalidArgumentError(f"backoff_s must be >= 0, got {self.backoff_s!r}")
         if not self.max_backoff_s >= self.backoff_s:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_backoff_s must be >= backoff_s ({self.backoff_s}), got {self.max_backoff_s!r}"
             )
 
@@ -89,7 +91,7 @@ def retry_options(value: int | RetryOptions | None) -> RetryOptions:
     if isinstance(value, RetryOptions):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"retries must be an int or a RetryOptions, got {type(value).__name__}. "
             "Fix: pass e.g. retries=3."
         )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.integrity import as_bytes
 from grain_replay.sources.npy import read_npy_header
 from grain_replay.sources.stitch import PAGE
@@ -127,7 +127,7 @@ class NpyBackend(Backend):
     @classmethod
     def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
         if chunk_rows is not None or compression is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
                 "chunk_rows/compression, or use format='zarr'."
             )
@@ -350,7 +350,7 @@ class HDF5Backend(Backend):
         import h5py
 
         if compression is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path}: a growing HDF5 store must be uncompressed (compressed chunks move "
                 "on disk when rewritten, which a crash could leave half done). Fix: drop "
                 "compression, or use format='zarr' with compression."

@@ -11,7 +11,12 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import GrainReplayError, InvalidStoreError, InvalidTreeError
+from grain_replay.errors import (
+    GrainReplayError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    InvalidTreeError,
+)
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend
 from grain_replay.writers.oneshot import FORMATS, format_from_path
@@ -61,7 +66,7 @@ class ReplayWriter:
     ):
         self._path = os.path.abspath(os.fspath(path))
         if format is not None and format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
+            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
             from grain_replay.sources import detect_format
 
@@ -76,7 +81,7 @@ class ReplayWriter:
         self._chunk_rows = chunk_rows
         self._compression = compression
         if flush_every is not None and flush_every <= 0:
-            raise ValueError(f"flush_every must be positive or None, got {flush_every}")
+            raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
         self._flush_every = flush_every
         self._lock_fd: int | None = self._acquire_lock()
         self._backend: Backend | None = None
