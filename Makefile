@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-slow bench bench-quick bench-s3 lint clean
 
@@ -24,7 +26,7 @@ demo: $(STAMP)
 	$(PY) -m grain_replay.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q --durations=15
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
