@@ -329,3 +329,20 @@ def test_main_guard_detection(tmp_path: Path, monkeypatch, source: str, missing:
 def test_main_guard_detection_ignores_non_files(monkeypatch):
     monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
     assert spawn_check.main_guard_missing() is False  # python -c, a notebook, a REPL
+
+
+def test_empty_directory_error_suggests_what_the_readme_shows_and_the_fix_works(tmp_path: Path):
+    empty = tmp_path / "replay"
+    empty.mkdir()
+    with pytest.raises(gr.InvalidStoreError) as info:
+        gr.open_source(empty)
+    message = str(info.value)
+    assert "gr.write(path, tree, overwrite=True)" in message and "write_npy" not in message
+    assert "gr.write(" in (Path(__file__).parents[1] / "README.md").read_text()
+    gr.write(empty, {"x": np.arange(3)}, overwrite=True)  # the fix, as written
+    assert len(gr.open_source(empty)) == 3
+
+
+def test_missing_npy_directory_error_suggests_gr_write(tmp_path: Path):
+    with pytest.raises(gr.StoreNotFoundError, match=r"gr\.write\(path, tree\)"):
+        gr.NpyDataSource(tmp_path / "nothing")
