@@ -42,7 +42,7 @@ sys.path.insert(
 )
 
 import grain_replay as gr
-from grain_replay.sources import remote as remote_lib
+from grain_replay import remote as remote_lib
 
 BUCKET = "bench"
 

@@ -1,7 +1,7 @@
 """Benchmarks of grain_replay: rates and same-run ratios against the limit and the baselines.
 
 Usage: ``python benchmarks/run.py [--quick] [--out DIR] [--data DIR] [--only SUBSTR]
-[--sections formats,pipeline,cold,write]``. See benchmarks/README.md.
+[--sections formats,pipeline,cold,write,sequences]``. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "memory")
+SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "memory")
 # "memory" writes a store larger than half of RAM: run only when asked for.
-DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write")
+DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences")
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_formats import run_formats
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
+    from bench_sequences import run_sequences
     from bench_write import run_write
 
     quick = args.quick
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets = bench_data.dataset_specs(cfg.transitions, cfg.image_records, cfg.seed)
     t0 = time.perf_counter()
     sampler.reset()
-    # The memory section writes its own store.
-    needs_stores = set(cfg.sections) - {"memory"}
+    # The memory and sequences sections write their own stores.
+    needs_stores = set(cfg.sections) - {"memory", "sequences"}
     stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline": run_pipeline,
         "cold": run_cold,
         "write": run_write,
+        "sequences": run_sequences,
         "memory": functools.partial(run_memory, fmt=args.memory_format),
     }
     results: list[common.SectionResult] = []

@@ -16,7 +16,9 @@ Checkpoints go to ``--ckpt``: at step k every process writes its iterator state
 ``<ckpt>/step_<k>/loader_state.<process_index>``, process 0 writes the
 parameters, and after a barrier marks the step complete (``COMMITTED``). A
 restart with the same ``--ckpt`` resumes from the newest complete step: the
-parameters, and each process's loader at the identical next batch.
+parameters, and each process's loader at the identical next batch, also on
+another number of processes if the global batch stays the same (for example 4
+processes x ``--per-host-batch 8`` resumed on 2 x 16).
 
 Run it::
 
@@ -270,15 +272,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step_dir = os.path.join(args.ckpt, f"step_{found}")
             with open(os.path.join(step_dir, "meta.json")) as meta_file:
                 meta = json.load(meta_file)
-            if (meta["num_processes"], meta["per_host_batch"]) != (nproc, args.per_host_batch):
+            saved_global = meta["num_processes"] * meta["per_host_batch"]
+            if saved_global != nproc * args.per_host_batch:
                 raise SystemExit(
                     f"{step_dir} was written by {meta['num_processes']} processes with "
-                    f"--per-host-batch {meta['per_host_batch']}; resuming it needs the same. "
-                    "Fix: relaunch with those, or use a new --ckpt."
+                    f"--per-host-batch {meta['per_host_batch']} (global batch {saved_global}); "
+                    "resuming it needs the same global batch. Fix: relaunch with "
+                    f"--per-host-batch {saved_global // nproc}"
+                    if saved_global % nproc == 0
+                    else f"{step_dir} was written by {meta['num_processes']} processes with "
+                    f"--per-host-batch {meta['per_host_batch']} (global batch {saved_global}); "
+                    f"resuming it needs the same global batch, which {nproc} processes cannot "
+                    "split. Fix: relaunch on a process count that divides it, or use a new --ckpt."
                 )
             with np.load(os.path.join(step_dir, "params.npz")) as saved:
                 host_params = {k: saved[k] for k in host_params}
-            with open(os.path.join(step_dir, f"loader_state.{pid}"), "rb") as state_file:
+            # Any process's state resumes every process, on any process count.
+            own = pid % meta["num_processes"]
+            with open(os.path.join(step_dir, f"loader_state.{own}"), "rb") as state_file:
                 batches.set_state(state_file.read())
             log(f"resumed from {step_dir}", flush=True)
     params = to_global(host_params)

@@ -6,21 +6,27 @@ from typing import Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
+    ArgumentTypeError,
     BatchShardingError,
+    CheckpointMismatchError,
     GrainReplayError,
     InvalidArgumentError,
-    InvalidArgumentTypeError,
+    InvalidPrefetchError,
+    InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
     MissingDependencyError,
     RecordIndexError,
+    ReferenceRefusedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnfinishedWriteError,
     UnknownLeafError,
+    UnsupportedStateError,
     WorkerDiedError,
+    WriterBusyError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
@@ -32,7 +38,6 @@ from grain_replay.sources import (
 )
 from grain_replay.writers import (
     ReplayWriter,
-    WriterBusyError,
     write,
     write_hdf5,
     write_npy,
@@ -70,15 +75,13 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "SequenceDataSource",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
     "StoreExistsError",
     "InvalidTreeError",
     "InvalidStoreError",
-    "InvalidArgumentError",
-    "InvalidArgumentTypeError",
-    "UnknownLeafError",
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
@@ -86,6 +89,14 @@ __all__ = [
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnknownLeafError",
+    "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
     "RetryOptions",
 ]
 
@@ -93,7 +104,7 @@ _LAZY = {
     "make_data_loader": "grain_replay.pipeline.loader",
     "replay_dataset": "grain_replay.pipeline.loader",
     "LoaderOptions": "grain_replay.pipeline.loader",
-    "RetryOptions": "grain_replay.sources.remote",
+    "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     **{
         name: "grain_replay.rl"
@@ -105,6 +116,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "SequenceDataSource",
         )
     },
 }

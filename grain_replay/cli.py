@@ -87,11 +87,12 @@ def _open(path: str) -> Any:
 
 def _is_plain(path: str) -> bool:
     """False for a D4RL-layout HDF5 file without grain_replay metadata."""
-    if not path.endswith((".h5", ".hdf5")) or not os.path.isfile(path):
-        return True
-    import h5py
-
+    from grain_replay.formats import format_from_path, import_h5py
     from grain_replay.layout import METADATA_ATTR
+
+    if format_from_path(path) != "hdf5" or not os.path.isfile(path):
+        return True
+    h5py = import_h5py()
 
     with h5py.File(path, "r", locking=False) as f:
         d4rl = {"observations", "actions", "rewards", "terminals"} <= set(f.keys())
@@ -153,7 +154,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from grain_replay import layout as layout_lib
     from grain_replay import tree as tree_lib
     from grain_replay.errors import StoreExistsError
-    from grain_replay.writers.oneshot import format_from_path, write_blocks
+    from grain_replay.formats import format_from_path
+    from grain_replay.writers.oneshot import write_blocks
 
     if os.path.lexists(args.dst) and not args.overwrite:
         raise StoreExistsError(

@@ -11,13 +11,19 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
-    "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
     "InvalidArgumentError",
-    "InvalidArgumentTypeError",
+    "ArgumentTypeError",
     "UnknownLeafError",
+    "CheckpointMismatchError",
+    "ReferenceRefusedError",
+    "WriterBusyError",
+    "WorkerDiedError",
+    "InvalidShardingError",
+    "InvalidPrefetchError",
+    "UnsupportedStateError",
 ]
 
 
@@ -35,20 +41,6 @@ class StoreExistsError(GrainReplayError, FileExistsError):
 
 class InvalidTreeError(GrainReplayError, TypeError):
     """The tree given to a writer is not a pytree of numeric arrays."""
-
-
-class InvalidArgumentError(GrainReplayError, ValueError):
-    """An argument has a value the function does not accept (the store is fine)."""
-
-
-class InvalidArgumentTypeError(GrainReplayError, TypeError):
-    """An argument has a type the function does not accept (the store is fine)."""
-
-
-class UnknownLeafError(InvalidArgumentError, KeyError):
-    """An argument (``keys=``, ``obs_key=``, ...) names a leaf the store does not have."""
-
-    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
 
 
 class InvalidStoreError(GrainReplayError, ValueError):
@@ -81,3 +73,42 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class InvalidArgumentError(GrainReplayError, ValueError):
+    """An argument's value is outside what the call accepts (an empty offset list, a bad mode)."""
+
+
+class ArgumentTypeError(GrainReplayError, TypeError):
+    """An argument has the wrong type (a float where offsets in steps are integers)."""
+
+
+class UnknownLeafError(InvalidArgumentError, KeyError):
+    """An argument (``keys=``, ``obs_key=``, ...) names a leaf the store does not have."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
+
+
+class CheckpointMismatchError(GrainReplayError, ValueError):
+    """A loader state was saved by another stream, or cannot be resumed by this loader."""
+
+
+class ReferenceRefusedError(InvalidStoreError):
+    """A leaf refers outside its file (HDF5 external link, virtual dataset, external storage)
+    and ``allow_external`` is False; never worth a retry."""
+
+
+class WriterBusyError(GrainReplayError, BlockingIOError):
+    """Another ReplayWriter holds the store, or HDF5 refuses a second handle in this process."""
+
+
+class InvalidShardingError(GrainReplayError, TypeError):
+    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
+
+
+class InvalidPrefetchError(GrainReplayError, ValueError):
+    """``prefetch`` is not a non-negative integer."""
+
+
+class UnsupportedStateError(GrainReplayError, TypeError):
+    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,6 @@ __all__ = [
     "LeafSpec",
     "StoreMetadata",
     "disk_name",
-    "key_from_disk_name",
     "prepare_leaves",
     "check_dtype",
     "common_length",
@@ -53,10 +52,6 @@ class LeafSpec:
 def disk_name(key: str) -> str:
     """The dataset / array / file path of leaf ``key`` (the root leaf is ``data``)."""
     return key if key != tree_lib.ROOT_KEY else _ROOT_DISK_NAME
-
-
-def key_from_disk_name(name: str, treedef: Mapping[str, Any]) -> str:
-    return tree_lib.ROOT_KEY if treedef.get("type") == "leaf" else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,18 +208,31 @@ def common_length(
     error: type[Exception] = InvalidStoreError,
     fix: str | None = None,
 ) -> int:
-    """The shared leading dimension, or an error naming every leaf that differs."""
+    """The shared leading dimension, or an error naming the leaves to fix.
+
+    With a majority length (held by more than half of the leaves) the error names
+    the leaves that differ from it; with none, it names every leaf with its length,
+    so the user is never pointed at the wrong one.
+    """
     values = list(lengths.values())
     if len(set(values)) <= 1:
         return values[0]
-    expected = max(set(values), key=values.count)
-    bad = "; ".join(
-        f"Leaf {k!r} has {n} records but expected {expected}"
-        for k, n in lengths.items()
-        if n != expected
-    )
+    counts = {n: values.count(n) for n in set(values)}
+    majority = max(counts, key=lambda n: counts[n])
+    if 2 * counts[majority] > len(values):
+        bad = "; ".join(
+            f"Leaf {k!r} has {n} records but expected {majority}"
+            for k, n in lengths.items()
+            if n != majority
+        )
+        ok = [k for k, n in lengths.items() if n == majority]
+    else:
+        bad = "no length is shared by most leaves: " + ", ".join(
+            f"{k!r} has {n}" for k, n in lengths.items()
+        )
+        longest = max(counts, key=lambda n: (counts[n], n))
+        ok = [k for k, n in lengths.items() if n == longest]
     if fix is None:
-        ok = [k for k, n in lengths.items() if n == expected]
         fix = f"select leaves of one length with keys={ok!r}"
     raise error(f"{where}: leaves must share the leading (records) dimension. {bad}. Fix: {fix}.")
 

@@ -82,14 +82,14 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
     (
         "float index",
         TypeError,
-        gr.InvalidArgumentTypeError,
+        gr.ArgumentTypeError,
         "must be integers",
         lambda s, t: gr.open_source(s)[1.5],
     ),
     (
         "float indices to read_batch",
         TypeError,
-        gr.InvalidArgumentTypeError,
+        gr.ArgumentTypeError,
         "indices must be integers",
         lambda s, t: gr.open_source(s).read_batch([0.0, 1.5]),
     ),
@@ -166,7 +166,7 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
     (
         "float batch_size",
         TypeError,
-        gr.InvalidArgumentTypeError,
+        gr.ArgumentTypeError,
         "batch_size must be an int",
         lambda s, t: gr.make_data_loader(gr.open_source(s), batch_size=2.5),
     ),
@@ -215,7 +215,7 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
     (
         "not a source",
         TypeError,
-        gr.InvalidArgumentTypeError,
+        gr.ArgumentTypeError,
         "is not a replay source",
         lambda s, t: gr.build_episode_index([1, 2, 3]),
     ),
@@ -235,7 +235,7 @@ def test_deliberate_error_has_its_class_and_builtin(
     provoke: Callable[..., Any],
 ):
     before = sorted(os.listdir(tmp_path))
-    with pytest.raises(BaseException) as info:
+    with pytest.raises(cls) as info:
         provoke(store, tmp_path)
     e = info.value
     assert type(e) is cls, f"{type(e).__name__}: {e}"

@@ -207,5 +207,11 @@ def test_multihost_two_processes_checkpoint_and_resume(
         "step_6", "step_8",
     ]  # fmt: skip
 
-    with pytest.raises(RuntimeError, match="resuming it needs the same"):
+    with pytest.raises(RuntimeError, match="resuming it needs the same global batch"):
         multihost.main([*base[2:], "--spawn", "1", "--steps", "10"])
+    # The same global batch on 1 process: it resumes where the 2 processes stopped.
+    third = multihost.main([*base[2:], "--spawn", "1", "--per-host-batch", "16", "--steps", "10"])
+    assert third["process_count"] == 1
+    assert (third["start_step"], third["end_step"]) == (8, 10)
+    later = np.concatenate(third["global_ids"])
+    assert len(np.unique(later)) == len(later) == 32  # epoch 1 goes on, no record twice

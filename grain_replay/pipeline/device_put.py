@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self
 
+import grain
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from grain_replay.errors import BatchShardingError, GrainReplayError
+from grain_replay.errors import (
+    BatchShardingError,
+    InvalidPrefetchError,
+    InvalidShardingError,
+    UnsupportedStateError,
+)
+from grain_replay.pipeline.state import load_text, save_text
 
 __all__ = [
     "InvalidPrefetchError",
@@ -27,18 +35,6 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # queued by the producer when the wrapped iterator is exhausted
 _POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
-
-
-class InvalidShardingError(GrainReplayError, TypeError):
-    """The ``sharding`` argument is not a Mesh, a Sharding or a pytree of Shardings."""
-
-
-class InvalidPrefetchError(GrainReplayError, ValueError):
-    """``prefetch`` is not a non-negative integer."""
-
-
-class UnsupportedStateError(GrainReplayError, TypeError):
-    """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
 
 
 class _Failure:
@@ -191,7 +187,18 @@ def _produce(
 
 
 class ShardedDevicePutIterator(Iterator[Any]):
-    """Iterator of sharded ``jax.Array`` batches; see :func:`sharded_device_put`."""
+    """Iterator of sharded ``jax.Array`` batches; see :func:`sharded_device_put`.
+
+    Over a ``grain.DatasetIterator`` (or a grain dataset) it is one too, so that
+    grain's Orbax handler saves its (dict) state as it saves the wrapped iterator's.
+    """
+
+    def __new__(cls, batches: Iterable[Any], *args: Any, **kwargs: Any) -> Self:
+        if cls is ShardedDevicePutIterator and isinstance(
+            batches, (grain.DatasetIterator, grain.IterDataset, grain.MapDataset)
+        ):
+            cls = _DatasetShardedDevicePutIterator
+        return super().__new__(cls)
 
     def __init__(self, batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -290,6 +297,56 @@ class ShardedDevicePutIterator(Iterator[Any]):
                 "DataLoader or DatasetIterator to checkpoint the stream."
             )
 
+    async def save(self, directory: Any) -> Any:
+        """Orbax's ``StatefulCheckpointable.save``: the wrapped iterator's state, as grain's.
+
+        Args:
+            directory: An Orbax ``PathAwaitingCreation``.
+
+        Returns:
+            A coroutine writing ``process_<i>-of-<n>.json`` once the directory exists.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        state = self.get_state()
+        text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=4)
+        return save_text(directory, text)
+
+    async def load(self, directory: Any) -> Any:
+        """Orbax's ``StatefulCheckpointable.load``: reads what :meth:`save` wrote.
+
+        Returns:
+            A coroutine that sets the state and starts prefetching.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
+        """
+        self._require_state("load")
+        loader_state = isinstance(self._state, bytes)  # else a grain dataset's dict
+
+        async def read() -> None:
+            text = await load_text(directory, elastic=loader_state)
+            self.set_state(text.encode() if loader_state else json.loads(text))
+            self.start_prefetch()
+
+        return read()
+
+    def start_prefetch(self) -> None:
+        """Starts reading and transferring the next batches in the background.
+
+        grain's Orbax handler calls it after restoring the state. With ``prefetch=0``
+        the wrapped iterator's own ``start_prefetch`` runs, if it has one.
+        """
+        if self._finished:
+            return
+        if self._prefetch == 0:
+            start = getattr(self._inner, "start_prefetch", None)
+            if callable(start):
+                start()
+        elif self._thread is None:
+            self._start()
+
     def close(self) -> None:
         """Stops the producer thread and drops prefetched batches; iteration then ends."""
         self._finished = True
@@ -306,6 +363,14 @@ class ShardedDevicePutIterator(Iterator[Any]):
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+
+
+class _DatasetShardedDevicePutIterator(ShardedDevicePutIterator, grain.DatasetIterator):
+    """A :class:`ShardedDevicePutIterator` over a grain dataset iterator (dict states)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        grain.DatasetIterator.__init__(self)
+        ShardedDevicePutIterator.__init__(self, *args, **kwargs)
 
 
 def sharded_device_put(

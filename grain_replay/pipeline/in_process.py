@@ -7,9 +7,7 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grain
-
-from grain_replay.pipeline.state import GrainStateIterator
+from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity
 
 __all__ = ["InProcessLoaderIterator"]
 
@@ -32,23 +30,17 @@ class InProcessLoaderIterator(GrainStateIterator):
 
     def __init__(
         self,
-        data_loader: grain.DataLoader,
+        identity: LoaderIdentity,
         read: Callable[[int], Any],
         *,
         length: int,
-        shard_index: int,
-        shard_count: int,
         maps: Sequence[Any] = (),
         num_threads: int = 0,
         buffer_size: int = 0,
     ) -> None:
-        super().__init__(
-            data_loader,
-            length=length,
-            shard_index=shard_index,
-            shard_count=shard_count,
-            worker_count=0,
-        )
+        if identity.worker_count != 0:
+            raise ValueError(f"worker_count must be 0, got {identity.worker_count}")
+        super().__init__(identity, length=length)
         self._read = read
         self._maps = tuple(maps)
         self._num_threads = num_threads
@@ -99,7 +91,7 @@ class InProcessLoaderIterator(GrainStateIterator):
         self._drop_pending()
 
     def start_prefetch(self) -> None:
-        """Starts reading the first batches in the background (no-op when synchronous)."""
+        """Starts reading the next batches in the background (no-op when synchronous)."""
         if self._buffer_size:
             self._fill()
 

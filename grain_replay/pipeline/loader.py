@@ -12,10 +12,12 @@ from typing import Any
 import grain
 import numpy as np
 
+from grain_replay import tree as tree_lib
 from grain_replay._flags import ensure_absl_flags_parsed
-from grain_replay.errors import InvalidArgumentError, InvalidArgumentTypeError
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline.state import LoaderIdentity, StreamShape, stream_repr
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
 __all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
@@ -54,11 +56,11 @@ class LoaderOptions:
 def _as_int(name: str, value: Any) -> int:
     """``value`` as a Python int; numpy integers are fine, bools and floats are not."""
     if isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise InvalidArgumentTypeError(
+        raise ArgumentTypeError(
             f"{name} must be an int, got {value!r} ({type(value).__name__})"
         ) from None
 
@@ -95,6 +97,7 @@ class BatchedReads:
                 f"{shard_count} process(es). Fix: lower batch_size, or use drop_remainder=False."
             )
         self.batches_per_epoch = per_epoch
+        self.shard_count = shard_count
         self._n = n
         self._order_lock = threading.Lock()
         self._orders: dict[int, np.ndarray] = {}
@@ -105,11 +108,45 @@ class BatchedReads:
         return self.options.num_epochs * self.batches_per_epoch
 
     def __repr__(self) -> str:
+        # grain checks restored states against it; it names the process count so that
+        # a state resumes on another one (pipeline/state.py).
         o = self.options
-        return (
-            f"BatchedReads(source={self.source!r}, batch_size={o.batch_size}, "
-            f"shuffle={o.shuffle}, seed={o.seed}, num_epochs={o.num_epochs}, "
-            f"drop_remainder={o.drop_remainder}, batches_per_epoch={self.batches_per_epoch})"
+        return stream_repr(
+            StreamShape(
+                source=repr(self.source),
+                batch_size=o.batch_size,
+                shuffle=o.shuffle,
+                seed=o.seed,
+                num_epochs=o.num_epochs,
+                drop_remainder=o.drop_remainder,
+                batches_per_epoch=self.batches_per_epoch,
+                shard_count=self.shard_count,
+            )
+        )
+
+    def element_spec(self) -> Any:
+        """The batches' tree of ``grain.experimental.ShapeDtypeStruct``, from the source's spec.
+
+        The leading axis is ``batch_size``, or None when the last batch of an epoch is
+        shorter (``drop_remainder=False``). Reads no data.
+        """
+        b = self.options.batch_size
+        rows: int | None = b if self.options.drop_remainder or self._n % b == 0 else None
+        spec, treedef = getattr(self.source, "spec", None), getattr(self.source, "treedef", None)
+        if spec is None or treedef is None:  # a source that does not say: its zero-row batch
+            empty = self.source.read_batch(np.zeros(0, np.int64))
+            return tree_lib.map_leaves(
+                lambda _, leaf: grain.experimental.ShapeDtypeStruct(
+                    (rows, *leaf.shape[1:]), leaf.dtype
+                ),
+                empty,
+            )
+        return tree_lib.unflatten(
+            treedef,
+            {
+                key: grain.experimental.ShapeDtypeStruct((rows, *leaf.shape), leaf.dtype)
+                for key, leaf in spec.items()
+            },
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -168,6 +205,17 @@ class _GlobalBatchSampler:
         return f"_GlobalBatchSampler(num_batches={self._num_batches})"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """What a :class:`_ReplayDataLoader` was built from (grain keeps its copies private)."""
+
+    reads: BatchedReads
+    sampler: _GlobalBatchSampler
+    operations: tuple[Any, ...]
+    shard_options: Any
+    read_options: grain.ReadOptions
+
+
 class _ReplayDataLoader(grain.DataLoader):
     """A ``grain.DataLoader`` whose iterators skip grain's per-element work.
 
@@ -178,35 +226,92 @@ class _ReplayDataLoader(grain.DataLoader):
     grain's checkpoint bytes. Any other operation falls back to grain's iterator.
     """
 
+    def __init__(
+        self,
+        *,
+        data_source: BatchedReads,
+        sampler: _GlobalBatchSampler,
+        operations: Sequence[Any],
+        shard_options: Any,
+        read_options: grain.ReadOptions,
+        worker_count: int,
+        worker_buffer_size: int,
+    ) -> None:
+        super().__init__(
+            data_source=data_source,
+            sampler=sampler,
+            operations=operations,
+            worker_count=worker_count,
+            worker_buffer_size=worker_buffer_size,
+            shard_options=shard_options,
+            read_options=read_options,
+        )
+        self._parts = _Parts(data_source, sampler, tuple(operations), shard_options, read_options)
+
     def __iter__(self) -> grain.DataLoaderIterator:
-        ops = self._operations
+        parts = self._parts
+        ops = parts.operations
         if not all(isinstance(op, grain.transforms.Map) for op in ops):
             return super().__iter__()
-        shards = self._shard_options
-        common: dict[str, Any] = dict(
-            length=len(self._sampler) // shards.shard_count,
+        shards = parts.shard_options
+        workers = self.multiprocessing_options.num_workers
+        identity = LoaderIdentity(
+            worker_count=workers,
+            sampler=repr(parts.sampler),
+            data_source=repr(parts.reads),
             shard_index=shards.shard_index,
             shard_count=shards.shard_count,
-            maps=ops,
         )
-        threads = int(self._read_options.num_threads)
-        workers = self.multiprocessing_options.num_workers
+        length = len(parts.sampler) // shards.shard_count
+        threads = int(parts.read_options.num_threads)
         if workers > 0:
             return WorkerLoaderIterator(
-                self,
-                self._data_source.__getitem__,
-                worker_count=workers,
+                identity,
+                parts.reads.__getitem__,
+                length=length,
+                maps=ops,
                 buffer_size=self.multiprocessing_options.per_worker_buffer_size,
                 read_threads=threads,
-                **common,
             )
         return InProcessLoaderIterator(
-            self,
-            self._data_source.__getitem__,
+            identity,
+            parts.reads.__getitem__,
+            length=length,
+            maps=ops,
             num_threads=threads,
-            buffer_size=int(self._read_options.prefetch_buffer_size),
-            **common,
+            buffer_size=int(parts.read_options.prefetch_buffer_size),
         )
+
+
+class _BatchesMapDataset(grain.MapDataset):
+    """``grain.MapDataset.source(reads)`` that knows its element spec.
+
+    ``grain.experimental.get_element_spec`` asks a dataset for its
+    ``_element_spec`` property, the extension point grain's dataset subclasses
+    implement; the source dataset has none, this one answers from the store's
+    spec and the batch size.
+    """
+
+    def __init__(self, reads: BatchedReads) -> None:
+        source = grain.MapDataset.source(reads)
+        super().__init__(source)
+        self._batches = source
+        self._reads = reads
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._batches[index]
+
+    def __str__(self) -> str:
+        return f"BatchesMapDataset(batch_size={self._reads.options.batch_size})"
+
+    @property
+    def _element_spec(self) -> Any:
+        return self._reads.element_spec()
 
 
 def _default_read_options(worker_count: int) -> grain.ReadOptions:
@@ -314,7 +419,7 @@ def replay_dataset(
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     shard_options = shard_options if shard_options is not None else _default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
-    ds = grain.MapDataset.source(reads)
+    ds: grain.MapDataset = _BatchesMapDataset(reads)
     if shard_options.shard_count > 1:
         ds = ds[shard_options.shard_index :: shard_options.shard_count]
     ensure_absl_flags_parsed()

@@ -31,14 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
-import grain
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import GrainReplayError, InvalidArgumentTypeError, WorkerDiedError
+from grain_replay.errors import ArgumentTypeError, GrainReplayError, WorkerDiedError
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
-from grain_replay.pipeline.state import GrainStateIterator, handed_out_by_worker
-from grain_replay.sources.chunked import share_cache_budget
+from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity, handed_out_by_worker
+from grain_replay.sources.reading.cache import share_cache_budget
 
 __all__ = ["WorkerLoaderIterator"]
 
@@ -368,28 +367,26 @@ class WorkerLoaderIterator(GrainStateIterator):
 
     def __init__(
         self,
-        data_loader: grain.DataLoader,
+        identity: LoaderIdentity,
         read: Callable[[int], Any],
         *,
         length: int,
-        shard_index: int,
-        shard_count: int,
-        worker_count: int,
         maps: Sequence[Any] = (),
         buffer_size: int = 2,
         read_threads: int = 0,
     ) -> None:
-        super().__init__(
-            data_loader,
-            length=length,
-            shard_index=shard_index,
-            shard_count=shard_count,
-            worker_count=worker_count,
+        super().__init__(identity, length=length)
+        worker_count, shard_index, shard_count = (
+            identity.worker_count,
+            identity.shard_index,
+            identity.shard_count,
         )
+        if worker_count <= 0:
+            raise ValueError(f"worker_count must be positive, got {worker_count}")
         try:  # fail here, not in the workers
             self._payload = cloudpickle.dumps((read, tuple(maps)))
         except Exception as e:
-            raise InvalidArgumentTypeError(
+            raise ArgumentTypeError(
                 f"make_data_loader(worker_count={worker_count}) sends the source and the "
                 f"operations to worker processes, but they do not pickle: {e}. Fix: give "
                 "them __getstate__/__setstate__ that drop handles and locks (as grain_replay's "

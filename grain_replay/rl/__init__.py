@@ -1,4 +1,4 @@
-"""RL views of replay stores: episodes, windows, n-step transitions, Minari and D4RL files."""
+"""RL views of replay stores: episodes, windows, sequences, n-step transitions, Minari, D4RL."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from grain_replay.rl.episodes import (
     episode_cache_path,
 )
 from grain_replay.rl.minari import MinariDataSource
+from grain_replay.rl.sequence import SequenceDataSource
 from grain_replay.rl.transitions import NStepDataSource, NStepOptions, TransitionDataSource
 from grain_replay.rl.windows import WindowDataSource, WindowOptions
 
@@ -20,6 +21,7 @@ __all__ = [
     "episode_cache_path",
     "WindowDataSource",
     "WindowOptions",
+    "SequenceDataSource",
     "NStepDataSource",
     "NStepOptions",
     "TransitionDataSource",

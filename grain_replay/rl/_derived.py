@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import abc
-import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
-from grain_replay.sources.base import as_record_index, check_indices
+from grain_replay.sources.base import SourceSurface, as_record_index, check_indices
 
 __all__ = ["DerivedSource", "Spans"]
 
@@ -41,7 +40,7 @@ class Spans:
         return episode, self.first[episode] + k * self.stride
 
 
-class DerivedSource(abc.ABC):
+class DerivedSource(SourceSurface):
     """A grain random-access source over records derived from the steps of ``source``.
 
     The episode index is built (or loaded from its cache file) once per
@@ -49,6 +48,8 @@ class DerivedSource(abc.ABC):
     index, a handle or array data, and the receiving process rebuilds the
     index on first read.
     """
+
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_state": None, "_pid": None}
 
     def __init__(
         self,
@@ -69,7 +70,7 @@ class DerivedSource(abc.ABC):
             )
         self._given_episodes = episodes
         self._lock = threading.Lock()
-        self._state: Any = None
+        self._state: tuple[EpisodeIndex, Spans] | None = None
         self._pid: int | None = None
         self._num_records = -1
         self._num_records = self._derived()[1].total
@@ -91,25 +92,18 @@ class DerivedSource(abc.ABC):
     # -- episodes -------------------------------------------------------------------
 
     def _derived(self) -> tuple[EpisodeIndex, Spans]:
-        pid = os.getpid()
-        state = self._state
-        if state is not None and self._pid == pid:
-            return state
-        if self._pid is not None and self._pid != pid:
-            # Forked: the parent's lock may have been held at fork time.
-            self._lock = threading.Lock()
-        with self._lock:
-            if self._state is None or self._pid != pid:
-                index = self._load_episodes()
-                spans = self._spans(index)
-                if self._num_records >= 0 and spans.total != self._num_records:
-                    raise InvalidStoreError(
-                        f"{self._access.where}: the store changed since this source was made "
-                        f"({spans.total} records now, {self._num_records} before). Fix: create "
-                        "the source again."
-                    )
-                self._state, self._pid = (index, spans), pid
-            return self._state
+        return self._per_process("_state", self._make_state)
+
+    def _make_state(self) -> tuple[EpisodeIndex, Spans]:
+        index = self._load_episodes()
+        spans = self._spans(index)
+        if self._num_records >= 0 and spans.total != self._num_records:
+            raise InvalidStoreError(
+                f"{self._access.where}: the store changed since this source was made "
+                f"({spans.total} records now, {self._num_records} before). Fix: create "
+                "the source again."
+            )
+        return index, spans
 
     def _load_episodes(self) -> EpisodeIndex:
         if self._given_episodes is not None:
@@ -148,10 +142,6 @@ class DerivedSource(abc.ABC):
         return dict(self._spec)
 
     @property
-    def keys(self) -> list[str]:
-        return list(self._spec)
-
-    @property
     def treedef(self) -> dict[str, Any]:
         return self._treedef
 
@@ -181,26 +171,6 @@ class DerivedSource(abc.ABC):
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
         return self._read(self._check_indices(indices))
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
-        """Reads records ``indices`` with one vectorized read per leaf of the wrapped source.
-
-        Args:
-          indices: record indices in any order; duplicates and negative indices
-            are allowed.
-
-        Returns:
-          The record tree with a leading batch axis of ``len(indices)``.
-
-        Raises:
-          RecordIndexError: an index is outside ``[-N, N)``.
-        """
-        return self._build(self.read_flat(indices))
-
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
-        """grain's batched-read protocol: the list of records ``indices``."""
-        flat = self.read_flat(indices)
-        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]
-
     # -- handle, pickling -----------------------------------------------------------
 
     @property
@@ -214,21 +184,3 @@ class DerivedSource(abc.ABC):
     def close(self) -> None:
         """Releases the wrapped source's handle; reading again reopens it."""
         self._access.close()
-
-    def __enter__(self) -> DerivedSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"], state["_build"]
-        state["_state"] = None
-        state["_pid"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._build = tree_lib.compile_unflatten(self._treedef)

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
+from grain_replay.formats import import_h5py
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import Handle, Layout, LeafReader
-from grain_replay.sources.chunked import ChunkCache
-from grain_replay.sources.hdf5 import _memmap_offset
+from grain_replay.sources.base import Layout
+from grain_replay.sources.hdf5.raw import memmap_offset
+from grain_replay.sources.reading.cache import ChunkCache
+from grain_replay.sources.reading.readers import Handle, LeafReader
 
 __all__ = ["EpisodeFileHandle", "episode_names"]
 
@@ -33,7 +35,7 @@ def episode_names(f: Any) -> list[str]:
 
 def _single_extent(dset: Any) -> int | None:
     """File offset of row 0 when all rows lie in one unfiltered extent, row-major, else None."""
-    offset = _memmap_offset(dset)
+    offset = memmap_offset(dset)
     if offset is not None or dset.chunks is None:
         return offset
     if dset.id.get_create_plist().get_nfilters() or dset.dtype.hasobject:
@@ -122,10 +124,8 @@ class EpisodeFileHandle(Handle):
         offsets: dict[str, int],
         cache_bytes: int,
     ):
-        import h5py
-
         self.path = path
-        self.file = h5py.File(path, "r")
+        self.file = import_h5py().File(path, "r")
         names = episode_names(self.file)
         self.groups = [self.file[n] for n in names]
         lengths = np.array([g["rewards"].shape[0] for g in self.groups], dtype=np.int64)

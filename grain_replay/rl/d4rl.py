@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.formats import HDF5_SIGNATURE, import_h5py
 from grain_replay.rl.transitions import TransitionDataSource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
+from grain_replay.sources.hdf5 import HDF5DataSource
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 
 __all__ = ["D4RLDataSource"]
 
@@ -21,8 +22,7 @@ _REQUIRED = ("observations", "actions", "rewards")
 
 def _step_datasets(path: str) -> tuple[list[str], list[str], int]:
     """Datasets with one row per step, datasets skipped, and the number of steps."""
-    import h5py
-
+    h5py = import_h5py()
     if not os.path.exists(path):
         raise StoreNotFoundError(
             f"No D4RL file at {path}. Fix: check the path (D4RL keeps its files under "

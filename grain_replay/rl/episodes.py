@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import (
+    ArgumentTypeError,
     InvalidArgumentError,
-    InvalidArgumentTypeError,
     InvalidStoreError,
     RecordIndexError,
     UnknownLeafError,
@@ -194,7 +194,7 @@ class EpisodeFlags:
         for name in ("done", "terminated", "truncated"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise InvalidArgumentTypeError(
+                raise ArgumentTypeError(
                     f"{name}_key must be a leaf key (str) or None, got {value!r}"
                 )
 

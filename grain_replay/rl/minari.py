@@ -13,12 +13,13 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.formats import HDF5_SIGNATURE, import_h5py
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._episode_read import EpisodeFileHandle, episode_names
 from grain_replay.rl.episodes import EpisodeIndex
-from grain_replay.sources.base import Handle, Layout, ReplaySource
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
+from grain_replay.sources.reading.readers import Handle
 
 __all__ = ["MinariDataSource"]
 
@@ -38,12 +39,6 @@ _FIELDS = (
 _LEAF = {"type": "leaf"}
 
 
-def _h5py() -> Any:
-    import h5py
-
-    return h5py
-
-
 def _walk(obj: Any, key: str, loc: str) -> tuple[dict[str, Any], list[tuple[str, str, Any]]] | None:
     """Tree node and ``(key, location, dataset)`` leaves of a Minari space group.
 
@@ -51,7 +46,7 @@ def _walk(obj: Any, key: str, loc: str) -> tuple[dict[str, Any], list[tuple[str,
     subgroups ``_index_0``, ``_index_1``, ...: they become dicts (keys sorted,
     as gymnasium orders Dict spaces) and tuples.
     """
-    h5py = _h5py()
+    h5py = import_h5py()
     if isinstance(obj, h5py.Dataset):
         return dict(_LEAF), [(key, loc, obj)]
     names = list(obj.keys())
@@ -210,7 +205,7 @@ class MinariDataSource(ReplaySource):
                 "(variable-length bytes). Fix: collect the dataset with "
                 "DataCollector(..., jpeg_encoding=False)."
             )
-        h5py = _h5py()
+        h5py = import_h5py()
         try:
             with h5py.File(self._path, "r") as f:
                 return self._layout_of(f)

@@ -6,49 +6,22 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import ReplaySource, is_url
-from grain_replay.sources.files import require_regular_file
-from grain_replay.sources.hdf5 import HDF5_SIGNATURE, HDF5DataSource
-from grain_replay.sources.npy import NPY_MAGIC, NpyDataSource
+from grain_replay.formats import detect_format
+from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
+from grain_replay.sources.hdf5 import HDF5DataSource
+from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
-__all__ = ["ReplaySource", "HDF5DataSource", "NpyDataSource", "ZarrDataSource", "open_source"]
-
-
-def detect_format(path: str | os.PathLike[str]) -> str:
-    """``"hdf5"``, ``"npy"`` or ``"zarr"`` from what is at ``path`` (suffix for URLs)."""
-    path = os.fspath(path)
-    if is_url(path):
-        stripped = path.rstrip("/")
-        if stripped.endswith((".h5", ".hdf5")):
-            return "hdf5"
-        if stripped.endswith(".zarr"):
-            return "zarr"
-        raise InvalidStoreError(
-            f"Cannot tell the format of {path} from its suffix. Fix: use gr.ZarrDataSource or "
-            "gr.HDF5DataSource directly."
-        )
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            magic = f.read(8)
-        if magic == HDF5_SIGNATURE:
-            return "hdf5"
-        if magic.startswith(NPY_MAGIC):
-            return "npy"
-        raise InvalidStoreError(
-            f"{path} is neither an HDF5 nor a .npy file (magic bytes {magic!r}). Fix: pass an "
-            "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
-        )
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "zarr.json")) or os.path.exists(
-            os.path.join(path, ".zgroup")
-        ):
-            return "zarr"
-        return "npy"
-    if os.path.exists(path):
-        require_regular_file(path)  # a FIFO, device or socket
-    raise StoreNotFoundError(f"No replay store at {path}. Fix: check the path.")
+__all__ = [
+    "BatchSource",
+    "ReplaySource",
+    "SourceSurface",
+    "HDF5DataSource",
+    "NpyDataSource",
+    "ZarrDataSource",
+    "detect_format",
+    "open_source",
+]
 
 
 def open_source(
@@ -71,9 +44,12 @@ def open_source(
       StoreNotFoundError: nothing is at ``path``.
       InvalidStoreError: the format cannot be recognized.
     """
-    cls = {"hdf5": HDF5DataSource, "npy": NpyDataSource, "zarr": ZarrDataSource}[
-        detect_format(path)
-    ]
+    classes: dict[str, type[ReplaySource]] = {
+        "hdf5": HDF5DataSource,
+        "npy": NpyDataSource,
+        "zarr": ZarrDataSource,
+    }
+    cls = classes[detect_format(path)]
     if storage_options is not None:
         kwargs["storage_options"] = storage_options
     return cls(path, keys, **kwargs)

@@ -1,47 +1,41 @@
-"""Shared machinery of every source: lazy per-process handle, pickling, repr, batch reads."""
+"""The source surface: lazy per-process handle, pickling, repr, batch reads."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import mmap
 import operator
 import os
 import threading
-import time
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
+    ArgumentTypeError,
     GrainReplayError,
-    InvalidArgumentTypeError,
     InvalidStoreError,
     RecordIndexError,
     UnknownLeafError,
 )
+from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.files import MappedFile, check_inside, require_regular_file
+from grain_replay.sources.reading.readers import Handle
 
 __all__ = [
-    "ReplaySource",
+    "BatchSource",
     "Layout",
-    "LeafReader",
-    "ArrayReader",
-    "Handle",
-    "MappedFile",
-    "check_inside",
-    "is_url",
-    "require_regular_file",
+    "ReplaySource",
+    "SourceSurface",
+    "as_record_index",
+    "check_indices",
+    "select_keys",
 ]
 
-
-def is_url(path: str) -> bool:
-    """True for fsspec URLs such as ``s3://bucket/x.zarr`` (``file://`` included)."""
-    return "://" in path
+T = TypeVar("T")
 
 
 # Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
@@ -53,7 +47,7 @@ def as_record_index(index: Any, owner: object) -> int:
     try:
         return operator.index(index)
     except TypeError as e:
-        raise InvalidArgumentTypeError(
+        raise ArgumentTypeError(
             f"{type(owner).__name__} indices must be integers, got {type(index).__name__}. "
             "Fix: use read_batch(indices) for several records."
         ) from e
@@ -69,7 +63,7 @@ def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
     idx = np.asarray(indices)
     if idx.dtype.kind not in "iu":
         if idx.size:
-            raise InvalidArgumentTypeError(
+            raise ArgumentTypeError(
                 f"{where}: indices must be integers, got dtype {idx.dtype}. "
                 "Fix: pass a sequence or array of ints."
             )
@@ -87,89 +81,6 @@ def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
         )
     idx = idx.astype(np.int64, copy=False)
     return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
-
-
-class LeafReader(abc.ABC):
-    """Reads rows of one leaf. Implementations must be thread-safe."""
-
-    @abc.abstractmethod
-    def take(self, indices: np.ndarray) -> np.ndarray:
-        """Rows ``indices`` (int64, in range, any order, duplicates allowed), as a new array."""
-
-    def row(self, index: int) -> np.ndarray:
-        """Row ``index`` as a new array (not a view of a file mapping)."""
-        return self.take(np.array([index], dtype=np.int64))[0]
-
-
-class Handle(abc.ABC):
-    """An open store: one per process, shared by the threads of that process."""
-
-    readers: dict[str, LeafReader]
-    # Leaf key -> files its reader maps; checked for truncation before each read.
-    mapped_files: dict[str, list[MappedFile]]
-
-    def check_mapped(self, keys: Sequence[str]) -> None:
-        """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map."""
-        mapped = getattr(self, "mapped_files", None)
-        if mapped:
-            for key in keys:
-                for file in mapped.get(key, ()):
-                    file.check(key)
-
-    def close_mapped(self) -> None:
-        """Lets go of the descriptors kept for :meth:`check_mapped` (the maps stay valid).
-
-        Each closes once nothing holds it any more (a check running in another
-        thread finishes on its own descriptor first).
-        """
-        self.mapped_files = {}
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Releases OS resources; the default holds none."""
-
-
-def advise_random(array: np.ndarray) -> None:
-    """Tells the kernel a memory map is read at random: no read-ahead on page faults.
-
-    With the default read-ahead, each cold page fault of a random gather reads
-    megabytes around it (measured: 1.5 s for a cold batch of images, 0.15 s
-    with this advice).
-    """
-    mapping = getattr(array, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_RANDOM"):
-        try:
-            mapping.madvise(mmap.MADV_RANDOM)
-        except (OSError, ValueError):
-            pass
-
-
-class ArrayReader(LeafReader):
-    """Rows of an in-process array, typically a read-only memory map of the file."""
-
-    def __init__(self, array: np.ndarray):
-        from grain_replay.sources import readahead
-
-        advise_random(array)
-        # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
-        self._array = array.view(np.ndarray)
-        # Reads rows of a file mapping ahead while they are not page-cached.
-        self._ahead = readahead.for_array(array)
-
-    def take(self, indices: np.ndarray) -> np.ndarray:
-        ahead = self._ahead
-        # np.take along axis 0 is about 2x faster than fancy indexing here.
-        if ahead is None or (ahead.cold and not ahead.start(indices)):
-            return np.take(self._array, indices, axis=0)
-        t0 = time.perf_counter()
-        out = np.take(self._array, indices, axis=0)
-        ahead.finish(len(indices), time.perf_counter() - t0)
-        return out
-
-    def row(self, index: int) -> np.ndarray:
-        if self._ahead is not None and self._ahead.cold:
-            self._ahead.read_ahead(np.array([index], dtype=np.int64))
-        r = self._array[index]
-        return r.copy() if isinstance(r, np.ndarray) else r
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +125,139 @@ def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layou
     )
 
 
-class ReplaySource(abc.ABC):
+@runtime_checkable
+class BatchSource(Protocol):
+    """What ``make_data_loader`` and the RL views read: a length and batched reads.
+
+    Every grain_replay source and view satisfies it; so does any object with
+    these two methods (``isinstance(x, BatchSource)`` checks them by name).
+    """
+
+    def __len__(self) -> int: ...
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """The records ``indices`` as one tree with a leading batch axis."""
+        ...
+
+
+class SourceSurface(abc.ABC):
+    """The surface every grain_replay source shares, stores and RL views alike.
+
+    A grain ``RandomAccessDataSource`` structurally (``__len__``,
+    ``__getitem__``, ``_getitems``), plus ``read_batch`` (one vectorized read
+    per leaf), ``spec``/``keys``/``treedef``, ``close()`` and the context
+    manager, and pickling that carries no per-process state.
+
+    Subclasses implement :meth:`read_flat`, ``__len__``, ``__getitem__``,
+    :meth:`close`, ``spec`` and ``treedef``, keep a ``threading.Lock`` in
+    ``_lock`` and the compiled unflatten of ``treedef`` in ``_build``, and list
+    in ``_PER_PROCESS`` the attributes a pickle resets (handles, indexes).
+    """
+
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {}
+    _lock: threading.Lock
+    _pid: int | None
+    _build: Callable[[Mapping[str, np.ndarray]], Any]
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """The number of records N."""
+
+    @abc.abstractmethod
+    def __getitem__(self, index: int) -> Any:
+        """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""
+
+    @abc.abstractmethod
+    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases this process's handle; reading again reopens it."""
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> Mapping[str, LeafSpec]:
+        """Leaf key -> per-record ``LeafSpec(dtype, shape)``, in tree order."""
+
+    @property
+    @abc.abstractmethod
+    def treedef(self) -> dict[str, Any]:
+        """The record's tree structure (see :mod:`grain_replay.tree`)."""
+
+    @property
+    def keys(self) -> list[str]:
+        """The leaf keys, in tree order."""
+        return list(self.spec)
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
+        """Reads records ``indices`` with one vectorized read per leaf.
+
+        Args:
+          indices: record indices in any order; duplicates and negative indices
+            are allowed.
+
+        Returns:
+          The record tree with a leading batch axis of ``len(indices)``, rows in
+          the order given.
+
+        Raises:
+          RecordIndexError: an index is outside ``[-N, N)``.
+        """
+        return self._build(self.read_flat(indices))
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        """grain's batched-read protocol: the list of records ``indices``."""
+        flat = self.read_flat(indices)
+        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _per_process(self, name: str, make: Callable[[], T]) -> T:
+        """Attribute ``name``, made by ``make()`` once per process (double-checked lock).
+
+        After a fork the parent's value is dropped and the lock replaced: the
+        parent's lock may have been held at fork time.
+        """
+        pid = os.getpid()
+        value = getattr(self, name)
+        if value is not None and self._pid == pid:
+            return value
+        if self._pid is not None and self._pid != pid:
+            self._lock = threading.Lock()
+            setattr(self, name, None)
+        with self._lock:
+            value = getattr(self, name)
+            if value is None:
+                value = make()
+                setattr(self, name, value)
+                self._pid = pid
+            return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"], state["_build"]
+        state.update(self._PER_PROCESS)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._build = tree_lib.compile_unflatten(self.treedef)
+
+
+class ReplaySource(SourceSurface):
     """A grain ``RandomAccessDataSource`` over a replay store (structurally typed).
 
     Subclasses implement :meth:`_inspect` (read the layout once, in the
     constructing process) and :meth:`_open` (open a handle, once per process).
     """
+
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_handle": None, "_pid": None, "_opens": 0}
 
     def __init__(
         self,
@@ -275,10 +313,6 @@ class ReplaySource(abc.ABC):
         return dict(self._layout.spec)
 
     @property
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    @property
     def treedef(self) -> dict[str, Any]:
         return self._layout.treedef
 
@@ -293,7 +327,7 @@ class ReplaySource(abc.ABC):
     def __repr__(self) -> str:
         path = self._path
         if is_url(path):
-            from grain_replay.sources.remote import redact_url
+            from grain_replay.remote import redact_url
 
             path = redact_url(path)
         return f"{type(self).__name__}(path={path!r}, keys={self._keys!r}, num_records={len(self)})"
@@ -301,25 +335,17 @@ class ReplaySource(abc.ABC):
     # -- per-process handle ---------------------------------------------------
 
     def _get_handle(self) -> Handle:
-        pid = os.getpid()
-        handle = self._handle
-        if handle is not None and self._pid == pid:
-            return handle
-        if self._pid is not None and self._pid != pid:
-            # Forked: the parent's lock may have been held at fork time.
-            self._lock = threading.Lock()
-            self._handle = None
-        with self._lock:
-            if self._handle is None:
-                try:
-                    self._handle = self._open()
-                except GrainReplayError:
-                    raise
-                except _STORE_FAULTS as e:
-                    raise self._corrupt(None, e) from e
-                self._pid = pid
-                self._opens += 1
-            return self._handle
+        return self._per_process("_handle", self._open_counted)
+
+    def _open_counted(self) -> Handle:
+        try:
+            handle = self._open()
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS as e:
+            raise self._corrupt(None, e) from e
+        self._opens += 1
+        return handle
 
     def close(self) -> None:
         """Releases the handle of this process; reading again reopens it."""
@@ -329,26 +355,6 @@ class ReplaySource(abc.ABC):
                 handle.close()
                 handle.close_mapped()
             self._pid = None
-
-    def __enter__(self) -> ReplaySource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None
-        state["_pid"] = None
-        state["_opens"] = 0
-        del state["_lock"]
-        del state["_build"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._build = tree_lib.compile_unflatten(self._layout.treedef)
 
     # -- reads ----------------------------------------------------------------
 
@@ -417,24 +423,3 @@ class ReplaySource(abc.ABC):
             "is truncated, corrupt or was changed while open. Fix: re-create it, or run "
             "`grain-replay verify` to locate the damage."
         )
-
-    def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
-        """Reads records ``indices`` with one vectorized read per leaf.
-
-        Args:
-          indices: record indices in any order; duplicates and negative indices
-            are allowed.
-
-        Returns:
-          The record tree with a leading batch axis of ``len(indices)``, rows in
-          the order given.
-
-        Raises:
-          RecordIndexError: an index is outside ``[-N, N)``.
-        """
-        return self._build(self.read_flat(indices))
-
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
-        """grain's batched-read protocol: the list of records ``indices``."""
-        flat = self.read_flat(indices)
-        return [self._build({k: v[j] for k, v in flat.items()}) for j in range(len(indices))]

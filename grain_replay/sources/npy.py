@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import os
 
 import numpy as np
@@ -10,65 +12,12 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources.base import (
-    ArrayReader,
-    Handle,
-    Layout,
-    MappedFile,
-    ReplaySource,
-    check_inside,
-    require_regular_file,
-)
+from grain_replay.formats import read_npy_header, read_npy_metadata
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.files import MappedFile, check_inside
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 
-__all__ = ["NpyDataSource", "read_npy_header"]
-
-NPY_MAGIC = b"\x93NUMPY"
-
-
-def read_npy_header(
-    path: str, key: str, *, rows: int | None = None, check_size: bool = True
-) -> tuple[tuple[int, ...], np.dtype, bool, int]:
-    """``(shape, dtype, fortran_order, data_offset)`` of a ``.npy`` file.
-
-    Reads only the header: no data, never unpickles. With ``check_size`` the
-    file must hold the data the header declares, or only its first ``rows``
-    rows when given (a growing store's header may run ahead of its data).
-    """
-    try:
-        require_regular_file(path, key)
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in utf-8 field names
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"unsupported .npy format version {version}")
-            offset = f.tell()
-            size = os.fstat(f.fileno()).st_size
-        if any(not isinstance(d, int) or d < 0 for d in shape):
-            raise ValueError(f"the header declares a negative dimension {shape}")
-        counted = shape if rows is None or not shape else (min(rows, shape[0]), *shape[1:])
-        needed = offset + math.prod(counted) * dtype.itemsize
-        if check_size and size < needed:
-            raise ValueError(
-                f"the header declares {dtype}{list(shape)} ({needed:,} bytes with the header) "
-                f"but the file holds {size:,} bytes: it is truncated or lies about its shape"
-            )
-    except InvalidStoreError:
-        raise
-    except FileNotFoundError as e:
-        raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
-    except (
-        ValueError, OSError, SyntaxError, IndexError, TypeError, RecursionError, MemoryError,
-        OverflowError,
-    ) as e:  # fmt: skip
-        raise InvalidStoreError(
-            f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "
-            "with np.save or gr.write_npy."
-        ) from e
-    layout_lib.check_dtype(dtype, key or "<root>", path)
-    return tuple(shape), dtype, bool(fortran), offset
+__all__ = ["NpyDataSource"]
 
 
 class _NpyHandle(Handle):
@@ -85,11 +34,33 @@ class _NpyHandle(Handle):
             else:
                 # Only the rows the metadata committed are mapped: a growing
                 # store's header and data may run ahead of them.
-                array = np.memmap(
-                    file, spec.dtype, "r", offset, shape, order="F" if fortran else "C"
+                needed = offset + math.prod(shape) * spec.dtype.itemsize
+                mapping = _map_file(file, key, needed)
+                array = np.ndarray(
+                    shape, spec.dtype, buffer=mapping, offset=offset, order="F" if fortran else "C"
                 )
-                self.mapped_files[key] = [MappedFile(file, offset + array.nbytes)]
+                # The map's own descriptor answers the truncation check: one
+                # descriptor per leaf file (np.memmap plus a check held two).
+                self.mapped_files[key] = [MappedFile(file, needed, mapping=mapping)]
             self.readers[key] = ArrayReader(array)
+
+
+def _map_file(path: str, key: str, needed: int) -> mmap.mmap:
+    """A read-only map of the first ``needed`` bytes of ``path``, advised for random reads."""
+    with open(path, "rb") as f:
+        try:
+            mapping = mmap.mmap(f.fileno(), needed, access=mmap.ACCESS_READ)
+        except ValueError as e:  # the file shrank since its header was read
+            size = os.fstat(f.fileno()).st_size
+            raise InvalidStoreError(
+                f"{path}: leaf {key!r} needs {needed:,} bytes but the file holds {size:,}: it "
+                "was truncated after the store was opened. Fix: re-create it, and do not "
+                "rewrite stores in place while they are read."
+            ) from e
+    if hasattr(mmap, "MADV_RANDOM"):
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead per fault
+    return mapping
 
 
 class NpyDataSource(ReplaySource):
@@ -123,9 +94,8 @@ class NpyDataSource(ReplaySource):
                 "gr.write(path, tree) (a path without .h5 or .zarr is a .npy directory)."
             )
         meta_path = os.path.join(path, layout_lib.METADATA_FILE)
-        if os.path.exists(meta_path):
-            with open(meta_path, "rb") as f:
-                meta = layout_lib.StoreMetadata.from_json(f.read(), where=meta_path)
+        meta = read_npy_metadata(path)
+        if meta is not None:
             locations = {
                 k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
             }

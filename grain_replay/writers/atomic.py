@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from grain_replay.errors import StoreExistsError
 
-__all__ = ["atomic_path", "fsync_tree", "remove_path"]
+__all__ = ["atomic_path", "fsync_path", "fsync_tree", "remove_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ def remove_path(path: str) -> None:
             os.unlink(path)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """``fsync`` of one file or directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -58,15 +59,15 @@ _SYNCFS_MIN_FILES = 16
 def fsync_tree(path: str) -> None:
     """Flushes a file, or every file and directory below ``path``, to stable storage."""
     if not os.path.isdir(path):
-        _fsync(path)
+        fsync_path(path)
         return
     entries = [(d, files) for d, _, files in os.walk(path)]
     if sum(len(f) for _, f in entries) >= _SYNCFS_MIN_FILES and _syncfs(path):
         return
     for dirpath, filenames in entries:
         for name in filenames:
-            _fsync(os.path.join(dirpath, name))
-        _fsync(dirpath)
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -125,7 +126,7 @@ def atomic_path(path: str, *, overwrite: bool, suffix: str = ".partial") -> Iter
         yield partial
         fsync_tree(partial)
         _commit(partial, path)
-        _fsync(parent)
+        fsync_path(parent)
     except BaseException:
         remove_path(partial)
         raise

@@ -9,7 +9,6 @@ whatever was written after the last commit.
 from __future__ import annotations
 
 import abc
-import json
 import math
 import os
 from typing import Any
@@ -17,12 +16,18 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError, WriterBusyError
+from grain_replay.formats import (
+    PAGE,
+    import_h5py,
+    import_zarr,
+    metadata_from_attrs,
+    read_npy_header,
+    read_npy_metadata,
+)
 from grain_replay.integrity import as_bytes
-from grain_replay.sources.npy import read_npy_header
-from grain_replay.sources.stitch import PAGE
-from grain_replay.writers.atomic import atomic_path
-from grain_replay.writers.oneshot import chunk_rows_for, zarr_compressors
+from grain_replay.writers.atomic import atomic_path, fsync_path
+from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
 __all__ = ["Backend", "NpyBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
 
@@ -143,11 +148,7 @@ class NpyBackend(Backend):
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
-        file = os.path.join(path, layout_lib.METADATA_FILE)
-        if not os.path.exists(file):
-            return None
-        with open(file, "rb") as f:
-            return layout_lib.StoreMetadata.from_json(f.read(), where=file)
+        return read_npy_metadata(path)
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
@@ -172,20 +173,12 @@ class NpyBackend(Backend):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, meta_file)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- Zarr -----------------------------------------------------------------------
@@ -196,9 +189,8 @@ class ZarrBackend(Backend):
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         super().__init__(path, meta)
-        import zarr
-
-        group: Any = zarr.open_group(path, mode="r+")  # its members are arrays by construction
+        # Its members are arrays by construction.
+        group: Any = import_zarr().open_group(path, mode="r+")
         self._group = group
         # Every chunk on disk, even all-zero ones, so readers can map them.
         self._arrays: dict[str, Any] = {
@@ -212,8 +204,7 @@ class ZarrBackend(Backend):
 
     @classmethod
     def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
-        import zarr
-
+        zarr = import_zarr()
         compressors = zarr_compressors(compression, path)
         with atomic_path(path, overwrite=False) as partial:
             group = zarr.open_group(partial, mode="w", zarr_format=3)
@@ -222,27 +213,12 @@ class ZarrBackend(Backend):
                 rows = chunk_rows or chunk_rows_for(
                     shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
                 )
-                group.create_array(
-                    layout_lib.disk_name(key),
-                    shape=(0, *spec.shape),
-                    dtype=spec.dtype,
-                    chunks=(rows, *(max(1, d) for d in spec.shape)),
-                    compressors=compressors,
-                    filters=None,
-                    fill_value=None,
-                    config={"write_empty_chunks": True},
-                )
+                create_zarr_leaf(group, key, spec, 0, rows, compressors)
             group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
-        import zarr
-
-        raw = zarr.open_group(path, mode="r").attrs.get(layout_lib.METADATA_ATTR)
-        if raw is None:
-            return None
-        text = raw if isinstance(raw, str) else json.dumps(raw)
-        return layout_lib.StoreMetadata.from_json(text, where=path)
+        return metadata_from_attrs(import_zarr().open_group(path, mode="r").attrs, path)
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         stop = start + len(next(iter(arrays.values())))
@@ -294,15 +270,12 @@ def _commit_metadata(f: Any, meta: layout_lib.StoreMetadata) -> None:
 
 def _open_h5(path: str, mode: str, **kwargs: Any) -> Any:
     """``h5py.File``; a handle this process already holds raises WriterBusyError, not OSError."""
-    import h5py
-
+    h5py = import_h5py()
     try:
         return h5py.File(path, mode, **kwargs)
     except OSError as e:
         if "already open" not in str(e) and "locking flag values don't match" not in str(e):
             raise
-        from grain_replay.writers.replay_writer import WriterBusyError
-
         raise WriterBusyError(
             f"{path} is open read-only in this process (an h5py.File, or an HDF5DataSource "
             "that keeps its h5py handle: compressed leaves or allow_external=True), and HDF5 "
@@ -347,8 +320,7 @@ class HDF5Backend(Backend):
 
     @classmethod
     def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
-        import h5py
-
+        h5py = import_h5py()
         if compression is not None:
             raise InvalidArgumentError(
                 f"{path}: a growing HDF5 store must be uncompressed (compressed chunks move "
@@ -379,12 +351,8 @@ class HDF5Backend(Backend):
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
-
         with _open_h5(path, "r", locking=False) as f:
-            raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # a commit died growing it
-            if raw is None:
-                raw = f.attrs.get(layout_lib.METADATA_ATTR)
-        return None if raw is None else layout_lib.StoreMetadata.from_json(raw, where=path)
+            return metadata_from_attrs(f.attrs, path)  # a commit that died growing it: .next
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         stop = start + len(next(iter(arrays.values())))

@@ -12,8 +12,8 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidArgumentError
+from grain_replay.formats import FORMATS, PAGE, format_from_path, import_h5py, import_zarr
 from grain_replay.integrity import Checksummer, as_bytes
-from grain_replay.sources.stitch import PAGE
 from grain_replay.writers.atomic import atomic_path
 
 __all__ = [
@@ -22,11 +22,8 @@ __all__ = [
     "write_npy",
     "write_zarr",
     "write_blocks",
-    "format_from_path",
-    "FORMATS",
+    "create_zarr_leaf",
 ]
-
-FORMATS = ("hdf5", "npy", "zarr")
 
 # Compressed or chunked layouts decode a whole chunk per random row: keep chunks
 # small enough that a random batch decodes little it does not need.
@@ -39,23 +36,13 @@ ZARR_COMPRESSIONS = ("zstd", "gzip", "blosc")
 Blocks = Iterable[tuple[int, dict[str, np.ndarray]]]
 
 
-def format_from_path(path: str | os.PathLike[str]) -> str:
-    """Format ``write`` picks for ``path``: ``.h5``/``.hdf5`` hdf5, ``.zarr`` zarr, else npy."""
-    p = os.fspath(path).rstrip("/").lower()
-    if p.endswith((".h5", ".hdf5")):
-        return "hdf5"
-    if p.endswith(".zarr"):
-        return "zarr"
-    return "npy"
-
-
 def chunk_rows_for(
     arr_shape: tuple[int, ...], itemsize: int, target_bytes: int, *, page_aligned: bool = False
 ) -> int:
     """Rows per chunk near ``target_bytes``.
 
     With ``page_aligned``, chunks are whole memory pages, so readers can map
-    uncompressed chunks back to back into one array (see ``sources/stitch.py``).
+    uncompressed chunks back to back into one array (see ``sources/reading/stitch.py``).
     """
     row_bytes = max(1, itemsize * int(np.prod(arr_shape[1:], dtype=np.int64)))
     rows = max(1, target_bytes // row_bytes)
@@ -101,8 +88,7 @@ def _write_hdf5_store(
     chunk_rows: int | None,
     compression: str | None,
 ) -> None:
-    import h5py
-
+    h5py = import_h5py()
     n = meta.num_records
     with h5py.File(partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE) as f:
         dsets = {}
@@ -176,8 +162,7 @@ def _needs_v2(header: dict[str, Any]) -> bool:
 def zarr_compressors(compression: str | None, where: str) -> Any:
     if compression is None:
         return None
-    from zarr import codecs
-
+    codecs = import_zarr().codecs
     makers = {"zstd": codecs.ZstdCodec, "gzip": codecs.GzipCodec, "blosc": codecs.BloscCodec}
     if compression not in makers:
         raise InvalidArgumentError(
@@ -185,6 +170,23 @@ def zarr_compressors(compression: str | None, where: str) -> Any:
             f"got {compression!r}."
         )
     return (makers[compression](),)
+
+
+def create_zarr_leaf(
+    group: Any, key: str, spec: layout_lib.LeafSpec, n: int, chunk_rows: int, compressors: Any
+) -> Any:
+    """The Zarr array of leaf ``key``: ``n`` rows, chunks of ``chunk_rows`` whole rows."""
+    return group.create_array(
+        layout_lib.disk_name(key),
+        shape=(n, *spec.shape),
+        dtype=spec.dtype,
+        chunks=(chunk_rows, *(max(1, d) for d in spec.shape)),
+        compressors=compressors,
+        filters=None,
+        fill_value=None,
+        # Every chunk on disk, even all-zero ones, so readers can map them.
+        config={"write_empty_chunks": True},
+    )
 
 
 def _write_zarr_store(
@@ -195,8 +197,6 @@ def _write_zarr_store(
     chunk_rows: int | None,
     compression: str | None,
 ) -> None:
-    from grain_replay.sources.zarr import import_zarr
-
     zarr = import_zarr()
     n = meta.num_records
     compressors = zarr_compressors(compression, partial)
@@ -207,17 +207,7 @@ def _write_zarr_store(
         rows = chunk_rows or chunk_rows_for(
             (n, *spec.shape), spec.dtype.itemsize, target, page_aligned=compression is None
         )
-        arrays_out[key] = group.create_array(
-            layout_lib.disk_name(key),
-            shape=(n, *spec.shape),
-            dtype=spec.dtype,
-            chunks=(rows, *(max(1, d) for d in spec.shape)),
-            compressors=compressors,
-            filters=None,
-            fill_value=None,
-            # Every chunk on disk, even all-zero ones, so readers can map them.
-            config={"write_empty_chunks": True},
-        )
+        arrays_out[key] = create_zarr_leaf(group, key, spec, n, rows, compressors)
     for start, arrays in _checksummed(blocks, summer):
         for key, arr in arrays.items():
             if arr.size:

@@ -16,18 +16,15 @@ from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
+    WriterBusyError,
 )
+from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend
-from grain_replay.writers.oneshot import FORMATS, format_from_path
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
 logger = logging.getLogger(__name__)
-
-
-class WriterBusyError(GrainReplayError, BlockingIOError):
-    """Another ReplayWriter holds the store."""
 
 
 class ReplayWriter:
@@ -68,8 +65,6 @@ class ReplayWriter:
         if format is not None and format not in FORMATS:
             raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
-            from grain_replay.sources import detect_format
-
             on_disk = detect_format(self._path)
             if format is not None and format != on_disk:
                 raise InvalidStoreError(

@@ -1,4 +1,10 @@
-"""The source contract, once: every backend's test module subclasses DataSourceTests."""
+"""The source contract, once: every store and every RL view subclasses SourceTests.
+
+``SourceTests`` is the contract of anything grain_replay hands to grain (stores
+and views alike); ``DataSourceTests`` adds what only a store on disk has (a path
+to open, ``keys=`` selection, a missing-store error) and builds ``src`` and
+``expect`` from a tree written by ``write``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -14,6 +21,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
+from grain_replay import tree as tree_lib
+from grain_replay.sources import BatchSource
 
 N = 97
 
@@ -49,14 +58,287 @@ def assert_tree_equal(got: Any, want: Any) -> None:
     np.testing.assert_array_equal(got, want)
 
 
-class DataSourceTests:
-    """Contract tests. Subclasses implement ``write(path, tree) -> store path`` and ``cls``."""
+def flat(tree: Any) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in tree_lib.flatten(tree)[0].items()}
+
+
+def assert_flat_equal(got: dict[str, Any], want: dict[str, Any], rtol: float = 0.0) -> None:
+    """Same keys in the same order, dtypes and values (floats within ``rtol`` when given)."""
+    assert list(got) == list(want), (list(got), list(want))
+    for k in want:
+        g, w = np.asarray(got[k]), np.asarray(want[k])
+        assert g.dtype == w.dtype, (k, g.dtype, w.dtype)
+        if rtol and g.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, rtol=rtol, err_msg=k)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=k)
+
+
+def grain_loader(src: Any, batch: int = 8, workers: int = 2) -> grain.DataLoader:
+    return grain.DataLoader(
+        data_source=src,
+        sampler=grain.samplers.IndexSampler(
+            len(src), shuffle=True, seed=3, num_epochs=1,
+            shard_options=grain.sharding.NoSharding(),
+        ),
+        operations=[grain.transforms.Batch(batch, drop_remainder=False)],
+        worker_count=workers,
+        shard_options=grain.sharding.NoSharding(),
+    )  # fmt: skip
+
+
+def _record_bytes(leaves: dict[str, np.ndarray]) -> list[bytes]:
+    n = len(next(iter(leaves.values())))
+    return sorted(
+        b"".join(np.ascontiguousarray(v[j]).tobytes() for v in leaves.values()) for j in range(n)
+    )
+
+
+Expect = Callable[[np.ndarray], dict[str, Any]]
+
+
+class SourceTests:
+    """The contract of every source and view.
+
+    Subclasses provide the fixtures ``src`` (a source) and ``expect`` (record ids
+    -> the expected ``{key: array}``), and ``make(tmp_path, scale)`` building a
+    source whose store grows with ``scale``.
+    """
+
+    # Float leaves computed by the source (n-step returns) are compared within this.
+    rtol = 0.0
+
+    def make(self, tmp_path: Any, scale: int) -> Any:
+        raise NotImplementedError
+
+    def _row(self, expect: Expect, i: int) -> dict[str, Any]:
+        return {k: v[0] for k, v in expect(np.array([i])).items()}
+
+    # -- values ---------------------------------------------------------------
+
+    def test_read_batch_matches_reference_with_duplicates_and_negatives(
+        self, src: Any, expect: Expect
+    ) -> None:
+        n = len(src)
+        rng = np.random.default_rng(1)
+        idx = np.concatenate([[0, n - 1, -1, -n, 5 % n, 5 % n, 5 % n], rng.integers(-n, n, 200)])
+        want = expect(np.where(idx < 0, idx + n, idx))
+        assert_flat_equal(flat(src.read_batch(idx)), want, self.rtol)
+        assert_flat_equal(flat(src.read_batch(list(idx))), want, self.rtol)
+        assert_flat_equal(src.read_flat(list(idx)), want, self.rtol)
+
+    def test_read_batch_preserves_order(self, src: Any, expect: Expect) -> None:
+        idx = np.arange(len(src))[::-1]
+        assert_flat_equal(flat(src.read_batch(idx)), expect(idx), self.rtol)
+
+    def test_getitem_and_getitems_match_read_batch(self, src: Any, expect: Expect) -> None:
+        n = len(src)
+        for i in [0, 1, n // 2, n - 1, -1, -n]:
+            assert_flat_equal(flat(src[i]), self._row(expect, i % n), self.rtol)
+        idx = [3, 1, 3, n - 1]
+        records = src._getitems(idx)
+        assert len(records) == len(idx)
+        want = expect(np.array(idx))
+        for j, r in enumerate(records):
+            assert_flat_equal(flat(r), {k: v[j] for k, v in want.items()}, self.rtol)
+
+    def test_spec_matches_records(self, src: Any) -> None:
+        got = flat(src.read_batch([0, 1]))
+        assert list(got) == list(src.spec) == src.keys
+        for k, s in src.spec.items():
+            assert got[k].dtype == s.dtype and got[k].shape[1:] == s.shape, k
+            assert type(got[k]) is np.ndarray
+        assert all(isinstance(v, np.ndarray) for v in flat(src[0]).values())
+
+    def test_empty_batch_has_spec_shapes(self, src: Any) -> None:
+        got = flat(src.read_batch([]))
+        for k, s in src.spec.items():
+            assert got[k].shape == (0, *s.shape), k
+
+    # -- errors ---------------------------------------------------------------
+
+    def test_out_of_range_raises_index_error_naming_index_and_length(self, src: Any) -> None:
+        n = len(src)
+        for bad in (n, n + 5, -n - 1):
+            with pytest.raises(IndexError, match=rf"{bad}.*{n}"):
+                src[bad]
+            with pytest.raises(gr.RecordIndexError, match=rf"{bad}.*{n}"):
+                src.read_batch([0, bad])
+
+    def test_non_integer_index_raises_type_error(self, src: Any) -> None:
+        with pytest.raises(TypeError):
+            src[1.5]
+        with pytest.raises(TypeError):
+            src.read_batch([0.5, 1.0])
+
+    # -- protocol, repr, pickling ---------------------------------------------
+
+    def test_is_a_grain_random_access_source(self, src: Any) -> None:
+        assert isinstance(src, grain.sources.RandomAccessDataSource)
+        assert isinstance(src, BatchSource)  # what make_data_loader reads
+        assert isinstance(src, gr.sources.SourceSurface)
+
+    def test_repr_is_deterministic(self, src: Any) -> None:
+        before = repr(src)
+        src[0]
+        assert repr(src) == before == repr(pickle.loads(pickle.dumps(src)))
+        assert src.path in before and str(len(src)) in before
+
+    def test_pickle_round_trip_has_no_handle(self, src: Any, expect: Expect) -> None:
+        src.read_batch([1, 2])
+        assert src._handle is not None
+        for dumps in (pickle.dumps, cloudpickle.dumps):
+            clone = pickle.loads(dumps(src))
+            assert repr(clone) == repr(src)
+            assert clone._handle is None
+            assert getattr(clone, "_state", None) is None  # no episode index travels
+            assert_flat_equal(flat(clone[7]), self._row(expect, 7), self.rtol)
+            assert_flat_equal(flat(clone.read_batch([3, 1])), expect(np.array([3, 1])), self.rtol)
+
+    def test_pickle_size_independent_of_records(self, tmp_path: Any) -> None:
+        small, big = self.make(tmp_path / "small", 1), self.make(tmp_path / "big", 50)
+        assert len(big) > 20 * len(small)
+        small[0], big[0]
+        size_small, size_big = len(pickle.dumps(small)), len(pickle.dumps(big))
+        assert abs(size_big - size_small) < 64, (size_small, size_big)
+        assert size_big < 8192
+
+    def test_close_and_context_manager_release_and_reopen(self, src: Any, expect: Expect) -> None:
+        with src as s:
+            s[0]
+            assert s._handle is not None
+        assert src._handle is None
+        assert_flat_equal(flat(src[3]), self._row(expect, 3), self.rtol)
+        assert src._handle is not None
+        src.close()
+        src.close()  # idempotent
+
+    def test_one_handle_per_process_reused_across_reads(self, src: Any) -> None:
+        for i in range(5):
+            src[i]
+            src.read_batch([i, i + 1])
+        assert src._opens == 1
+
+    @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+    @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no JAX
+    def test_reopens_after_fork(self, src: Any, expect: Expect) -> None:
+        src[0]
+        parent_handle = src._handle
+        want = flat(src.read_batch([5, 6]))
+        assert_flat_equal(want, expect(np.array([5, 6])), self.rtol)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: must not reuse the parent's handle
+            ok = 1
+            try:
+                got = flat(src.read_batch([5, 6]))
+                ok = int(
+                    src._handle is not parent_handle
+                    and list(got) == list(want)
+                    and all(np.array_equal(got[k], want[k]) for k in want)
+                )
+            finally:
+                os.write(w, bytes([ok]))
+                os._exit(0)
+        os.close(w)
+        result = os.read(r, 1)
+        os.waitpid(pid, 0)
+        assert result == b"\x01"
+        assert src._handle is parent_handle
+
+    # -- concurrency ------------------------------------------------------------
+
+    def test_sixteen_threads_read_correct_data(self, src: Any, expect: Expect) -> None:
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(16)
+        n = len(src)
+
+        def work(seed: int) -> None:
+            try:
+                rng = np.random.default_rng(seed)
+                barrier.wait()
+                for _ in range(20):
+                    idx = rng.integers(0, n, 17)
+                    assert_flat_equal(flat(src.read_batch(idx)), expect(idx), self.rtol)
+                    i = int(rng.integers(0, n))
+                    assert_flat_equal(flat(src[i]), self._row(expect, i), self.rtol)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert src._opens == 1
+
+    def test_spawned_workers_open_one_handle_each(self, src: Any, expect: Expect) -> None:
+        import worker_fns
+
+        src[0]  # the parent's handle must not travel
+        idx = [4, 0, len(src) - 1, 4]
+        want = expect(np.array(idx))
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(2) as pool:
+            results = pool.starmap(worker_fns.read_in_worker, [(src, idx)] * 4)
+        for res in results:
+            assert res["pid"] != os.getpid()
+            assert res["opens"] == 1
+            assert_flat_equal(flat(res["batch"]), want, self.rtol)
+            assert_flat_equal(flat(res["again"]), expect(np.array(idx[::-1])), self.rtol)
+            for j, r in enumerate(res["records"]):
+                assert_flat_equal(flat(r), {k: v[j] for k, v in want.items()}, self.rtol)
+
+    def test_grain_dataloader_with_workers_reads_every_record_once(
+        self, src: Any, expect: Expect
+    ) -> None:
+        # Workers batch interleaved records: compare the records as a multiset.
+        batches = list(grain_loader(src, batch=8, workers=2))
+        got = {k: np.concatenate([flat(b)[k] for b in batches]) for k in src.spec}
+        want = expect(np.arange(len(src)))
+        assert {k: (v.dtype, v.shape) for k, v in got.items()} == {
+            k: (v.dtype, v.shape) for k, v in want.items()
+        }
+        assert _record_bytes(got) == _record_bytes(want)
+
+    def test_grain_checkpoint_round_trip(self, src: Any) -> None:
+        def make() -> grain.DataLoader:
+            return grain.DataLoader(
+                data_source=pickle.loads(pickle.dumps(src)),  # a fresh source, as on restart
+                sampler=grain.samplers.IndexSampler(
+                    len(src), shuffle=True, seed=5, num_epochs=1,
+                    shard_options=grain.sharding.NoSharding(),
+                ),
+                operations=[grain.transforms.Batch(4)],
+                shard_options=grain.sharding.NoSharding(),
+            )  # fmt: skip
+
+        it = iter(make())
+        for _ in range(3):
+            next(it)
+        state = it.get_state()
+        rest = [flat(b) for b in it]
+        resumed = iter(make())
+        resumed.set_state(state)
+        rest2 = [flat(b) for b in resumed]
+        assert len(rest) == len(rest2) > 0
+        for a, b in zip(rest, rest2):
+            assert_flat_equal(a, b)
+
+
+class DataSourceTests(SourceTests):
+    """The contract of a store format. Subclasses set ``cls`` and implement ``write``."""
 
     cls: type[gr.ReplaySource]
     suffix = ""
 
     def write(self, path: str, tree: Any) -> str:
         raise NotImplementedError
+
+    def make(self, tmp_path: Any, scale: int) -> Any:
+        os.makedirs(tmp_path, exist_ok=True)
+        return self.cls(self.write(str(tmp_path / f"store{self.suffix}"), make_tree(60 * scale)))
 
     @pytest.fixture
     def tree(self) -> dict[str, Any]:
@@ -67,7 +349,12 @@ class DataSourceTests:
         path = self.write(str(tmp_path / f"store{self.suffix}"), tree)
         return self.cls(path)
 
-    # -- values ---------------------------------------------------------------
+    @pytest.fixture
+    def expect(self, tree: Any) -> Expect:
+        leaves = flat(tree)
+        return lambda ids: {k: v[ids] for k, v in leaves.items()}
+
+    # -- what only a store has ------------------------------------------------------
 
     def test_len_is_number_of_records(self, src: gr.ReplaySource) -> None:
         assert len(src) == N
@@ -75,34 +362,8 @@ class DataSourceTests:
     def test_getitem_matches_memory(self, src: gr.ReplaySource, tree: Any) -> None:
         for i in [0, 1, N // 2, N - 1, -1, -N]:
             assert_tree_equal(src[i], take(tree, i))
-
-    def test_read_batch_matches_memory_with_duplicates_and_negatives(
-        self, src: gr.ReplaySource, tree: Any
-    ) -> None:
-        rng = np.random.default_rng(1)
-        idx = np.concatenate([[0, N - 1, -1, -N, 5, 5, 5], rng.integers(-N, N, 200)])
+        idx = np.array([0, N - 1, -1, -N, 5, 5])
         assert_tree_equal(src.read_batch(idx), take(tree, idx))
-        assert_tree_equal(src.read_batch(list(idx)), take(tree, idx))
-
-    def test_read_batch_preserves_order(self, src: gr.ReplaySource, tree: Any) -> None:
-        idx = np.arange(N)[::-1]
-        assert_tree_equal(src.read_batch(idx), take(tree, idx))
-
-    def test_read_batch_empty(self, src: gr.ReplaySource, tree: Any) -> None:
-        out = src.read_batch([])
-        assert out["obs"]["pixels"].shape == (0, 3, 4)
-
-    def test_getitems_returns_records(self, src: gr.ReplaySource, tree: Any) -> None:
-        idx = [3, 1, 3, N - 1]
-        records = src._getitems(idx)
-        assert len(records) == len(idx)
-        for r, i in zip(records, idx):
-            assert_tree_equal(r, take(tree, i))
-
-    def test_records_are_numpy(self, src: gr.ReplaySource) -> None:
-        r = src[0]
-        assert isinstance(r["obs"]["vec"], np.ndarray)
-        assert type(src.read_batch([0, 1])["obs"]["vec"]) is np.ndarray
 
     def test_spec_gives_per_record_dtype_and_shape(self, src: gr.ReplaySource) -> None:
         assert src.spec["obs/pixels"].shape == (3, 4)
@@ -121,176 +382,11 @@ class DataSourceTests:
         with pytest.raises(gr.UnknownLeafError, match="nope"):
             self.cls(path, keys=["nope"])
 
-    # -- errors ---------------------------------------------------------------
-
-    @pytest.mark.parametrize("bad", [N, N + 5, -N - 1])
-    def test_out_of_range_raises_index_error_naming_index_and_length(
-        self, src: gr.ReplaySource, bad: int
-    ) -> None:
-        with pytest.raises(IndexError, match=rf"{bad}.*{N}"):
-            src[bad]
-        with pytest.raises(gr.RecordIndexError, match=rf"{bad}.*{N}"):
-            src.read_batch([0, bad])
-
-    def test_non_integer_index_raises_type_error(self, src: gr.ReplaySource) -> None:
-        with pytest.raises(TypeError):
-            src[1.5]  # type: ignore[index]
-        with pytest.raises(TypeError):
-            src.read_batch([0.5, 1.0])
-
     def test_missing_store_raises_file_not_found(self, tmp_path: Any) -> None:
         with pytest.raises(FileNotFoundError):
             self.cls(str(tmp_path / f"missing{self.suffix}"))
 
-    # -- protocol, repr, pickling ---------------------------------------------
-
-    def test_is_a_grain_random_access_source(self, src: gr.ReplaySource) -> None:
-        assert isinstance(src, grain.sources.RandomAccessDataSource)
-
-    def test_repr_is_deterministic(self, src: gr.ReplaySource) -> None:
-        again = self.cls(src.path)
-        assert repr(src) == repr(again)
-        assert src.path in repr(src) and str(N) in repr(src)
-        src[0]
-        assert repr(src) == repr(again)
-
-    def test_pickle_round_trip_has_no_handle(self, src: gr.ReplaySource, tree: Any) -> None:
-        src.read_batch([1, 2])
-        assert src._handle is not None
-        for dumps in (pickle.dumps, cloudpickle.dumps):
-            clone = pickle.loads(dumps(src))
-            assert repr(clone) == repr(src)
-            assert clone._handle is None
-            assert_tree_equal(clone[7], take(tree, 7))
-
-    def test_pickle_size_independent_of_records(self, tmp_path: Any) -> None:
-        small = self.cls(self.write(str(tmp_path / f"s{self.suffix}"), make_tree(10)))
-        big = self.cls(self.write(str(tmp_path / f"b{self.suffix}"), make_tree(3_000)))
-        small[0], big[0]
-        size_small, size_big = len(pickle.dumps(small)), len(pickle.dumps(big))
-        assert abs(size_big - size_small) < 64, (size_small, size_big)
-        assert size_big < 8192
-
-    def test_close_and_context_manager_release_and_reopen(
-        self, src: gr.ReplaySource, tree: Any
-    ) -> None:
-        with src as s:
-            s[0]
-            assert s._handle is not None
-        assert src._handle is None
-        assert_tree_equal(src[3], take(tree, 3))
-        assert src._handle is not None
-        src.close()
-        src.close()  # idempotent
-
-    def test_one_handle_per_process_reused_across_reads(self, src: gr.ReplaySource) -> None:
-        for i in range(5):
-            src[i]
-            src.read_batch([i, i + 1])
-        assert src._opens == 1
-
-    @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-    @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no JAX
-    def test_reopens_after_fork(self, src: gr.ReplaySource, tree: Any) -> None:
-        src[0]
-        parent_handle = src._handle
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: must not reuse the parent's handle
-            ok = 1
-            try:
-                got = src.read_batch([5, 6])
-                ok = int(
-                    src._handle is not parent_handle
-                    and np.array_equal(got["reward"], tree["reward"][[5, 6]])
-                )
-            finally:
-                os.write(w, bytes([ok]))
-                os._exit(0)
-        os.close(w)
-        result = os.read(r, 1)
-        os.waitpid(pid, 0)
-        assert result == b"\x01"
-        assert src._handle is parent_handle
-
-    # -- concurrency ------------------------------------------------------------
-
-    def test_sixteen_threads_read_correct_data(self, src: gr.ReplaySource, tree: Any) -> None:
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(16)
-
-        def work(seed: int) -> None:
-            try:
-                rng = np.random.default_rng(seed)
-                barrier.wait()
-                for _ in range(20):
-                    idx = rng.integers(0, N, 17)
-                    assert_tree_equal(src.read_batch(idx), take(tree, idx))
-                    i = int(rng.integers(0, N))
-                    assert_tree_equal(src[i], take(tree, i))
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
-        assert src._opens == 1
-
-    def test_spawned_workers_open_one_handle_each(self, src: gr.ReplaySource, tree: Any) -> None:
-        import worker_fns
-
-        src[0]  # the parent's handle must not travel
-        idx = [4, 0, N - 1, 4]
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(2) as pool:
-            results = pool.starmap(worker_fns.read_in_worker, [(src, idx)] * 4)
-        for res in results:
-            assert res["pid"] != os.getpid()
-            assert res["opens"] == 1
-            assert_tree_equal(res["batch"], take(tree, idx))
-            assert_tree_equal(res["again"], take(tree, idx[::-1]))
-            for r, i in zip(res["records"], idx):
-                assert_tree_equal(r, take(tree, i))
-
-    def test_grain_dataloader_with_workers_reads_every_record_once(
-        self, src: gr.ReplaySource, tree: Any
-    ) -> None:
-        loader = grain.DataLoader(
-            data_source=src,
-            sampler=grain.samplers.IndexSampler(
-                len(src), shuffle=True, seed=3, num_epochs=1,
-                shard_options=grain.sharding.NoSharding(),
-            ),
-            operations=[grain.transforms.Batch(8, drop_remainder=False)],
-            worker_count=2,
-            shard_options=grain.sharding.NoSharding(),
-        )  # fmt: skip
-        rewards = np.concatenate([b["reward"] for b in loader])
-        np.testing.assert_array_equal(np.sort(rewards), np.sort(tree["reward"]))
-
-    def test_grain_checkpoint_round_trip(self, src: gr.ReplaySource) -> None:
-        def make() -> grain.DataLoader:
-            return grain.DataLoader(
-                data_source=self.cls(src.path),
-                sampler=grain.samplers.IndexSampler(
-                    len(src), shuffle=True, seed=5, num_epochs=1,
-                    shard_options=grain.sharding.NoSharding(),
-                ),
-                operations=[grain.transforms.Batch(4)],
-                shard_options=grain.sharding.NoSharding(),
-            )  # fmt: skip
-
-        it = iter(make())
-        for _ in range(3):
-            next(it)
-        state = it.get_state()
-        rest = [b["action"] for b in it]
-        resumed = iter(make())
-        resumed.set_state(state)
-        rest2 = [b["action"] for b in resumed]
-        assert len(rest) == len(rest2) > 0
-        for a, b in zip(rest, rest2):
-            np.testing.assert_array_equal(a, b)
+    def test_repr_names_class_path_keys_and_length(self, src: gr.ReplaySource) -> None:
+        assert repr(src) == repr(self.cls(src.path))
+        assert repr(src).startswith(type(src).__name__ + "(")
+        assert src.path in repr(src) and str(src.keys) in repr(src) and str(N) in repr(src)

@@ -94,9 +94,9 @@ class CacheShare(grain.transforms.Map):
     """Records how many processes split the default chunk-cache budget where it runs."""
 
     def map(self, element: Any) -> Any:
-        from grain_replay.sources import chunked
+        from grain_replay.sources.reading import cache
 
-        return {**element, "share": np.full(len(element["id"]), chunked._cache_share)}
+        return {**element, "share": np.full(len(element["id"]), cache._cache_share)}
 
 
 class SlowAfterFirst:

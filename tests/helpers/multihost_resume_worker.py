@@ -12,7 +12,8 @@ every global batch's shape and sharding, consumes it in a jitted step (sums
 over all devices of all processes) and records the global batch's record ids.
 With ``--save-at k`` it writes the wrapper's ``get_state()`` after handing out
 batch k to ``DIR/state.<process_index>``; with ``--resume-dir`` it restores that
-state before the first batch. Any failed check exits non-zero with the reason.
+state before the first batch (``state.<process_index mod saved count>`` when the
+job was saved with another number of processes). Any failed check exits non-zero with the reason.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def _check(cond: bool, message: str) -> None:
 
 def _start(shard: Any) -> int:
     return shard.index[0].start or 0
+
+
+def _state_file(directory: str, process_id: int) -> str:
+    """``state.<process_id>``; after a change of process count, ``state.<id mod saved count>``.
+
+    Any saved process's state resumes every process of the same global stream.
+    """
+    saved = sorted(
+        (name for name in os.listdir(directory) if name.split(".")[-1].isdigit()),
+        key=lambda name: int(name.split(".")[-1]),
+    )
+    _check(bool(saved), f"no state.<i> file in {directory}")
+    return os.path.join(directory, saved[process_id % len(saved)])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     saved = False
     with gr.sharded_device_put(loader) as batches:
         if args.resume_dir:
-            with open(os.path.join(args.resume_dir, f"state.{args.process_id}"), "rb") as f:
+            with open(_state_file(args.resume_dir, args.process_id), "rb") as f:
                 batches.set_state(f.read())
         for step, batch in enumerate(batches):
             ids, obs = batch["id"], batch["obs"]

@@ -1,20 +1,12 @@
-"""Stores with episodes, reference implementations and the contract suite of the rl sources."""
+"""Stores with episodes and reference implementations for the rl sources' tests."""
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import pickle
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import cloudpickle
-import grain
 import numpy as np
-import pytest
 
-import grain_replay as gr
 from grain_replay import tree as tree_lib
 from grain_replay.layout import LeafSpec
 
@@ -81,20 +73,6 @@ class ArraySource:
 
     def __repr__(self) -> str:
         return f"ArraySource(n={self._n})"
-
-
-def flat(tree: Any) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in tree_lib.flatten(tree)[0].items()}
-
-
-def assert_flat_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert list(got) == list(want), (list(got), list(want))
-    for k in want:
-        g, w = np.asarray(got[k]), np.asarray(want[k])
-        assert g.dtype == w.dtype, (k, g.dtype, w.dtype)
-        np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=k) if g.dtype.kind == "f" else (
-            np.testing.assert_array_equal(g, w, err_msg=k)
-        )
 
 
 # -- reference implementations (plain loops) ---------------------------------------------
@@ -275,165 +253,3 @@ def collect_minari(
         author_email="test@example.com", code_permalink="https://example.com",
         description="test data",
     )  # fmt: skip
-
-
-# -- the contract --------------------------------------------------------------------------
-
-
-def grain_loader(src: Any, batch: int = 8, workers: int = 2) -> grain.DataLoader:
-    return grain.DataLoader(
-        data_source=src,
-        sampler=grain.samplers.IndexSampler(
-            len(src), shuffle=False, seed=0, num_epochs=1,
-            shard_options=grain.sharding.NoSharding(),
-        ),
-        operations=[grain.transforms.Batch(batch, drop_remainder=False)],
-        worker_count=workers,
-        shard_options=grain.sharding.NoSharding(),
-    )  # fmt: skip
-
-
-class SourceContract:
-    """The source contract for the rl sources.
-
-    Subclasses provide fixtures ``src`` (a source) and ``expect`` (record ids ->
-    the expected ``{key: array}``), and ``make(tmp_path, scale)`` building a
-    source whose store grows with ``scale``.
-    """
-
-    def make(self, tmp_path: Any, scale: int) -> Any:
-        raise NotImplementedError
-
-    def test_read_batch_matches_reference_with_duplicates_and_negatives(
-        self, src: Any, expect: Callable[[np.ndarray], dict[str, Any]]
-    ) -> None:
-        n = len(src)
-        rng = np.random.default_rng(1)
-        idx = np.concatenate([[0, n - 1, -1, -n, 1, 1], rng.integers(-n, n, 50)])
-        want = expect(np.where(idx < 0, idx + n, idx))
-        assert_flat_equal(flat(src.read_batch(idx)), want)
-        assert_flat_equal(src.read_flat(list(idx)), want)
-
-    def test_getitem_and_getitems_match_read_batch(self, src: Any, expect: Any) -> None:
-        n = len(src)
-        for i in [0, n - 1, -1, -n]:
-            want = {k: v[0] for k, v in expect(np.array([i % n])).items()}
-            assert_flat_equal(flat(src[i]), want)
-        records = src._getitems([2, 0, 2])
-        want = expect(np.array([2, 0, 2]))
-        for j, r in enumerate(records):
-            assert_flat_equal(flat(r), {k: v[j] for k, v in want.items()})
-
-    def test_spec_matches_records(self, src: Any) -> None:
-        got = flat(src.read_batch([0, 1]))
-        assert list(got) == list(src.spec)
-        for k, s in src.spec.items():
-            assert got[k].dtype == s.dtype and got[k].shape[1:] == s.shape, k
-            assert type(got[k]) is np.ndarray
-
-    def test_empty_batch_has_spec_shapes(self, src: Any) -> None:
-        got = flat(src.read_batch([]))
-        for k, s in src.spec.items():
-            assert got[k].shape == (0, *s.shape), k
-
-    def test_out_of_range_raises_index_error_naming_index_and_length(self, src: Any) -> None:
-        n = len(src)
-        for bad in (n, n + 3, -n - 1):
-            with pytest.raises(IndexError, match=rf"{bad}.*{n}"):
-                src[bad]
-            with pytest.raises(gr.RecordIndexError, match=rf"{bad}.*{n}"):
-                src.read_batch([0, bad])
-
-    def test_non_integer_index_raises_type_error(self, src: Any) -> None:
-        with pytest.raises(TypeError):
-            src[1.5]
-        with pytest.raises(TypeError):
-            src.read_batch([0.5])
-
-    def test_is_a_grain_random_access_source(self, src: Any) -> None:
-        assert isinstance(src, grain.sources.RandomAccessDataSource)
-
-    def test_repr_is_deterministic_after_reads(self, src: Any) -> None:
-        before = repr(src)
-        src[0]
-        assert repr(src) == before == repr(pickle.loads(pickle.dumps(src)))
-        assert str(len(src)) in before
-
-    def test_pickle_round_trip_has_no_handle(self, src: Any, expect: Any) -> None:
-        src.read_batch([0, 1])
-        assert src._handle is not None
-        for dumps in (pickle.dumps, cloudpickle.dumps):
-            clone = pickle.loads(dumps(src))
-            assert clone._handle is None
-            assert getattr(clone, "_state", None) is None  # no episode index travels
-            assert_flat_equal(flat(clone.read_batch([3, 1])), flat(src.read_batch([3, 1])))
-
-    def test_pickle_size_independent_of_records(self, tmp_path: Any) -> None:
-        small, big = self.make(tmp_path / "small", 1), self.make(tmp_path / "big", 50)
-        assert len(big) > 20 * len(small)
-        small[0], big[0]
-        size_small, size_big = len(pickle.dumps(small)), len(pickle.dumps(big))
-        assert abs(size_big - size_small) < 64, (size_small, size_big)
-
-    def test_close_and_context_manager_release_and_reopen(self, src: Any, expect: Any) -> None:
-        with src as s:
-            s[0]
-            assert s._handle is not None
-        assert src._handle is None
-        assert_flat_equal(flat(src[1]), {k: v[0] for k, v in expect(np.array([1])).items()})
-        src.close()
-        src.close()
-
-    def test_sixteen_threads_read_correct_data(self, src: Any, expect: Any) -> None:
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(16)
-        n = len(src)
-
-        def work(seed: int) -> None:
-            try:
-                rng = np.random.default_rng(seed)
-                barrier.wait()
-                for _ in range(10):
-                    idx = rng.integers(0, n, 9)
-                    assert_flat_equal(flat(src.read_batch(idx)), expect(idx))
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
-        assert src._opens <= 1
-
-    def test_spawned_workers_open_one_handle_each(self, src: Any, expect: Any) -> None:
-        import worker_fns
-
-        src[0]
-        idx = [4, 0, len(src) - 1, 4]
-        with multiprocessing.get_context("spawn").Pool(2) as pool:
-            results = pool.starmap(worker_fns.read_in_worker, [(src, idx)] * 2)
-        for res in results:
-            assert res["pid"] != os.getpid() and res["opens"] == 1
-            assert_flat_equal(flat(res["batch"]), expect(np.array(idx)))
-            assert_flat_equal(flat(res["again"]), expect(np.array(idx[::-1])))
-
-
-def check_grain_loader(src: Any, expect: Callable[[np.ndarray], dict[str, Any]]) -> None:
-    """A grain.DataLoader with 2 spawned workers reads every record of ``src`` once."""
-    # Workers batch interleaved records: compare the records as a multiset.
-    batches = list(grain_loader(src, batch=8, workers=2))
-    got = {k: np.concatenate([flat(b)[k] for b in batches]) for k in src.spec}
-    want = expect(np.arange(len(src)))
-    assert {k: (v.dtype, v.shape) for k, v in got.items()} == {
-        k: (v.dtype, v.shape) for k, v in want.items()
-    }
-    assert _record_bytes(got) == _record_bytes(want)
-
-
-def _record_bytes(leaves: dict[str, np.ndarray]) -> list[bytes]:
-    n = len(next(iter(leaves.values())))
-    return sorted(
-        b"".join(np.ascontiguousarray(v[j]).tobytes() for v in leaves.values()) for j in range(n)
-    )

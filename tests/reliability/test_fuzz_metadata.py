@@ -1,7 +1,7 @@
 """Fuzzes the two parsers that read untrusted bytes first: store metadata JSON and ``.npy`` headers.
 
 Property: on any input, ``layout.StoreMetadata.from_json`` and
-``sources.npy.read_npy_header`` either succeed or raise ``gr.InvalidStoreError``;
+``formats.read_npy_header`` either succeed or raise ``gr.InvalidStoreError``;
 nothing else escapes (no ``RecursionError``, ``OverflowError``, ``IndexError``,
 ``MemoryError``, ...). Examples are derandomized so the suite is reproducible;
 set ``GRAIN_REPLAY_FUZZ_EXAMPLES=5000`` for a longer run with fresh random examples.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 import grain_replay as gr
 from grain_replay import layout
 from grain_replay import tree as tree_lib
-from grain_replay.sources.npy import read_npy_header
+from grain_replay.formats import read_npy_header
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +92,7 @@ def _parse(text: str | bytes) -> layout.StoreMetadata | None:
     except gr.InvalidStoreError as e:
         # The error names the file (dedicated test below).
         if not str(e).startswith("Unknown tree node type"):
-            assert "/fuzz/grain_replay.json" in str(e)
+            assert "/fuzz/grain_replay.json" in str(e)  # noqa: PT017 - raising is allowed
         return None
 
 
@@ -145,8 +144,8 @@ def test_from_json_parses_what_to_json_writes() -> None:
 
 
 @pytest.fixture(scope="module")
-def npy_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield str(tmp_path_factory.mktemp("npyfuzz") / "leaf.npy")
+def npy_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("npyfuzz") / "leaf.npy")
 
 
 def _write(path: str, data: bytes) -> None:
@@ -158,7 +157,7 @@ def _read_header(path: str) -> tuple[tuple[int, ...], np.dtype, bool, int] | Non
     try:
         return read_npy_header(path, "obs")
     except gr.InvalidStoreError as e:
-        assert path in str(e) and "obs" in str(e)
+        assert path in str(e) and "obs" in str(e)  # noqa: PT017 - raising is allowed
         return None
 
 
@@ -215,6 +214,53 @@ def test_read_npy_header_raises_only_invalid_store_error_on_random_header_dicts(
         assert isinstance(shape_out, tuple) and all(isinstance(d, int) for d in shape_out)
         assert not dtype.hasobject
         assert offset == os.path.getsize(npy_file)
+
+
+_VALID_HEADER = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 2), }"
+_BRACKETS = "{}()[],:'\" \\"
+
+
+def _raw_header(text: str, version: bytes = b"\x01\x00") -> bytes:
+    body = text.encode("latin1", "replace")
+    pad = -(10 + len(body) + 1) % 64
+    full = body + b" " * pad + b"\n"
+    return b"\x93NUMPY" + version + len(full).to_bytes(2, "little") + full
+
+
+@FUZZ
+@given(
+    st.integers(0, len(_VALID_HEADER)),
+    st.text(alphabet=_BRACKETS, max_size=6),
+    st.integers(0, len(_VALID_HEADER)),
+    versions,
+)
+def test_read_npy_header_raises_only_invalid_store_error_on_truncated_or_unbalanced_headers(
+    npy_file: str, cut: int, extra: str, at: int, version: bytes
+) -> None:
+    text = _VALID_HEADER[:cut]
+    text = text[:at] + extra + text[at:]
+    _write(npy_file, _raw_header(text, version))
+    _read_header(npy_file)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (), {}",  # cut short: TokenError
+        "{'descr': '<f4', 'fortran_order': False, 'shape': ((((",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1,)}}",
+        "{'descr': '<f4'",
+        "{",
+        "",
+    ],
+)
+def test_read_npy_header_raises_invalid_store_error_when_header_is_cut_or_unbalanced(
+    npy_file: str, text: str
+) -> None:
+    _write(npy_file, _raw_header(text))
+    with pytest.raises(gr.InvalidStoreError, match=r"not a valid \.npy file") as info:
+        read_npy_header(npy_file, "obs")
+    assert npy_file in str(info.value) and "'obs'" in str(info.value)
 
 
 def test_read_npy_header_refuses_object_dtype_when_descr_is_pickle(npy_file: str) -> None:

@@ -6,8 +6,7 @@ import threading
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.remote import Remote, RetryOptions
-from grain_replay.sources.remote_hdf5 import RetryingFile
+from grain_replay.remote import Remote, RetryingFile, RetryOptions
 
 
 def test_last_error_is_kept_per_thread(tmp_path: Any) -> None:

@@ -17,7 +17,7 @@ from conformance import DataSourceTests, N, assert_tree_equal, make_tree, take
 from s3_server import SECRET_KEY, HTTPProxy, S3Server, free_port, moto_unavailable_reason
 
 import grain_replay as gr
-from grain_replay.sources import remote as remote_lib
+from grain_replay import remote as remote_lib
 
 _reason = moto_unavailable_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")

@@ -8,7 +8,8 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from rl_fixtures import SourceContract, ref_nstep, write_d4rl
+from conformance import SourceTests
+from rl_fixtures import ref_nstep, write_d4rl
 
 import grain_replay as gr
 from grain_replay.rl import D4RLDataSource, EpisodeIndex, NStepDataSource, WindowDataSource
@@ -32,7 +33,7 @@ def _expect(data: dict[str, np.ndarray], stored: bool) -> Any:
     return expect
 
 
-class TestD4RLStoredNextObs(SourceContract):
+class TestD4RLStoredNextObs(SourceTests):
     stored = True
 
     def make(self, tmp_path: Any, scale: int) -> D4RLDataSource:

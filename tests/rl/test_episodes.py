@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rl_fixtures import ArraySource, SourceContract, flat, ref_nstep, step_tree
+from conformance import SourceTests, flat
+from rl_fixtures import ArraySource, ref_nstep, step_tree
 
 import grain_replay as gr
 from grain_replay.rl import (
@@ -193,8 +194,9 @@ def _expect_nstep(
     return expect, len(ref)
 
 
-class _NStepContract(SourceContract):
+class _NStepContract(SourceTests):
     n, gamma, stored = 3, 0.9, False
+    rtol = 1e-6  # n-step returns are sums of floats
 
     def tree(self, scale: int = 1) -> dict[str, Any]:
         tree = step_tree(LENGTHS * scale, TERMINATED * scale)
@@ -275,5 +277,5 @@ def test_missing_or_mismatched_leaves_raise_with_fix(
 
 @pytest.mark.parametrize("kwargs", [{"n": 0}, {"gamma": 1.5}, {"next_obs_key": "a/b"}])
 def test_bad_nstep_options_raise_value_error(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be .*got"):
         NStepDataSource(ArraySource(step_tree(LENGTHS, TERMINATED)), **kwargs)

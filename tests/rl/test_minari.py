@@ -11,14 +11,8 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from rl_fixtures import (
-    SourceContract,
-    check_grain_loader,
-    collect_minari,
-    flat,
-    register_dict_env,
-    write_minari_file,
-)
+from conformance import SourceTests, flat
+from rl_fixtures import collect_minari, register_dict_env, write_minari_file
 
 import grain_replay as gr
 from grain_replay.rl import MinariDataSource, WindowDataSource
@@ -78,7 +72,7 @@ def _expect_from_minari(dataset_id: str, infos: bool = False) -> Any:
     return lambda ids: {k: v[ids] for k, v in leaves.items()}
 
 
-class TestMinariCartPole(SourceContract):
+class TestMinariCartPole(SourceTests):
     def make(self, tmp_path: Any, scale: int) -> MinariDataSource:
         tmp_path.mkdir(parents=True, exist_ok=True)
         return MinariDataSource(write_minari_file(str(tmp_path / "m.hdf5"), [5, 3] * scale))
@@ -105,11 +99,6 @@ class TestMinariCartPole(SourceContract):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
-    def test_grain_dataloader_with_workers_reads_every_transition(
-        self, src: MinariDataSource, expect: Any
-    ) -> None:
-        check_grain_loader(src, expect)
-
     def test_episodes_follow_the_episode_groups(self, src: MinariDataSource) -> None:
         eps = list(minari.load_dataset("cartpole/random-v0").iterate_episodes())
         idx = src.episodes
@@ -130,7 +119,7 @@ class TestMinariCartPole(SourceContract):
         assert repr(a) == repr(b) == repr(MinariDataSource(cartpole))
 
 
-class TestMinariDictSpace(SourceContract):
+class TestMinariDictSpace(SourceTests):
     make = TestMinariCartPole.make
 
     @pytest.fixture
@@ -147,11 +136,6 @@ class TestMinariDictSpace(SourceContract):
         assert isinstance(rec["observations"]["pair"], tuple)
         assert isinstance(rec["next_observations"]["pair"], tuple)
         assert src.spec["observations/pair/0"].shape == (3,)
-
-    def test_grain_dataloader_with_workers_reads_every_transition(
-        self, src: MinariDataSource, expect: Any
-    ) -> None:
-        check_grain_loader(src, expect)
 
     def test_infos_are_the_info_returned_by_the_step(self, dict_dataset: str) -> None:
         src = MinariDataSource(dict_dataset, infos=True)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grain_replay.sources.chunked import ChunkCache
+from grain_replay.sources.reading.cache import ChunkCache
 
 
 def test_bound_respected_whatever_the_puts() -> None:
@@ -35,7 +35,7 @@ def test_clear_empties_and_negative_bound_refused() -> None:
 
 
 def test_default_bound_grows_to_fit_the_store_up_to_the_cap() -> None:
-    from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, fit_cap_bytes
+    from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, fit_cap_bytes
 
     cache = ChunkCache(DEFAULT_CACHE_BYTES)
     cache.register("obs", 300 * 2**20)
@@ -50,7 +50,7 @@ def test_default_bound_grows_to_fit_the_store_up_to_the_cap() -> None:
 def test_cache_budget_is_split_between_workers_and_reads_cgroup_v1(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from grain_replay.sources import chunked
+    from grain_replay.sources.reading import cache as chunked
 
     monkeypatch.setattr(chunked.os, "sysconf", lambda name: 2**20)  # 1 TiB of 1 MiB pages
     v1 = tmp_path / "memory.limit_in_bytes"
@@ -79,14 +79,14 @@ def test_explicit_bound_never_grows() -> None:
 def test_default_survives_pickling_as_fit_the_store() -> None:
     import pickle
 
-    from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES
+    from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 
     again = pickle.loads(pickle.dumps(DEFAULT_CACHE_BYTES))
     assert again == DEFAULT_CACHE_BYTES and type(again) is type(DEFAULT_CACHE_BYTES)
 
 
 def _reader(cache_bytes: int, n: int = 1000, chunk_rows: int = 64):
-    from grain_replay.sources.chunked import ChunkedLeafReader
+    from grain_replay.sources.reading.chunked import ChunkedLeafReader
 
     data = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
     calls: list[list[int]] = []

@@ -1,4 +1,4 @@
-"""Read-ahead of memory-mapped rows that are not in the page cache (sources/readahead.py)."""
+"""Read-ahead of memory-mapped rows not in the page cache (sources/reading/readahead.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources import readahead
-from grain_replay.sources.base import ArrayReader
+from grain_replay.sources.reading import readahead
+from grain_replay.sources.reading.readers import ArrayReader
 
 pytestmark = pytest.mark.skipif(not readahead.available(), reason="needs Linux madvise/mincore")
 
@@ -134,7 +134,7 @@ def test_in_memory_and_non_contiguous_arrays_do_not_read_ahead(tmp_path: Any) ->
 def test_segmented_reader_reads_exactly_in_either_state(
     tmp_path: Any, cold: bool, monkeypatch: Any
 ) -> None:
-    from grain_replay.sources.chunked import SegmentedReader
+    from grain_replay.sources.reading.chunked import SegmentedReader
 
     want = data()["big"]
     path = gr.write_npy(str(tmp_path / "d"), data())

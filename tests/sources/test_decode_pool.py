@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from grain_replay.sources import decode
+from grain_replay.sources.reading import pool as decode
 
 
 def test_run_grouped_keeps_order() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources import decode
+from grain_replay.sources.hdf5 import codecs as decode
 
 N = 203  # the last chunk is partial
 

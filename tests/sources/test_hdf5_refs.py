@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources import hdf5_raw
+from grain_replay.sources.hdf5 import raw as hdf5_raw
 
 OBS = np.arange(40, dtype=np.float32).reshape(10, 4)
 OUTSIDE = -OBS - 1

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -54,3 +57,55 @@ def test_empty_store_opens(tmp_path: Any) -> None:
     assert src.read_batch([])["reward"].shape == (0,)
     with pytest.raises(IndexError):
         src[0]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_npy_holds_one_descriptor_per_leaf_file(tmp_path):
+    tree = {f"leaf{i}": np.arange(40, dtype=np.float32).reshape(20, 2) + i for i in range(5)}
+    gr.write_npy(tmp_path / "s", tree)
+    src = gr.NpyDataSource(tmp_path / "s")
+    before = _open_fds()
+    batch = src.read_batch([3, 0, 3])
+    assert _open_fds() - before == 5  # one (the map's own) per leaf file; it was 10
+    np.testing.assert_array_equal(batch["leaf4"], tree["leaf4"][[3, 0, 3]])
+    src.close()
+    del batch
+    import gc
+
+    gc.collect()
+    assert _open_fds() == before
+
+
+_MANY_LEAVES_CHILD = """
+import resource, sys
+import numpy as np
+import grain_replay as gr
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+path = sys.argv[1]
+if __name__ == "__main__":
+    src = gr.NpyDataSource(path)
+    loader = gr.make_data_loader(src, batch_size=16, shuffle=True, seed=1, worker_count=2)
+    seen = np.concatenate([b["leaf599"] for b in loader])
+    assert sorted(seen.tolist()) == [599 + i for i in range(64)], seen
+    print("OK", len(seen))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux descriptors")
+def test_npy_store_with_600_leaves_reads_with_2_workers_under_ulimit_1024(tmp_path):
+    gr.write_npy(
+        tmp_path / "wide", {f"leaf{i}": np.arange(64, dtype=np.int32) + i for i in range(600)}
+    )
+    script = tmp_path / "child.py"
+    script.write_text(_MANY_LEAVES_CHILD)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "wide")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["OK", "64"]

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources.chunked import ChunkCache, ChunkedLeafReader
-from grain_replay.sources.zarr_decode import LocalChunkReader
+from grain_replay.sources.reading.cache import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader
+from grain_replay.sources.zarr.decode import LocalChunkReader
 
 zarr = pytest.importorskip("zarr")
 codecs = pytest.importorskip("zarr.codecs")
@@ -180,7 +181,7 @@ def _recording_reader(
 
 
 def test_blocks_fetched_in_groups_bounded_by_cache_bytes(monkeypatch: Any) -> None:
-    from grain_replay.sources import chunked
+    from grain_replay.sources.reading import chunked
 
     monkeypatch.setattr(chunked, "_MIN_GROUP_BYTES", 0)
     reader, calls, data = _recording_reader(2400, with_rows=False)  # 3 blocks

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from conformance import DataSourceTests, make_tree
 
 import grain_replay as gr
@@ -64,3 +65,35 @@ def test_missing_chunk_reads_fill_value(tmp_path: Any) -> None:
     a[0:5] = np.arange(5)
     src = gr.ZarrDataSource(path)
     np.testing.assert_array_equal(src.read_batch([0, 4, 5, 19])["x"], [0, 4, 7, 7])
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("name", ["bare.zarr", "bare_dir"])
+def test_open_source_reads_bare_zarr_array_as_one_root_leaf(tmp_path, zarr_format, name):
+    import zarr
+
+    data = np.arange(3000, dtype=np.float32).reshape(1000, 3)
+    path = str(tmp_path / name)
+    arr = zarr.create_array(path, shape=data.shape, chunks=(128, 3), dtype=data.dtype,
+                            zarr_format=zarr_format)  # fmt: skip
+    arr[:] = data
+    from grain_replay.sources import detect_format
+
+    assert detect_format(path) == "zarr"
+    src = gr.open_source(path)
+    assert isinstance(src, gr.ZarrDataSource) and len(src) == 1000
+    np.testing.assert_array_equal(src.read_batch([999, 0, 5, 5]), data[[999, 0, 5, 5]])
+    np.testing.assert_array_equal(src[-1], data[-1])
+    batches = list(gr.make_data_loader(src, batch_size=250, seed=2))
+    np.testing.assert_array_equal(np.sort(np.concatenate(batches)[:, 0]), data[:, 0])
+
+
+def test_open_source_reads_zarr_v2_group_with_only_consolidated_metadata_marker(tmp_path):
+    import zarr
+
+    path = str(tmp_path / "g2")
+    zarr.save_group(path, obs=np.arange(10), zarr_format=2)
+    zarr.consolidate_metadata(path, zarr_format=2)
+    src = gr.open_source(path)
+    assert isinstance(src, gr.ZarrDataSource)
+    np.testing.assert_array_equal(src.read_batch([4])["obs"], [4])

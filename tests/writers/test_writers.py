@@ -511,6 +511,25 @@ def test_write_raises_invalid_tree_error_leading_dims_differ(tmp_path, fmt):
     assert not os.path.exists(_store(tmp_path, fmt))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_raises_invalid_tree_error_two_leaves_differ_names_both(tmp_path, fmt):
+    # No majority: blaming either leaf alone would point at the wrong one half the time.
+    with pytest.raises(gr.InvalidTreeError) as info:
+        gr.write(_store(tmp_path, fmt), {"obs": np.zeros(10), "reward": np.zeros(9)})
+    _check_error(info, TypeError, "'obs' has 10", "'reward' has 9")
+    assert "expected" not in str(info.value)
+    assert not os.path.exists(_store(tmp_path, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_raises_invalid_tree_error_minority_named_not_majority(tmp_path, fmt):
+    tree = {"obs": np.zeros(10), "reward": np.zeros(9), "done": np.zeros(9)}
+    with pytest.raises(gr.InvalidTreeError) as info:
+        gr.write(_store(tmp_path, fmt), tree)
+    _check_error(info, TypeError, "'obs' has 10 records but expected 9")
+    assert "'reward' has" not in str(info.value) and "'done' has" not in str(info.value)
+
+
 @pytest.mark.parametrize("empty", [{}, [], (), {"a": {}}])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_write_raises_invalid_tree_error_empty_tree(tmp_path, fmt, empty):
@@ -590,7 +609,7 @@ def test_write_dot_segment_dict_key_refused_or_contained(tmp_path, fmt, key):
     try:
         gr.write(path, tree)
     except gr.InvalidTreeError as e:
-        assert repr(key) in str(e) and "Fix" in str(e)
+        assert repr(key) in str(e) and "Fix" in str(e)  # noqa: PT017 - raising is allowed
         assert os.listdir(parent) == []
         return
     # Accepted: then it must round-trip and stay inside the store.
@@ -605,7 +624,7 @@ def test_write_zarr_reserved_key_refused_or_round_trips(tmp_path):
     try:
         gr.write(path, tree)
     except gr.InvalidTreeError as e:
-        assert "'zarr.json'" in str(e) and "Fix" in str(e)
+        assert "'zarr.json'" in str(e) and "Fix" in str(e)  # noqa: PT017 - raising is allowed
         return
     with gr.open_source(path) as src:
         _assert_trees_equal(src.read_batch(np.arange(3)), tree)

@@ -3,34 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from grain_replay import remote as remote_lib
 from grain_replay.errors import StoreNotFoundError
-from grain_replay.sources import remote as remote_lib
+from grain_replay.formats import import_zarr
 
-if TYPE_CHECKING:
-    from grain_replay.sources.zarr import ZarrDataSource
-
-__all__ = ["Limiter", "fetch_arrays", "open_remote_group", "remote_block_reader"]
+__all__ = ["fetch_arrays", "open_remote_group", "remote_block_reader"]
 
 
-def open_remote_group(source: ZarrDataSource, remote: remote_lib.Remote) -> Any:
-    from grain_replay.sources.zarr import import_zarr
+def open_remote_group(
+    url: str, storage_options: Mapping[str, Any], remote: remote_lib.Remote, concurrency: int
+) -> Any:
+    """The ``zarr.Group`` at ``url``, its metadata fetch retried.
 
+    Raises:
+      StoreNotFoundError: saying whether the bucket or the key is missing.
+    """
     zarr = import_zarr()
-    opts = remote_lib.effective_storage_options(
-        source.path, source._storage_options, concurrency=source._max_concurrency
-    )
+    opts = remote_lib.effective_storage_options(url, storage_options, concurrency=concurrency)
 
     def open_group() -> Any:
         # Zarr v3 first: one GET of zarr.json instead of probing every v2 key too.
         try:
-            return zarr.open_group(source.path, mode="r", storage_options=opts, zarr_format=3)
+            return zarr.open_group(url, mode="r", storage_options=opts, zarr_format=3)
         except FileNotFoundError:
-            return zarr.open_group(source.path, mode="r", storage_options=opts)
+            return zarr.open_group(url, mode="r", storage_options=opts)
 
     try:
         return remote.call(open_group, "the Zarr group metadata")
@@ -46,8 +47,6 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
     TypeError) is kept per location, so that the caller names the leaf; other
     errors (network, credentials) are raised for the retry logic.
     """
-    from grain_replay.sources.zarr import import_zarr
-
     zarr = import_zarr()
     from zarr.core.array import AsyncArray
     from zarr.core.sync import sync
@@ -69,30 +68,22 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-class Limiter:
-    """Bounds the chunk requests in flight on zarr's event loop (created there, lazily)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._sem: asyncio.Semaphore | None = None
-
-    def get(self) -> asyncio.Semaphore:
-        if self._sem is None:  # only ever called on zarr's single loop thread
-            self._sem = asyncio.Semaphore(self.limit)
-        return self._sem
-
-
 def remote_block_reader(
-    arr: Any, chunk_rows: int, n: int, remote: remote_lib.Remote, limiter: Limiter, key: str
+    arr: Any,
+    chunk_rows: int,
+    n: int,
+    remote: remote_lib.Remote,
+    limiter: remote_lib.Limiter,
+    key: str,
 ) -> Any:
-    """Like ``_block_reader``, with a bound on requests in flight and retries per chunk.
+    """Reads whole row-chunks of a remote array: requests in flight bounded, each retried.
 
     Each chunk is one ``getitem`` of exactly its rows: one GET of one object,
     decoded once.
     """
     from zarr.core.sync import sync
 
-    async_arr = arr._async_array
+    async_arr = arr.async_array
 
     async def one(c: int) -> np.ndarray:
         rows = slice(c * chunk_rows, min((c + 1) * chunk_rows, n))

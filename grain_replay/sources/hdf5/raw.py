@@ -10,14 +10,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import InvalidStoreError, ReferenceRefusedError
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import LeafReader, MappedFile
-from grain_replay.sources.chunked import ChunkCache, ChunkedLeafReader, mapped_reader
-from grain_replay.sources.files import Descriptor
-from grain_replay.sources.hdf5_refs import ReferenceRefusedError
+from grain_replay.sources.reading.cache import ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
+from grain_replay.sources.reading.files import Descriptor, MappedFile
+from grain_replay.sources.reading.readers import LeafReader
 
-__all__ = ["MAX_RUNS", "chunk_table", "count_runs", "raw_chunk_reader", "retry_while_written"]
+__all__ = [
+    "MAX_RUNS",
+    "chunk_table",
+    "count_runs",
+    "memmap_offset",
+    "raw_chunk_reader",
+    "retry_while_written",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,21 @@ def retry_while_written(path: str, attempt: Callable[[], T]) -> T:
             logger.debug("%s: open failed while the file is written (%s); retrying", path, e)
             time.sleep(0.005 * 2**i)
     raise AssertionError("unreachable")
+
+
+def memmap_offset(dset: Any) -> int | None:
+    """File offset of a contiguous, unfiltered, allocated dataset, else None."""
+    if dset.chunks is not None or dset.compression is not None or dset.external:
+        return None
+    try:
+        if dset.is_virtual:
+            return None
+    except AttributeError:
+        pass
+    if dset.dtype.hasobject or dset.dtype.kind == "V":
+        return None
+    offset = dset.id.get_offset()
+    return None if offset is None else int(offset)
 
 
 # Beyond this many separate runs of chunks, reading them with pread is cheaper

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.base import check_inside
+from grain_replay.sources.reading.files import check_inside
 
 __all__ = [
     "MAX_CHUNK_BYTES",

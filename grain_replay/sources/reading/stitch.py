@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PAGE", "can_stitch", "stitch"]
+from grain_replay.formats import PAGE
+
+__all__ = ["can_stitch", "stitch"]
 
 logger = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
 _MAP_ANONYMOUS = 0x20
@@ -120,7 +121,7 @@ def stitch(
             os.close(fd)
         if got != addr + i * chunk_bytes:
             return None
-    # Random access: no read-ahead on page faults (see base.advise_random).
+    # Random access: no read-ahead on page faults (see readers.advise_random).
     _LIBC.madvise(addr, total, getattr(mmap, "MADV_RANDOM", 1))
     flat = np.asarray(reservation)
     array = flat.view(dtype).reshape((num_rows, *row_shape))

@@ -6,7 +6,8 @@ import logging
 import os
 from typing import Any
 
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import InvalidStoreError, ReferenceRefusedError
+from grain_replay.formats import import_h5py
 
 __all__ = [
     "check_dataset_refs",
@@ -28,16 +29,6 @@ _FIX = (
 )
 
 
-def _h5py() -> Any:
-    import h5py
-
-    return h5py
-
-
-class ReferenceRefusedError(InvalidStoreError):
-    """A leaf refers outside the file and ``allow_external`` is False (never worth a retry)."""
-
-
 def refuse(path: str, key: str, what: str) -> InvalidStoreError:
     return ReferenceRefusedError(f"{path}: leaf {key!r} {what}, outside the store. {_FIX}")
 
@@ -49,7 +40,7 @@ def check_link_path(f: Any, path: str, key: str, loc: str, *, _depth: int = 0) -
     opened, so an external file (or a FIFO named by a link) is never touched.
     Soft links are followed by checking their target path the same way.
     """
-    h5py = _h5py()
+    h5py = import_h5py()
     if _depth > _MAX_SOFT_DEPTH:
         raise InvalidStoreError(
             f"{path}: leaf {key!r}: more than {_MAX_SOFT_DEPTH} soft links lead to {loc!r} "
@@ -103,7 +94,7 @@ def foreign_datasets(f: Any, allow_external: bool) -> tuple[dict[str, Any], dict
     Returns:
       ``(datasets, links)``, both keyed by path inside the file.
     """
-    h5py = _h5py()
+    h5py = import_h5py()
     found: dict[str, Any] = {}
     links: dict[str, Any] = {}
 

@@ -1,25 +1,14 @@
-"""Checks on the files of a local store: regular, inside the store, not shrunk under a map."""
+"""Files of a local store: inside the store, shared descriptors, not shrunk under a map."""
 
 from __future__ import annotations
 
+import mmap
 import os
-import stat
 import weakref
 
 from grain_replay.errors import InvalidStoreError
 
-__all__ = ["Descriptor", "MappedFile", "check_inside", "require_regular_file"]
-
-
-def require_regular_file(path: str, key: str = "") -> None:
-    """Refuses FIFOs, devices and sockets, which would block or never end when read."""
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        leaf = f" (leaf {key!r})" if key else ""
-        raise InvalidStoreError(
-            f"{path}{leaf} is not a regular file (a FIFO, device or socket). Fix: point the "
-            "store at regular files."
-        )
+__all__ = ["Descriptor", "MappedFile", "check_inside"]
 
 
 def check_inside(root: str, path: str, key: str, allow_external: bool) -> None:
@@ -54,7 +43,7 @@ class Descriptor:
 
 
 class MappedFile:
-    """A file that readers memory-map, kept open so each read can check it did not shrink.
+    """A file that readers memory-map, checked before each read for having shrunk.
 
     A mapped file truncated in place kills the reading process with SIGBUS at
     the first access to a lost page. One ``fstat`` per batch (well under a
@@ -65,17 +54,41 @@ class MappedFile:
       path: the file.
       needed: bytes the mappings reach into the file (offset + length).
       descriptor: an open :class:`Descriptor` of ``path`` to share (the leaves of
-        one HDF5 file share one); default: a new one.
+        one HDF5 file share one); default: a new one, unless ``mapping`` is given.
+      mapping: an ``mmap.mmap`` of the file: its own descriptor (every map keeps
+        one) answers the check, so no other descriptor is held.
     """
 
-    def __init__(self, path: str, needed: int, descriptor: Descriptor | None = None):
+    def __init__(
+        self,
+        path: str,
+        needed: int,
+        descriptor: Descriptor | None = None,
+        *,
+        mapping: mmap.mmap | None = None,
+    ):
         self.path = path
         self.needed = int(needed)
-        self.descriptor = descriptor if descriptor is not None else Descriptor(path)
-        self.fd = self.descriptor.fd
+        self.mapping = mapping
+        self.descriptor = descriptor
+        if mapping is None and descriptor is None:
+            self.descriptor = Descriptor(path)
+
+    @property
+    def fd(self) -> int:
+        """The descriptor kept open for reads (pread) of the file."""
+        if self.descriptor is None:
+            raise ValueError(f"{self.path}: checked through its map; no descriptor is held")
+        return self.descriptor.fd
+
+    def size(self) -> int:
+        """The file's size now."""
+        if self.mapping is not None:
+            return self.mapping.size()  # fstat of the map's own descriptor
+        return os.fstat(self.fd).st_size
 
     def check(self, key: str) -> None:
-        size = os.fstat(self.fd).st_size
+        size = self.size()
         if size < self.needed:
             raise InvalidStoreError(
                 f"{self.path}: leaf {key!r} is memory-mapped up to byte {self.needed:,} but the "

@@ -37,14 +37,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-import time
-from collections.abc import Callable
 
 import numpy as np
 
+from grain_replay.formats import PAGE
+
 __all__ = ["RowReadAhead", "available", "for_array", "is_file_mapping"]
 
-PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
 
 # A gather slower than this bound did not come from the page cache (see module doc).
@@ -132,15 +131,6 @@ class RowReadAhead:
         """Records that a timed gather of ``count`` rows took ``seconds``."""
         if seconds > WARM_SLACK_S + count * self._row_s:
             self.cold = True
-
-    def gather(self, gather: Callable[[], np.ndarray], indices: np.ndarray) -> np.ndarray:
-        """Runs ``gather`` (the rows ``indices``) with read-ahead when the rows look cold."""
-        if not self.start(indices):
-            return gather()
-        t0 = time.perf_counter()
-        out = gather()
-        self.finish(len(indices), time.perf_counter() - t0)
-        return out
 
     def _pages(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Page-aligned ``(start, end)`` addresses of ``rows``."""

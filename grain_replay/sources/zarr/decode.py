@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.base import check_inside
-from grain_replay.sources.decode import run_grouped
+from grain_replay.sources.reading.files import check_inside
+from grain_replay.sources.reading.pool import run_grouped
 
 __all__ = ["LocalChunkReader", "local_chunk_reader"]
 
@@ -53,7 +53,7 @@ def local_chunk_reader(
     if not all(hasattr(c, "_decode_sync") for c in codecs):
         return None
     prototype = default_buffer_prototype()
-    spec = meta.get_chunk_spec((0,) * arr.ndim, arr._async_array.config, prototype)
+    spec = meta.get_chunk_spec((0,) * arr.ndim, arr.async_array.config, prototype)
     return LocalChunkReader(
         arr, n, key, store_root, allow_external, a2b, b2b[::-1], spec, prototype, dtype
     )

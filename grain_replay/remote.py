@@ -1,4 +1,8 @@
-"""Remote (fsspec URL) stores: tuned options, retries with backoff, clear errors, file objects."""
+"""Remote (fsspec URL) access: tuned options, retries with backoff, clear errors, file objects.
+
+Everything here takes explicit arguments (URL, storage options, retry policy,
+concurrency) and returns files, bytes or errors; it never sees a source.
+"""
 
 from __future__ import annotations
 
@@ -16,18 +20,23 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from grain_replay.errors import (
+    ArgumentTypeError,
     GrainReplayError,
     InvalidArgumentError,
-    InvalidArgumentTypeError,
     InvalidStoreError,
     StoreAccessError,
     StoreNotFoundError,
     StoreUnreachableError,
 )
+from grain_replay.formats import import_fsspec
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
+    "Limiter",
     "RetryOptions",
     "Remote",
+    "RetryingFile",
+    "classify",
     "effective_storage_options",
     "is_transient",
     "redact_url",
@@ -37,10 +46,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Both subclass InvalidStoreError, so code catching that keeps working.
-AccessError = StoreAccessError
-NetworkError = StoreUnreachableError
 
 # Requests in flight per process for a batch read (all leaves together).
 DEFAULT_CONCURRENCY = 64
@@ -91,7 +96,7 @@ def retry_options(value: int | RetryOptions | None) -> RetryOptions:
     if isinstance(value, RetryOptions):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentTypeError(
+        raise ArgumentTypeError(
             f"retries must be an int or a RetryOptions, got {type(value).__name__}. "
             "Fix: pass e.g. retries=3."
         )
@@ -361,26 +366,26 @@ class Remote:
             f"endpoint_url={self.endpoint!r}" if self.endpoint else "the default endpoint (AWS)"
         )
         if kind == "credentials":
-            return AccessError(
+            return StoreAccessError(
                 f"{where}: no credentials were found ({cause}). Fix: pass storage_options="
                 "{'key': ..., 'secret': ...} (and 'token' for temporary credentials), set "
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS profile, or "
                 "storage_options={'anon': True} for a public bucket."
             )
         if kind == "access":
-            return AccessError(
+            return StoreAccessError(
                 f"{where}: access denied ({cause}). Fix: check storage_options 'key' / "
                 "'secret' / 'token' (given: "
                 f"{self.option_names}), and that they may read this bucket at {endpoint}."
             )
         if kind == "unreachable":
-            return NetworkError(
+            return StoreUnreachableError(
                 f"{where}: cannot connect to {endpoint} ({cause}). Fix: check that the "
                 "server is up and reachable, and storage_options={'client_kwargs': "
                 "{'endpoint_url': ...}} (or 'endpoint_url')."
             )
         if kind == "transient":
-            return NetworkError(
+            return StoreUnreachableError(
                 f"{where}: the server kept failing after {attempts} attempt(s) ({cause}). "
                 f"Fix: retry later, or allow more retries with retries= (now "
                 f"{self.retry.retries}); timeouts are set with storage_options="
@@ -397,9 +402,7 @@ class Remote:
         bucket = self.url.split("://", 1)[1].split("/", 1)[0]
         if protocol in _BUCKET_PROTOCOLS and bucket:
             try:
-                import fsspec
-
-                fs = fsspec.filesystem(protocol, **storage_options)
+                fs = import_fsspec().filesystem(protocol, **storage_options)
                 bucket_missing = not fs.exists(bucket)
             except Exception:  # the diagnosis is best-effort
                 bucket_missing = False
@@ -414,3 +417,107 @@ class Remote:
             f"No {self.kind} at {self.shown}{at} ({type(exc).__name__}: {exc}). Fix: check "
             "the key after the bucket name, or upload the store there."
         )
+
+
+# -- file objects and concurrency ----------------------------------------------------------
+
+# h5py reads metadata in small pieces and chunks in whole pieces: a cache of
+# fixed blocks serves the former with few GETs without fetching 50 MiB ahead
+# (s3fs's default readahead block) on every random chunk read.
+FILE_BLOCK_SIZE = 256 * 2**10
+FILE_CACHE_BLOCKS = 64
+
+
+class RetryingFile:
+    """A read-only fsspec file object whose reads retry transient failures.
+
+    Libraries reading through it (h5py) may turn an exception raised inside a
+    read into their own ``OSError``; :attr:`last_error` keeps the
+    GrainReplayError so callers can re-raise it.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any], remote: Remote):
+        opts = dict(storage_options)
+        fs, path = import_fsspec().url_to_fs(url, **opts)
+        kwargs: dict[str, Any] = {}
+        if "default_block_size" not in opts and "block_size" not in opts:
+            kwargs["block_size"] = FILE_BLOCK_SIZE
+        if "default_cache_type" not in opts and "cache_type" not in opts:
+            kwargs["cache_type"] = "blockcache"
+            kwargs["cache_options"] = {"maxblocks": FILE_CACHE_BLOCKS}
+        self._remote = remote
+        # Per thread: a library calls read() in the thread that called into it, and
+        # another thread's failure must not be reported as this thread's.
+        self._errors = threading.local()
+        self._f = remote.call(lambda: fs.open(path, "rb", **kwargs), "the file")
+        self._pos = 0
+
+    @property
+    def last_error(self) -> GrainReplayError | None:
+        """The failure of this thread's last read, if it failed."""
+        return getattr(self._errors, "error", None)
+
+    @last_error.setter
+    def last_error(self, error: GrainReplayError | None) -> None:
+        self._errors.error = error
+
+    def _retrying(self, fn: Callable[[], T], what: str) -> T:
+        pos = self._pos
+
+        def attempt() -> T:
+            self._f.seek(pos)
+            return fn()
+
+        try:
+            return self._remote.call(attempt, what)
+        except GrainReplayError as e:
+            self.last_error = e
+            raise
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._retrying(lambda: self._f.read(size), f"{size} bytes at offset {self._pos}")
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = self._retrying(lambda: self._f.readinto(view), f"{len(view)} bytes at {self._pos}")
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = self._f.seek(offset, whence)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def size(self) -> int:
+        return int(self._f.size)
+
+    def close(self) -> None:
+        self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._f.closed)
+
+
+class Limiter:
+    """Bounds the requests in flight on one event loop (the semaphore is created there, lazily)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._sem: asyncio.Semaphore | None = None
+
+    def get(self) -> asyncio.Semaphore:
+        if self._sem is None:  # only ever called on the one loop thread
+            self._sem = asyncio.Semaphore(self.limit)
+        return self._sem

@@ -1,14 +1,13 @@
-"""Decoding compressed chunks outside the format libraries, in parallel.
+"""HDF5 codecs decoded outside h5py, in parallel on the shared decode pool.
 
-h5py and zarr decode a chunk per call with a large fixed cost (and h5py under
-its global lock). For the common codecs the raw chunk bytes can be fetched
-cheaply and decompressed by zlib / numcodecs, which release the GIL, so the
+h5py decodes a chunk per call with a large fixed cost, under its global lock.
+For deflate and lzf (optionally shuffled) the raw chunk bytes can be fetched
+cheaply and decompressed by zlib / liblzf, which release the GIL, so the
 chunks of a batch decode on every core at once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import zlib
@@ -17,64 +16,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["decode_pool", "hdf5_direct_block_reader", "run_grouped"]
+from grain_replay.sources.reading.pool import run_grouped
+
+__all__ = ["hdf5_direct_block_reader"]
 
 _H5Z_DEFLATE = 1
 _H5Z_SHUFFLE = 2
 _H5Z_LZF = 32000  # h5py's own filter
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_pid: int | None = None
-_pool_lock = threading.Lock()
-
-
-def _forget_pool_in_child() -> None:
-    # A fork copies the lock as it was: held, if another thread was creating the
-    # pool, and then nobody would ever release it in the child.
-    global _pool, _pool_pid, _pool_lock
-    _pool, _pool_pid, _pool_lock = None, None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def decode_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """One decoding pool per process (recreated after fork), sized to the cores."""
-    global _pool, _pool_pid
-    pid = os.getpid()
-    if _pool is None or _pool_pid != pid:
-        with _pool_lock:
-            if _pool is None or _pool_pid != pid:
-                workers = max(1, min(8, len(os.sched_getaffinity(0))))
-                _pool = concurrent.futures.ThreadPoolExecutor(workers, "grain_replay-decode")
-                _pool_pid = pid
-    return _pool
-
-
-# Tasks per pool worker in one batch: enough to balance uneven chunks, few
-# enough that the executor's per-task cost stays small next to one decode.
-_TASKS_PER_WORKER = 4
-
-
-def run_grouped(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
-    """``[fn(x) for x in items]``, spread over the decode pool in a few groups."""
-    if len(items) < 4:
-        return [fn(x) for x in items]
-    pool = decode_pool()
-    groups = min(len(items), pool._max_workers * _TASKS_PER_WORKER)
-    out: list[Any] = [None] * len(items)
-
-    def run(g: int) -> None:
-        for i in range(g, len(items), groups):
-            out[i] = fn(items[i])
-
-    futures = [pool.submit(run, g) for g in range(groups)]
-    # Every group finishes before an error is raised: callers release what the
-    # groups use (a descriptor) as soon as this returns.
-    concurrent.futures.wait(futures)
-    for f in futures:
-        f.result()
-    return out
 
 
 def _chunk_index(dset: Any, rows: int, n: int) -> dict[int, tuple[int, int, int]] | None:

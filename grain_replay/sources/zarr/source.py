@@ -4,53 +4,59 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
+from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
+    ArgumentTypeError,
     InvalidArgumentError,
-    InvalidArgumentTypeError,
     InvalidStoreError,
-    MissingDependencyError,
     StoreNotFoundError,
 )
-from grain_replay.sources import remote as remote_lib
-from grain_replay.sources import zarr_checks, zarr_decode, zarr_remote
-from grain_replay.sources.base import Handle, Layout, ReplaySource, is_url
-from grain_replay.sources.chunked import (
-    DEFAULT_CACHE_BYTES,
-    ChunkCache,
-    ChunkedLeafReader,
-    mapped_reader,
-)
-from grain_replay.sources.remote import RetryOptions
+from grain_replay.formats import import_zarr, is_url, metadata_from_attrs
+from grain_replay.remote import RetryOptions
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
+from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.zarr import checks as zarr_checks
+from grain_replay.sources.zarr import decode as zarr_decode
+from grain_replay.sources.zarr import remote as zarr_remote
 
-__all__ = ["ZarrDataSource", "import_zarr"]
-
-
-def import_zarr() -> Any:
-    try:
-        import zarr
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Zarr stores need the zarr package (>=3). Fix: pip install 'grain-replay[zarr]'."
-        ) from e
-    return zarr
+__all__ = ["ZarrDataSource"]
 
 
-def _open_group(path: str, storage_options: Mapping[str, Any]) -> Any:
+class _BareArray:
+    """A Zarr array stored on its own (``zarr.save_array``), seen as a group of one root leaf.
+
+    Its records are the array's rows, as for a single ``.npy`` file.
+    """
+
+    def __init__(self, array: Any):
+        self.array = array
+        self.attrs: dict[str, Any] = {}
+
+    def __getitem__(self, loc: str) -> Any:
+        if loc != tree_lib.ROOT_KEY:
+            raise KeyError(loc)
+        return self.array
+
+    def members(self, max_depth: int | None = None) -> list[tuple[str, Any]]:
+        return [(tree_lib.ROOT_KEY, self.array)]
+
+
+def _open_local(path: str) -> Any:
+    """The group at ``path``, or an array stored on its own (v2 or v3) as a group of one."""
     zarr = import_zarr()
-    kwargs: dict[str, Any] = {"mode": "r"}
-    if is_url(path):
-        kwargs["storage_options"] = remote_lib.effective_storage_options(path, storage_options)
-    return zarr.open_group(path, **kwargs)
+    node = zarr.open(path, mode="r")
+    return _BareArray(node) if isinstance(node, zarr.Array) else node
 
 
 def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:
@@ -62,12 +68,8 @@ def _lookup(arrays: Mapping[str, Any], loc: str) -> Any:
 
 def _metadata_locations(group: Any, where: str) -> list[str]:
     """Array paths named by grain_replay's metadata (none for a foreign group)."""
-    raw = group.attrs.get(layout_lib.METADATA_ATTR)
-    if raw is None:
-        return []
-    text = raw if isinstance(raw, str) else json.dumps(raw)
-    meta = layout_lib.StoreMetadata.from_json(text, where=where)
-    return [layout_lib.disk_name(k) for k in meta.leaves]
+    meta = metadata_from_attrs(group.attrs, where)
+    return [] if meta is None else [layout_lib.disk_name(k) for k in meta.leaves]
 
 
 class _ZarrHandle(Handle):
@@ -83,14 +85,16 @@ class _ZarrHandle(Handle):
             remote = self.remote
             opened = source._take_opened()
             if opened is None:
-                self.group = zarr_remote.open_remote_group(source, remote)
+                self.group = zarr_remote.open_remote_group(
+                    source.path, source._storage_options, remote, source._max_concurrency
+                )
                 locations = list(source._layout.locations.values())
                 arrays = remote.call(
                     lambda: zarr_remote.fetch_arrays(self.group, locations), "the array metadata"
                 )
             else:
                 self.group, arrays = opened
-            limiter = zarr_remote.Limiter(source._max_concurrency)
+            limiter = remote_lib.Limiter(source._max_concurrency)
             for key, loc in source._layout.locations.items():
                 arr = _lookup(arrays, loc)
                 spec = source._layout.spec[key]
@@ -105,7 +109,7 @@ class _ZarrHandle(Handle):
                     min(len(self.readers), 16), thread_name_prefix="grain_replay_zarr"
                 )
             return
-        self.group = _open_group(source.path, source._storage_options)
+        self.group = _open_local(source.path)
         for key, loc in source._layout.locations.items():
             arr = self.group[loc]
             spec = source._layout.spec[key]
@@ -191,7 +195,7 @@ def _raw_chunk_files(
 def _block_reader(arr: Any, chunk_rows: int, n: int, key: str) -> Any:
     from zarr.core.sync import sync
 
-    async_arr = arr._async_array
+    async_arr = arr.async_array
 
     async def fetch(chunk_ids: Sequence[int]) -> list[np.ndarray]:
         coros = [
@@ -253,6 +257,8 @@ class ZarrDataSource(ReplaySource):
       >>> s3 = gr.ZarrDataSource("s3://bucket/replay.zarr", storage_options={"anon": True})
     """
 
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {**ReplaySource._PER_PROCESS, "_opened": None}
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -265,7 +271,7 @@ class ZarrDataSource(ReplaySource):
         allow_external: bool = False,
     ):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
-            raise InvalidArgumentTypeError(
+            raise ArgumentTypeError(
                 f"max_concurrency must be an int, got {type(max_concurrency).__name__}"
             )
         if max_concurrency < 1:
@@ -278,14 +284,9 @@ class ZarrDataSource(ReplaySource):
         self._opened: tuple[int, Any, dict[str, Any]] | None = None
         super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.pop("_opened", None)
-        return state
-
     def _take_opened(self) -> tuple[Any, dict[str, Any]] | None:
         """The group and arrays ``_inspect`` opened in this process, once (saves their GETs)."""
-        opened, self._opened = getattr(self, "_opened", None), None
+        opened, self._opened = self._opened, None
         if opened is None or opened[0] != os.getpid():
             return None
         return opened[1], opened[2]
@@ -322,7 +323,9 @@ class ZarrDataSource(ReplaySource):
     def _inspect(self) -> Layout:
         if is_url(self._path):
             remote = self._new_remote()
-            group = zarr_remote.open_remote_group(self, remote)
+            group = zarr_remote.open_remote_group(
+                self._path, self._storage_options, remote, self._max_concurrency
+            )
 
             def layout() -> Layout:
                 locations = _metadata_locations(group, remote.shown)
@@ -341,7 +344,7 @@ class ZarrDataSource(ReplaySource):
         # A FIFO as zarr.json would block zarr's open forever.
         zarr_checks.check_node(self._path, self._path, None, self._allow_external)
         try:
-            group = _open_group(self._path, self._storage_options)
+            group = _open_local(self._path)
         except FileNotFoundError as e:
             raise StoreNotFoundError(f"No Zarr group at {self._path} ({e}).") from e
         except (ValueError, TypeError, KeyError, OSError) as e:
@@ -353,10 +356,8 @@ class ZarrDataSource(ReplaySource):
 
     def _layout_of(self, group: Any, arrays: Mapping[str, Any] | None = None) -> Layout:
         zarr = import_zarr()
-        raw = group.attrs.get(layout_lib.METADATA_ATTR)
-        if raw is not None:
-            text = raw if isinstance(raw, str) else json.dumps(raw)
-            meta = layout_lib.StoreMetadata.from_json(text, where=self._path)
+        meta = metadata_from_attrs(group.attrs, self._path)
+        if meta is not None:
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
                 where = self._array_metadata_file(loc)

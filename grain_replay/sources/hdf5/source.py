@@ -7,59 +7,50 @@ import logging
 import mmap
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
+from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.sources import hdf5_raw, hdf5_refs
-from grain_replay.sources.base import (
-    ArrayReader,
-    Handle,
-    Layout,
-    MappedFile,
-    ReplaySource,
+from grain_replay.formats import (
+    HDF5_SIGNATURE,
+    import_h5py,
     is_url,
+    metadata_from_attrs,
     require_regular_file,
 )
-from grain_replay.sources.chunked import DEFAULT_CACHE_BYTES, ChunkCache, ChunkedLeafReader
-from grain_replay.sources.decode import hdf5_direct_block_reader
-from grain_replay.sources.files import Descriptor
-
-if TYPE_CHECKING:
-    from grain_replay.sources.remote import RetryOptions
+from grain_replay.remote import RetryOptions
+from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.hdf5 import filters as hdf5_filters
+from grain_replay.sources.hdf5 import raw as hdf5_raw
+from grain_replay.sources.hdf5 import refs as hdf5_refs
+from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
+from grain_replay.sources.reading.chunked import ChunkedLeafReader
+from grain_replay.sources.reading.files import Descriptor, MappedFile
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 
 __all__ = ["HDF5DataSource"]
 
 logger = logging.getLogger(__name__)
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-def _h5py() -> Any:
-    import h5py
-
-    return h5py
-
 
 class _HDF5Handle(Handle):
     def __init__(self, source: HDF5DataSource):
-        h5py = _h5py()
         self._fileobj: Any = None
         self._guards: list[MappedFile] = []  # descriptors of raw chunk reads
         self.file: Any = None
         if is_url(source.path):
-            from grain_replay.sources import remote as remote_lib
-            from grain_replay.sources import remote_hdf5
+            from grain_replay.sources.hdf5 import remote as remote_hdf5
 
             # One fsspec file object per process; h5py reads through it under its
             # global lock, each read retried on transient failures.
-            remote = remote_hdf5.new_remote(source)
-            opts = remote_lib.effective_storage_options(source.path, source._storage_options)
-            self._fileobj = remote_hdf5.RetryingFile(source.path, opts, remote)
-            self.file = remote_hdf5.open_remote_file(h5py, self._fileobj, remote)
+            self._fileobj, self.file = remote_hdf5.open_remote(
+                source.path, source._storage_options, source._retry
+            )
         else:
             self.file = open_h5(source.path)
         self.cache = ChunkCache(source._cache_bytes)
@@ -89,12 +80,13 @@ class _HDF5Handle(Handle):
 
         for key, loc in source._layout.locations.items():
             dset = self.file[loc]
+            hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
             row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
             # Only the store file itself is mapped or read raw: a dataset behind an
             # external link (allow_external=True) lives at offsets of another file.
             local = self._fileobj is None and hdf5_refs.is_own_file(dset, source.path)
-            offset = _memmap_offset(dset) if local else None
+            offset = hdf5_raw.memmap_offset(dset) if local else None
             chunks = hdf5_raw.chunk_table(dset, n) if local and offset is None else None
             if n == 0 or row_bytes == 0:
                 # Nothing to read: no map, and no h5py handle kept for it.
@@ -124,7 +116,7 @@ class _HDF5Handle(Handle):
                     hdf5_direct_block_reader(dset, chunk_rows, n) if local else None
                 ) or _block_reader(dset, chunk_rows, n)
                 if self._fileobj is not None:
-                    from grain_replay.sources.remote_hdf5 import reraise_file_errors
+                    from grain_replay.sources.hdf5.remote import reraise_file_errors
 
                     read_blocks = reraise_file_errors(read_blocks, self._fileobj)
                 self.readers[key] = ChunkedLeafReader(
@@ -156,7 +148,7 @@ def open_h5(path: str) -> Any:
     Locking stays on for compatibility with other h5py users in the process; a
     file already opened without locking (a ReplayWriter) refuses a locking open.
     """
-    h5py = _h5py()
+    h5py = import_h5py()
     try:
         return h5py.File(path, "r")
     except OSError as e:
@@ -168,21 +160,6 @@ def open_h5(path: str) -> Any:
 def _rows_per(dset: Any, target_bytes: int) -> int:
     row_bytes = max(1, dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64)))
     return max(1, target_bytes // row_bytes)
-
-
-def _memmap_offset(dset: Any) -> int | None:
-    """File offset of a contiguous, unfiltered, allocated dataset, else None."""
-    if dset.chunks is not None or dset.compression is not None or dset.external:
-        return None
-    try:
-        if dset.is_virtual:
-            return None
-    except AttributeError:
-        pass
-    if dset.dtype.hasobject or dset.dtype.kind == "V":
-        return None
-    offset = dset.id.get_offset()
-    return None if offset is None else int(offset)
 
 
 def _block_reader(dset: Any, chunk_rows: int, n: int) -> Any:
@@ -231,8 +208,6 @@ class HDF5DataSource(ReplaySource):
         retries: int | RetryOptions = 3,
         allow_external: bool = False,
     ):
-        from grain_replay.sources import remote as remote_lib
-
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
         super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
@@ -243,7 +218,6 @@ class HDF5DataSource(ReplaySource):
         return hdf5_raw.retry_while_written(self._path, lambda: _HDF5Handle(self))
 
     def _inspect(self) -> Layout:
-        h5py = _h5py()
         if not is_url(self._path):
             if not os.path.exists(self._path):
                 raise StoreNotFoundError(
@@ -258,9 +232,9 @@ class HDF5DataSource(ReplaySource):
                         "HDF5 file, or use gr.open_source(path) to detect the format."
                     )
         if is_url(self._path):
-            from grain_replay.sources.remote_hdf5 import inspect_remote
+            from grain_replay.sources.hdf5.remote import inspect_remote
 
-            return inspect_remote(self, h5py)
+            return inspect_remote(self._path, self._storage_options, self._retry, self._layout_of)
         try:
             return hdf5_raw.retry_while_written(self._path, self._read_layout)
         except (OSError, ValueError) as e:
@@ -278,12 +252,9 @@ class HDF5DataSource(ReplaySource):
             return self._layout_of(f)
 
     def _layout_of(self, f: Any) -> Layout:
-        h5py = _h5py()
-        raw = f.attrs.get(layout_lib.METADATA_ATTR_NEXT)  # only while a commit grows it
-        if raw is None:
-            raw = f.attrs.get(layout_lib.METADATA_ATTR)
-        if raw is not None:
-            meta = layout_lib.StoreMetadata.from_json(raw, where=self._path)
+        h5py = import_h5py()
+        meta = metadata_from_attrs(f.attrs, self._path)
+        if meta is not None:
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
                 if not self._allow_external:
@@ -296,6 +267,7 @@ class HDF5DataSource(ReplaySource):
                     )
                 if not self._allow_external:
                     hdf5_refs.check_dataset_refs(dset, self._path, key)
+                hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
@@ -324,6 +296,7 @@ class HDF5DataSource(ReplaySource):
         for k in keys:
             if not self._allow_external:
                 hdf5_refs.check_dataset_refs(found[k], self._path, k)
+            hdf5_filters.require_filters(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
         n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})

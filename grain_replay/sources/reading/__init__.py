@@ -1,0 +1,1 @@
+"""The reading layer every format shares: leaf readers, chunk cache, decode pool, read-ahead."""

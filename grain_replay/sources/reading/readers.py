@@ -1,0 +1,96 @@
+"""Leaf readers: the rows of one leaf, and the per-process handle that holds them."""
+
+from __future__ import annotations
+
+import abc
+import mmap
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from grain_replay.sources.reading import readahead
+from grain_replay.sources.reading.files import MappedFile
+
+__all__ = ["ArrayReader", "Handle", "LeafReader", "advise_random"]
+
+
+class LeafReader(abc.ABC):
+    """Reads rows of one leaf. Implementations must be thread-safe."""
+
+    @abc.abstractmethod
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        """Rows ``indices`` (int64, in range, any order, duplicates allowed), as a new array."""
+
+    def row(self, index: int) -> np.ndarray:
+        """Row ``index`` as a new array (not a view of a file mapping)."""
+        return self.take(np.array([index], dtype=np.int64))[0]
+
+
+class Handle(abc.ABC):
+    """An open store: one per process, shared by the threads of that process."""
+
+    readers: dict[str, LeafReader]
+    # Leaf key -> files its reader maps; checked for truncation before each read.
+    mapped_files: dict[str, list[MappedFile]]
+
+    def check_mapped(self, keys: Sequence[str]) -> None:
+        """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map."""
+        mapped = getattr(self, "mapped_files", None)
+        if mapped:
+            for key in keys:
+                for file in mapped.get(key, ()):
+                    file.check(key)
+
+    def close_mapped(self) -> None:
+        """Lets go of the descriptors kept for :meth:`check_mapped` (the maps stay valid).
+
+        Each closes once nothing holds it any more (a check running in another
+        thread finishes on its own descriptor first).
+        """
+        self.mapped_files = {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases OS resources; the default holds none."""
+
+
+def advise_random(array: np.ndarray) -> None:
+    """Tells the kernel a memory map is read at random: no read-ahead on page faults.
+
+    With the default read-ahead, each cold page fault of a random gather reads
+    megabytes around it (measured: 1.5 s for a cold batch of images, 0.15 s
+    with this advice).
+    """
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_RANDOM"):
+        try:
+            mapping.madvise(mmap.MADV_RANDOM)
+        except (OSError, ValueError):
+            pass
+
+
+class ArrayReader(LeafReader):
+    """Rows of an in-process array, typically a read-only memory map of the file."""
+
+    def __init__(self, array: np.ndarray):
+        advise_random(array)
+        # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
+        self._array = array.view(np.ndarray)
+        # Reads rows of a file mapping ahead while they are not page-cached.
+        self._ahead = readahead.for_array(array)
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        ahead = self._ahead
+        # np.take along axis 0 is about 2x faster than fancy indexing here.
+        if ahead is None or (ahead.cold and not ahead.start(indices)):
+            return np.take(self._array, indices, axis=0)
+        t0 = time.perf_counter()
+        out = np.take(self._array, indices, axis=0)
+        ahead.finish(len(indices), time.perf_counter() - t0)
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        if self._ahead is not None and self._ahead.cold:
+            self._ahead.read_ahead(np.array([index], dtype=np.int64))
+        r = self._array[index]
+        return r.copy() if isinstance(r, np.ndarray) else r
