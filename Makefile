@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow bench bench-quick bench-s3 lint clean
+.PHONY: install demo test test-slow test-lerobot bench bench-quick bench-s3 bench-lerobot lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,23 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q
+
+# LeRobot (and torch) in a venv of their own; the main venv's tests drive it through
+# LEROBOT_PYTHON (tests/helpers/lerobot_peer.py runs there).
+LEROBOT_VENV ?= .venv-lerobot
+LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
+
+$(LEROBOT_STAMP):
+	test -x $(LEROBOT_VENV)/bin/python || $(PYTHON) -m venv $(LEROBOT_VENV)
+	$(LEROBOT_VENV)/bin/python -m pip install --quiet "lerobot==0.4.4"
+	touch $(LEROBOT_STAMP)
+
+test-lerobot: $(STAMP) $(LEROBOT_STAMP)
+	LEROBOT_PYTHON=$(abspath $(LEROBOT_VENV))/bin/python $(PY) -m pytest -q \
+		tests/rl/test_lerobot_peer.py tests/rl/test_lerobot.py
+
+bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
+	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -9,6 +9,7 @@ from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidPrefetchError,
@@ -75,6 +76,7 @@ __all__ = [
     "TransitionDataSource",
     "MinariDataSource",
     "D4RLDataSource",
+    "LeRobotDataSource",
     "SequenceDataSource",
     # errors
     "GrainReplayError",
@@ -85,6 +87,7 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "FrameTimestampError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
@@ -116,6 +119,7 @@ _LAZY = {
             "TransitionDataSource",
             "MinariDataSource",
             "D4RLDataSource",
+            "LeRobotDataSource",
             "SequenceDataSource",
         )
     },

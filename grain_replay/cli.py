@@ -72,9 +72,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _open(path: str) -> Any:
-    """Opens any store: Minari datasets and D4RL files as transitions, else gr.open_source."""
+    """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
+    frames (cameras decoded), else gr.open_source."""
     import grain_replay as gr
 
+    if os.path.isfile(os.path.join(path, "meta", "info.json")):
+        return gr.LeRobotDataSource(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
@@ -381,7 +384,7 @@ def _add_convert(sub: Any) -> None:
         "memory. An interrupted convert leaves nothing behind.",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("src", help="any store, a Minari dataset directory or a D4RL .hdf5 file")
+    p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
     p.add_argument(
         "dst", help="destination: .h5/.hdf5 writes HDF5, .zarr writes Zarr, else .npy directory"
     )
@@ -419,7 +422,7 @@ def _add_verify(sub: Any) -> None:
         epilog=_VERIFY_EPILOG,
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("path", help="a store, a Minari dataset directory or a D4RL .hdf5 file")
+    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
 

@@ -24,6 +24,7 @@ __all__ = [
     "InvalidShardingError",
     "InvalidPrefetchError",
     "UnsupportedStateError",
+    "FrameTimestampError",
 ]
 
 
@@ -73,6 +74,10 @@ class StoreAccessError(InvalidStoreError, PermissionError):
 
 class StoreUnreachableError(InvalidStoreError, ConnectionError):
     """A remote store's endpoint cannot be reached, or kept failing after retries."""
+
+
+class FrameTimestampError(InvalidStoreError):
+    """No video frame lies within ``tolerance_s`` of a frame's timestamp (LeRobot datasets)."""
 
 
 class InvalidArgumentError(GrainReplayError, ValueError):

@@ -1,4 +1,4 @@
-"""RL views of replay stores: episodes, windows, sequences, n-step transitions, Minari, D4RL."""
+"""RL views: episodes, windows, sequences, n-step transitions, Minari, D4RL, LeRobot datasets."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from grain_replay.rl.episodes import (
     build_episode_index,
     episode_cache_path,
 )
+from grain_replay.rl.lerobot import LeRobotDataSource
 from grain_replay.rl.minari import MinariDataSource
 from grain_replay.rl.sequence import SequenceDataSource
 from grain_replay.rl.transitions import NStepDataSource, NStepOptions, TransitionDataSource
@@ -27,4 +28,5 @@ __all__ = [
     "TransitionDataSource",
     "D4RLDataSource",
     "MinariDataSource",
+    "LeRobotDataSource",
 ]
