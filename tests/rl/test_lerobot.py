@@ -25,6 +25,7 @@ from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
     StoreNotFoundError,
+    UnknownLeafError,
 )
 from tests.helpers.lerobot_fixture import (
     TASKS,
@@ -509,7 +510,7 @@ def test_bad_arguments(dataset: Any) -> None:
         gr.LeRobotDataSource(dataset[0], tolerance_s=0)
     with pytest.raises(InvalidArgumentError, match="cache_bytes"):
         gr.LeRobotDataSource(dataset[0], cache_bytes=-1)
-    with pytest.raises(InvalidStoreError, match="Leaves"):
+    with pytest.raises(UnknownLeafError, match="Leaves"):
         gr.LeRobotDataSource(dataset[0], keys=["observation.nope"])
 
 
