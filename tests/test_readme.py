@@ -24,7 +24,8 @@ NOT_RUN = re.compile(r"<!-- not run: ([^>]+) -->\s*\n$")
 # The only reasons a block may give for not running here: data or services from outside.
 REASONS = {
     "needs an S3 endpoint and credentials": "s3://",
-    "needs a LeRobot dataset downloaded from the Hugging Face Hub": "LeRobotDataSource",
+    "needs a LeRobot dataset from the Hugging Face Hub (tests/rl/test_lerobot.py runs it "
+    "on a toy one)": "LeRobotDataSource",
 }
 
 
