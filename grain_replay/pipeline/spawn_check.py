@@ -1,10 +1,9 @@
-"""Tells a worker that died while starting apart: a script without its ``__main__`` guard.
+"""Names the usual cause of workers that die while starting: no ``__main__`` guard."""
 
-Spawned workers import the parent's main module again (as ``__mp_main__``). A
-script that builds and iterates a loader at top level then starts workers from
-inside each worker's start-up, which multiprocessing refuses with a long
-traceback per worker, and the consumer only sees workers that exited with code 1.
-"""
+# Spawned workers import the parent's main module again (as ``__mp_main__``). A
+# script that builds and iterates a loader at top level then starts workers from
+# inside each worker's start-up, which multiprocessing refuses with a long
+# traceback per worker, and the consumer only sees workers that exited with code 1.
 
 from __future__ import annotations
 
