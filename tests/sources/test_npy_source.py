@@ -68,14 +68,15 @@ def test_npy_holds_one_descriptor_per_leaf_file(tmp_path):
     tree = {f"leaf{i}": np.arange(40, dtype=np.float32).reshape(20, 2) + i for i in range(5)}
     gr.write_npy(tmp_path / "s", tree)
     src = gr.NpyDataSource(tmp_path / "s")
+    import gc
+
+    gc.collect()  # earlier tests' garbage would close its descriptors during this one
     before = _open_fds()
     batch = src.read_batch([3, 0, 3])
     assert _open_fds() - before == 5  # one (the map's own) per leaf file; it was 10
     np.testing.assert_array_equal(batch["leaf4"], tree["leaf4"][[3, 0, 3]])
     src.close()
     del batch
-    import gc
-
     gc.collect()
     assert _open_fds() == before
 
