@@ -1,7 +1,7 @@
 """Benchmarks of grain_replay: rates and same-run ratios against the limit and the baselines.
 
 Usage: ``python benchmarks/run.py [--quick] [--out DIR] [--data DIR] [--only SUBSTR]
-[--sections formats,pipeline,cold,write,sequences]``. See benchmarks/README.md.
+[--sections formats,pipeline,cold,write,sequences,device]``. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "memory")
+SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory")
 # "memory" writes a store larger than half of RAM: run only when asked for.
-DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences")
+DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device")
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_data
     import bench_report
     from bench_cold import run_cold
+    from bench_device import run_device
     from bench_formats import run_formats
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "cold": run_cold,
         "write": run_write,
         "sequences": run_sequences,
+        "device": run_device,
         "memory": functools.partial(run_memory, fmt=args.memory_format),
     }
     results: list[common.SectionResult] = []

@@ -19,6 +19,8 @@ from grain_replay.errors import (
     MissingDependencyError,
     RecordIndexError,
     ReferenceRefusedError,
+    ResidentBudgetError,
+    ResidentUnsupportedError,
     StoreAccessError,
     StoreExistsError,
     StoreNotFoundError,
@@ -78,6 +80,8 @@ __all__ = [
     "D4RLDataSource",
     "LeRobotDataSource",
     "SequenceDataSource",
+    # statistics (grain_replay.stats)
+    "compute_stats",
     # errors
     "GrainReplayError",
     "StoreNotFoundError",
@@ -88,6 +92,8 @@ __all__ = [
     "RecordIndexError",
     "BatchShardingError",
     "FrameTimestampError",
+    "ResidentBudgetError",
+    "ResidentUnsupportedError",
     "WorkerDiedError",
     "MissingDependencyError",
     "StoreAccessError",
@@ -109,6 +115,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "compute_stats": "grain_replay.stats",
     **{
         name: "grain_replay.rl"
         for name in (

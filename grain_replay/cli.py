@@ -1,4 +1,4 @@
-"""Command line: grain-replay info | convert | verify | demo."""
+"""Command line: grain-replay info | convert | verify | stats | demo."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def _open(path: str) -> Any:
 
     if os.path.isfile(os.path.join(path, "meta", "info.json")):
         return gr.LeRobotDataSource(path)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "data", "main_data.hdf5")):
+    if os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, "data", f)) for f in ("main_data.hdf5", "metadata.json")
+    ):
         return gr.MinariDataSource(path)
     if path.endswith("main_data.hdf5"):
         return gr.MinariDataSource(path)
@@ -136,8 +138,14 @@ class _NoBar:
     def close(self) -> None:
         pass
 
+    def __enter__(self) -> _NoBar:
+        return self
 
-def _progress(total: int, desc: str, enabled: bool, unit: str) -> Any:
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "records") -> Any:
     """A tqdm bar on stderr counting ``unit`` (``"B"``: bytes, shown as KiB/MiB)."""
     try:
         from tqdm import tqdm
@@ -238,6 +246,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0
     print(f"CORRUPT {report.path}: {report.problem}", file=sys.stderr)
     return 1
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per-leaf count, mean, std, min, max and quantiles (cached beside the store)."""
+    from grain_replay.stats import compute_stats, iter_json
+
+    src = _open(args.path)
+    with _progress(len(src), "stats", not (args.quiet or args.json)) as bar:
+        stats = compute_stats(
+            src, keys=args.keys, quantiles=args.quantiles, cache=not args.no_cache,
+            progress=bar.update,
+        )  # fmt: skip
+    leaves = dict(iter_json(stats))
+    if args.json:
+        # Strict JSON: NaN and infinities (a NaN in the data propagates) become null.
+        def strict(v: Any) -> Any:
+            if isinstance(v, list):
+                return [strict(x) for x in v]
+            return v if not isinstance(v, float) or np.isfinite(v) else None
+
+        out = {
+            "path": src.path,
+            "num_records": len(src),
+            "leaves": {k: {n: strict(v) for n, v in d.items()} for k, d in leaves.items()},
+        }
+        print(json.dumps(out, indent=2))  # fmt: skip
+        return 0
+    print(f"{src.path}: {len(src):,} records")
+    with np.printoptions(precision=4, threshold=8, edgeitems=3, linewidth=1000):
+        for key, d in leaves.items():
+            spec = src.spec[key]
+            print(f"  {key or '<root>'}  {spec.dtype} {tuple(spec.shape)}")
+            for name, value in d.items():
+                if name != "count":
+                    print(f"    {name:<5} {np.asarray(value).ravel()}")
+    return 0
 
 
 def _demo_tree(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -427,6 +471,30 @@ def _add_verify(sub: Any) -> None:
     p.set_defaults(func=cmd_verify)
 
 
+def _add_stats(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="per-leaf count, mean, std, min, max, quantiles",
+        description="Per-leaf count, mean, std, min, max and quantiles, in one streaming\n"
+        "pass; cached beside the store unless --no-cache.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
+    p.add_argument("--json", action="store_true", help="machine-readable output (NaN -> null)")
+    p.add_argument("--keys", nargs="+", help="leaves or groups (default: all)")
+    p.add_argument(
+        "--quantiles",
+        nargs="+",
+        type=float,
+        default=[0.01, 0.1, 0.5, 0.9, 0.99],
+        metavar="Q",
+        help="quantiles in [0, 1] (default: %(default)s)",
+    )
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_stats)
+
+
 def _add_demo(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -457,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="grain-replay",
-        description="Inspect, convert, verify and demo grain_replay stores (HDF5, .npy, Zarr).",
+        description="Inspect, convert, verify, describe and demo grain_replay stores (HDF5, .npy,\n"
+        "Zarr).",
         epilog="Run 'grain-replay COMMAND --help' for a command's arguments. Expected\n"
         "failures print one 'grain-replay: error: ...' line and exit with status 2.",
         formatter_class=_HelpFormatter,
@@ -467,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_convert(sub)
     _add_verify(sub)
+    _add_stats(sub)
     _add_demo(sub)
     return parser
 

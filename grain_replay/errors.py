@@ -11,6 +11,8 @@ __all__ = [
     "UnfinishedWriteError",
     "RecordIndexError",
     "BatchShardingError",
+    "ResidentBudgetError",
+    "ResidentUnsupportedError",
     "MissingDependencyError",
     "StoreAccessError",
     "StoreUnreachableError",
@@ -58,6 +60,14 @@ class RecordIndexError(GrainReplayError, IndexError):
 
 class BatchShardingError(GrainReplayError, ValueError):
     """A batch does not split evenly over the devices it is sharded across."""
+
+
+class ResidentBudgetError(GrainReplayError, ValueError):
+    """A store does not fit in the device-memory budget of device-resident replay."""
+
+
+class ResidentUnsupportedError(GrainReplayError, TypeError):
+    """Device-resident replay cannot reproduce what was asked (an iterator, host operations)."""
 
 
 class WorkerDiedError(GrainReplayError, RuntimeError):

@@ -130,25 +130,35 @@ def flatten(tree: Any, *, where: str = "") -> tuple[dict[str, Any], dict[str, An
     return leaves, treedef
 
 
+def child_names(node: Mapping[str, Any]) -> list[str]:
+    """The key part of each child of a treedef node: dict keys, NamedTuple fields,
+    list/tuple indices; none for a leaf.
+
+    Raises:
+      InvalidStoreError: the node's type is none of these.
+    """
+    kind = node["type"]
+    if kind == "leaf":
+        return []
+    if kind == "dict":
+        return list(node["keys"])
+    if kind == "namedtuple":
+        return list(node["fields"])
+    if kind in ("list", "tuple"):
+        return [str(i) for i in range(len(node["children"]))]
+    raise InvalidStoreError(f"Unknown tree node type {kind!r} in stored tree structure.")
+
+
 def leaf_keys(treedef: Mapping[str, Any]) -> list[str]:
     """Returns the leaf keys of ``treedef`` in tree order."""
     out: list[str] = []
 
     def visit(node: Mapping[str, Any], path: str) -> None:
-        kind = node["type"]
-        if kind == "leaf":
+        if node["type"] == "leaf":
             out.append(path)
-        elif kind == "dict":
-            for k, c in zip(node["keys"], node["children"]):
-                visit(c, _join(path, k))
-        elif kind == "namedtuple":
-            for k, c in zip(node["fields"], node["children"]):
-                visit(c, _join(path, k))
-        elif kind in ("list", "tuple"):
-            for i, c in enumerate(node["children"]):
-                visit(c, _join(path, str(i)))
-        else:
-            raise InvalidStoreError(f"Unknown tree node type {kind!r} in stored tree structure.")
+            return
+        for name, child in zip(child_names(node), node["children"]):
+            visit(child, _join(path, name))
 
     visit(treedef, ROOT_KEY)
     return out
@@ -283,15 +293,9 @@ def prune_treedef(treedef: Mapping[str, Any], keep: Iterable[str]) -> dict[str, 
     wanted = set(keep)
 
     def visit(node: Mapping[str, Any], path: str) -> dict[str, Any] | None:
-        kind = node["type"]
-        if kind == "leaf":
+        if node["type"] == "leaf":
             return dict(_LEAF) if path in wanted else None
-        if kind == "dict":
-            names = list(node["keys"])
-        elif kind == "namedtuple":
-            names = list(node["fields"])
-        else:
-            names = [str(i) for i in range(len(node["children"]))]
+        names = child_names(node)
         kept = [(n, visit(c, _join(path, n))) for n, c in zip(names, node["children"])]
         kept = [(n, c) for n, c in kept if c is not None]
         if not kept:

@@ -35,7 +35,7 @@ LAYOUTS = (
 )
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -97,6 +97,20 @@ def test_quick_run_writes_results_for_every_section_and_format(quick_run: tuple[
         assert f"pipeline/transitions/npy/{method}" in pipeline, sorted(pipeline)
     assert doc["targets"]["passed"] + doc["targets"]["failed"] > 0
     assert "| ratio | value | target | pass |" in stdout
+
+
+def test_quick_run_reports_device_section(quick_run: tuple[Path, str]):
+    out, _ = quick_run
+    section = json.loads((out / "results.json").read_text())["sections"]["device"]
+    methods = {(c["dataset"], c["method"]) for c in section["cases"]}
+    for ds in ("transitions", "images"):
+        for m in ("device_put-pageable", "sharded_device_put(loader)", "step-on-device-batches"):
+            assert (ds, m) in methods, (ds, m)
+    assert ("transitions", "sharded_device_put(loader, resident)") in methods
+    assert all(_positive(c["records_per_s"]) for c in section["cases"])
+    names = [r["name"] for r in section["ratios"]]
+    assert any("resident / host pipeline" in n for n in names)
+    assert set(section["input_fraction"]) == {"transitions", "images"}
 
 
 def test_quick_run_draws_the_plot(quick_run: tuple[Path, str]):

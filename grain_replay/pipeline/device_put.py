@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import grain
 import jax
@@ -22,6 +22,9 @@ from grain_replay.errors import (
     UnsupportedStateError,
 )
 from grain_replay.pipeline.state import load_text, save_text
+
+if TYPE_CHECKING:
+    from grain_replay.pipeline.resident import ResidentReplayIterator
 
 __all__ = [
     "InvalidPrefetchError",
@@ -54,10 +57,23 @@ def _to_sharding(x: Sharding | Mesh) -> Sharding:
     return x
 
 
+def has_pinned_host() -> bool:
+    """Whether the default backend's devices have a ``pinned_host`` memory space."""
+    return any(m.kind == "pinned_host" for m in jax.local_devices()[0].addressable_memories())
+
+
 class _Converter:
     """Validates a host batch and builds the sharded arrays; holds no reference to the wrapper."""
 
-    def __init__(self, sharding: Any) -> None:
+    def __init__(self, sharding: Any, pinned: bool = False) -> None:
+        if pinned and not has_pinned_host():
+            logger.warning(
+                "sharded_device_put(pinned=True): the %s backend has no pinned_host memory; "
+                "putting pageable host batches instead",
+                jax.default_backend(),
+            )
+            pinned = False
+        self._pinned = pinned
         if sharding is None:
             mesh = Mesh(np.array(jax.devices()), ("data",))
             sharding = NamedSharding(mesh, PartitionSpec("data"))
@@ -132,6 +148,8 @@ class _Converter:
                 )
             arrays.append((array, sharding))
         # Validate every leaf before the first transfer.
+        if self._pinned:
+            arrays = [(self._stage(a, s), s) for a, s in arrays]
         if jax.process_count() > 1:
             out = [jax.make_array_from_process_local_data(s, a) for a, s in arrays]
         else:
@@ -146,6 +164,16 @@ class _Converter:
                 for a, s in arrays
             ]
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    @staticmethod
+    def _stage(array: Any, sharding: Sharding) -> Any:
+        """``array`` copied into pinned host memory, from where the device copy is a plain DMA."""
+        if not isinstance(array, np.ndarray):
+            return array
+        pinned = sharding.with_memory_kind("pinned_host")
+        if jax.process_count() > 1:
+            return jax.make_array_from_process_local_data(pinned, array)
+        return jax.make_array_from_callback(array.shape, pinned, array.__getitem__)
 
 
 def _leaf_name(batch: Any, i: int) -> str:
@@ -200,12 +228,19 @@ class ShardedDevicePutIterator(Iterator[Any]):
             cls = _DatasetShardedDevicePutIterator
         return super().__new__(cls)
 
-    def __init__(self, batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2) -> None:
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        sharding: Any = None,
+        *,
+        prefetch: int = 2,
+        pinned: bool = False,
+    ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._convert = _Converter(sharding)
+        self._convert = _Converter(sharding, pinned)
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
@@ -374,8 +409,14 @@ class _DatasetShardedDevicePutIterator(ShardedDevicePutIterator, grain.DatasetIt
 
 
 def sharded_device_put(
-    batches: Iterable[Any], sharding: Any = None, *, prefetch: int = 2
-) -> ShardedDevicePutIterator:
+    batches: Iterable[Any],
+    sharding: Any = None,
+    *,
+    prefetch: int = 2,
+    pinned: bool = False,
+    resident: bool | Literal["auto"] = False,
+    budget_bytes: int | None = None,
+) -> ShardedDevicePutIterator | ResidentReplayIterator:
     """Wraps host batches into an iterator of ``jax.Array`` pytrees sharded on the batch axis.
 
     Each leaf is built with ``jax.make_array_from_process_local_data``, so with several JAX
@@ -394,20 +435,47 @@ def sharded_device_put(
             ``jax.sharding.Mesh`` to shard over its first axis; a ``jax.sharding.Sharding``
             used for every leaf; or a pytree of shardings that is a prefix of the batch tree.
         prefetch: Batches kept in flight by the background thread; 0 runs synchronously.
+        pinned: Stage each numpy leaf in pinned host memory (``memory_kind="pinned_host"``)
+            before the device copy. Off by default: not yet measured to pay on a GPU (the
+            ``device`` benchmark section measures it); on a backend without pinned host
+            memory it logs a warning and puts pageable batches.
+        resident: ``True`` for device-resident replay: ``batches`` must be a loader of
+            :func:`make_data_loader` (no host ``operations``); its store is loaded once onto
+            every device (a replica per device, read in chunks with a progress bar) and each
+            batch is gathered on the devices, the same batches in the same order, sharded
+            the same way, with the loader's checkpoint bytes. ``"auto"``: the same, but fall
+            back to the host pipeline (with a warning) where it does not apply or fit.
+            ``prefetch`` does not apply: batches are gathered up to 64 per dispatch, the
+            next group queued while half of the current one is left.
+        budget_bytes: Device memory per device that ``resident`` may use (the store plus
+            the batches gathered ahead); default: half of the free memory the device
+            reports (on CPU, half of the available host memory over the devices).
 
     Returns:
-        A :class:`ShardedDevicePutIterator`; it has ``get_state``/``set_state`` when
-        ``batches`` does, and ``close()`` (or ``with``) stops its thread.
+        A :class:`ShardedDevicePutIterator` (a ``ResidentReplayIterator`` with
+        ``resident``); it has ``get_state``/``set_state`` when ``batches`` does, and
+        ``close()`` (or ``with``) stops it.
 
     Raises:
         InvalidShardingError: ``sharding`` is not one of the accepted kinds.
         InvalidPrefetchError: ``prefetch`` is negative or not an int.
         BatchShardingError: Raised by ``next()`` when a leaf is a scalar or its batch size
             does not split evenly over the process-local devices.
+        ResidentBudgetError: ``resident=True`` and the store does not fit in the budget.
+        ResidentUnsupportedError: ``resident=True`` and ``batches`` is not a loader of
+            ``make_data_loader``, has host operations, or ``sharding`` is a pytree.
 
     Example:
         >>> loader = gr.make_data_loader(source, batch_size=256)  # doctest: +SKIP
         >>> for batch in gr.sharded_device_put(loader, prefetch=2):  # doctest: +SKIP
         ...     state = train_step(state, batch)
     """
-    return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch)
+    if resident is not False:
+        from grain_replay.pipeline.resident import resident_device_put
+
+        it = resident_device_put(batches, sharding, resident=resident, budget_bytes=budget_bytes)
+        if it is not None:
+            return it
+    elif budget_bytes is not None:
+        raise ValueError("budget_bytes applies to resident=True or 'auto'; got resident=False")
+    return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch, pinned=pinned)

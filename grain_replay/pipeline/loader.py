@@ -19,8 +19,9 @@ from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.state import LoaderIdentity, StreamShape, stream_repr
 from grain_replay.pipeline.workers import WorkerLoaderIterator
+from grain_replay.sources.base import BatchSource
 
-__all__ = ["LoaderOptions", "BatchedReads", "make_data_loader", "replay_dataset"]
+__all__ = ["LoaderOptions", "BatchedReads", "LoaderPlan", "make_data_loader", "replay_dataset"]
 
 # Below this many records a whole epoch's order is computed once and sliced
 # per batch (int32: 32 MiB at the limit); above it each batch's slice of the
@@ -76,7 +77,7 @@ class BatchedReads:
     when nothing is dropped.
     """
 
-    def __init__(self, source: Any, options: LoaderOptions, shard_count: int = 1):
+    def __init__(self, source: BatchSource, options: LoaderOptions, shard_count: int = 1):
         self.source = source
         self.options = options
         n = len(source)
@@ -98,6 +99,7 @@ class BatchedReads:
             )
         self.batches_per_epoch = per_epoch
         self.shard_count = shard_count
+        self.num_records = n  # fixed at construction: a growing store's new rows are not read
         self._n = n
         self._order_lock = threading.Lock()
         self._orders: dict[int, np.ndarray] = {}
@@ -206,6 +208,20 @@ class _GlobalBatchSampler:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoaderPlan:
+    """What a loader of :func:`make_data_loader` reads, for code that replays it elsewhere.
+
+    Process ``identity.shard_index`` of ``identity.shard_count`` hands out global
+    batches ``shard_index, shard_index + shard_count, ...`` of ``reads``; its
+    checkpoint bytes are named by ``identity`` (see ``pipeline/state.py``).
+    """
+
+    reads: BatchedReads
+    identity: LoaderIdentity
+    operations: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Parts:
     """What a :class:`_ReplayDataLoader` was built from (grain keeps its copies private)."""
 
@@ -248,6 +264,21 @@ class _ReplayDataLoader(grain.DataLoader):
         )
         self._parts = _Parts(data_source, sampler, tuple(operations), shard_options, read_options)
 
+    @property
+    def plan(self) -> LoaderPlan:
+        """The batches this loader reads, its state's identity and its operations."""
+        return LoaderPlan(self._parts.reads, self._identity(), self._parts.operations)
+
+    def _identity(self) -> LoaderIdentity:
+        parts = self._parts
+        return LoaderIdentity(
+            worker_count=self.multiprocessing_options.num_workers,
+            sampler=repr(parts.sampler),
+            data_source=repr(parts.reads),
+            shard_index=parts.shard_options.shard_index,
+            shard_count=parts.shard_options.shard_count,
+        )
+
     def __iter__(self) -> grain.DataLoaderIterator:
         parts = self._parts
         ops = parts.operations
@@ -255,13 +286,7 @@ class _ReplayDataLoader(grain.DataLoader):
             return super().__iter__()
         shards = parts.shard_options
         workers = self.multiprocessing_options.num_workers
-        identity = LoaderIdentity(
-            worker_count=workers,
-            sampler=repr(parts.sampler),
-            data_source=repr(parts.reads),
-            shard_index=shards.shard_index,
-            shard_count=shards.shard_count,
-        )
+        identity = self._identity()
         length = len(parts.sampler) // shards.shard_count
         threads = int(parts.read_options.num_threads)
         if workers > 0:
@@ -328,7 +353,7 @@ def _default_shard_options() -> Any:
 
 
 def make_data_loader(
-    source: Any,
+    source: BatchSource,
     *,
     batch_size: int,
     shuffle: bool = True,
@@ -398,7 +423,7 @@ def make_data_loader(
 
 
 def replay_dataset(
-    source: Any,
+    source: BatchSource,
     *,
     batch_size: int,
     shuffle: bool = True,

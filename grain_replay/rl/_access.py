@@ -112,15 +112,7 @@ def subtree(treedef: Mapping[str, Any], key: str) -> dict[str, Any]:
     """The node of ``treedef`` at the ``/``-joined path ``key``."""
     node: Mapping[str, Any] = treedef
     for part in [p for p in key.split("/") if p] if key else []:
-        kind = node["type"]
-        if kind == "dict":
-            names = list(node["keys"])
-        elif kind == "namedtuple":
-            names = list(node["fields"])
-        elif kind in ("list", "tuple"):
-            names = [str(i) for i in range(len(node["children"]))]
-        else:
-            names = []
+        names = tree_lib.child_names(node)
         if part not in names:
             raise KeyError(key)
         node = node["children"][names.index(part)]

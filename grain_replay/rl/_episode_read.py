@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,7 @@ class EpisodeFileHandle(Handle):
       layout: leaf key -> location (dataset path inside an episode group).
       offsets: leaf key -> row offset (1 for next observations and infos).
       cache_bytes: bound of the cache of whole episode datasets read through h5py.
+      jpeg: leaf keys whose datasets hold JPEG-encoded frames (decoded when read).
     """
 
     def __init__(
@@ -123,7 +125,10 @@ class EpisodeFileHandle(Handle):
         layout: Layout,
         offsets: dict[str, int],
         cache_bytes: int,
+        jpeg: Sequence[str] = (),
     ):
+        from grain_replay.rl._jpeg import JpegLeafReader
+
         self.path = path
         self.file = import_h5py().File(path, "r")
         names = episode_names(self.file)
@@ -149,8 +154,10 @@ class EpisodeFileHandle(Handle):
         self._extra: dict[str, int] = {}
         for key, loc in layout.locations.items():
             self._extra[loc] = max(self._extra.get(loc, 0), offsets[key])
-        self.readers = {
-            key: _EpisodeLeafReader(self, key, loc, offsets[key], layout.spec[key])
+        self.readers: dict[str, LeafReader] = {
+            key: (JpegLeafReader if key in jpeg else _EpisodeLeafReader)(
+                self, key, loc, offsets[key], layout.spec[key]
+            )
             for key, loc in layout.locations.items()
         }
 

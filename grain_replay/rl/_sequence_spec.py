@@ -151,13 +151,7 @@ def sequence_treedef(treedef: Mapping[str, Any], named: set[str], where: str) ->
         )
 
     def visit(node: Mapping[str, Any], path: str) -> dict[str, Any] | None:
-        kind = node["type"]
-        if kind == "dict":
-            names = list(node["keys"])
-        elif kind == "namedtuple":
-            names = list(node["fields"])
-        else:
-            names = [str(i) for i in range(len(node["children"]))]
+        names = tree_lib.child_names(node)
         entries: list[tuple[str, dict[str, Any]]] = []
         for name, child in zip(names, node["children"]):
             key = f"{path}/{name}" if path else name

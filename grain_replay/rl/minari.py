@@ -1,4 +1,4 @@
-"""Minari HDF5 datasets (one ``episode_k`` group per episode) as flat transition sources."""
+"""Minari datasets (HDF5 ``episode_k`` groups, or Arrow files per episode) as transition sources."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from grain_replay.formats import HDF5_SIGNATURE, import_h5py
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._episode_read import EpisodeFileHandle, episode_names
 from grain_replay.rl.episodes import EpisodeIndex
+from grain_replay.rl.minari_arrow import ArrowEpisodeHandle
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 from grain_replay.sources.reading.readers import Handle
@@ -72,28 +73,34 @@ def _walk(obj: Any, key: str, loc: str) -> tuple[dict[str, Any], list[tuple[str,
     return {"type": "dict", "keys": keys, "children": children}, leaves
 
 
-def _resolve(path: str) -> str:
+def _resolve(path: str) -> tuple[str, str]:
+    """``(format, path)``: ``("hdf5", main_data.hdf5)`` or ``("arrow", the data folder)``."""
     if os.path.isdir(path):
         for cand in (os.path.join(path, "data", _MAIN_FILE), os.path.join(path, _MAIN_FILE)):
             if os.path.isfile(cand):
-                return cand
-        meta = os.path.join(path, "data", "metadata.json")
-        fmt = _read_json(meta).get("data_format") if os.path.exists(meta) else None
-        if fmt not in (None, "hdf5"):
-            raise InvalidStoreError(
-                f"{path}: the Minari dataset is stored as {fmt!r}; MinariDataSource reads "
-                "the 'hdf5' format. Fix: re-create it with data_format='hdf5'."
-            )
+                return "hdf5", cand
+        for data in (os.path.join(path, "data"), path):
+            meta = os.path.join(data, "metadata.json")
+            fmt = _read_json(meta).get("data_format") if os.path.exists(meta) else None
+            if fmt == "arrow":
+                return "arrow", data
+            if fmt not in (None, "hdf5"):
+                raise InvalidStoreError(
+                    f"{path}: the Minari dataset is stored as {fmt!r}; MinariDataSource reads "
+                    "the 'hdf5' and 'arrow' formats. Fix: re-create it with "
+                    "DataCollector(..., data_format='arrow') or 'hdf5'."
+                )
         raise StoreNotFoundError(
-            f"No Minari dataset at {path} (no data/{_MAIN_FILE}). Fix: pass the dataset "
-            "folder (e.g. ~/.minari/datasets/<namespace>/<name>-v0) or its data/main_data.hdf5."
+            f"No Minari dataset at {path} (no data/{_MAIN_FILE}, no data/metadata.json of an "
+            "Arrow dataset). Fix: pass the dataset folder (e.g. "
+            "~/.minari/datasets/<namespace>/<name>-v0), its data folder or data/main_data.hdf5."
         )
     if not os.path.exists(path):
         raise StoreNotFoundError(f"No Minari dataset at {path}. Fix: check the path.")
     with open(path, "rb") as f:
         if f.read(8) != HDF5_SIGNATURE:
             raise InvalidStoreError(f"{path} is not an HDF5 file (no HDF5 signature).")
-    return path
+    return "hdf5", path
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -105,11 +112,24 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
 
 
-def _image_spaces(meta: dict[str, Any]) -> list[str]:
-    """Spaces of the metadata that Minari JPEG-encodes (uint8 images >= 32x32, 0..255)."""
-    found = []
+def _spaces(meta: dict[str, Any]) -> dict[str, Any]:
+    """``{"observations": space, "actions": space}`` from the metadata's JSON space strings."""
+    out = {}
+    for field, column in (("observation_space", "observations"), ("action_space", "actions")):
+        raw = meta.get(field)
+        try:
+            out[column] = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            continue
+    return out
 
-    def visit(space: Any, name: str) -> None:
+
+def _image_spaces(spaces: dict[str, Any], tuple_item: str) -> dict[str, tuple[int, ...]]:
+    """Locations of the spaces Minari JPEG-encodes (uint8 Box images >= 32x32 in 0..255)
+    -> their shapes; a Tuple's item ``i`` is the location part ``tuple_item.format(i)``."""
+    found: dict[str, tuple[int, ...]] = {}
+
+    def visit(space: Any, loc: str) -> None:
         if not isinstance(space, dict):
             return
         shape = space.get("shape") or []
@@ -119,23 +139,22 @@ def _image_spaces(meta: dict[str, Any]) -> list[str]:
             and np.all(np.asarray(space.get("low", 0)) == 0)
             and np.all(np.asarray(space.get("high", 255)) == 255)
         ):  # fmt: skip
-            found.append(name)
+            found[loc] = tuple(int(d) for d in shape)
         subs = space.get("subspaces")
-        pairs = subs.items() if isinstance(subs, dict) else enumerate(subs or [])
-        for k, v in pairs:
-            visit(v, f"{name}/{k}")
+        if isinstance(subs, dict):
+            for k, v in subs.items():
+                visit(v, f"{loc}/{k}")
+        elif isinstance(subs, list):
+            for i, v in enumerate(subs):
+                visit(v, f"{loc}/{tuple_item.format(i)}")
 
-    for field in ("observation_space", "action_space"):
-        raw = meta.get(field)
-        try:
-            visit(json.loads(raw) if isinstance(raw, str) else raw, field)
-        except ValueError:
-            continue
+    for column, space in spaces.items():
+        visit(space, column)
     return found
 
 
 class MinariDataSource(ReplaySource):
-    """A Minari dataset (HDF5 format) as a random-access source of flat transitions.
+    """A Minari dataset (HDF5 or Arrow format) as a random-access source of flat transitions.
 
     Reads Minari's files in place, without conversion. Record ``i`` is step
     ``t`` of episode ``e`` (episodes in numeric order, ``episode_10`` after
@@ -153,13 +172,24 @@ class MinariDataSource(ReplaySource):
     are added as ``infos/...``: the info returned by the step (Minari's info
     row ``t + 1``).
 
-    A batch's steps are grouped by episode; each episode's dataset is read
-    whole with one h5py call (cached, bounded by ``cache_bytes``) or, when it
-    is large, only the needed rows. One h5py file handle per process.
+    Image spaces (uint8 ``Box`` frames of at least 32x32 in 0..255), which
+    ``minari.DataCollector`` JPEG-encodes by default, are decoded with Pillow
+    (Minari's own decoder: bit-identical frames) in the process that reads the
+    batch, once per distinct frame of a batch.
+
+    HDF5: a batch's steps are grouped by episode; each episode's dataset is
+    read whole with one h5py call (cached, bounded by ``cache_bytes``) or, when
+    it is large, only the needed rows. One h5py file handle per process.
+    Arrow (``data_format="arrow"``: ``data/<episode>/part-0.arrow``): every
+    episode file is memory-mapped when the handle opens (no descriptor kept);
+    numeric leaves are laid end to end in memory on first use while they fit
+    ``cache_bytes`` together (a batch is then one numpy gather per leaf), else
+    gathered from numpy views of the maps with one call per episode touched.
 
     Args:
-      path: the dataset folder (holding ``data/main_data.hdf5``), its ``data``
-        folder, or the ``main_data.hdf5`` file.
+      path: the dataset folder (holding ``data/main_data.hdf5`` or an Arrow
+        dataset's ``data/metadata.json``), its ``data`` folder, or the
+        ``main_data.hdf5`` file.
       keys: leaves (or groups) to read; default all.
       infos: add the recorded infos.
       cache_bytes: bound of the per-process cache of decoded episode data.
@@ -169,8 +199,11 @@ class MinariDataSource(ReplaySource):
 
     Raises:
       StoreNotFoundError: no Minari dataset at ``path``.
-      InvalidStoreError: not HDF5, no episodes, JPEG-encoded image spaces,
-        string leaves, or inconsistent episodes; each message names the fix.
+      InvalidStoreError: not a Minari dataset, no episodes, Minari's parquet
+        format, string leaves, undecodable frames, or inconsistent episodes;
+        each message names the fix.
+      MissingDependencyError: pyarrow (Arrow format) or Pillow (JPEG frames)
+        is not installed.
 
     Example:
       >>> src = gr.MinariDataSource("~/.minari/datasets/mujoco/hopper/expert-v0")
@@ -190,21 +223,27 @@ class MinariDataSource(ReplaySource):
         super().__init__(os.path.expanduser(os.fspath(path)), keys)
 
     def _open(self) -> Handle:
+        if self._format == "arrow":
+            from grain_replay.rl.minari_arrow import ArrowEpisodeHandle
+
+            return ArrowEpisodeHandle(
+                self._path, len(self), self._num_episodes, self._layout, self._offsets,
+                self._columns, self._jpeg, int(self._cache_bytes),
+            )  # fmt: skip
         return EpisodeFileHandle(
             self._path, len(self), self._num_episodes, self._layout, self._offsets,
-            self._cache_bytes,
+            self._cache_bytes, self._jpeg,
         )  # fmt: skip
 
     def _inspect(self) -> Layout:
-        self._path = _resolve(self._path)
-        meta = _read_json(os.path.join(os.path.dirname(self._path), "metadata.json"))
-        images = _image_spaces(meta) if meta.get("jpeg_encoding", True) else []
-        if images:
-            raise InvalidStoreError(
-                f"{self._path}: {images} are image spaces, which Minari stores JPEG-encoded "
-                "(variable-length bytes). Fix: collect the dataset with "
-                "DataCollector(..., jpeg_encoding=False)."
-            )
+        self._format, self._path = _resolve(self._path)
+        data_dir = self._path if self._format == "arrow" else os.path.dirname(self._path)
+        meta = _read_json(os.path.join(data_dir, "metadata.json"))
+        spaces = _spaces(meta)
+        encoded = bool(meta.get("jpeg_encoding", True))
+        if self._format == "arrow":
+            return self._arrow_layout(spaces, _image_spaces(spaces, "{}") if encoded else {})
+        self._images = _image_spaces(spaces, "_index_{}") if encoded else {}
         h5py = import_h5py()
         try:
             with h5py.File(self._path, "r") as f:
@@ -230,6 +269,7 @@ class MinariDataSource(ReplaySource):
         spec: dict[str, LeafSpec] = {}
         locations: dict[str, str] = {}
         self._offsets: dict[str, int] = {}
+        self._jpeg: list[str] = []
         top_keys, children = [], []
         for field, loc, offset in fields:
             if loc not in first:
@@ -245,29 +285,60 @@ class MinariDataSource(ReplaySource):
             top_keys.append(field)
             children.append(node)
             for key, where, dset in leaves:
-                dtype = layout_lib.check_dtype(dset.dtype, key, self._path)
-                spec[key] = LeafSpec(dtype, tuple(dset.shape[1:]))
+                image = self._images.get(where)
+                if image is not None and tuple(dset.shape[1:]) != image:
+                    # JPEG-encoded frames: variable-length uint8 rows, or a 2-D uint8 array
+                    # when every frame happened to encode to the same number of bytes.
+                    spec[key] = LeafSpec(np.dtype(np.uint8), image)
+                    self._jpeg.append(key)
+                else:
+                    dtype = layout_lib.check_dtype(dset.dtype, key, self._path)
+                    spec[key] = LeafSpec(dtype, tuple(dset.shape[1:]))
                 locations[key] = where
                 self._offsets[key] = offset
         self._num_episodes = len(names)
         treedef = {"type": "dict", "keys": top_keys, "children": children}
         return Layout(n, spec, treedef, locations)
 
+    def _arrow_layout(self, spaces: dict[str, Any], images: dict[str, tuple[int, ...]]) -> Layout:
+        from grain_replay.rl.minari_arrow import arrow_layout, episode_files
+
+        files = episode_files(self._path)
+        if not files or not all(files):
+            raise InvalidStoreError(
+                f"{self._path}: the Arrow-format Minari dataset holds no episode (folders "
+                "<k>/ with .arrow files). Fix: add episodes with DataCollector before reading it."
+            )
+        fields = list(_FIELDS) + ([("infos", "infos", 1)] if self._infos else [])
+        layout, self._offsets, self._columns, self._jpeg, _ = arrow_layout(
+            self._path, files, fields, spaces, images
+        )
+        self._num_episodes = len(files)
+        return layout
+
+    @property
+    def format(self) -> str:
+        """The dataset's Minari storage format: ``"hdf5"`` or ``"arrow"``."""
+        return self._format
+
     @property
     def episodes(self) -> EpisodeIndex:
-        """The :class:`EpisodeIndex` of the records (one episode per ``episode_k`` group).
+        """The :class:`EpisodeIndex` of the records (one per Minari episode).
 
         An episode counts as terminated when its last ``terminations`` flag is set.
         """
         h = self._get_handle()
-        assert isinstance(h, EpisodeFileHandle)
+        assert isinstance(h, (EpisodeFileHandle, ArrowEpisodeHandle))
         if h.episodes is None:
-            with h.lock:
+            with self._lock:
                 if h.episodes is None:
-                    last = [
-                        bool(g["terminations"][int(e - s) - 1]) if e > s else False
-                        for g, s, e in zip(h.groups, h.starts, h.ends)
-                    ]
+                    if isinstance(h, ArrowEpisodeHandle):
+                        last = h.last_terminations().tolist()
+                    else:
+                        last = [
+                            bool(g["terminations"][int(e - s) - 1]) if e > s else False
+                            for g, s, e in zip(h.groups, h.starts, h.ends)
+                        ]
                     lengths = h.ends - h.starts
                     keep = lengths > 0
                     h.episodes = EpisodeIndex.from_lengths(

@@ -2,7 +2,7 @@
 
 Run as a script: ``python multihost_resume_worker.py --port P --process-id I
 --num-processes K --store S --batch-size B --num-epochs E --out OUT.json
-[--save-at STEP --state-dir DIR] [--resume-dir DIR]``, with
+[--save-at STEP --state-dir DIR] [--resume-dir DIR] [--resident]``, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` in the environment.
 
 The process joins a K-process JAX job over gloo and reads the store through
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     local_ids: list[list[int]] = []
     global_ids: list[list[int]] = []
     saved = False
-    with gr.sharded_device_put(loader) as batches:
+    with gr.sharded_device_put(loader, resident=args.resident) as batches:
         if args.resume_dir:
             with open(_state_file(args.resume_dir, args.process_id), "rb") as f:
                 batches.set_state(f.read())
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--state-dir")
     parser.add_argument("--resume-dir")
+    parser.add_argument("--resident", action="store_true", help="device-resident replay")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)

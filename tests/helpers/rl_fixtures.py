@@ -226,6 +226,58 @@ def register_dict_env() -> str:
     return _DICT_ENV_ID
 
 
+_IMAGE_ENV_ID = "GrainReplayImageTest-v0"
+
+
+def make_image_env(**kwargs: Any) -> Any:
+    """A tiny env whose observations are a Dict of a 40x48 RGB frame (an image space, which
+    Minari JPEG-encodes), a 36x36 grey frame and a vector; actions are Box(2)."""
+    import gymnasium as gym
+    from gymnasium import spaces
+
+    class ImageEnv(gym.Env):
+        observation_space = spaces.Dict(
+            {
+                "rgb": spaces.Box(0, 255, (40, 48, 3), np.uint8),
+                "grey": spaces.Box(0, 255, (36, 36), np.uint8),
+                "vec": spaces.Box(-1, 1, (4,), np.float32),
+            }
+        )
+        action_space = spaces.Box(-1, 1, (2,), np.float32)
+
+        def _obs(self) -> dict[str, Any]:
+            t = self._t
+            yy, xx = np.mgrid[0:40, 0:48]
+            rgb = np.stack([(xx * 5 + t * 7) % 256, (yy * 6 + t * 3) % 256, (xx + yy) * 2], -1)
+            return {
+                "rgb": rgb.astype(np.uint8),
+                "grey": np.full((36, 36), (t * 17) % 256, np.uint8),
+                "vec": np.full(4, t / 10, np.float32),
+            }
+
+        def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+            super().reset(seed=seed)
+            self._t = 0
+            self._limit = int(self.np_random.integers(2, 7))
+            return self._obs(), {}
+
+        def step(self, action: Any) -> Any:
+            self._t += 1
+            terminated = self._t >= self._limit
+            return self._obs(), float(self._t), terminated, False, {}
+
+    return ImageEnv()
+
+
+def register_image_env() -> str:
+    """Registers (once) :func:`make_image_env` with gymnasium; returns its id."""
+    import gymnasium as gym
+
+    if _IMAGE_ENV_ID not in gym.registry:
+        gym.register(_IMAGE_ENV_ID, entry_point="rl_fixtures:make_image_env")
+    return _IMAGE_ENV_ID
+
+
 def collect_minari(
     env_id: str,
     dataset_id: str,
@@ -233,14 +285,19 @@ def collect_minari(
     seed: int = 0,
     max_steps: int = 500,
     record_infos: bool = False,
+    **collector_kwargs: Any,
 ) -> Any:
-    """A Minari dataset recorded by minari's own DataCollector (MINARI_DATASETS_PATH set)."""
+    """A Minari dataset recorded by minari's own DataCollector (MINARI_DATASETS_PATH set).
+
+    ``collector_kwargs`` go to the collector (``data_format="arrow"``, ``jpeg_encoding=``).
+    """
     import gymnasium as gym
     import minari
 
     env = minari.DataCollector(
-        gym.make(env_id, max_episode_steps=max_steps), record_infos=record_infos
-    )
+        gym.make(env_id, max_episode_steps=max_steps), record_infos=record_infos,
+        **collector_kwargs,
+    )  # fmt: skip
     env.action_space.seed(seed)
     for ep in range(episodes):
         env.reset(seed=seed + ep)

@@ -157,3 +157,43 @@ def test_resume_on_another_process_count_continues_the_global_stream(tmp_path: P
     seen = np.concatenate([np.ravel(s) for s in steps if len(s)])
     for epoch in seen.reshape(2, n):
         np.testing.assert_array_equal(np.sort(epoch), np.arange(n))
+
+
+def test_resident_replay_two_processes_same_stream_and_state_bytes(tmp_path: Path) -> None:
+    """Each process holds a replica; the global batch is assembled as the host pipeline does."""
+    import grain
+
+    num_processes = 2
+    n = STEPS_PER_EPOCH * num_processes * BATCH
+    store = _write_store(tmp_path / "store.h5", n)
+    # The host pipeline's stream, process by process, without a JAX job.
+    src = gr.open_source(store)
+    host_ids, host_states = [], []
+    for p in range(num_processes):
+        loader = gr.make_data_loader(
+            src, batch_size=BATCH, num_epochs=2, seed=3,
+            shard_options=grain.sharding.ShardOptions(p, num_processes, drop_remainder=True),
+        )  # fmt: skip
+        it = iter(loader)
+        host_ids.append([next(it)["id"].tolist() for _ in range(2 * STEPS_PER_EPOCH)])
+        resumed = iter(loader)
+        for _ in range(SAVE_AT):
+            next(resumed)
+        host_states.append(resumed.get_state())
+    stream = np.concatenate([np.array(ids) for ids in host_ids], axis=1)
+
+    common = [f"--store={store}", f"--batch-size={BATCH}", "--num-epochs=2", "--resident"]
+    state_dir = tmp_path / "state"
+    full = _run_job(
+        num_processes, tmp_path / "full", *common, f"--save-at={SAVE_AT}",
+        f"--state-dir={state_dir}",
+    )  # fmt: skip
+    for p, r in enumerate(full):
+        np.testing.assert_array_equal(r["global_ids"], stream)
+        np.testing.assert_array_equal(r["local_ids"], host_ids[p])
+        assert (state_dir / f"state.{p}").read_bytes() == host_states[p]
+
+    resumed = _run_job(num_processes, tmp_path / "resumed", *common, f"--resume-dir={state_dir}")
+    for p, r in enumerate(resumed):
+        np.testing.assert_array_equal(r["global_ids"], stream[SAVE_AT:])
+        np.testing.assert_array_equal(r["local_ids"], host_ids[p][SAVE_AT:])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from collections.abc import Iterator
@@ -174,18 +173,6 @@ def test_file_without_episodes_raises_with_fix(tmp_path: Any) -> None:
         f["x"] = np.arange(3)
     with pytest.raises(gr.InvalidStoreError, match="no episode_<k> group"):
         MinariDataSource(path)
-
-
-def test_jpeg_encoded_image_space_raises_with_fix(tmp_path: Any) -> None:
-    data = tmp_path / "ds" / "data"
-    data.mkdir(parents=True)
-    box = {"type": "Box", "dtype": "uint8", "shape": [64, 64, 3], "low": 0, "high": 255}
-    meta = {"jpeg_encoding": True, "observation_space": json.dumps(box)}
-    (data / "metadata.json").write_text(json.dumps(meta))
-    with h5py.File(data / "main_data.hdf5", "w") as f:
-        f["episode_0/rewards"] = np.zeros(2)
-    with pytest.raises(gr.InvalidStoreError, match="jpeg_encoding=False"):
-        MinariDataSource(str(tmp_path / "ds"))
 
 
 def test_episode_added_after_pickling_raises_changed(tmp_path: Any) -> None:

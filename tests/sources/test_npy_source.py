@@ -59,26 +59,34 @@ def test_empty_store_opens(tmp_path: Any) -> None:
         src[0]
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(under: str) -> int:
+    """Descriptors of this process open on files below ``under`` (others' tests don't count)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        count += target.startswith(under + os.sep)
+    return count
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_npy_holds_one_descriptor_per_leaf_file(tmp_path):
     tree = {f"leaf{i}": np.arange(40, dtype=np.float32).reshape(20, 2) + i for i in range(5)}
-    gr.write_npy(tmp_path / "s", tree)
-    src = gr.NpyDataSource(tmp_path / "s")
-    import gc
-
-    gc.collect()  # earlier tests' garbage would close its descriptors during this one
-    before = _open_fds()
+    store = str(tmp_path / "s")
+    gr.write_npy(store, tree)
+    src = gr.NpyDataSource(store)
+    assert _open_fds(store) == 0
     batch = src.read_batch([3, 0, 3])
-    assert _open_fds() - before == 5  # one (the map's own) per leaf file; it was 10
+    assert _open_fds(store) == 5  # one (the map's own) per leaf file; it was 10
     np.testing.assert_array_equal(batch["leaf4"], tree["leaf4"][[3, 0, 3]])
     src.close()
     del batch
+    import gc
+
     gc.collect()
-    assert _open_fds() == before
+    assert _open_fds(store) == 0
 
 
 _MANY_LEAVES_CHILD = """

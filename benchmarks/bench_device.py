@@ -1,0 +1,339 @@
+"""Section ``device``: host-to-device puts, the loader feeding a training step, resident replay.
+
+For transition and image batches, on whatever backend JAX runs (8 fake CPU
+devices under ``run.py`` unless a GPU or TPU is present):
+
+- a bare ``jax.device_put`` of one host batch (pageable numpy), and from pinned host
+  memory (``memory_kind="pinned_host"``) where the backend has it;
+- ``gr.sharded_device_put`` fed by ``gr.make_data_loader``, with and without
+  ``pinned=True`` staging;
+- ``gr.sharded_device_put(loader, resident=True)`` on the same store;
+- a jitted training step (an MLP on transitions, a small conv net on images) on
+  batches already on the devices, fed by the loader, and fed by resident replay:
+  the fraction of the step time the input pipeline adds.
+
+The training step runs one model replica per device with no cross-device
+reduction: the host CPU backend's in-process collectives can deadlock with
+several programs in flight on a loaded machine, and the input pipeline's share
+does not depend on the all-reduce. Cases of one dataset are timed in turns (see
+:func:`_paired`) so that ratios see the same machine load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from bench_common import PAGE_CACHE, Case, Config, SectionResult, index_batches, time_steps
+from bench_data import Store
+
+import grain_replay as gr
+
+__all__ = ["run_device"]
+
+_SLICES = 6
+_DRAIN = 3  # untimed steps before a slice: more than sharded_device_put's prefetch of 2
+ON_DEVICE_BATCHES = 8
+_WHOLE_BUDGET_S = 15.0  # most seconds a case may take to time whole gather windows
+# Targets of issue 17. On CPU only the resident/host ratio has one; the others are
+# host-to-device targets, reported as plain numbers where there is no such link.
+RESIDENT_CPU_TARGET = 5.0
+PUT_VS_PINNED_GPU_TARGET = 0.8
+CONV_FED_GPU_TARGET = 1 / 1.05  # the loader adds < 5 % to the conv step
+MLP_RESIDENT_GPU_TARGET = 1 / 1.02  # resident replay adds < 2 % to the MLP step
+
+
+def _paired(
+    cfg: Config,
+    names: dict[str, str],
+    steps: dict[str, Callable[[int], Any]],
+    meta: dict[str, Any],
+    whole: dict[str, int],
+) -> dict[str, Case]:
+    """Times ``steps`` in turns, in ``_SLICES`` slices of each repeat (same load for all).
+
+    A case in ``whole`` hands out batches in groups (resident replay gathers a window of
+    batches per dispatch): its slices are whole groups, with no untimed drain steps, so
+    that every slice pays its share of the dispatches.
+    """
+    steps = {m: f for m, f in steps.items() if cfg.wants(names[m])}
+    one = dataclasses.replace(cfg, repeats=1, case_budget_s=None)
+    per_slice = {}
+    for m, step in steps.items():
+        k, t = time_steps(step, one, warmup=6, warmup_s=cfg.target_s)
+        per_slice[m] = max(1, k // _SLICES)
+        rounded = -(-per_slice[m] // whole[m]) * whole[m] if m in whole else 0
+        if rounded and rounded * _SLICES * cfg.repeats * t[0] / k <= _WHOLE_BUDGET_S:
+            per_slice[m] = rounded
+        elif m in whole:  # slow steps (a conv step): whole windows would take minutes
+            del whole[m]
+            meta["notes"][m] = "slices not aligned to gather windows (slow step)"
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for _ in range(cfg.repeats):
+        total = dict.fromkeys(steps, 0.0)
+        for _ in range(_SLICES):
+            for m, step in steps.items():
+                for _ in range(0 if m in whole else _DRAIN):
+                    step(0)
+                t0 = time.perf_counter()
+                for _ in range(per_slice[m]):
+                    step(0)
+                total[m] += time.perf_counter() - t0
+        for m in steps:
+            times[m].append(total[m])
+    return {
+        m: Case(
+            names[m],
+            "device",
+            meta["dataset"],
+            "npy",
+            "npy",
+            m,
+            "pipeline",
+            meta["batch"],
+            meta["record_bytes"],
+            per_slice[m] * _SLICES,
+            times[m],
+            meta["notes"].get(m, ""),
+        )
+        for m in steps
+    }
+
+
+def _next(it: Iterator[Any], block: Callable[[Any], Any]) -> Callable[[int], Any]:
+    return lambda i: block(next(it))
+
+
+# -- models: plain jax, one replica per device ------------------------------------------------
+
+
+def _mlp_init(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+    return {"w1": w(64, 256), "w2": w(256, 256), "w3": w(256, 18)}
+
+
+def _mlp_loss(p: Any, batch: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    h = jax.nn.relu(batch["obs"] @ p["w1"])
+    h = jax.nn.relu(h @ p["w2"])
+    logp = jax.nn.log_softmax(h @ p["w3"])
+    action = jnp.clip(batch["action"].astype(jnp.int32), 0, 17)
+    return -jnp.mean(jnp.take_along_axis(logp, action[:, None], axis=1))
+
+
+def _conv_init(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def w(*shape: int) -> np.ndarray:
+        fan_in = int(np.prod(shape[:-1]))
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    return {"c1": w(8, 8, 4, 16), "c2": w(4, 4, 16, 32), "d1": w(9 * 9 * 32, 256), "d2": w(256, 18)}
+
+
+def _conv_loss(p: Any, batch: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    x = batch["obs"].astype(jnp.float32) / 255.0
+    dn = ("NHWC", "HWIO", "NHWC")
+    x = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c1"], (4, 4), "VALID", dimension_numbers=dn))
+    x = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c2"], (2, 2), "VALID", dimension_numbers=dn))
+    x = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["d1"])
+    return jnp.mean((x @ p["d2"]) ** 2)
+
+
+def _make_train_step(loss: Callable[[Any, Any], Any], sharding: Any) -> Callable[[Any, Any], Any]:
+    """SGD on one replica per device (params carry a leading device axis), no collectives."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    axis = sharding.spec[0]
+
+    def local(params: Any, batch: Any) -> Any:
+        p = jax.tree.map(lambda x: x[0], params)
+        grads = jax.grad(loss)(p, batch)
+        return jax.tree.map(lambda w, g: (w - 1e-3 * g)[None], p, grads)
+
+    spec = PartitionSpec(axis)
+    return jax.jit(
+        jax.shard_map(local, mesh=sharding.mesh, in_specs=(spec, spec), out_specs=spec),
+        donate_argnums=0,
+    )
+
+
+# -- the section ------------------------------------------------------------------------------
+
+
+def run_device(
+    cfg: Config,
+    stores: dict[str, dict[str, Store]],
+    res: SectionResult,
+    log: Callable[[str], None],
+) -> None:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from grain_replay.pipeline.device_put import has_pinned_host
+
+    backend = jax.default_backend()
+    on_accelerator = backend in ("gpu", "cuda", "rocm", "tpu")
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    pinned_ok = has_pinned_host()
+    res.extra["jax"] = {
+        "backend": backend,
+        "device_count": jax.device_count(),
+        "devices": [str(d) for d in jax.devices()[:8]],
+        "memory_kinds": sorted({m.kind for m in jax.devices()[0].addressable_memories()}),
+    }
+    log(f"  jax backend={backend} devices={jax.device_count()} pinned_host={pinned_ok}")
+    if not on_accelerator:
+        res.notes.append(
+            f"backend {backend}: the puts are host memory copies, not host-to-device "
+            "transfers; the GB/s columns and the GPU targets apply on an accelerator."
+        )
+    if not pinned_ok:
+        res.notes.append(f"pinned_host memory: not available on {backend}")
+    block = jax.block_until_ready
+    gbps: dict[str, dict[str, float]] = {}
+    fractions: dict[str, dict[str, float]] = {}
+
+    for ds_name, init, loss in (
+        ("transitions", _mlp_init, _mlp_loss),
+        ("images", _conv_init, _conv_loss),
+    ):
+        store = stores[ds_name]["npy"]
+        ds = store.dataset
+        b = cfg.batch_size
+        PAGE_CACHE.keep_only([store.path])
+        src = gr.open_source(store.path)
+        host = src.read_batch(index_batches(ds.n, cfg)[0])
+        pinned_host = (
+            jax.device_put(host, sharding.with_memory_kind("pinned_host")) if pinned_ok else None
+        )
+        on_device = [
+            jax.device_put(src.read_batch(ids), sharding)
+            for ids in index_batches(ds.n, cfg)[1 : 1 + ON_DEVICE_BATCHES]
+        ]
+
+        def loader() -> Any:
+            return gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1)  # noqa: B023
+
+        host_it = gr.sharded_device_put(loader())
+        pinned_it = gr.sharded_device_put(loader(), pinned=True) if pinned_ok else None
+        resident_it: Any = None
+        t0 = time.perf_counter()
+        try:
+            resident_it = gr.sharded_device_put(loader(), resident=True)
+        except gr.ResidentBudgetError as e:
+            res.notes.append(f"{ds_name}: resident replay skipped: {e}")
+            log(f"  {ds_name}: resident replay skipped (over budget)")
+        else:
+            res.extra.setdefault("resident_load_s", {})[ds_name] = time.perf_counter() - t0
+            res.extra.setdefault("resident_device_bytes", {})[ds_name] = resident_it.device_bytes
+
+        rng = np.random.default_rng(0)
+        params0 = {
+            k: np.broadcast_to(v, (len(mesh.devices.flat), *v.shape)).copy()
+            for k, v in init(rng).items()
+        }
+        train = _make_train_step(loss, sharding)
+        state = {"p": jax.device_put(params0, sharding)}
+        cycle = itertools.cycle(on_device)
+
+        def train_on(batches: Iterator[Any]) -> Callable[[int], Any]:
+            def step(i: int) -> Any:
+                state["p"] = train(state["p"], next(batches))  # noqa: B023
+                return block(state["p"])  # noqa: B023
+
+            return step
+
+        steps: dict[str, Callable[[int], Any]] = {
+            "device_put-pageable": lambda i: block(jax.device_put(host, sharding)),  # noqa: B023
+        }
+        if pinned_host is not None:
+            steps["device_put-pinned"] = lambda i: block(jax.device_put(pinned_host, sharding))  # noqa: B023
+        steps["sharded_device_put(loader)"] = _next(host_it, block)
+        if pinned_it is not None:
+            steps["sharded_device_put(loader, pinned)"] = _next(pinned_it, block)
+        if resident_it is not None:
+            steps["sharded_device_put(loader, resident)"] = _next(resident_it, block)
+        steps["step-on-device-batches"] = train_on(cycle)
+        steps["step-fed-by-loader"] = train_on(host_it)
+        if resident_it is not None:
+            steps["step-fed-by-resident"] = train_on(resident_it)
+        notes = {
+            "device_put-pageable": "jax.device_put(numpy batch, batch sharding)",
+            "device_put-pinned": "from a pinned_host copy of the batch",
+            "sharded_device_put(loader)": "reads the npy store (page cache)",
+            "step-on-device-batches": f"{ON_DEVICE_BATCHES} batches put beforehand",
+        }
+        names = {m: f"device/{ds_name}/npy/{m}" for m in steps}
+        meta = {"dataset": ds_name, "batch": b, "record_bytes": ds.record_bytes, "notes": notes}
+        window = (
+            {} if resident_it is None else {m: resident_it.window for m in steps if "resident" in m}
+        )
+        cases = _paired(cfg, names, steps, meta, window)
+        for it in (host_it, pinned_it, resident_it):
+            if it is not None:
+                it.close()
+        on_device.clear()
+        state.clear()
+        gc.collect()
+        for c in cases.values():
+            res.add(c)
+
+        gbps[ds_name] = {m: c.mb_per_s / 1e3 for m, c in cases.items() if "step" not in m}
+        p = f"device/{ds_name}:"
+        g = cases.get
+        res.ratio(
+            f"{p} resident / host pipeline (sharded_device_put(loader))",
+            g("sharded_device_put(loader, resident)"), g("sharded_device_put(loader)"),
+            RESIDENT_CPU_TARGET if ds_name == "transitions" and not on_accelerator else None,
+            "resident",
+        )  # fmt: skip
+        res.ratio(
+            f"{p} sharded_device_put(loader) / bare pinned put",
+            g("sharded_device_put(loader)"), g("device_put-pinned"),
+            PUT_VS_PINNED_GPU_TARGET if ds_name == "images" and on_accelerator else None, "put",
+        )  # fmt: skip
+        res.ratio(
+            f"{p} pinned staging / pageable (sharded_device_put(loader))",
+            g("sharded_device_put(loader, pinned)"), g("sharded_device_put(loader)"), None, "put",
+        )  # fmt: skip
+        res.ratio(
+            f"{p} bare put: pinned / pageable",
+            g("device_put-pinned"), g("device_put-pageable"), None, "put",
+        )  # fmt: skip
+        base = g("step-on-device-batches")
+        for fed, target in (
+            ("step-fed-by-loader", CONV_FED_GPU_TARGET if ds_name == "images" else None),
+            ("step-fed-by-resident", MLP_RESIDENT_GPU_TARGET if ds_name == "transitions" else None),
+        ):
+            c = g(fed)
+            if c is None or base is None:
+                continue
+            res.ratio(
+                f"{p} {fed} / step on device batches (1 - input fraction)",
+                c, base, target if on_accelerator else None, "step",
+            )  # fmt: skip
+            fraction = 1.0 - c.records_per_s / base.records_per_s
+            fractions.setdefault(ds_name, {})[fed] = fraction
+            res.notes.append(
+                f"{ds_name}: the input pipeline ({fed.removeprefix('step-fed-by-')}) adds "
+                f"{fraction:.1%} of the step time ({1e3 * c.median_s / c.batches:.3g} ms/step fed, "
+                f"{1e3 * base.median_s / base.batches:.3g} ms/step on device batches)"
+            )
+        res.notes.append(
+            f"{ds_name} GB/s: " + ", ".join(f"{m} {v:.3g}" for m, v in gbps[ds_name].items())
+        )
+    res.extra["gb_per_s"] = gbps
+    res.extra["input_fraction"] = fractions
