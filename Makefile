@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot bench bench-quick bench-s3 bench-lerobot lint clean
+.PHONY: install demo test test-slow test-lerobot bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
 
 install: $(STAMP)
 
@@ -56,6 +56,16 @@ bench-quick: $(STAMP)
 
 bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_s3.py
+
+# torchrl and flashbax (which pulls torch and its own jax) live in their own venv.
+PEERS_VENV ?= /work/venvs/peers
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet torchrl flashbax numpy
+	touch $(PEERS_VENV)/.installed
+
+bench-peers: $(STAMP) $(PEERS_VENV)/.installed
+	$(PY) benchmarks/bench_sampling.py --peers-python $(PEERS_VENV)/bin/python
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grain_replay tests examples benchmarks

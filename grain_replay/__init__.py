@@ -13,10 +13,14 @@ from grain_replay.errors import (
     GrainReplayError,
     InvalidArgumentError,
     InvalidPrefetchError,
+    InvalidPriorityError,
+    InvalidSamplingError,
     InvalidShardingError,
     InvalidStoreError,
     InvalidTreeError,
+    LeafMismatchError,
     MissingDependencyError,
+    PriorityIndexError,
     RecordIndexError,
     ReferenceRefusedError,
     ResidentBudgetError,
@@ -70,6 +74,10 @@ __all__ = [
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    # sampling: mixtures and replay (grain_replay.sampling)
+    "UniformReplay",
+    "PrioritizedReplay",
+    "Sampled",
     # RL views (grain_replay.rl)
     "EpisodeIndex",
     "build_episode_index",
@@ -107,6 +115,10 @@ __all__ = [
     "InvalidPrefetchError",
     "UnsupportedStateError",
     "RetryOptions",
+    "InvalidSamplingError",
+    "LeafMismatchError",
+    "InvalidPriorityError",
+    "PriorityIndexError",
 ]
 
 _LAZY = {
@@ -115,6 +127,9 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "UniformReplay": "grain_replay.sampling",
+    "PrioritizedReplay": "grain_replay.sampling",
+    "Sampled": "grain_replay.sampling",
     "compute_stats": "grain_replay.stats",
     **{
         name: "grain_replay.rl"

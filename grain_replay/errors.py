@@ -27,6 +27,10 @@ __all__ = [
     "InvalidPrefetchError",
     "UnsupportedStateError",
     "FrameTimestampError",
+    "InvalidSamplingError",
+    "LeafMismatchError",
+    "InvalidPriorityError",
+    "PriorityIndexError",
 ]
 
 
@@ -127,3 +131,19 @@ class InvalidPrefetchError(GrainReplayError, ValueError):
 
 class UnsupportedStateError(GrainReplayError, TypeError):
     """The wrapped iterator has no ``get_state``/``set_state`` to checkpoint."""
+
+
+class InvalidSamplingError(GrainReplayError, ValueError):
+    """A sampling option (mixture weights, replay settings) is not valid."""
+
+
+class LeafMismatchError(GrainReplayError, ValueError):
+    """The sources of a mixture do not hold the same leaves."""
+
+
+class InvalidPriorityError(GrainReplayError, ValueError):
+    """A priority update is negative, NaN, infinite or of the wrong length."""
+
+
+class PriorityIndexError(GrainReplayError, IndexError):
+    """A priority update names a row this iterator never handed out."""

@@ -213,6 +213,13 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
         lambda s, t: gr.build_episode_index(gr.open_source(s), done_key="finished"),
     ),
     (
+        "budget_bytes without resident",
+        ValueError,
+        gr.InvalidArgumentError,
+        "budget_bytes applies to resident=True",
+        lambda s, t: gr.sharded_device_put(iter([]), budget_bytes=1),
+    ),
+    (
         "not a source",
         TypeError,
         gr.ArgumentTypeError,

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from grain_replay.errors import (
     BatchShardingError,
+    InvalidArgumentError,
     InvalidPrefetchError,
     InvalidShardingError,
     UnsupportedStateError,
@@ -176,6 +177,14 @@ class _Converter:
         return jax.make_array_from_callback(array.shape, pinned, array.__getitem__)
 
 
+def _local_rows(x: Any) -> np.ndarray:
+    """``x`` as numpy; of a globally sharded jax.Array, this process's rows in order."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        shards = {s.index[0].indices(x.shape[0])[0]: s.data for s in x.addressable_shards}
+        return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
+    return np.asarray(x)
+
+
 def _leaf_name(batch: Any, i: int) -> str:
     """``"obs/pixels"`` for leaf ``i`` of ``batch``: built for error messages only."""
     path, _ = jax.tree_util.tree_flatten_with_path(batch)[0][i]
@@ -249,6 +258,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         )
         self._state = copy.deepcopy(inner.get_state()) if self._stateful else None
         self._finished = False
+        self._handed = getattr(inner, "position", 0)  # batches the caller received
 
     def __iter__(self) -> Self:
         return self
@@ -265,6 +275,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
                 self._finished = True
                 raise
             self._state = state
+            self._handed += 1
             return arrays
         if self._thread is None:
             self._start()
@@ -276,6 +287,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
                 raise item.error  # the original exception, producer-side traceback included
             raise StopIteration
         arrays, self._state = item
+        self._handed += 1
         self._slots.release()
         return arrays
 
@@ -323,6 +335,29 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._inner.set_state(copy.deepcopy(state))
         self._state = copy.deepcopy(state)
         self._finished = False
+        self._handed = getattr(self._inner, "position", 0)
+
+    def update_priorities(self, index: Any, priorities: Any) -> None:
+        """Forwards a priority update to the wrapped (prioritized replay) iterator.
+
+        ``index`` and ``priorities`` may be numpy or jax arrays; a globally sharded
+        array contributes this process's rows. The update is stamped with the batches
+        handed to the caller plus ``prefetch`` (the batches this wrapper may have
+        pulled ahead), so the draws stay a function of the updates, not of timing.
+
+        Raises:
+            UnsupportedStateError: The wrapped iterator has no ``update_priorities``.
+        """
+        update = getattr(self._inner, "update_priorities", None)
+        if not callable(update):
+            raise UnsupportedStateError(
+                f"Cannot call update_priorities(): the wrapped iterator "
+                f"({type(self._inner).__name__}) does not sample with priorities. Wrap a "
+                "loader made with sampling=gr.PrioritizedReplay()."
+            )
+        update(
+            _local_rows(index), _local_rows(priorities), handed_out=self._handed + self._prefetch
+        )
 
     def _require_state(self, method: str) -> None:
         if not self._stateful:
@@ -477,5 +512,7 @@ def sharded_device_put(
         if it is not None:
             return it
     elif budget_bytes is not None:
-        raise ValueError("budget_bytes applies to resident=True or 'auto'; got resident=False")
+        raise InvalidArgumentError(
+            "budget_bytes applies to resident=True or 'auto'; got resident=False"
+        )
     return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch, pinned=pinned)

@@ -6,7 +6,7 @@ import dataclasses
 import operator
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
@@ -15,6 +15,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
+from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.state import LoaderIdentity, StreamShape, stream_repr
@@ -339,17 +340,17 @@ class _BatchesMapDataset(grain.MapDataset):
         return self._reads.element_spec()
 
 
-def _default_read_options(worker_count: int) -> grain.ReadOptions:
-    del worker_count  # the same in the consuming process and in each worker
-    # Measured on 2 cores: read-ahead threads cost more in handoffs and GIL
-    # contention than they hide for page-cached reads; workers already read ahead
-    # worker_buffer_size batches each, and the consuming process reads inside next(),
-    # which sharded_device_put calls on its own thread.
-    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-
-
-def _default_shard_options() -> Any:
-    return grain.sharding.ShardByJaxProcess(drop_remainder=True)
+def _samples(
+    source: Any, weights: Any, sampling: Any, keys: Sequence[str] | None, source_leaf: str | None
+) -> bool:
+    """Whether the arguments ask for a mixture or replay stream (``grain_replay.sampling``)."""
+    return bool(
+        isinstance(source, Mapping)
+        or sampling != "epochs"
+        or weights is not None
+        or keys
+        or source_leaf
+    )
 
 
 def make_data_loader(
@@ -365,6 +366,10 @@ def make_data_loader(
     operations: Sequence[Any] = (),
     read_options: grain.ReadOptions | None = None,
     worker_buffer_size: int = 2,
+    weights: Any = None,
+    sampling: Any = "epochs",
+    keys: Sequence[str] | None = None,
+    source_leaf: str | None = None,
 ) -> grain.DataLoader:
     """A ``grain.DataLoader`` of host batches, each read with one ``read_batch`` call.
 
@@ -395,6 +400,15 @@ def make_data_loader(
         ``num_threads`` reads are kept in flight.
       worker_buffer_size: finished batches each worker keeps ahead (its
         shared-memory slots).
+      weights: with a mapping of sources (a mixture): name -> weight, or a callable
+        of the step returning one. Every batch holds exactly the largest-remainder
+        share of each source, without drift; each source walks its own epochs.
+      sampling: ``"epochs"`` (the default, above), ``gr.UniformReplay()`` or
+        ``gr.PrioritizedReplay()``: draws with replacement over a growing store.
+        Mixtures and replay streams are endless (``num_epochs`` 1 or None).
+      keys: a mixture reads only these leaves (the ones its sources share).
+      source_leaf: a mixture's batches gain this int32 leaf: each row's source
+        position in ``source``.
 
     Returns:
       A ``grain.DataLoader`` whose iterator yields numpy batches and supports
@@ -404,11 +418,22 @@ def make_data_loader(
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
       >>> for batch in gr.sharded_device_put(loader): ...
     """
+    if _samples(source, weights, sampling, keys, source_leaf):
+        from grain_replay.sampling.loader import make_sampling_loader
+
+        ensure_absl_flags_parsed()
+        return make_sampling_loader(
+            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+            drop_remainder=drop_remainder, worker_count=worker_count,
+            shard_options=shard_options, operations=operations, read_options=read_options,
+            worker_buffer_size=worker_buffer_size, weights=weights, sampling=sampling,
+            keys=keys, source_leaf=source_leaf,
+        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
         raise InvalidArgumentError(f"worker_count must be >= 0, got {worker_count}")
-    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()
     return _ReplayDataLoader(
@@ -418,7 +443,7 @@ def make_data_loader(
         worker_count=worker_count,
         worker_buffer_size=worker_buffer_size,
         shard_options=shard_options,
-        read_options=read_options or _default_read_options(worker_count),
+        read_options=read_options or default_read_options(worker_count),
     )
 
 
@@ -432,17 +457,33 @@ def replay_dataset(
     drop_remainder: bool = True,
     shard_options: Any = None,
     read_options: grain.ReadOptions | None = None,
+    weights: Any = None,
+    sampling: Any = "epochs",
+    keys: Sequence[str] | None = None,
+    source_leaf: str | None = None,
 ) -> grain.IterDataset:
     """A ``grain.IterDataset`` of host batches with the same batch-level reads.
 
     For pipelines composed by hand (``.map``, ``.mp_prefetch``, ...). Arguments
     as in :func:`make_data_loader`.
 
+    A mixture or replay ``sampling`` reads in the iterating process; its iterator
+    has ``update_priorities`` (prioritized replay) until it is wrapped.
+
     Example:
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
+    if _samples(source, weights, sampling, keys, source_leaf):
+        from grain_replay.sampling.loader import make_sampling_dataset
+
+        ensure_absl_flags_parsed()
+        return make_sampling_dataset(
+            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+            drop_remainder=drop_remainder, shard_options=shard_options, weights=weights,
+            sampling=sampling, keys=keys, source_leaf=source_leaf,
+        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
-    shard_options = shard_options if shard_options is not None else _default_shard_options()
+    shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ds: grain.MapDataset = _BatchesMapDataset(reads)
     if shard_options.shard_count > 1:

@@ -396,6 +396,11 @@ class GrainStateIterator(grain.DataLoaderIterator):
         self._next_index = handed_out_from_state(self._identity, state)
         self._seek()
 
+    def seek(self, position: int) -> None:
+        """Resumes at element ``position`` of this process (0: the first)."""
+        self._next_index = int(position)
+        self._seek()
+
     def _seek(self) -> None:
         """Drops what was read ahead of ``_next_index``."""
 

@@ -47,7 +47,7 @@ _JOIN_S = 5.0  # how long close() waits for a worker before killing it
 # worker -> consumer: (kind, generation, element, slot, ...)
 _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 # consumer -> worker
-_FREE, _SEEK, _STOP = range(3)
+_FREE, _SEEK, _STOP, _TASK = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +121,13 @@ def _worker_main(
     read_threads: int,
     generation: int,
     start: int,
+    tasked: bool = False,
 ) -> None:
-    """A worker: reads its elements into free slots until told to stop or the pipe closes."""
+    """A worker: reads its elements into free slots until told to stop or the pipe closes.
+
+    With ``tasked``, element ``k`` is ``read(task)`` for the task the consumer sent
+    for it (``_TASK`` messages), instead of ``read(global index)``.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
     share_cache_budget(plan.workers)  # the workers split the default cache's memory
@@ -133,8 +138,10 @@ def _worker_main(
         load_error = _picklable(e, where)
         read, maps = None, ()
 
-    def element(k: int) -> Any:
-        data = read(plan.global_index(k))
+    tasks: dict[int, Any] = {}
+
+    def element(k: int, task: Any = None) -> Any:
+        data = read(task) if tasked else read(plan.global_index(k))
         for op in maps:
             data = op.map(data)
         return data
@@ -154,8 +161,11 @@ def _worker_main(
         nonlocal k, generation, stalled
         if msg[0] == _FREE:
             free.append(msg[1])
+        elif msg[0] == _TASK:  # the pipe is ordered: a task sent before a seek is cleared by it
+            tasks[msg[1]] = msg[2]
         elif msg[0] == _SEEK:
             _, generation, k = msg
+            tasks.clear()
             while pending:  # reads are pure: a running one finishes and is dropped
                 pending.popleft()[1].cancel()
             stalled = load_error is not None
@@ -167,14 +177,26 @@ def _worker_main(
 
     try:
         while True:
-            while conn.poll() or not free or stalled or plan.local(k) >= plan.length:
+            while (
+                conn.poll()
+                or not free
+                or stalled
+                or plan.local(k) >= plan.length
+                or (tasked and not pending and k not in tasks)
+            ):
                 if not handle(conn.recv()):
                     return
             if pool is not None:  # keep read_threads reads in flight
                 while len(pending) < read_threads and plan.local(k + len(pending)) < plan.length:
-                    pending.append((k + len(pending), pool.submit(element, k + len(pending))))
+                    nxt = k + len(pending)
+                    if tasked and nxt not in tasks:
+                        break
+                    pending.append((nxt, pool.submit(element, nxt, tasks.pop(nxt, None))))
             try:
-                data = pending.popleft()[1].result() if pool is not None else element(k)
+                if pool is not None:
+                    data = pending.popleft()[1].result()
+                else:
+                    data = element(k, tasks.pop(k, None))
             except Exception as e:
                 conn.send((_ERROR, generation, k, _picklable(e, where)))
                 stalled = True
@@ -257,9 +279,11 @@ class _Pool:
         slot_count: int,
         read_threads: int,
         handed_out: int,
+        tasked: bool = False,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.generation = 0
+        self.sent = handed_out  # tasked: the first element whose task is not sent yet
         self.broken = False
         self.workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
@@ -268,7 +292,7 @@ class _Pool:
             start = plan.first_unread(handed_out)
             process = ctx.Process(
                 target=_worker_main,
-                args=(theirs, payload, plan, slot_count, read_threads, 0, start),
+                args=(theirs, payload, plan, slot_count, read_threads, 0, start, tasked),
                 name=f"grain_replay_loader_worker_{plan.worker}",
                 daemon=True,
             )
@@ -279,6 +303,7 @@ class _Pool:
     def seek(self, handed_out: int, plans: Sequence[_Plan]) -> None:
         self.generation += 1
         self.broken = False
+        self.sent = handed_out
         for w, plan in zip(self.workers, plans):
             w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out)))
 
@@ -363,6 +388,12 @@ class WorkerLoaderIterator(GrainStateIterator):
     up to ``buffer_size`` finished batches in shared memory ahead of the consumer.
     ``get_state`` returns the bytes grain's iterator would; the state counts only
     batches handed out, so a checkpoint moves between the two iterators.
+
+    With ``task``, element ``j`` is ``read(task(j))`` instead: ``task`` runs here, in
+    the consuming process, in order of ``j``, at most ``worker_count * buffer_size``
+    elements ahead of the element handed out (``task(j)`` for ``j < handed out +
+    worker_count * buffer_size``); a seek or a restart asks for the tasks of the
+    elements not handed out again, so ``task`` must return the same for the same ``j``.
     """
 
     def __init__(
@@ -374,6 +405,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         maps: Sequence[Any] = (),
         buffer_size: int = 2,
         read_threads: int = 0,
+        task: Callable[[int], Any] | None = None,
     ) -> None:
         super().__init__(identity, length=length)
         worker_count, shard_index, shard_count = (
@@ -397,16 +429,31 @@ class WorkerLoaderIterator(GrainStateIterator):
         ]
         self._slots = max(1, int(buffer_size))
         self._read_threads = max(0, int(read_threads))
+        self._task = task
         self._pool: _Pool | None = None
 
     def _ready_pool(self) -> _Pool:
         pool = self._pool
         if pool is None or not pool.workers:
             pool = self._pool = _Pool(
-                self._payload, self._plans, self._slots, self._read_threads, self._next_index
+                self._payload,
+                self._plans,
+                self._slots,
+                self._read_threads,
+                self._next_index,
+                tasked=self._task is not None,
             )
         elif pool.broken:
             pool.seek(self._next_index, self._plans)
+        if self._task is not None:
+            limit = min(self._next_index + self._worker_count * self._slots, self._length)
+            while pool.sent < limit:
+                j = pool.sent
+                payload = self._task(j)
+                pool.workers[j % self._worker_count].conn.send(
+                    (_TASK, j // self._worker_count, payload)
+                )
+                pool.sent = j + 1
         return pool
 
     def __next__(self) -> Any:

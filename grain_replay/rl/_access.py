@@ -1,7 +1,9 @@
-"""Per-leaf reads from a wrapped source, and tree-structure helpers for the derived sources."""
+"""Per-leaf reads from a wrapped source, and helpers for the derived sources (tree structure,
+their best-effort ``.npz`` caches beside a local store)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -106,6 +108,26 @@ def local_path(source: Any) -> str | None:
     if not isinstance(path, str) or "://" in path or not os.path.exists(path):
         return None
     return path
+
+
+def save_cache(file: str, arrays: Mapping[str, Any], what: str, logger: logging.Logger) -> None:
+    """Writes ``arrays`` to the ``.npz`` ``file`` by an atomic rename, if the file system lets us.
+
+    A cache is an optimisation: an ``OSError`` (read-only store, full disk) is
+    logged at info level on ``logger`` as "cannot write the ``what``" and the
+    partial file is removed; nothing is raised.
+    """
+    tmp = f"{file}.{os.getpid()}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, file)
+    except OSError as e:
+        logger.info("%s: cannot write the %s (%s); continuing without", file, what, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def subtree(treedef: Mapping[str, Any], key: str) -> dict[str, Any]:

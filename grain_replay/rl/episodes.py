@@ -19,7 +19,7 @@ from grain_replay.errors import (
     RecordIndexError,
     UnknownLeafError,
 )
-from grain_replay.rl._access import LeafAccess, local_path
+from grain_replay.rl._access import LeafAccess, local_path, save_cache
 
 __all__ = ["EpisodeIndex", "EpisodeFlags", "build_episode_index", "episode_cache_path"]
 
@@ -383,17 +383,10 @@ def _load(file: str, tag: str, n: int, fingerprint: str) -> EpisodeIndex | None:
 
 def _save(file: str, index: EpisodeIndex, tag: str, n: int, fingerprint: str) -> None:
     meta = json.dumps({"version": _CACHE_VERSION, "flags": tag, "n": n, "fp": fingerprint})
-    tmp = f"{file}.{os.getpid()}.partial"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(
-                f, ends=index.ends, terminated=index.terminated,
-                open_last=np.bool_(index.open_last), meta=np.str_(meta),
-            )  # fmt: skip
-        os.replace(tmp, file)
-    except OSError as e:
-        logger.info("%s: cannot write the episode index cache (%s); continuing without", file, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    arrays = {
+        "ends": index.ends,
+        "terminated": index.terminated,
+        "open_last": np.bool_(index.open_last),
+        "meta": np.str_(meta),
+    }
+    save_cache(file, arrays, "episode index cache", logger)

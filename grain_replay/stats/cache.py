@@ -12,7 +12,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess, local_path
+from grain_replay.rl._access import LeafAccess, local_path, save_cache
 from grain_replay.stats.accumulate import (
     SAMPLE_BYTES,
     LeafState,
@@ -162,14 +162,4 @@ def _save(file: str, source: Any, path: str, state: StoreState, sample_rows: int
         arrays[f"qv{i}"] = np.array(list(leaf.quantiles.values())).reshape(
             len(leaf.quantiles), leaf.mean.size
         )
-    tmp = f"{file}.{os.getpid()}.partial"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, file)
-    except OSError as e:
-        logger.info("%s: cannot write the statistics cache (%s); continuing without", file, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    save_cache(file, arrays, "statistics cache", logger)

@@ -207,6 +207,21 @@ def test_refuses_what_it_cannot_replay(store: str) -> None:
     assert isinstance(gr.sharded_device_put(mapped, resident="auto"), ShardedDevicePutIterator)
 
 
+def test_refuses_sampling_loader_naming_its_sampling_and_auto_falls_back(store: str) -> None:
+    src = gr.open_source(store)
+    for loader in (
+        gr.make_data_loader(src, batch_size=16, sampling=gr.UniformReplay()),
+        gr.make_data_loader({"a": src, "b": src}, weights={"a": 0.5, "b": 0.5}, batch_size=16),
+    ):
+        with pytest.raises(gr.ResidentUnsupportedError, match="samples otherwise") as info:
+            gr.sharded_device_put(loader, resident=True)
+        assert "resident=False" in str(info.value)
+        it = gr.sharded_device_put(loader, resident="auto")
+        assert isinstance(it, ShardedDevicePutIterator)
+        assert next(it)["id"].shape[0] == 16
+        it.close()
+
+
 def test_raises_error_invalid_arguments(store: str) -> None:
     loader = gr.make_data_loader(gr.open_source(store), batch_size=16)
     with pytest.raises(ValueError, match="resident must be"):

@@ -1,0 +1,97 @@
+"""One JAX process of tests/pipeline/test_multihost_sampling.py: a mixture and prioritized replay.
+
+Run as ``python multihost_sampling_worker.py --port P --process-id I --a A --b B --out OUT``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. The process joins a
+2-process JAX job over gloo, reads a mixture of stores A and B and prioritized
+batches of A through ``sharded_device_put``, gives priorities back as globally
+sharded jax arrays, and writes what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+NUM_PROCESSES = 2
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=NUM_PROCESSES,
+        process_id=args.process_id,
+        initialization_timeout=120,
+    )
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import grain_replay as gr
+
+    a, b = gr.NpyDataSource(args.a), gr.NpyDataSource(args.b)
+    mixture: list[list[int]] = []
+    loader = gr.make_data_loader(
+        {"a": a, "b": b}, weights={"a": 0.5, "b": 0.5}, batch_size=8, source_leaf="src"
+    )
+    with gr.sharded_device_put(loader) as batches:
+        for _ in range(6):
+            batch = next(batches)
+            assert batch["id"].shape == (16,), batch["id"].shape
+            local = np.concatenate(
+                [np.asarray(s.data) for s in sorted(batch["id"].addressable_shards, key=_start)]
+            )
+            mixture.append(local.tolist())
+
+    drawn: list[list[int]] = []
+    weights: list[list[float]] = []
+    per = gr.PrioritizedReplay(alpha=1.0, beta=1.0)
+    loader = gr.make_data_loader(a, batch_size=8, sampling=per, worker_count=args.workers)
+    with gr.sharded_device_put(loader) as batches:
+        for _ in range(8):
+            batch = next(batches)
+            assert not batch.index.is_fully_addressable
+            local = np.concatenate(
+                [np.asarray(s.data) for s in sorted(batch.index.addressable_shards, key=_start)]
+            )
+            drawn.append(local.tolist())
+            w = np.concatenate(
+                [np.asarray(s.data) for s in sorted(batch.weight.addressable_shards, key=_start)]
+            )
+            weights.append(w.tolist())
+            # globally sharded arrays back: each process gives its own rows
+            batches.update_priorities(batch.index, (batch.index % 4 + 1).astype("float32"))
+    multihost_utils.sync_global_devices("multihost_sampling_done")
+    jax.distributed.shutdown()
+    return {"process_index": args.process_id, "mixture": mixture, "drawn": drawn, "w": weights}
+
+
+def _start(shard: Any) -> int:
+    return shard.index[0].start or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--a", required=True)
+    parser.add_argument("--b", required=True)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = run(args)
+    tmp = args.out + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

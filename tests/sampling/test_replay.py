@@ -1,0 +1,157 @@
+"""Uniform replay over a (growing) store: draws, refresh, resume, workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import grain_replay as gr
+from grain_replay.sampling.draws import integers, uniforms
+
+
+def _rows(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n, dtype=np.int64)
+    return {"id": ids, "obs": ids[:, None].astype(np.float32) * np.ones(4, np.float32)}
+
+
+@pytest.fixture
+def growing(tmp_path: Path) -> tuple[gr.ReplayWriter, str]:
+    path = str(tmp_path / "replay")
+    writer = gr.ReplayWriter(path, format="npy")
+    writer.append(_rows(0, 50))
+    writer.flush()
+    yield writer, path
+    writer.close()
+
+
+def test_draws_are_a_function_of_seed_stream_step() -> None:
+    a, b = uniforms(1, 0, 5, 100), uniforms(1, 0, 5, 100)
+    np.testing.assert_array_equal(a, b)
+    assert ((a >= 0) & (a < 1)).all()
+    assert not np.array_equal(a, uniforms(1, 0, 6, 100))
+    assert not np.array_equal(a, uniforms(1, 1, 5, 100))
+    x = integers(0, 0, 0, 100_000, 7)
+    assert x.min() == 0 and x.max() == 6
+    assert abs(np.bincount(x).std() / np.bincount(x).mean()) < 0.05  # uniform enough
+    assert integers(0, 0, 0, 10, 2**40).max() < 2**40
+
+
+def test_uniform_reads_committed_rows_and_grows(growing: tuple[gr.ReplayWriter, str]) -> None:
+    writer, path = growing
+    it = iter(
+        gr.make_data_loader(
+            gr.NpyDataSource(path), batch_size=32, sampling=gr.UniformReplay(refresh_every=None)
+        )
+    )
+    first = np.concatenate([next(it)["id"] for _ in range(20)])
+    assert first.max() < 50 and len(np.unique(first)) > 40
+    writer.append(_rows(50, 150))
+    writer.flush()
+    assert np.concatenate([next(it)["id"] for _ in range(5)]).max() < 50  # not looked yet
+    it.refresh()
+    later = np.concatenate([next(it)["id"] for _ in range(20)])
+    assert later.max() >= 50 and (later >= 50).mean() > 0.5  # 150 of 200 rows are new
+
+
+def test_refresh_every_looks_on_its_own(growing: tuple[gr.ReplayWriter, str]) -> None:
+    writer, path = growing
+    it = iter(
+        gr.make_data_loader(
+            gr.NpyDataSource(path), batch_size=16, sampling=gr.UniformReplay(refresh_every=4)
+        )
+    )
+    next(it)
+    writer.append(_rows(50, 1000))
+    writer.flush()
+    ids = [next(it)["id"] for _ in range(6)]  # steps 1..6: step 4 looks
+    assert max(x.max() for x in ids[:3]) < 50 and min(x.max() for x in ids[3:]) >= 50
+
+
+def test_uniform_resume_and_workers_give_identical_batches(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    gr.write_npy(path, _rows(0, 300))
+    args = dict(batch_size=16, sampling=gr.UniformReplay(), seed=7)
+    plain = iter(gr.make_data_loader(gr.NpyDataSource(path), **args))
+    with iter(gr.make_data_loader(gr.NpyDataSource(path), worker_count=2, **args)) as workers:
+        for _ in range(6):
+            np.testing.assert_array_equal(next(plain)["id"], next(workers)["id"])
+        state = workers.get_state()
+        want = [next(workers)["id"] for _ in range(4)]
+    fresh = iter(gr.make_data_loader(gr.NpyDataSource(path), **args))
+    fresh.set_state(state)
+    for w in want:
+        np.testing.assert_array_equal(next(fresh)["id"], w)
+
+
+def test_workers_see_rows_the_consumer_saw(growing: tuple[gr.ReplayWriter, str]) -> None:
+    writer, path = growing
+    loader = gr.make_data_loader(
+        gr.NpyDataSource(path),
+        batch_size=64,
+        sampling=gr.UniformReplay(refresh_every=None),
+        worker_count=1,
+        worker_buffer_size=1,
+    )
+    with iter(loader) as it:
+        next(it)  # the worker's copy of the source has 50 rows
+        writer.append(_rows(50, 500))
+        writer.flush()
+        it.refresh()
+        ids = np.concatenate([next(it)["id"] for _ in range(3)])
+    assert ids.max() >= 50  # read by the worker after it looked for the new rows
+
+
+def test_empty_store_is_refused_clearly(tmp_path: Path) -> None:
+    class Empty:
+        def __len__(self) -> int:
+            return 0
+
+        def read_batch(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+            raise AssertionError("never read")
+
+    it = iter(gr.make_data_loader(Empty(), batch_size=4, sampling=gr.UniformReplay()))
+    with pytest.raises(gr.InvalidSamplingError, match="no committed rows"):
+        next(it)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_refresh_every_is_refused(bad: object) -> None:
+    with pytest.raises(gr.InvalidSamplingError, match="refresh_every"):
+        gr.UniformReplay(refresh_every=bad)  # type: ignore[arg-type]
+
+
+def test_sampling_of_unknown_kind_and_mixture_args_are_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    gr.write_npy(path, _rows(0, 10))
+    src = gr.NpyDataSource(path)
+    with pytest.raises(gr.InvalidSamplingError, match="sampling must be"):
+        gr.make_data_loader(src, batch_size=4, sampling="uniform")
+    with pytest.raises(gr.InvalidSamplingError, match="mixture"):
+        gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay(), weights={"a": 1})
+    with pytest.raises(gr.InvalidSamplingError, match="replays one source"):
+        gr.make_data_loader({"a": src}, batch_size=4, sampling=gr.PrioritizedReplay())
+    it = iter(gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay()))
+    with pytest.raises(gr.InvalidSamplingError, match="PrioritizedReplay"):
+        it.update_priorities(np.zeros(1, np.int64), np.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"batch_size": 0}, ValueError),
+        ({"batch_size": 2.5}, TypeError),
+        ({"seed": -1}, ValueError),
+        ({"seed": True}, TypeError),
+    ],
+)
+def test_bad_batch_size_or_seed_is_refused(
+    tmp_path: Path, kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    path = str(tmp_path / "s")
+    gr.write_npy(path, _rows(0, 10))
+    args: dict[str, object] = {"batch_size": 4, "sampling": gr.UniformReplay(), **kwargs}
+    with pytest.raises(error) as e:
+        gr.make_data_loader(gr.NpyDataSource(path), **args)  # type: ignore[arg-type]
+    assert isinstance(e.value, gr.GrainReplayError)
