@@ -189,28 +189,30 @@ def run_pipeline(
             full_it = gr.sharded_device_put(
                 gr.make_data_loader(src, batch_size=b, worker_count=0, num_epochs=None)
             )
-            # The same with the reads in a worker process, off this process's GIL.
-            full_w_it = gr.sharded_device_put(
-                gr.make_data_loader(src, batch_size=b, worker_count=1, num_epochs=None)
-            )
-            cases = _paired(
-                cfg, store, fmt,
-                {
-                    "read_batch": lambda i, src=src, reads=reads: src.read_batch(
-                        pool[next(reads) % len(pool)]
-                    ),
-                    "make_data_loader": _iterate(loader_it),
-                    "sharded_device_put-only": _iterate(dp_it, block),
-                    "full": _iterate(full_it, block),
-                    "full-1-worker": _iterate(full_w_it, block),
-                },
-                **steady,
-            )  # fmt: skip
+            timed = {
+                "read_batch": lambda i, src=src, reads=reads: src.read_batch(
+                    pool[next(reads) % len(pool)]
+                ),
+                "make_data_loader": _iterate(loader_it),
+                "sharded_device_put-only": _iterate(dp_it, block),
+                "full": _iterate(full_it, block),
+            }
+            # --quick: the cases with worker processes for one format only (each start
+            # of workers takes seconds), as the formats section does.
+            with_workers = not cfg.quick or fmt == "npy"
+            full_w_it = None
+            if with_workers:  # the same with the reads in a worker process, off the GIL
+                full_w_it = gr.sharded_device_put(
+                    gr.make_data_loader(src, batch_size=b, worker_count=1, num_epochs=None)
+                )
+                timed["full-1-worker"] = _iterate(full_w_it, block)
+            cases = _paired(cfg, store, fmt, timed, **steady)
             for it in (dp_it, full_it, full_w_it):
-                it.close()
-            del loader_it, dp_it, full_it, full_w_it, host_batches
+                if it is not None:
+                    it.close()
+            del loader_it, dp_it, full_it, full_w_it, host_batches, timed
             gc.collect()
-            workers = _workers_vs_grain(cfg, store, fmt, src, steady)
+            workers = _workers_vs_grain(cfg, store, fmt, src, steady) if with_workers else []
         for c in [*cases.values(), *workers]:
             res.add(c)
         rb, loader = cases.get("read_batch"), cases.get("make_data_loader")

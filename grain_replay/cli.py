@@ -1,12 +1,12 @@
-"""Command line: ``grain-replay info|convert|verify|stats|demo``."""
+"""Command line: grain-replay info | convert | verify | stats | demo."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,7 +46,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if not src.path.startswith(("s3://", "gs://", "http")):
         info["size_on_disk"] = _size_on_disk(src.path)
     info["checksums"] = getattr(src, "checksums", None) is not None
-    episodes = _episodes(src)
+    episodes = _episodes(src, cache=args.cache_episodes)
     if episodes is not None:
         info["episodes"] = episodes
     if args.json:
@@ -104,14 +104,19 @@ def _is_plain(path: str) -> bool:
         return METADATA_ATTR in f.attrs or not d4rl
 
 
-def _episodes(src: Any) -> dict[str, Any] | None:
+def _episodes(src: Any, cache: bool) -> dict[str, Any] | None:
+    """Episode counts, or None for a store without episode flags.
+
+    ``info`` is read-only: the index is built in memory and the cache file that the
+    RL views keep beside a store is written only when ``cache`` is true.
+    """
     from grain_replay.errors import GrainReplayError
     from grain_replay.rl import build_episode_index
     from grain_replay.rl.episodes import EpisodeFlags
 
     try:
         flags = EpisodeFlags().resolve(src.spec, src.path)
-        index = getattr(src, "episodes", None) or build_episode_index(src)
+        index = getattr(src, "episodes", None) or build_episode_index(src, cache=cache)
     except (GrainReplayError, AttributeError, TypeError):
         return None
     lengths = np.asarray(index.lengths)
@@ -126,23 +131,48 @@ def _episodes(src: Any) -> dict[str, Any] | None:
     }
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "records") -> Any:
+    """A tqdm bar on stderr counting ``unit`` (``"B"``: bytes, shown as KiB/MiB)."""
     try:
         from tqdm import tqdm
     except ImportError:  # the cli extra is optional
         enabled = False
     if not enabled:
-        return contextlib.nullcontext(type("_P", (), {"update": staticmethod(lambda n: None)})())
-    return tqdm(total=total, desc=desc, unit="rec", unit_scale=True, file=sys.stderr)
+        return _NoBar()
+    if unit == "B":
+        return tqdm(
+            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+        )
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
     from grain_replay import layout as layout_lib
     from grain_replay import tree as tree_lib
+    from grain_replay.errors import StoreExistsError
     from grain_replay.formats import format_from_path
     from grain_replay.writers.oneshot import write_blocks
 
+    if os.path.lexists(args.dst) and not args.overwrite:
+        raise StoreExistsError(
+            f"{os.path.abspath(args.dst)} exists. Fix: pass --overwrite to replace it, or "
+            "choose another destination."
+        )
     src = _open(args.src)
     n = len(src)
     fmt = args.format or format_from_path(args.dst)
@@ -155,26 +185,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     treedef = tree_lib.flatten(probe)[1]
     meta = layout_lib.StoreMetadata(n, leaves, treedef)
     t = time.perf_counter()
-    with _progress(n, f"convert -> {fmt}", not args.quiet) as bar:
+    bar: Any = None  # drawn with the first block: the writer checks its options before that
 
-        def blocks() -> Any:
-            for start in range(0, n, block):
-                rows = src.read_batch(np.arange(start, min(start + block, n)))
-                flat = tree_lib.flatten(rows)[0]
-                bar.update(min(block, n - start))
-                yield start, {k: np.asarray(v) for k, v in flat.items()}
+    def blocks() -> Any:
+        nonlocal bar
+        bar = _progress(n, f"convert to {fmt}", not args.quiet, "records")
+        for start in range(0, n, block):
+            rows = src.read_batch(np.arange(start, min(start + block, n)))
+            flat = tree_lib.flatten(rows)[0]
+            bar.update(min(block, n - start))
+            yield start, {k: np.asarray(v) for k, v in flat.items()}
 
-        try:
-            out = write_blocks(
-                args.dst, meta, blocks(), format=fmt, chunk_rows=args.chunk_rows,
-                compression=args.compression, overwrite=args.overwrite,
-            )  # fmt: skip
-        except KeyboardInterrupt:
-            print(
-                f"\ninterrupted: {args.dst} was not written (no partial store left)",
-                file=sys.stderr,
-            )
-            return 130
+    try:
+        out = write_blocks(
+            args.dst, meta, blocks(), format=fmt, chunk_rows=args.chunk_rows,
+            compression=args.compression, overwrite=args.overwrite,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: {args.dst} was not written (no partial store left)",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
     dt = time.perf_counter() - t
     print(f"wrote {out}: {n:,} records, {fmt}, {_fmt_bytes(n * row_bytes / max(dt, 1e-9))}/s")
     return 0
@@ -185,8 +220,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from grain_replay.integrity import verify_source
 
     src = _open(args.path)
-    with _progress(len(src) * max(1, len(src.spec)), "verify", not args.quiet) as bar:
-        report = verify_source(src, getattr(src, "checksums", None), progress=bar.update)
+    n = len(src)
+    # verify_source checks the leaves one after another, reporting rows: count bytes.
+    leaf_bytes = [
+        s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in src.spec.values()
+    ]
+    bar = _progress(n * sum(leaf_bytes), "verify (bytes read)", not args.quiet, "B")
+    done = [0]  # rows checked over all leaves
+
+    def progress(rows: int) -> None:
+        leaf = min(done[0] // max(n, 1), len(leaf_bytes) - 1)
+        done[0] += rows
+        bar.update(rows * leaf_bytes[leaf])
+
+    try:
+        report = verify_source(src, getattr(src, "checksums", None), progress=progress)
+    finally:
+        bar.close()
     if report.ok:
         what = "checksums match" if report.has_checksums else "readable (no checksums recorded)"
         print(
@@ -269,11 +319,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from grain_replay.pipeline.device_put import sharded_device_put
     from grain_replay.pipeline.loader import make_data_loader
 
+    devices = jax.devices()
+    expected = (n // b) * b
     print(
         f"streaming 1 shuffled epoch per format through grain.DataLoader "
-        f"(worker_count={args.workers}) -> sharded_device_put over {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s)"
+        f"(worker_count={args.workers}) -> sharded_device_put over {len(devices)} "
+        f"{devices[0].platform} device(s)"
     )
+    if expected != n:
+        print(
+            f"  {n - expected} of the {n:,} records do not fill a last batch of {b}: "
+            f"drop_remainder=True (the default) drops them, so {expected:,} are expected"
+        )
     for fmt, path in paths.items():
         src = gr.open_source(path)
         t = time.perf_counter()
@@ -294,70 +351,205 @@ def cmd_demo(args: argparse.Namespace) -> int:
             jax.block_until_ready(batch)
         dt = time.perf_counter() - t
         assert raw["obs"].shape == (b * 200, 17)
-        expected = (n // b) * b
-        status = "ok" if seen == expected else f"MISMATCH (expected {expected})"
+        status = "ok" if seen == expected else f"MISMATCH (expected {expected:,})"
         steady = (seen - b) / max(dt - first, 1e-9)
         print(
             f"  {fmt:<5} read_batch {read_rate:>11,.0f} rec/s | loader+device_put "
-            f"{steady:>9,.0f} rec/s after a first batch in {first:.1f} s "
-            f"(workers starting); {seen:,} records [{status}]"
+            f"{steady:>9,.0f} rec/s after a first batch in {first:.1f} s"
+            f"{' (workers starting)' if args.workers else ''}; {seen:,} records [{status}]"
         )
         if seen != expected:
             return 1
-    print("done: every record of every format was delivered once as sharded jax.Arrays")
+    notes = [
+        "read_batch: one vectorized read of random records into host memory. "
+        "loader+device_put: the whole pipeline (shuffled batches, read in the loader's "
+        "workers, put on every device as one sharded jax.Array per leaf)."
+    ]
+    if devices[0].platform == "cpu":
+        notes.append(
+            f"The {len(devices)} devices are fake CPU devices (XLA_FLAGS="
+            "--xla_force_host_platform_device_count): each device put is a host-to-host "
+            "copy on the same cores that the workers read with, so here the pipeline runs "
+            "far below read_batch. On GPUs and TPUs the copies go to the devices and "
+            "overlap with the reads."
+        )
+    dropped = f" (the {n - expected} that do not fill a batch dropped)" if expected != n else ""
+    notes.append(
+        f"done: each format delivered one shuffled epoch of {expected:,} records{dropped} "
+        "as sharded jax.Arrays."
+    )
+    for note in notes:
+        print(textwrap.fill(note, width=100))
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grain-replay", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+_VERIFY_EPILOG = """\
+exit status:
+  0  the store is readable and every recorded checksum matches
+  1  the store is corrupt: the first damaged leaf and row range are named
+  2  the store cannot be opened or an argument is wrong (one error line)
+"""
 
-    p = sub.add_parser("info", help="format, records, leaves, dtypes, shapes, size")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+# Descriptions and epilogs are wrapped by hand (RawDescriptionHelpFormatter keeps
+# the exit-status table); defaults are written into the help strings with
+# %(default)s where an argument has one, rather than ArgumentDefaultsHelpFormatter's
+# "(default: None)" after every flag.
+_HelpFormatter = argparse.RawDescriptionHelpFormatter
+
+
+def _add_info(sub: Any) -> None:
+    p = sub.add_parser(
+        "info",
+        help="show format, records, leaves, episodes and size (writes nothing)",
+        description="Shows a store's format, records, leaves (dtype, shape), episodes and\n"
+        "size on disk. Read-only: it works on a read-only store and writes nothing\n"
+        "unless --cache-episodes is given.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("path", help="a store: .h5/.hdf5 file, .zarr group or .npy directory/file")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument(
+        "--cache-episodes",
+        action="store_true",
+        help="also write the episode index beside the store, where the RL views reuse it",
+    )
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("convert", help="copy a store into another format, bit-exactly")
-    p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL file")
-    p.add_argument("dst", help="destination; its suffix picks the format as in gr.write")
-    p.add_argument("--format", choices=["hdf5", "npy", "zarr"])
-    p.add_argument("--chunk-rows", type=int)
-    p.add_argument("--compression")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--block-bytes", type=int, default=64 << 20, help="memory per block")
+
+def _add_convert(sub: Any) -> None:
+    from grain_replay.writers.oneshot import HDF5_COMPRESSIONS, ZARR_COMPRESSIONS
+
+    compressions = sorted({*HDF5_COMPRESSIONS, *ZARR_COMPRESSIONS})
+    p = sub.add_parser(
+        "convert",
+        help="copy a store into another format, bit-exactly",
+        description="Copies SRC into a new store at DST, bit-exactly, streaming in bounded\n"
+        "memory. An interrupted convert leaves nothing behind.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
+    p.add_argument(
+        "dst", help="destination: .h5/.hdf5 writes HDF5, .zarr writes Zarr, else .npy directory"
+    )
+    p.add_argument(
+        "--format", choices=["hdf5", "npy", "zarr"], help="format of DST (default: from its name)"
+    )
+    p.add_argument(
+        "--chunk-rows", type=int, metavar="ROWS", help="rows per chunk (default: contiguous)"
+    )
+    p.add_argument(
+        "--compression",
+        choices=compressions,
+        help=f"HDF5: {', '.join(HDF5_COMPRESSIONS)}; Zarr: {', '.join(ZARR_COMPRESSIONS)}; "
+        ".npy: none (default: uncompressed)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        default=64 << 20,
+        metavar="BYTES",
+        help="bytes of records read and written at a time, which bounds the memory used "
+        "(default: %(default)s = 64 MiB)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("verify", help="check metadata, lengths and checksums")
-    p.add_argument("path")
+
+def _add_verify(sub: Any) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check metadata, lengths and checksums; exit 0 ok, 1 corrupt, 2 error",
+        description="Reads every leaf of a store and checks its metadata, lengths and\n"
+        "recorded checksums.",
+        epilog=_VERIFY_EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("stats", help="per-leaf count, mean, std, min, max, quantiles")
-    p.add_argument("path")
+
+def _add_stats(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="per-leaf count, mean, std, min, max, quantiles",
+        description="Per-leaf count, mean, std, min, max and quantiles, in one streaming\n"
+        "pass; cached beside the store unless --no-cache.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
     p.add_argument("--json", action="store_true", help="machine-readable output (NaN -> null)")
-    p.add_argument("--keys", nargs="+", help="leaves or groups (default all)")
-    p.add_argument("--quantiles", nargs="+", type=float, default=[0.01, 0.1, 0.5, 0.9, 0.99])
+    p.add_argument("--keys", nargs="+", help="leaves or groups (default: all)")
+    p.add_argument(
+        "--quantiles",
+        nargs="+",
+        type=float,
+        default=[0.01, 0.1, 0.5, 0.9, 0.99],
+        metavar="Q",
+        help="quantiles in [0, 1] (default: %(default)s)",
+    )
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("demo", help="write a synthetic replay in each format and stream it back")
-    p.add_argument("--out", default="demo_out")
-    p.add_argument("--records", type=int, default=200_000)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="write a synthetic replay in each format and stream it back",
+        description="Writes a synthetic replay of transitions as HDF5, .npy and Zarr, then\n"
+        "streams one shuffled epoch of each through make_data_loader and\n"
+        "sharded_device_put, and prints the rates.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--out", default="demo_out", help="directory the stores go to (default: %(default)s)"
+    )
+    p.add_argument(
+        "--records", type=int, default=200_000, help="transitions per store (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=256, help="records per batch (default: %(default)s)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=2, help="loader worker processes (default: %(default)s)"
+    )
     p.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``grain-replay`` parser: one ``_add_<command>`` per subcommand."""
+    from grain_replay import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="grain-replay",
+        description="Inspect, convert, verify, describe and demo grain_replay stores (HDF5, .npy,\n"
+        "Zarr).",
+        epilog="Run 'grain-replay COMMAND --help' for a command's arguments. Expected\n"
+        "failures print one 'grain-replay: error: ...' line and exit with status 2.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_info(sub)
+    _add_convert(sub)
+    _add_verify(sub)
+    _add_stats(sub)
+    _add_demo(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``grain-replay``; returns the exit status (2 for every expected failure)."""
     args = build_parser().parse_args(argv)
     from grain_replay.errors import GrainReplayError
 
     try:
         return int(args.func(args))
-    except GrainReplayError as e:
+    except (GrainReplayError, OSError) as e:
+        # Expected failures (bad input, missing or unwritable paths): one line, argparse's form.
         print(f"grain-replay: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,7 @@ __all__ = [
     "StoreUnreachableError",
     "InvalidArgumentError",
     "ArgumentTypeError",
+    "UnknownLeafError",
     "CheckpointMismatchError",
     "ReferenceRefusedError",
     "WriterBusyError",
@@ -99,6 +100,12 @@ class InvalidArgumentError(GrainReplayError, ValueError):
 
 class ArgumentTypeError(GrainReplayError, TypeError):
     """An argument has the wrong type (a float where offsets in steps are integers)."""
+
+
+class UnknownLeafError(InvalidArgumentError, KeyError):
+    """An argument (``keys=``, ``obs_key=``, ...) names a leaf the store does not have."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it
 
 
 class CheckpointMismatchError(GrainReplayError, ValueError):

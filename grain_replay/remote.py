@@ -20,7 +20,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from grain_replay.errors import (
+    ArgumentTypeError,
     GrainReplayError,
+    InvalidArgumentError,
     InvalidStoreError,
     StoreAccessError,
     StoreNotFoundError,
@@ -74,11 +76,11 @@ class RetryOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+            raise InvalidArgumentError(f"retries must be an int >= 0, got {self.retries!r}")
         if not self.backoff_s >= 0:
-            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s!r}")
+            raise InvalidArgumentError(f"backoff_s must be >= 0, got {self.backoff_s!r}")
         if not self.max_backoff_s >= self.backoff_s:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_backoff_s must be >= backoff_s ({self.backoff_s}), got {self.max_backoff_s!r}"
             )
 
@@ -94,7 +96,7 @@ def retry_options(value: int | RetryOptions | None) -> RetryOptions:
     if isinstance(value, RetryOptions):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"retries must be an int or a RetryOptions, got {type(value).__name__}. "
             "Fix: pass e.g. retries=3."
         )

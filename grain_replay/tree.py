@@ -7,6 +7,7 @@ leaves. jax is not imported: jax arrays are leaves like any other array.
 from __future__ import annotations
 
 import collections
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -69,7 +70,9 @@ def flatten(tree: Any, *, where: str = "") -> tuple[dict[str, Any], dict[str, An
     leaves: dict[str, Any] = {}
     prefix = f"{where}: " if where else ""
 
-    def visit(node: Any, path: str) -> dict[str, Any]:
+    def visit(node: Any, path: str, in_list: str | None = None) -> dict[str, Any]:
+        # in_list: the path of the outermost list/tuple this node is nested in, through
+        # lists and tuples only (the list to hand to np.asarray when a leaf is a number).
         if isinstance(node, Mapping):
             keys = list(node.keys())
             for k in keys:
@@ -102,13 +105,24 @@ def flatten(tree: Any, *, where: str = "") -> tuple[dict[str, Any], dict[str, An
         if isinstance(node, (list, tuple)):
             return {
                 "type": "list" if isinstance(node, list) else "tuple",
-                "children": [visit(v, _join(path, str(i))) for i, v in enumerate(node)],
+                "children": [
+                    visit(v, _join(path, str(i)), path if in_list is None else in_list)
+                    for i, v in enumerate(node)
+                ],
             }
         if _is_leaf(node):
             leaves[path] = node
             return dict(_LEAF)
+        what = type(node).__name__
+        article = "an" if what[:1].lower() in "aeiou" else "a"
+        if isinstance(node, numbers.Number) and in_list is not None:
+            raise InvalidTreeError(
+                f"{prefix}Leaf {path!r} is {article} {what}, not an array: to a writer a list "
+                "of numbers is a list of separate leaves. Fix: convert the list at "
+                f"{in_list or '<root>'!r} with np.asarray(...) first."
+            )
         raise InvalidTreeError(
-            f"{prefix}Leaf {path or '<root>'!r} is a {type(node).__name__}, not an array or a "
+            f"{prefix}Leaf {path or '<root>'!r} is {article} {what}, not an array or a "
             "dict/list/tuple/NamedTuple. Fix: pass a pytree of numpy or jax arrays."
         )
 

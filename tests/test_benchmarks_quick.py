@@ -1,6 +1,8 @@
 """Smoke test of benchmarks/run.py --quick: it runs and reports every section and format.
 
 Performance targets are not asserted here: timings on shared CI machines are noise.
+The datasets are smaller than --quick's own (the same code runs on fewer records):
+the run is a smoke test of every section and format, not a measurement.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 SECTIONS = ("formats", "pipeline", "cold", "write")
 FORMATS = ("npy", "hdf5", "zarr")
+TRANSITIONS, IMAGES = 4000, 400
+QUICK = ("--quick", "--transitions", str(TRANSITIONS), "--image-records", str(IMAGES))
 LAYOUTS = (
     "npy",
     "hdf5",
@@ -56,7 +60,7 @@ def _positive(x: Any) -> bool:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench_quick")
-    proc = _run("--quick", "--out", str(out))
+    proc = _run(*QUICK, "--out", str(out))
     return out, proc.stdout
 
 
@@ -86,6 +90,11 @@ def test_quick_run_writes_results_for_every_section_and_format(quick_run: tuple[
         assert f"formats/{dataset}/arrayrecord/getitems+decode" in names
     # A spawned grain pipeline over the importable baselines ran.
     assert any(n.endswith("-w2") for n in names)
+    # So did the loader's worker processes (--quick: for one format).
+    pipeline = {c["name"] for c in doc["sections"]["pipeline"]["cases"]}
+    workers = ("full-1-worker", "make_data_loader-2-workers", "grain-worker-iterator-2-workers")
+    for method in workers:
+        assert f"pipeline/transitions/npy/{method}" in pipeline, sorted(pipeline)
     assert doc["targets"]["passed"] + doc["targets"]["failed"] > 0
     assert "| ratio | value | target | pass |" in stdout
 
@@ -114,7 +123,7 @@ def test_quick_run_draws_the_plot(quick_run: tuple[Path, str]):
 def test_only_and_sections_filter_and_reuse_the_data(quick_run: tuple[Path, str], tmp_path: Path):
     out, _ = quick_run
     proc = _run(
-        "--quick",
+        *QUICK,
         "--out",
         str(tmp_path),
         "--data",
@@ -127,9 +136,12 @@ def test_only_and_sections_filter_and_reuse_the_data(quick_run: tuple[Path, str]
     # Datasets are reused, not rewritten. (Only the stores written by other libraries
     # are checked: gr.write's stores are rewritten whenever grain_replay's writer
     # code changes, which may happen between the two runs while it is being edited.)
-    assert "wrote transitions-20000/hdf5-gzip.h5" not in proc.stdout
-    assert "wrote images-2000/zarr-zstd.zarr" not in proc.stdout
+    assert f"wrote transitions-{TRANSITIONS}/hdf5-gzip.h5" not in proc.stdout
+    assert f"wrote images-{IMAGES}/zarr-zstd.zarr" not in proc.stdout
     doc = json.loads((tmp_path / "results.json").read_text())
+    reused = doc["meta"]["stores"]["transitions"]["hdf5-gzip"]["path"]
+    assert reused.endswith(f"transitions-{TRANSITIONS}/hdf5-gzip.h5")  # the sizes the run named
+    assert reused.startswith(str(out / "data"))
     assert list(doc["sections"]) == ["write"]
     sources = [c for c in doc["sections"]["write"]["cases"] if c["kind"] == "source"]
     assert sources and all(c["layout"] == "hdf5-lzf" for c in sources)

@@ -249,7 +249,7 @@ def test_bad_arguments_raise(tmp_path: Any) -> None:
         gr.compute_stats(src, sample_rows=0)
     with pytest.raises(ValueError, match="empty mapping"):
         gr.compute_stats({})
-    with pytest.raises(gr.InvalidStoreError, match="nope"):
+    with pytest.raises(gr.UnknownLeafError, match="nope"):
         gr.compute_stats(src, keys=["nope"])
 
 

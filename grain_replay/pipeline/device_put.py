@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from grain_replay.errors import (
     BatchShardingError,
+    InvalidArgumentError,
     InvalidPrefetchError,
     InvalidShardingError,
     UnsupportedStateError,
@@ -511,5 +512,7 @@ def sharded_device_put(
         if it is not None:
             return it
     elif budget_bytes is not None:
-        raise ValueError("budget_bytes applies to resident=True or 'auto'; got resident=False")
+        raise InvalidArgumentError(
+            "budget_bytes applies to resident=True or 'auto'; got resident=False"
+        )
     return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch, pinned=pinned)

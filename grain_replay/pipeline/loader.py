@@ -14,6 +14,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
 from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.shuffle import permute
@@ -45,11 +46,11 @@ class LoaderOptions:
         if self.num_epochs is not None:
             object.__setattr__(self, "num_epochs", _as_int("num_epochs", self.num_epochs))
         if self.batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+            raise InvalidArgumentError(f"batch_size must be positive, got {self.batch_size}")
         if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise InvalidArgumentError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.num_epochs is not None and self.num_epochs <= 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_epochs must be a positive int or None (forever), got {self.num_epochs}"
             )
 
@@ -57,11 +58,13 @@ class LoaderOptions:
 def _as_int(name: str, value: Any) -> int:
     """``value`` as a Python int; numpy integers are fine, bools and floats are not."""
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+        raise ArgumentTypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+        ) from None
 
 
 class BatchedReads:
@@ -84,14 +87,14 @@ class BatchedReads:
             per_epoch = (n // b) // shard_count * shard_count
         else:
             if shard_count > 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"drop_remainder=False with {shard_count} processes would give the "
                     "processes batches of different sizes, which a globally sharded array "
                     "cannot hold. Fix: use drop_remainder=True."
                 )
             per_epoch = -(-n // b)
         if per_epoch == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{source!r} has {n} records, fewer than one batch of {b} for each of "
                 f"{shard_count} process(es). Fix: lower batch_size, or use drop_remainder=False."
             )
@@ -429,7 +432,7 @@ def make_data_loader(
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
-        raise ValueError(f"worker_count must be >= 0, got {worker_count}")
+        raise InvalidArgumentError(f"worker_count must be >= 0, got {worker_count}")
     shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()

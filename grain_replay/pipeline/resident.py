@@ -23,7 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grain_replay.errors import BatchShardingError, ResidentBudgetError, ResidentUnsupportedError
+from grain_replay.errors import (
+    BatchShardingError,
+    InvalidArgumentError,
+    ResidentBudgetError,
+    ResidentUnsupportedError,
+)
 from grain_replay.pipeline.loader import BatchedReads, LoaderPlan
 from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
 
@@ -463,11 +468,13 @@ def resident_device_put(
         ResidentBudgetError: The store does not fit in ``budget_bytes`` per device.
     """
     if not (resident is True or (isinstance(resident, str) and resident == "auto")):
-        raise ValueError(f"resident must be False, True or 'auto', got {resident!r}")
+        raise InvalidArgumentError(f"resident must be False, True or 'auto', got {resident!r}")
     if budget_bytes is not None and (
         isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0
     ):
-        raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")
+        raise InvalidArgumentError(
+            f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}"
+        )
     try:
         plan = _plan_of(batches)
         return ResidentReplayIterator(

@@ -34,7 +34,8 @@ import cloudpickle
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import GrainReplayError, WorkerDiedError
+from grain_replay.errors import ArgumentTypeError, GrainReplayError, WorkerDiedError
+from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
 from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity, handed_out_by_worker
 from grain_replay.sources.reading.cache import share_cache_budget
 
@@ -238,6 +239,7 @@ class _Worker:
         self.spec: Any = None
         self.fields: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
         self.unpack: Callable[[dict[str, Any]], Any] | None = None
+        self.heard = False  # any message received: the worker got past its start-up
 
     def set_spec(self, spec: Any) -> None:
         self.spec = spec
@@ -294,7 +296,7 @@ class _Pool:
                 name=f"grain_replay_loader_worker_{plan.worker}",
                 daemon=True,
             )
-            process.start()
+            start_process(process)
             theirs.close()
             self.workers.append(_Worker(process, ours))
 
@@ -354,11 +356,19 @@ class _Pool:
             if w.conn.poll() or w.conn in multiprocessing.connection.wait(
                 [w.conn, w.process.sentinel]
             ):
-                return w.conn.recv()
+                msg = w.conn.recv()
+                w.heard = True
+                return msg
         except (EOFError, ConnectionResetError):
             pass
         w.process.join(_JOIN_S)
         self.close()
+        if not w.heard and w.process.exitcode == 1 and main_guard_missing():
+            raise WorkerDiedError(
+                f"grain_replay loader worker {index} (pid {w.process.pid}) exited with code 1 "
+                'while starting: the main script has no `if __name__ == "__main__":` guard, '
+                "so each spawned worker ran the script's loader again. " + GUARD_FIX
+            )
         raise WorkerDiedError(
             f"grain_replay loader worker {index} (pid {w.process.pid}) was terminated "
             f"unexpectedly with exit code {w.process.exitcode}. A negative code is the "
@@ -408,7 +418,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         try:  # fail here, not in the workers
             self._payload = cloudpickle.dumps((read, tuple(maps)))
         except Exception as e:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"make_data_loader(worker_count={worker_count}) sends the source and the "
                 f"operations to worker processes, but they do not pickle: {e}. Fix: give "
                 "them __getstate__/__setstate__ that drop handles and locks (as grain_replay's "

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import ArgumentTypeError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource, select_keys
 
@@ -38,7 +38,7 @@ class LeafAccess:
         self.source = source
         spec = getattr(source, "spec", None)
         if spec is None or not hasattr(source, "read_batch"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{type(source).__name__} is not a replay source: it needs `spec`, `__len__` "
                 "and `read_batch`. Fix: pass a grain_replay source such as gr.open_source(path)."
             )

@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, RecordIndexError
+from grain_replay.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    RecordIndexError,
+    UnknownLeafError,
+)
 from grain_replay.rl._access import LeafAccess, local_path, save_cache
 
 __all__ = ["EpisodeIndex", "EpisodeFlags", "build_episode_index", "episode_cache_path"]
@@ -61,12 +67,14 @@ class EpisodeIndex:
         ends = np.asarray(self.ends, dtype=np.int64).reshape(-1)
         term = np.asarray(self.terminated, dtype=bool).reshape(-1)
         if ends.shape != term.shape:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ends and terminated must have one entry per episode, got {ends.shape} "
                 f"and {term.shape}"
             )
         if ends.size and (ends[0] <= 0 or np.any(np.diff(ends) <= 0)):
-            raise ValueError("ends must be positive and strictly increasing (no empty episode)")
+            raise InvalidArgumentError(
+                "ends must be positive and strictly increasing (no empty episode)"
+            )
         object.__setattr__(self, "ends", ends)
         object.__setattr__(self, "terminated", term)
 
@@ -186,7 +194,9 @@ class EpisodeFlags:
         for name in ("done", "terminated", "truncated"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name}_key must be a leaf key (str) or None, got {value!r}")
+                raise ArgumentTypeError(
+                    f"{name}_key must be a leaf key (str) or None, got {value!r}"
+                )
 
     @property
     def keys(self) -> list[str]:
@@ -223,7 +233,7 @@ class EpisodeFlags:
             if key is None:
                 continue
             if key not in spec:
-                raise InvalidStoreError(
+                raise UnknownLeafError(
                     f"{where}: {name}={key!r} names no leaf of the store; the leaves are "
                     f"{leaves}. Fix: pass {name}= with the flag leaf's key from that list."
                 )
@@ -337,7 +347,7 @@ def build_episode_index(
       >>> idx.num_episodes, idx.lengths.mean()
     """
     if block_rows <= 0:
-        raise ValueError(f"block_rows must be positive, got {block_rows}")
+        raise InvalidArgumentError(f"block_rows must be positive, got {block_rows}")
     access = LeafAccess(source)
     flags = EpisodeFlags(done_key, terminated_key, truncated_key).resolve(access.spec, access.where)
     n = len(source)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError, UnknownLeafError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess, subtree, with_entries
 from grain_replay.rl._derived import DerivedSource, Spans
@@ -44,13 +44,13 @@ class NStepOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n <= 0:
-            raise ValueError(f"n must be a positive int, got {self.n!r}")
+            raise InvalidArgumentError(f"n must be a positive int, got {self.n!r}")
         if not 0.0 <= float(self.gamma) <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
+            raise InvalidArgumentError(f"gamma must be in [0, 1], got {self.gamma!r}")
         if self.next_obs_key is None:
             object.__setattr__(self, "next_obs_key", "next_" + self.obs_key.replace("/", "_"))
         if not self.next_obs_key or "/" in str(self.next_obs_key):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"next_obs_key must be a top-level name without '/', got {self.next_obs_key!r}"
             )
 
@@ -146,12 +146,12 @@ class NStepDataSource(DerivedSource):
         where = access.where
         obs_leaves = access.leaves_under(o.obs_key)
         if not obs_leaves:
-            raise InvalidStoreError(
+            raise UnknownLeafError(
                 f"{where}: obs_key={o.obs_key!r} names no leaf or group of the store; the "
                 f"leaves are {list(access.spec)}. Fix: pass obs_key= with the observation's key."
             )
         if self._returns and o.reward_key not in access.spec:
-            raise InvalidStoreError(
+            raise UnknownLeafError(
                 f"{where}: reward_key={o.reward_key!r} names no leaf of the store; the leaves are "
                 f"{list(access.spec)}. Fix: pass reward_key= with the reward's key."
             )

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import with_entries
 from grain_replay.rl._derived import DerivedSource, Spans
@@ -39,13 +40,13 @@ class WindowOptions:
         for name in ("length", "stride"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
+                raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
             if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+                raise InvalidArgumentError(f"{name} must be positive, got {value}")
         if not isinstance(self.pad, bool):
-            raise TypeError(f"pad must be a bool, got {self.pad!r}")
+            raise ArgumentTypeError(f"pad must be a bool, got {self.pad!r}")
         if not isinstance(self.mask_key, str) or not self.mask_key or "/" in self.mask_key:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"mask_key must be a non-empty name without '/', got {self.mask_key!r}"
             )
 

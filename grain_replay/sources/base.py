@@ -14,7 +14,13 @@ from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import GrainReplayError, InvalidStoreError, RecordIndexError
+from grain_replay.errors import (
+    ArgumentTypeError,
+    GrainReplayError,
+    InvalidStoreError,
+    RecordIndexError,
+    UnknownLeafError,
+)
 from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.reading.readers import Handle
@@ -41,7 +47,7 @@ def as_record_index(index: Any, owner: object) -> int:
     try:
         return operator.index(index)
     except TypeError as e:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{type(owner).__name__} indices must be integers, got {type(index).__name__}. "
             "Fix: use read_batch(indices) for several records."
         ) from e
@@ -57,7 +63,7 @@ def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
     idx = np.asarray(indices)
     if idx.dtype.kind not in "iu":
         if idx.size:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{where}: indices must be integers, got dtype {idx.dtype}. "
                 "Fix: pass a sequence or array of ints."
             )
@@ -101,7 +107,7 @@ def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layou
     for want in keys:
         hits = [k for k in all_keys if k == want or k.startswith(want.rstrip("/") + "/")]
         if not hits:
-            raise InvalidStoreError(
+            raise UnknownLeafError(
                 f"{where}: keys= names {want!r}, which is not a leaf or group of the store. "
                 f"Leaves: {all_keys}. Fix: pick keys from that list."
             )
@@ -382,7 +388,7 @@ class ReplaySource(SourceSurface):
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows ``indices`` of the single leaf ``key``."""
         if key not in self._layout.spec:
-            raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
+            raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         idx = self._check_indices(indices)
         handle = self._get_handle()
         handle.check_mapped([key])

@@ -91,7 +91,7 @@ class NpyDataSource(ReplaySource):
         if not os.path.isdir(path):
             raise StoreNotFoundError(
                 f"No .npy store at {path}. Fix: check the path, or write one with "
-                "gr.write_npy(path, tree)."
+                "gr.write(path, tree) (a path without .h5 or .zarr is a .npy directory)."
             )
         meta_path = os.path.join(path, layout_lib.METADATA_FILE)
         meta = read_npy_metadata(path)
@@ -120,8 +120,8 @@ class NpyDataSource(ReplaySource):
         found = _find_npy_files(path, self._allow_external)
         if not found:
             raise InvalidStoreError(
-                f"{path}: the directory holds no .npy file. Fix: pass a directory of .npy "
-                "files, or write one with gr.write_npy(path, tree)."
+                f"{path}: the directory holds no .npy file. Fix: check the path, or write a "
+                "store there with gr.write(path, tree, overwrite=True)."
             )
         keys = layout_lib.foreign_keys(found, self._requested_keys)
         spec: dict[str, layout_lib.LeafSpec] = {}

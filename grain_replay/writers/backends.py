@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import InvalidStoreError, WriterBusyError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError, WriterBusyError
 from grain_replay.formats import (
     PAGE,
     import_h5py,
@@ -132,7 +132,7 @@ class NpyBackend(Backend):
     @classmethod
     def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
         if chunk_rows is not None or compression is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
                 "chunk_rows/compression, or use format='zarr'."
             )
@@ -322,7 +322,7 @@ class HDF5Backend(Backend):
     def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
         h5py = import_h5py()
         if compression is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path}: a growing HDF5 store must be uncompressed (compressed chunks move "
                 "on disk when rewritten, which a crash could leave half done). Fix: drop "
                 "compression, or use format='zarr' with compression."

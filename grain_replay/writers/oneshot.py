@@ -11,6 +11,7 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
+from grain_replay.errors import InvalidArgumentError
 from grain_replay.formats import FORMATS, PAGE, format_from_path, import_h5py, import_zarr
 from grain_replay.integrity import Checksummer, as_bytes
 from grain_replay.writers.atomic import atomic_path
@@ -55,15 +56,17 @@ def _check_options(fmt: str, path: str, chunk_rows: int | None, compression: str
     if chunk_rows is not None and (
         isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0
     ):
-        raise ValueError(f"{path}: chunk_rows must be a positive int or None, got {chunk_rows!r}")
+        raise InvalidArgumentError(
+            f"{path}: chunk_rows must be a positive int or None, got {chunk_rows!r}"
+        )
     allowed = {"hdf5": HDF5_COMPRESSIONS, "zarr": ZARR_COMPRESSIONS, "npy": ()}[fmt]
     if fmt == "npy" and (chunk_rows is not None or compression is not None):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{path}: .npy stores are memory-mapped and cannot be chunked or compressed. "
             "Fix: drop chunk_rows/compression, or write HDF5 (.h5) or Zarr (.zarr)."
         )
     if compression is not None and compression not in allowed:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{path}: {fmt} compression must be one of {allowed} or None, got {compression!r}."
         )
 
@@ -162,7 +165,7 @@ def zarr_compressors(compression: str | None, where: str) -> Any:
     codecs = import_zarr().codecs
     makers = {"zstd": codecs.ZstdCodec, "gzip": codecs.GzipCodec, "blosc": codecs.BloscCodec}
     if compression not in makers:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{where}: Zarr compression must be one of {ZARR_COMPRESSIONS} or None, "
             f"got {compression!r}."
         )
@@ -366,5 +369,5 @@ def write(
     """
     fmt = format or format_from_path(path)
     if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
+        raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
     return _write(fmt, path, tree, chunk_rows, compression, overwrite, checksum)

@@ -13,6 +13,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay.errors import (
     GrainReplayError,
+    InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
     WriterBusyError,
@@ -62,7 +63,7 @@ class ReplayWriter:
     ):
         self._path = os.path.abspath(os.fspath(path))
         if format is not None and format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}.")
+            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
             on_disk = detect_format(self._path)
             if format is not None and format != on_disk:
@@ -75,7 +76,7 @@ class ReplayWriter:
         self._chunk_rows = chunk_rows
         self._compression = compression
         if flush_every is not None and flush_every <= 0:
-            raise ValueError(f"flush_every must be positive or None, got {flush_every}")
+            raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
         self._flush_every = flush_every
         self._lock_fd: int | None = self._acquire_lock()
         self._backend: Backend | None = None

@@ -379,7 +379,7 @@ class DataSourceTests(SourceTests):
         assert_tree_equal(r["obs"], take(tree["obs"], 4))
         only = self.cls(path, keys=["obs/vec"])
         assert list(only.spec) == ["obs/vec"]
-        with pytest.raises(gr.InvalidStoreError, match="nope"):
+        with pytest.raises(gr.UnknownLeafError, match="nope"):
             self.cls(path, keys=["nope"])
 
     def test_missing_store_raises_file_not_found(self, tmp_path: Any) -> None:

@@ -80,7 +80,7 @@ def test_missing_flag_leaf_lists_leaves_and_the_key_to_pass() -> None:
     with pytest.raises(gr.InvalidStoreError, match=r"leaves are \['a'\].*done_key="):
         build_episode_index(ArraySource({"a": np.zeros(3)}))
     with pytest.raises(
-        gr.InvalidStoreError, match=r"terminated_key='term'.*Fix: pass terminated_key"
+        gr.UnknownLeafError, match=r"terminated_key='term'.*Fix: pass terminated_key"
     ):
         build_episode_index(ArraySource(step_tree([3])), terminated_key="term")
 
@@ -263,12 +263,15 @@ def test_nstep_with_gamma_zero_and_one() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"obs_key": "o"}, "obs_key='o'.*leaves are"), ({"reward_key": "r"}, "reward_key='r'"),
-     ({"next_obs_key": "action"}, "does not mirror")],
+    ("kwargs", "cls", "match"),
+    [({"obs_key": "o"}, gr.UnknownLeafError, "obs_key='o'.*leaves are"),
+     ({"reward_key": "r"}, gr.UnknownLeafError, "reward_key='r'"),
+     ({"next_obs_key": "action"}, gr.InvalidStoreError, "does not mirror")],
 )  # fmt: skip
-def test_missing_or_mismatched_leaves_raise_with_fix(kwargs: dict[str, str], match: str) -> None:
-    with pytest.raises(gr.InvalidStoreError, match=match):
+def test_missing_or_mismatched_leaves_raise_with_fix(
+    kwargs: dict[str, str], cls: type[Exception], match: str
+) -> None:
+    with pytest.raises(cls, match=match):
         NStepDataSource(ArraySource(step_tree(LENGTHS, TERMINATED)), **kwargs)
 
 

@@ -146,7 +146,7 @@ class TestMinariDictSpace(SourceTests):
     def test_keys_select_leaves_and_groups(self, dict_dataset: str) -> None:
         src = MinariDataSource(dict_dataset, keys=["observations/pos", "rewards"])
         assert list(src.spec) == ["observations/pos", "rewards"]
-        with pytest.raises(gr.InvalidStoreError, match="nope"):
+        with pytest.raises(gr.UnknownLeafError, match="nope"):
             MinariDataSource(dict_dataset, keys=["nope"])
 
 

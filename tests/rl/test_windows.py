@@ -126,7 +126,7 @@ def test_episodes_of_wrong_length_raise_value_error() -> None:
 def test_missing_flags_raise_naming_leaves_and_done_key() -> None:
     with pytest.raises(gr.InvalidStoreError, match=r"\['x'\].*done_key="):
         WindowDataSource(ArraySource({"x": np.arange(6)}), length=2)
-    with pytest.raises(gr.InvalidStoreError, match=r"done_key='nope'.*leaves"):
+    with pytest.raises(gr.UnknownLeafError, match=r"done_key='nope'.*leaves"):
         WindowDataSource(ArraySource(step_tree([3])), length=2, done_key="nope")
 
 

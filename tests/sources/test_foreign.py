@@ -118,9 +118,9 @@ def test_hdf5_keys_selects_leaves(nested_h5):
 
 
 @pytest.mark.parametrize("keys", [["nope"], ["obs/zzz"], ["reward", "missing_leaf"]])
-def test_hdf5_unknown_key_raises_invalid_store_error(nested_h5, keys):
+def test_hdf5_unknown_key_raises_unknown_leaf_error(nested_h5, keys):
     path, _ = nested_h5
-    with pytest.raises(gr.InvalidStoreError) as info:
+    with pytest.raises(gr.UnknownLeafError) as info:
         gr.HDF5DataSource(path, keys=keys)
     assert isinstance(info.value, ValueError)
     assert repr(keys[-1]) in str(info.value)

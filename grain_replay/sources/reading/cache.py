@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.errors import InvalidArgumentError
+
 __all__ = ["ChunkCache", "DEFAULT_CACHE_BYTES", "fit_cap_bytes", "share_cache_budget"]
 
 
@@ -73,7 +75,7 @@ class ChunkCache:
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         if max_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
+            raise InvalidArgumentError(f"cache_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self._fit = isinstance(max_bytes, _FitCacheBytes)
         self._leaves: dict[str, int] = {}

@@ -14,7 +14,12 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    StoreNotFoundError,
+)
 from grain_replay.formats import import_zarr, is_url, metadata_from_attrs
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
@@ -266,9 +271,11 @@ class ZarrDataSource(ReplaySource):
         allow_external: bool = False,
     ):
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
-            raise TypeError(f"max_concurrency must be an int, got {type(max_concurrency).__name__}")
+            raise ArgumentTypeError(
+                f"max_concurrency must be an int, got {type(max_concurrency).__name__}"
+            )
         if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+            raise InvalidArgumentError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
         self._max_concurrency = max_concurrency
