@@ -1,0 +1,82 @@
+"""Argument checks and stream construction shared by the mixture and replay loaders."""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
+from grain_replay.pipeline.defaults import default_shard_options
+from grain_replay.sampling.mixture import Weights
+from grain_replay.sampling.streams import Stream, make_stream
+
+__all__ = ["check_int", "stream_factory"]
+
+
+def check_int(name: str, value: Any, *, low: int) -> int:
+    """``value`` as an int >= ``low`` (numpy integers are fine; bools and floats are not)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+        ) from None
+    if value < low:
+        raise InvalidArgumentError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def stream_factory(
+    source: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    num_epochs: int | None,
+    drop_remainder: bool,
+    shard_options: Any,
+    weights: Weights | None,
+    sampling: Any,
+    keys: Sequence[str] | None,
+    source_leaf: str | None,
+) -> tuple[Callable[[int], Stream], str]:
+    """Validates the arguments once; returns a stream factory (of the lag) and a description."""
+    batch_size = check_int("batch_size", batch_size, low=1)
+    seed = check_int("seed", seed, low=0)
+    if seed >= 2**64:
+        raise InvalidArgumentError(f"seed must be in [0, 2**64), got {seed}")
+    del drop_remainder  # every batch of a mixture or replay stream is whole
+    if num_epochs not in (None, 1):
+        raise InvalidSamplingError(
+            f"num_epochs={num_epochs!r}: a mixture or replay stream is endless (each source "
+            "walks its own epochs, or rows are drawn with replacement). Fix: num_epochs=None "
+            "and stop after the steps you want."
+        )
+    if shard_options is None:
+        shard_options = default_shard_options()
+    shard_index, shard_count = int(shard_options.shard_index), int(shard_options.shard_count)
+
+    def make(lag: int) -> Stream:
+        return make_stream(
+            source,
+            weights=weights,
+            sampling=sampling,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=bool(shuffle),
+            keys=keys,
+            source_leaf=source_leaf,
+            shard_index=shard_index,
+            shard_count=shard_count,
+            lag=lag,
+        )
+
+    stream = make(0)  # fail here on bad input, not in iter()
+    text = f"{stream.kind}({json.dumps(stream.describe())}, {stream.reader!r})"
+    return make, text

@@ -1,0 +1,316 @@
+"""The consumer-side iterator of mixture and replay loaders: draws here, reads anywhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self
+
+import numpy as np
+
+from grain_replay.errors import InvalidSamplingError
+from grain_replay.pipeline.state import LoaderIdentity
+from grain_replay.pipeline.workers import WorkerLoaderIterator
+from grain_replay.sampling.mixture import MixtureSampler
+from grain_replay.sampling.priority import PrioritySampler
+from grain_replay.sampling.replay import UniformSampler
+from grain_replay.sampling.streams import Stream
+
+__all__ = ["ENDLESS", "SamplingIterator"]
+
+# The name it logged under when this lived in loader.py (users filter on it).
+logger = logging.getLogger("grain_replay.sampling.loader")
+
+ENDLESS = sys.maxsize // 4  # the length an endless stream reports to grain
+_STATE_VERSION = 1
+# Draws kept after their batch is handed out: a consumer reading ahead (such as
+# sharded_device_put) checkpoints a position up to its read-ahead behind ours.
+_KEEP_DRAWN = 64
+
+
+class _Maps:
+    """Reads a task and applies the loader's ``grain.transforms.Map`` operations."""
+
+    def __init__(self, reader: Callable[[Any], Any], maps: Sequence[Any]) -> None:
+        self.reader = reader
+        self.maps = tuple(maps)
+
+    def __call__(self, task: Any) -> Any:
+        data = self.reader(task)
+        for op in self.maps:
+            data = op.map(data)
+        return data
+
+
+class SamplingIterator:
+    """The iterator of a mixture or replay loader: draws here, reads here or in workers.
+
+    Each sampling mode is a *stream*: ``draw(step)`` returns what batch ``step`` is made
+    of (per-source record ids, or row indices and importance weights), in step order,
+    in the consuming process. The rows are read where the batch is built: in this
+    process (``worker_count=0``) or in grain_replay's worker processes, which receive
+    the step's ids as a task and only read (shared-memory slots, see
+    ``pipeline/workers.py``). Draws run ahead of the batch handed out by at most
+    ``worker_count * worker_buffer_size`` steps; a draw is kept until its batch is
+    handed out, so a seek or a restarted worker reads the same rows.
+
+    ``get_state()`` returns small JSON bytes (the position and the sampler's state
+    before the next batch); with prioritized replay the priorities are saved apart,
+    by :meth:`priority_state` (a dict of numpy arrays: an Orbax item, or
+    ``np.savez``), so a checkpoint every step costs no copy of N priorities.
+    """
+
+    def __init__(
+        self,
+        stream: Stream,
+        *,
+        maps: Sequence[Any] = (),
+        worker_count: int = 0,
+        worker_buffer_size: int = 2,
+        read_threads: int = 0,
+    ) -> None:
+        self._stream = stream
+        self._read = _Maps(stream.reader, maps)
+        self._lock = threading.RLock()
+        self._position = 0  # batches handed out
+        self._next_draw = 0
+        self._drawn: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
+        self._warned = False
+        self._inner: WorkerLoaderIterator | None = None
+        if worker_count > 0:
+            # The workers read what they are sent; the identity only names the stream
+            # (this iterator keeps its own state).
+            identity = LoaderIdentity(
+                worker_count=worker_count,
+                sampler="_EndlessSampler()",
+                data_source=f"{stream.kind}({json.dumps(stream.describe())})",
+                shard_index=0,
+                shard_count=1,
+            )
+            self._inner = WorkerLoaderIterator(
+                identity,
+                self._read,
+                length=ENDLESS,
+                buffer_size=worker_buffer_size,
+                read_threads=read_threads,
+                task=self._task,
+            )
+
+    @property
+    def position(self) -> int:
+        """Batches handed out so far (the next batch's step)."""
+        return self._position
+
+    def __iter__(self) -> Self:
+        return self
+
+    def _entry(self, step: int) -> tuple[Any, Any, dict[str, Any]]:
+        with self._lock:
+            entry = self._drawn.get(step)
+            if entry is not None:
+                return entry
+            if step != self._next_draw:
+                raise InvalidSamplingError(
+                    f"The loader is at batch {step}, but the restored priority state was "
+                    f"saved when batch {self._next_draw} was to be drawn next. Fix: restore "
+                    "get_state() and priority_state() taken at the same checkpoint."
+                )
+            before = self._stream.state()
+            task, extra = self._stream.draw(step)
+            entry = self._drawn[step] = (task, extra, before)
+            self._next_draw = step + 1
+            return entry
+
+    def _task(self, step: int) -> Any:
+        return self._entry(step)[0]
+
+    def __next__(self) -> Any:
+        step = self._position
+        if self._inner is not None:
+            data = next(self._inner)
+            _, extra, _ = self._entry(step)
+        else:
+            task, extra, _ = self._entry(step)
+            data = self._read(task)
+        with self._lock:
+            self._drawn.pop(step - _KEEP_DRAWN, None)
+            self._position = step + 1
+        return self._stream.finish(data, extra)
+
+    def start_prefetch(self) -> None:
+        """Starts the workers (and their first draws); no-op with ``worker_count=0``."""
+        if self._inner is not None:
+            self._inner.start_prefetch()
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def _describe(self) -> dict[str, Any]:
+        return {"kind": self._stream.kind, **self._stream.describe()}
+
+    def get_state(self) -> bytes:
+        """Small JSON bytes: resume at the identical next batch (schedule included)."""
+        with self._lock:
+            entry = self._drawn.get(self._position)
+            state = entry[2] if entry is not None else self._stream.state()
+            return json.dumps(
+                {
+                    "version": _STATE_VERSION,
+                    "sampling": self._describe(),
+                    "position": self._position,
+                    "sampler": state,
+                }
+            ).encode()
+
+    def set_state(self, state: bytes) -> None:
+        """Resumes right after the batch at which ``state`` was taken.
+
+        Raises:
+          InvalidSamplingError: ``state`` is from another mode, sources, batch size or seed.
+        """
+        try:
+            decoded = json.loads(bytes(state).decode())
+            version, described = decoded["version"], decoded["sampling"]
+            position, sampler = int(decoded["position"]), decoded["sampler"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidSamplingError(
+                f"Not a state of a mixture or replay loader ({type(e).__name__}: {e}). "
+                "Fix: pass bytes from get_state() of a loader made with the same arguments."
+            ) from e
+        if version != _STATE_VERSION or described != self._describe():
+            raise InvalidSamplingError(
+                f"The state was saved by a loader with {described}; this one has "
+                f"{self._describe()}. Fix: resume with the same sources, sampling, "
+                "batch_size and seed."
+            )
+        with self._lock:
+            self._position = position
+            if self._stream.kind == "prioritized":
+                if position not in self._drawn and position != self._next_draw:
+                    self._drawn.clear()
+                    self._next_draw = position
+                    if not self._warned:
+                        self._warned = True
+                        logger.warning(
+                            "Resuming prioritized replay at batch %s with the priorities in "
+                            "memory; restore priority_state() too for an identical resume.",
+                            position,
+                        )
+                self._drawn = {s: e for s, e in self._drawn.items() if s >= position}
+            else:
+                self._stream.set_state(sampler)
+                self._drawn.clear()
+                self._next_draw = position
+        if self._inner is not None:
+            self._inner.seek(position)
+
+    # -- replay ---------------------------------------------------------------
+
+    def _priority(self) -> PrioritySampler:
+        sampler = getattr(self._stream, "sampler", None)
+        if not isinstance(sampler, PrioritySampler):
+            raise InvalidSamplingError(
+                f"This loader samples with {self._stream.kind!r}; priorities exist only with "
+                "sampling=gr.PrioritizedReplay()."
+            )
+        return sampler
+
+    def update_priorities(
+        self, index: Any, priorities: Any, *, handed_out: int | None = None
+    ) -> None:
+        """Gives rows new priorities (e.g. ``abs(td_error)``); checked now, used from a later draw.
+
+        The update reaches the draws of batches from ``handed_out + L`` on, where
+        ``L = worker_count * worker_buffer_size - 1`` (0 without workers): batches
+        up to then were drawn ahead. Draws depend only on the seed and the sequence
+        of updates, not on timing.
+
+        Args:
+          index: the rows (a batch's ``.index``; numpy or array-like, any shape).
+          priorities: one nonnegative finite priority per row; for a repeated row the
+            last wins.
+          handed_out: the loader position the update follows; default: the batches this
+            iterator handed out. A wrapper that reads ahead (``sharded_device_put``)
+            passes its own count plus its read-ahead.
+
+        Raises:
+          InvalidPriorityError: lengths differ, or a priority is negative, NaN or infinite.
+          PriorityIndexError: a row this iterator never handed out (another process's
+            row, or one not yet drawn).
+          InvalidSamplingError: the loader does not sample with priorities.
+        """
+        sampler = self._priority()
+        stamp = self._position if handed_out is None else int(handed_out)
+        sampler.update(np.asarray(index), np.asarray(priorities), stamp)
+
+    def priority_state(self) -> dict[str, np.ndarray]:
+        """The priorities and the draws ahead, as numpy arrays (~12 bytes a row).
+
+        Save it beside the checkpoint (``np.savez``, or an Orbax ``StandardSave`` item),
+        together with :meth:`get_state`; restore with :meth:`set_priority_state`
+        after ``set_state``.
+        """
+        sampler = self._priority()
+        with self._lock:
+            state = sampler.state()
+            steps = sorted(self._drawn)
+            b = len(self._drawn[steps[0]][1][0]) if steps else 0
+            state["next_draw"] = np.array(self._next_draw, dtype=np.int64)
+            state["drawn_step"] = np.array(steps, dtype=np.int64)
+            state["drawn_index"] = np.array(
+                [self._drawn[s][1][0] for s in steps], dtype=np.int64
+            ).reshape(len(steps), b)
+            state["drawn_weight"] = np.array(
+                [self._drawn[s][1][1] for s in steps], dtype=np.float32
+            ).reshape(len(steps), b)
+            return state
+
+    def set_priority_state(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`priority_state` (call after ``set_state``, before ``next``).
+
+        Raises:
+          InvalidSamplingError: ``state`` is from another process, settings or store.
+        """
+        sampler = self._priority()
+        try:
+            next_draw = int(state["next_draw"])
+            steps = np.asarray(state["drawn_step"], dtype=np.int64)
+            index = np.asarray(state["drawn_index"], dtype=np.int64)
+            weight = np.asarray(state["drawn_weight"], dtype=np.float32)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidSamplingError(
+                f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
+                "priority_state() returned."
+            ) from e
+        with self._lock:
+            sampler.set_state(state)
+            self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
+            self._next_draw = next_draw
+        if self._inner is not None:
+            self._inner.seek(self._position)
+
+    def refresh(self) -> None:
+        """Looks for newly committed rows before the next draw (replay modes)."""
+        sampler = getattr(self._stream, "sampler", None)
+        if isinstance(sampler, MixtureSampler) and sampler.replay:
+            sampler.refresh()
+            return
+        if not isinstance(sampler, (UniformSampler, PrioritySampler)):
+            raise InvalidSamplingError(
+                "refresh() applies to UniformReplay and PrioritizedReplay (and mixtures "
+                "under UniformReplay); epochs have a fixed length."
+            )
+        sampler.refresh()
+
+    def close(self) -> None:
+        """Stops the workers; the position is kept."""
+        if self._inner is not None:
+            self._inner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
