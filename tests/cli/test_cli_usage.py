@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import cli
-from grain_replay.cli import build_parser, main
+from grain_replay.cli import build_parser, commands, main
 
 
 def _tree(n: int = 300) -> dict[str, Any]:
@@ -145,7 +144,7 @@ def test_convert_under_a_file_is_one_error_line(tmp_path: Path, capsys):
 
 def test_convert_progress_counts_records_with_a_label(tmp_path: Path, monkeypatch):
     bars: list[_Recorder] = []
-    monkeypatch.setattr(cli, "_progress", lambda *a: bars.append(_Recorder(*a)) or bars[-1])
+    monkeypatch.setattr(commands, "_progress", lambda *a: bars.append(_Recorder(*a)) or bars[-1])
     src = gr.write(tmp_path / "a.h5", _tree(300))
     assert main(["convert", src, str(tmp_path / "b.zarr"), "--block-bytes", "1000"]) == 0
     (bar,) = bars
@@ -171,7 +170,7 @@ class _Recorder:
 
 def test_verify_progress_counts_bytes_with_a_label(tmp_path: Path, monkeypatch):
     bars: list[_Recorder] = []
-    monkeypatch.setattr(cli, "_progress", lambda *a: bars.append(_Recorder(*a)) or bars[-1])
+    monkeypatch.setattr(commands, "_progress", lambda *a: bars.append(_Recorder(*a)) or bars[-1])
     n = 100_000
     path = gr.write(
         tmp_path / "s.h5",

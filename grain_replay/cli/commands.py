@@ -1,0 +1,280 @@
+"""The store commands: grain-replay info | convert | verify | stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["cmd_convert", "cmd_info", "cmd_stats", "cmd_verify", "fmt_bytes", "size_on_disk"]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def size_on_disk(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    return total
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import grain_replay as gr
+
+    src = gr.open_source(args.path)
+    info: dict[str, Any] = {
+        "path": src.path,
+        "format": type(src).__name__.replace("DataSource", "").lower(),
+        "num_records": len(src),
+        "leaves": {k: {"dtype": str(s.dtype), "shape": list(s.shape)} for k, s in src.spec.items()},
+    }
+    if not src.path.startswith(("s3://", "gs://", "http")):
+        info["size_on_disk"] = size_on_disk(src.path)
+    info["checksums"] = getattr(src, "checksums", None) is not None
+    episodes = _episodes(src, cache=args.cache_episodes)
+    if episodes is not None:
+        info["episodes"] = episodes
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['path']}")
+    print(f"  format:  {info['format']}")
+    print(f"  records: {info['num_records']:,}")
+    if "size_on_disk" in info:
+        print(f"  size:    {fmt_bytes(info['size_on_disk'])}")
+    if "episodes" in info:
+        e = info["episodes"]
+        print(
+            f"  episodes: {e['count']:,} (length min/mean/max {e['min_length']}/"
+            f"{e['mean_length']:.1f}/{e['max_length']}; flags {', '.join(e['flags'])})"
+        )
+    print(f"  checksums: {'recorded' if info['checksums'] else 'none'}")
+    width = max(len(k) for k in info["leaves"]) if info["leaves"] else 0
+    print("  leaves:")
+    for k, v in info["leaves"].items():
+        print(f"    {k or '<root>':<{width}}  {v['dtype']:<8} {tuple(v['shape'])}")
+    return 0
+
+
+def _open(path: str) -> Any:
+    """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
+    frames (cameras decoded), else gr.open_source."""
+    import grain_replay as gr
+
+    if os.path.isfile(os.path.join(path, "meta", "info.json")):
+        return gr.LeRobotDataSource(path)
+    if os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, "data", f)) for f in ("main_data.hdf5", "metadata.json")
+    ):
+        return gr.MinariDataSource(path)
+    if path.endswith("main_data.hdf5"):
+        return gr.MinariDataSource(path)
+    return gr.open_source(path) if _is_plain(path) else gr.D4RLDataSource(path)
+
+
+def _is_plain(path: str) -> bool:
+    """False for a D4RL-layout HDF5 file without grain_replay metadata."""
+    from grain_replay.formats import format_from_path, import_h5py
+    from grain_replay.layout import METADATA_ATTR
+
+    if format_from_path(path) != "hdf5" or not os.path.isfile(path):
+        return True
+    h5py = import_h5py()
+
+    with h5py.File(path, "r", locking=False) as f:
+        d4rl = {"observations", "actions", "rewards", "terminals"} <= set(f.keys())
+        return METADATA_ATTR in f.attrs or not d4rl
+
+
+def _episodes(src: Any, cache: bool) -> dict[str, Any] | None:
+    """Episode counts, or None for a store without episode flags.
+
+    ``info`` is read-only: the index is built in memory and the cache file that the
+    RL views keep beside a store is written only when ``cache`` is true.
+    """
+    from grain_replay.errors import GrainReplayError
+    from grain_replay.rl import build_episode_index
+    from grain_replay.rl.episodes import EpisodeFlags
+
+    try:
+        flags = EpisodeFlags().resolve(src.spec, src.path)
+        index = getattr(src, "episodes", None) or build_episode_index(src, cache=cache)
+    except (GrainReplayError, AttributeError, TypeError):
+        return None
+    lengths = np.asarray(index.lengths)
+    if not len(lengths):
+        return None
+    return {
+        "count": int(index.num_episodes),
+        "min_length": int(lengths.min()),
+        "mean_length": float(lengths.mean()),
+        "max_length": int(lengths.max()),
+        "flags": list(flags.keys),
+    }
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "records") -> Any:
+    """A tqdm bar on stderr counting ``unit`` (``"B"``: bytes, shown as KiB/MiB)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the cli extra is optional
+        enabled = False
+    if not enabled:
+        return _NoBar()
+    divisor = 1024 if unit == "B" else 1000  # 1000: tqdm's default
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=divisor, file=sys.stderr
+    )
+
+
+def _leaf_bytes(specs: Iterable[Any]) -> list[int]:
+    """Bytes of one row of each leaf."""
+    return [s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in specs]
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
+    from grain_replay import layout as layout_lib
+    from grain_replay import tree as tree_lib
+    from grain_replay.errors import StoreExistsError
+    from grain_replay.formats import format_from_path
+    from grain_replay.writers.oneshot import write_blocks
+
+    if os.path.lexists(args.dst) and not args.overwrite:
+        raise StoreExistsError(
+            f"{os.path.abspath(args.dst)} exists. Fix: pass --overwrite to replace it, or "
+            "choose another destination."
+        )
+    src = _open(args.src)
+    n = len(src)
+    fmt = args.format or format_from_path(args.dst)
+    leaves = {k: layout_lib.LeafSpec(v.dtype, tuple(v.shape)) for k, v in src.spec.items()}
+    row_bytes = sum(_leaf_bytes(leaves.values()))
+    block = max(1, args.block_bytes // max(1, row_bytes))
+    probe = src.read_batch(np.arange(min(n, 1)))
+    treedef = tree_lib.flatten(probe)[1]
+    meta = layout_lib.StoreMetadata(n, leaves, treedef)
+    t = time.perf_counter()
+    bar: Any = None  # drawn with the first block: the writer checks its options before that
+
+    def blocks() -> Any:
+        nonlocal bar
+        bar = _progress(n, f"convert to {fmt}", not args.quiet, "records")
+        for start in range(0, n, block):
+            rows = src.read_batch(np.arange(start, min(start + block, n)))
+            flat = tree_lib.flatten(rows)[0]
+            bar.update(min(block, n - start))
+            yield start, {k: np.asarray(v) for k, v in flat.items()}
+
+    try:
+        out = write_blocks(
+            args.dst, meta, blocks(), format=fmt, chunk_rows=args.chunk_rows,
+            compression=args.compression, overwrite=args.overwrite,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: {args.dst} was not written (no partial store left)",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    dt = time.perf_counter() - t
+    print(f"wrote {out}: {n:,} records, {fmt}, {fmt_bytes(n * row_bytes / max(dt, 1e-9))}/s")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Checks metadata, lengths and every leaf's recorded checksums."""
+    from grain_replay.integrity import verify_source
+
+    src = _open(args.path)
+    n = len(src)
+    # verify_source checks the leaves one after another, reporting rows: count bytes.
+    leaf_bytes = _leaf_bytes(src.spec.values())
+    bar = _progress(n * sum(leaf_bytes), "verify (bytes read)", not args.quiet, "B")
+    done = [0]  # rows checked over all leaves
+
+    def progress(rows: int) -> None:
+        leaf = min(done[0] // max(n, 1), len(leaf_bytes) - 1)
+        done[0] += rows
+        bar.update(rows * leaf_bytes[leaf])
+
+    try:
+        report = verify_source(src, getattr(src, "checksums", None), progress=progress)
+    finally:
+        bar.close()
+    if report.ok:
+        what = "checksums match" if report.has_checksums else "readable (no checksums recorded)"
+        print(
+            f"OK {report.path}: {report.num_records:,} records, {len(src.spec)} leaves, "
+            f"{report.blocks_checked} blocks, {what}"
+        )
+        return 0
+    print(f"CORRUPT {report.path}: {report.problem}", file=sys.stderr)
+    return 1
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per-leaf count, mean, std, min, max and quantiles (cached beside the store)."""
+    from grain_replay.stats import compute_stats, iter_json
+
+    src = _open(args.path)
+    with _progress(len(src), "stats", not (args.quiet or args.json)) as bar:
+        stats = compute_stats(
+            src, keys=args.keys, quantiles=args.quantiles, cache=not args.no_cache,
+            progress=bar.update,
+        )  # fmt: skip
+    leaves = dict(iter_json(stats))
+    if args.json:
+        # Strict JSON: NaN and infinities (a NaN in the data propagates) become null.
+        def strict(v: Any) -> Any:
+            if isinstance(v, list):
+                return [strict(x) for x in v]
+            return v if not isinstance(v, float) or np.isfinite(v) else None
+
+        out = {
+            "path": src.path,
+            "num_records": len(src),
+            "leaves": {k: {n: strict(v) for n, v in d.items()} for k, d in leaves.items()},
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{src.path}: {len(src):,} records")
+    with np.printoptions(precision=4, threshold=8, edgeitems=3, linewidth=1000):
+        for key, d in leaves.items():
+            spec = src.spec[key]
+            print(f"  {key or '<root>'}  {spec.dtype} {tuple(spec.shape)}")
+            for name, value in d.items():
+                if name != "count":
+                    print(f"    {name:<5} {np.asarray(value).ravel()}")
+    return 0
