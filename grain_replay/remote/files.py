@@ -31,12 +31,11 @@ class RetryingFile:
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any], remote: Remote):
-        opts = dict(storage_options)
-        fs, path = import_fsspec().url_to_fs(url, **opts)
+        fs, path = import_fsspec().url_to_fs(url, **storage_options)
         kwargs: dict[str, Any] = {}
-        if "default_block_size" not in opts and "block_size" not in opts:
+        if "default_block_size" not in storage_options and "block_size" not in storage_options:
             kwargs["block_size"] = FILE_BLOCK_SIZE
-        if "default_cache_type" not in opts and "cache_type" not in opts:
+        if "default_cache_type" not in storage_options and "cache_type" not in storage_options:
             kwargs["cache_type"] = "blockcache"
             kwargs["cache_options"] = {"maxblocks": FILE_CACHE_BLOCKS}
         self._remote = remote

@@ -109,6 +109,12 @@ def _http_status(e: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def _error_code(e: BaseException) -> Any:
+    """The botocore error code (``"AccessDenied"``, ``"503"``, ...) of ``e``, if any."""
+    response = getattr(e, "response", None)
+    return (response.get("Error") or {}).get("Code") if isinstance(response, Mapping) else None
+
+
 _CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 _UNREACHABLE_ERRORS = {
     "EndpointConnectionError",
@@ -160,9 +166,8 @@ def _describe(exc: BaseException) -> str:
     """``Type: message``, plus the HTTP status and error code found in the cause chain."""
     text = f"{type(exc).__name__}: {exc}"
     for e in _chain(exc):
-        response = getattr(e, "response", None)
         status = _http_status(e)
-        code = (response.get("Error") or {}).get("Code") if isinstance(response, Mapping) else None
+        code = _error_code(e)
         if status is not None or code:
             extra = " ".join(str(x) for x in (status, code) if x and str(x) not in text)
             return f"{text} [HTTP {extra}]" if extra else text
@@ -173,11 +178,7 @@ def classify(exc: BaseException) -> str:
     """The kind of failure: credentials, access, unreachable, transient, not_found or other."""
     chain = _chain(exc)
     names = set().union(*(_names(e) for e in chain))
-    codes = set()
-    for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, Mapping):
-            codes.add(str((response.get("Error") or {}).get("Code")))
+    codes = {str(c) for c in map(_error_code, chain) if c is not None}
     statuses = {s for s in map(_http_status, chain) if s is not None}
     if names & _CREDENTIAL_ERRORS:
         return "credentials"
@@ -228,19 +229,17 @@ class Remote:
         self._lock = threading.Lock()
         self.retried = 0  # retries made, for tests and logs
 
-    def _note_retry(self, e: BaseException, what: str, attempt: int, wait: float) -> None:
-        with self._lock:
-            self.retried += 1
-        logger.warning(
-            "%s: transient error reading %s (%s: %s); retry %d of %d in %.2fs",
-            self.shown, what, type(e).__name__, e, attempt + 1, self.retry.retries, wait,
-        )  # fmt: skip
-
     def _retry_wait(self, error: Exception, what: str, attempt: int) -> float:
         """Seconds to wait before retrying after ``error``; raises it, translated, if no retry."""
         if attempt < self.retry.retries and is_transient(error):
             wait = self.retry.delay(attempt)
-            self._note_retry(error, what, attempt, wait)
+            with self._lock:
+                self.retried += 1
+            logger.warning(
+                "%s: transient error reading %s (%s: %s); retry %d of %d in %.2fs",
+                self.shown, what, type(error).__name__, error,
+                attempt + 1, self.retry.retries, wait,
+            )  # fmt: skip
             return wait
         raise self.error(error, what, attempts=attempt + 1) from error
 
@@ -316,7 +315,7 @@ class Remote:
                 fs = import_fsspec().filesystem(protocol, **storage_options)
                 bucket_missing = not fs.exists(bucket)
             except Exception:  # the diagnosis is best-effort
-                bucket_missing = False
+                pass
         at = f" at {self.endpoint}" if self.endpoint else ""
         if bucket_missing:
             return StoreNotFoundError(
