@@ -2,7 +2,7 @@
 
 The layers, bottom first (see docs/architecture.md):
 
-0. errors, tree, layout, formats, remote, integrity, _flags: no source, no writer.
+0. errors, tree, layout, formats, remote/, integrity, _flags: no source, no writer.
 1. sources/reading/: the shared reading layer; imports no format.
 2. sources/base.py: the source surface.
 3. sources/hdf5/, sources/zarr/, sources/npy.py (never each other) and writers/ (no source).

@@ -1,21 +1,13 @@
-"""Remote (fsspec URL) access: tuned options, retries with backoff, clear errors, file objects.
-
-Everything here takes explicit arguments (URL, storage options, retry policy,
-concurrency) and returns files, bytes or errors; it never sees a source.
-"""
+"""Retries with backoff and error classification for remote reads: RetryOptions, Remote."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import inspect
 import logging
 import random
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,26 +21,14 @@ from grain_replay.errors import (
     StoreUnreachableError,
 )
 from grain_replay.formats import import_fsspec
+from grain_replay.remote.options import endpoint_of, protocol_of, redact_url
 
-__all__ = [
-    "DEFAULT_CONCURRENCY",
-    "Limiter",
-    "RetryOptions",
-    "Remote",
-    "RetryingFile",
-    "classify",
-    "effective_storage_options",
-    "is_transient",
-    "redact_url",
-    "retry_options",
-]
+__all__ = ["Remote", "RetryOptions", "classify", "is_transient", "retry_options"]
 
-logger = logging.getLogger(__name__)
+# The name the log had when this was one module, so logging configured for it still applies.
+logger = logging.getLogger("grain_replay.remote")
 
 T = TypeVar("T")
-
-# Requests in flight per process for a batch read (all leaves together).
-DEFAULT_CONCURRENCY = 64
 
 _BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2")
 
@@ -103,75 +83,6 @@ def retry_options(value: int | RetryOptions | None) -> RetryOptions:
     return RetryOptions(retries=value)
 
 
-# -- options ----------------------------------------------------------------------
-
-
-def protocol_of(url: str) -> str:
-    return url.split("://", 1)[0].lower()
-
-
-@functools.cache
-def _s3fs_takes(name: str) -> bool:
-    try:
-        import s3fs
-    except ImportError:
-        return False
-    return name in inspect.signature(s3fs.S3FileSystem.__init__).parameters
-
-
-def effective_storage_options(
-    url: str, storage_options: Mapping[str, Any], *, concurrency: int = DEFAULT_CONCURRENCY
-) -> dict[str, Any]:
-    """The fsspec options grain_replay opens ``url`` with: the user's, plus defaults.
-
-    Only keys the user did not set are added. For S3 (s3fs):
-
-    * ``max_concurrency=1``: s3fs would otherwise send a HEAD before every
-      whole-object GET (to split objects over 50 MiB), doubling the requests of
-      a chunk read.
-    * ``config_kwargs["retries"] = {"total_max_attempts": 1}``: botocore does
-      not retry on its own; grain_replay's ``retries=`` policy does, so that the
-      number of attempts is the one asked for and an unreachable endpoint fails
-      at once instead of after botocore's backoff.
-    * ``config_kwargs["max_pool_connections"]``: at least ``concurrency``
-      connections, so a batch's chunk GETs are not queued behind botocore's
-      default pool of 10.
-    """
-    opts = dict(storage_options)
-    if protocol_of(url) in ("s3", "s3a"):
-        if "max_concurrency" not in opts and _s3fs_takes("max_concurrency"):
-            opts["max_concurrency"] = 1
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("retries", {"total_max_attempts": 1})
-        config.setdefault("max_pool_connections", concurrency)
-        opts["config_kwargs"] = config
-    return opts
-
-
-def redact_url(url: str) -> str:
-    """``url`` without a password or signed-query secrets (for reprs and messages)."""
-    if "://" not in url:
-        return url
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, _, host = netloc.rpartition("@")
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
-    query = parts.query
-    if query:
-        query = "&".join(
-            f"{k}=***" if re.search(r"sig|token|key|secret|credential|password", k, re.I) else p
-            for p in query.split("&")
-            for k in [p.split("=", 1)[0]]
-        )
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def _endpoint(storage_options: Mapping[str, Any]) -> str | None:
-    client = storage_options.get("client_kwargs") or {}
-    return storage_options.get("endpoint_url") or client.get("endpoint_url")
-
-
 # -- classifying errors -----------------------------------------------------------------
 
 
@@ -196,6 +107,12 @@ def _http_status(e: BaseException) -> int | None:
             return int(status)
     status = getattr(e, "status", None)  # aiohttp ClientResponseError
     return status if isinstance(status, int) else None
+
+
+def _error_code(e: BaseException) -> Any:
+    """The botocore error code (``"AccessDenied"``, ``"503"``, ...) of ``e``, if any."""
+    response = getattr(e, "response", None)
+    return (response.get("Error") or {}).get("Code") if isinstance(response, Mapping) else None
 
 
 _CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
@@ -249,9 +166,8 @@ def _describe(exc: BaseException) -> str:
     """``Type: message``, plus the HTTP status and error code found in the cause chain."""
     text = f"{type(exc).__name__}: {exc}"
     for e in _chain(exc):
-        response = getattr(e, "response", None)
         status = _http_status(e)
-        code = (response.get("Error") or {}).get("Code") if isinstance(response, Mapping) else None
+        code = _error_code(e)
         if status is not None or code:
             extra = " ".join(str(x) for x in (status, code) if x and str(x) not in text)
             return f"{text} [HTTP {extra}]" if extra else text
@@ -262,11 +178,7 @@ def classify(exc: BaseException) -> str:
     """The kind of failure: credentials, access, unreachable, transient, not_found or other."""
     chain = _chain(exc)
     names = set().union(*(_names(e) for e in chain))
-    codes = set()
-    for e in chain:
-        response = getattr(e, "response", None)
-        if isinstance(response, Mapping):
-            codes.add(str((response.get("Error") or {}).get("Code")))
+    codes = {str(c) for c in map(_error_code, chain) if c is not None}
     statuses = {s for s in map(_http_status, chain) if s is not None}
     if names & _CREDENTIAL_ERRORS:
         return "credentials"
@@ -310,26 +222,24 @@ class Remote:
     ):
         self.url = url
         self.shown = redact_url(url)
-        self.endpoint = _endpoint(storage_options)
+        self.endpoint = endpoint_of(storage_options)
         self.option_names = sorted(storage_options)
         self.retry = retry
         self.kind = kind
         self._lock = threading.Lock()
         self.retried = 0  # retries made, for tests and logs
 
-    def _note_retry(self, e: BaseException, what: str, attempt: int, wait: float) -> None:
-        with self._lock:
-            self.retried += 1
-        logger.warning(
-            "%s: transient error reading %s (%s: %s); retry %d of %d in %.2fs",
-            self.shown, what, type(e).__name__, e, attempt + 1, self.retry.retries, wait,
-        )  # fmt: skip
-
     def _retry_wait(self, error: Exception, what: str, attempt: int) -> float:
         """Seconds to wait before retrying after ``error``; raises it, translated, if no retry."""
         if attempt < self.retry.retries and is_transient(error):
             wait = self.retry.delay(attempt)
-            self._note_retry(error, what, attempt, wait)
+            with self._lock:
+                self.retried += 1
+            logger.warning(
+                "%s: transient error reading %s (%s: %s); retry %d of %d in %.2fs",
+                self.shown, what, type(error).__name__, error,
+                attempt + 1, self.retry.retries, wait,
+            )  # fmt: skip
             return wait
         raise self.error(error, what, attempts=attempt + 1) from error
 
@@ -405,7 +315,7 @@ class Remote:
                 fs = import_fsspec().filesystem(protocol, **storage_options)
                 bucket_missing = not fs.exists(bucket)
             except Exception:  # the diagnosis is best-effort
-                bucket_missing = False
+                pass
         at = f" at {self.endpoint}" if self.endpoint else ""
         if bucket_missing:
             return StoreNotFoundError(
@@ -417,107 +327,3 @@ class Remote:
             f"No {self.kind} at {self.shown}{at} ({type(exc).__name__}: {exc}). Fix: check "
             "the key after the bucket name, or upload the store there."
         )
-
-
-# -- file objects and concurrency ----------------------------------------------------------
-
-# h5py reads metadata in small pieces and chunks in whole pieces: a cache of
-# fixed blocks serves the former with few GETs without fetching 50 MiB ahead
-# (s3fs's default readahead block) on every random chunk read.
-FILE_BLOCK_SIZE = 256 * 2**10
-FILE_CACHE_BLOCKS = 64
-
-
-class RetryingFile:
-    """A read-only fsspec file object whose reads retry transient failures.
-
-    Libraries reading through it (h5py) may turn an exception raised inside a
-    read into their own ``OSError``; :attr:`last_error` keeps the
-    GrainReplayError so callers can re-raise it.
-    """
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any], remote: Remote):
-        opts = dict(storage_options)
-        fs, path = import_fsspec().url_to_fs(url, **opts)
-        kwargs: dict[str, Any] = {}
-        if "default_block_size" not in opts and "block_size" not in opts:
-            kwargs["block_size"] = FILE_BLOCK_SIZE
-        if "default_cache_type" not in opts and "cache_type" not in opts:
-            kwargs["cache_type"] = "blockcache"
-            kwargs["cache_options"] = {"maxblocks": FILE_CACHE_BLOCKS}
-        self._remote = remote
-        # Per thread: a library calls read() in the thread that called into it, and
-        # another thread's failure must not be reported as this thread's.
-        self._errors = threading.local()
-        self._f = remote.call(lambda: fs.open(path, "rb", **kwargs), "the file")
-        self._pos = 0
-
-    @property
-    def last_error(self) -> GrainReplayError | None:
-        """The failure of this thread's last read, if it failed."""
-        return getattr(self._errors, "error", None)
-
-    @last_error.setter
-    def last_error(self, error: GrainReplayError | None) -> None:
-        self._errors.error = error
-
-    def _retrying(self, fn: Callable[[], T], what: str) -> T:
-        pos = self._pos
-
-        def attempt() -> T:
-            self._f.seek(pos)
-            return fn()
-
-        try:
-            return self._remote.call(attempt, what)
-        except GrainReplayError as e:
-            self.last_error = e
-            raise
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._retrying(lambda: self._f.read(size), f"{size} bytes at offset {self._pos}")
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = self._retrying(lambda: self._f.readinto(view), f"{len(view)} bytes at {self._pos}")
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = self._f.seek(offset, whence)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    @property
-    def size(self) -> int:
-        return int(self._f.size)
-
-    def close(self) -> None:
-        self._f.close()
-
-    @property
-    def closed(self) -> bool:
-        return bool(self._f.closed)
-
-
-class Limiter:
-    """Bounds the requests in flight on one event loop (the semaphore is created there, lazily)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._sem: asyncio.Semaphore | None = None
-
-    def get(self) -> asyncio.Semaphore:
-        if self._sem is None:  # only ever called on the one loop thread
-            self._sem = asyncio.Semaphore(self.limit)
-        return self._sem
