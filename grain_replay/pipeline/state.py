@@ -6,7 +6,7 @@ and ``repr`` of the sampler and of the data source, which grain compares on
 restore. Everything here is written from that format alone, with no grain
 internals: grain's iterator and ours read each other's bytes.
 
-The data source is a :class:`~grain_replay.pipeline.loader.BatchedReads`, whose
+The data source is a :class:`~grain_replay.pipeline.batches.BatchedReads`, whose
 ``repr`` names the per-process batch size and the process count. That makes a
 state self-describing: from one process's state, the number of global steps taken
 follows, whatever process saved it. A loader over the same global stream (same

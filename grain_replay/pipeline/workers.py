@@ -12,20 +12,13 @@ are those of grain's own iterator with the same ``worker_count``.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
-import dataclasses
 import mmap
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
-import pickle
-import signal
-import tempfile
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,199 +27,25 @@ import cloudpickle
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import ArgumentTypeError, GrainReplayError, WorkerDiedError
+from grain_replay.errors import ArgumentTypeError, WorkerDiedError
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
-from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity, handed_out_by_worker
-from grain_replay.sources.reading.cache import share_cache_budget
+from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity
+from grain_replay.pipeline.worker_main import (
+    _BATCH,
+    _ERROR,
+    _FREE,
+    _PICKLED,
+    _SEEK,
+    _SLOT,
+    _STOP,
+    _TASK,
+    _Plan,
+    _worker_main,
+)
 
 __all__ = ["WorkerLoaderIterator"]
 
-_ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 _JOIN_S = 5.0  # how long close() waits for a worker before killing it
-
-# worker -> consumer: (kind, generation, element, slot, ...)
-_BATCH, _PICKLED, _ERROR, _SLOT = range(4)
-# consumer -> worker
-_FREE, _SEEK, _STOP, _TASK = range(4)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What a worker reads: its element ``k`` is global batch ``global_index(k)``."""
-
-    worker: int
-    workers: int
-    shard_index: int
-    shard_count: int
-    length: int
-
-    def local(self, k: int) -> int:
-        return k * self.workers + self.worker
-
-    def first_unread(self, handed_out: int) -> int:
-        """This worker's first element not handed out after ``handed_out`` elements in all."""
-        return handed_out_by_worker(handed_out, self.worker, self.workers)
-
-    def global_index(self, k: int) -> int:
-        return self.local(k) * self.shard_count + self.shard_index
-
-
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _layout(batch: Any) -> tuple[Any, list[np.ndarray], int] | None:
-    """``(spec, leaves, bytes)`` of a batch of plain arrays; None if it must be pickled."""
-    try:
-        leaves, treedef = tree_lib.flatten(batch)
-    except GrainReplayError:
-        return None
-    arrays, fields, offset = [], [], 0
-    for key, leaf in leaves.items():
-        if type(leaf) is not np.ndarray or leaf.dtype.hasobject:
-            return None
-        fields.append((key, leaf.dtype.str, leaf.shape, offset))
-        arrays.append(leaf)
-        offset = _round_up(offset + leaf.nbytes)
-    return (treedef, tuple(fields)), arrays, offset
-
-
-def _new_slot(size: int) -> tuple[int, mmap.mmap]:
-    """An anonymous shared file of ``size`` bytes and its map; the fd travels to the consumer."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("grain_replay_batch", os.MFD_CLOEXEC)
-    else:  # macOS: an unlinked temporary file
-        fd, name = tempfile.mkstemp(prefix="grain_replay_batch_")
-        os.unlink(name)
-    os.ftruncate(fd, size)
-    return fd, mmap.mmap(fd, size)
-
-
-def _picklable(error: BaseException, where: str) -> BaseException:
-    """``error`` with the worker's traceback as a note, or a RuntimeError that says it all."""
-    text = "".join(traceback.format_exception(error))
-    try:
-        error.add_note(f"Raised in {where}:\n{text}")
-        pickle.dumps(error)
-        return error
-    except Exception:  # an exception that does not pickle: keep its text
-        return RuntimeError(f"{type(error).__name__} raised in {where} (unpicklable):\n{text}")
-
-
-def _worker_main(
-    conn: multiprocessing.connection.Connection,
-    payload: bytes,
-    plan: _Plan,
-    slot_count: int,
-    read_threads: int,
-    generation: int,
-    start: int,
-    tasked: bool = False,
-) -> None:
-    """A worker: reads its elements into free slots until told to stop or the pipe closes.
-
-    With ``tasked``, element ``k`` is ``read(task)`` for the task the consumer sent
-    for it (``_TASK`` messages), instead of ``read(global index)``.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
-    where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
-    share_cache_budget(plan.workers)  # the workers split the default cache's memory
-    load_error: BaseException | None = None
-    try:
-        read, maps = cloudpickle.loads(payload)
-    except Exception as e:  # every element fails with it, again after each seek
-        load_error = _picklable(e, where)
-        read, maps = None, ()
-
-    tasks: dict[int, Any] = {}
-
-    def element(k: int, task: Any = None) -> Any:
-        data = read(task) if tasked else read(plan.global_index(k))
-        for op in maps:
-            data = op.map(data)
-        return data
-
-    pool = concurrent.futures.ThreadPoolExecutor(read_threads) if read_threads > 0 else None
-    pending: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
-    free = list(range(slot_count))
-    slots: dict[int, mmap.mmap] = {}
-    last_spec: Any = None
-    k = start
-    stalled = False  # after an error: wait for a seek
-    if load_error is not None:
-        conn.send((_ERROR, generation, k, load_error))
-        stalled = True
-
-    def handle(msg: tuple[Any, ...]) -> bool:
-        nonlocal k, generation, stalled
-        if msg[0] == _FREE:
-            free.append(msg[1])
-        elif msg[0] == _TASK:  # the pipe is ordered: a task sent before a seek is cleared by it
-            tasks[msg[1]] = msg[2]
-        elif msg[0] == _SEEK:
-            _, generation, k = msg
-            tasks.clear()
-            while pending:  # reads are pure: a running one finishes and is dropped
-                pending.popleft()[1].cancel()
-            stalled = load_error is not None
-            if stalled:
-                conn.send((_ERROR, generation, k, load_error))
-        else:
-            return False
-        return True
-
-    try:
-        while True:
-            while (
-                conn.poll()
-                or not free
-                or stalled
-                or plan.local(k) >= plan.length
-                or (tasked and not pending and k not in tasks)
-            ):
-                if not handle(conn.recv()):
-                    return
-            if pool is not None:  # keep read_threads reads in flight
-                while len(pending) < read_threads and plan.local(k + len(pending)) < plan.length:
-                    nxt = k + len(pending)
-                    if tasked and nxt not in tasks:
-                        break
-                    pending.append((nxt, pool.submit(element, nxt, tasks.pop(nxt, None))))
-            try:
-                if pool is not None:
-                    data = pending.popleft()[1].result()
-                else:
-                    data = element(k, tasks.pop(k, None))
-            except Exception as e:
-                conn.send((_ERROR, generation, k, _picklable(e, where)))
-                stalled = True
-                continue
-            laid = _layout(data)
-            slot = free.pop()  # a pickled batch holds a slot too: read-ahead stays bounded
-            if laid is None:
-                conn.send((_PICKLED, generation, k, slot, data))
-                k += 1
-                continue
-            spec, arrays, size = laid
-            if slot not in slots or len(slots[slot]) < size:
-                if slot in slots:
-                    slots[slot].close()
-                fd, slots[slot] = _new_slot(max(size, _ALIGN) + size // 4)
-                conn.send((_SLOT, generation, k, slot, len(slots[slot])))
-                multiprocessing.reduction.send_handle(conn, fd, os.getppid())
-                os.close(fd)
-            buf = np.frombuffer(slots[slot], np.uint8)
-            for (_, _, _, offset), array in zip(spec[1], arrays):
-                buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-            del buf
-            conn.send((_BATCH, generation, k, slot, None if spec == last_spec else spec))
-            last_spec = spec
-            k += 1
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return  # the consumer is gone
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Worker:

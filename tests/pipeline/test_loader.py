@@ -21,7 +21,7 @@ from conformance import assert_tree_equal, make_tree
 from jax.sharding import NamedSharding
 
 import grain_replay as gr
-from grain_replay.pipeline import loader as loader_lib
+from grain_replay.pipeline import batches as batches_lib
 from grain_replay.pipeline.loader import BatchedReads, LoaderOptions
 
 # grain pickles the pipeline for its spawned workers with cloudpickle. Pickling this
@@ -250,7 +250,7 @@ def test_record_ids_same_with_and_without_cached_order(
     cached = [reads.record_ids(g) for g in range(len(reads))]
     assert reads._orders  # whole-epoch orders were computed and kept
     # Above the threshold each batch's slice of the order is computed on its own.
-    monkeypatch.setattr(loader_lib, "_CACHED_ORDER_MAX_RECORDS", 0)
+    monkeypatch.setattr(batches_lib, "_CACHED_ORDER_MAX_RECORDS", 0)
     reads = _reads(src, **kwargs)
     for g, want in enumerate(cached):
         got = reads.record_ids(g)
