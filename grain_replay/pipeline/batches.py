@@ -17,12 +17,12 @@ from grain_replay.pipeline.shuffle import permute
 from grain_replay.pipeline.state import StreamShape, stream_repr
 from grain_replay.sources.base import BatchSource
 
-__all__ = ["LoaderOptions", "BatchedReads"]
+__all__ = ["CACHED_ORDER_MAX_RECORDS", "LoaderOptions", "BatchedReads"]
 
 # Below this many records a whole epoch's order is computed once and sliced
 # per batch (int32: 32 MiB at the limit); above it each batch's slice of the
 # order is computed on its own, in O(batch) memory.
-_CACHED_ORDER_MAX_RECORDS = 1 << 23
+CACHED_ORDER_MAX_RECORDS = 1 << 23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ class BatchedReads:
         start, stop = j * b, min((j + 1) * b, self._n)
         if not self.options.shuffle:
             return np.arange(start, stop, dtype=np.int64)
-        if self._n <= _CACHED_ORDER_MAX_RECORDS:
+        if self._n <= CACHED_ORDER_MAX_RECORDS:
             return self._epoch_order(epoch)[start:stop].astype(np.int64)
         return permute(np.arange(start, stop), self._n, self.options.seed, epoch)
 

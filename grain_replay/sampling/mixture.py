@@ -18,15 +18,15 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidSamplingError, LeafMismatchError
+from grain_replay.pipeline.batches import CACHED_ORDER_MAX_RECORDS
 from grain_replay.pipeline.shuffle import permute
 from grain_replay.sampling.draws import integers
 from grain_replay.sampling.replay import StoreLength
 
 __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
 
-# As in pipeline/loader.py: below this many records a source's epoch order is
+# Below CACHED_ORDER_MAX_RECORDS (the loader's threshold) a source's epoch order is
 # computed once per epoch (int32) and sliced; above, each batch permutes its own slice.
-_CACHED_ORDER_MAX_RECORDS = 1 << 23
 
 Weights = Mapping[str, float] | Callable[[int], Mapping[str, float]]
 
@@ -167,7 +167,7 @@ class MixtureSampler:
         n = self.sizes[s]
         start = given * self._shard_count + self._shard_index * count
         first, at = divmod(start, n)
-        if self._shuffle and n <= _CACHED_ORDER_MAX_RECORDS and at + count <= n:
+        if self._shuffle and n <= CACHED_ORDER_MAX_RECORDS and at + count <= n:
             return self._order(s, first)[at : at + count].astype(np.int64)  # within one epoch
         pos = np.arange(start, start + count, dtype=np.int64)
         if not self._shuffle:
@@ -176,7 +176,7 @@ class MixtureSampler:
         out = np.empty(count, dtype=np.int64)
         for e in np.unique(epoch):  # a batch spans at most a few epochs
             sel = epoch == e
-            if n <= _CACHED_ORDER_MAX_RECORDS:
+            if n <= CACHED_ORDER_MAX_RECORDS:
                 out[sel] = self._order(s, int(e))[offset[sel]]
             else:
                 out[sel] = permute(offset[sel], n, self._source_seed(s), int(e))

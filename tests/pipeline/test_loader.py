@@ -250,7 +250,7 @@ def test_record_ids_same_with_and_without_cached_order(
     cached = [reads.record_ids(g) for g in range(len(reads))]
     assert reads._orders  # whole-epoch orders were computed and kept
     # Above the threshold each batch's slice of the order is computed on its own.
-    monkeypatch.setattr(batches_lib, "_CACHED_ORDER_MAX_RECORDS", 0)
+    monkeypatch.setattr(batches_lib, "CACHED_ORDER_MAX_RECORDS", 0)
     reads = _reads(src, **kwargs)
     for g, want in enumerate(cached):
         got = reads.record_ids(g)
