@@ -17,7 +17,7 @@ from grain_replay.formats import HDF5_SIGNATURE, import_h5py
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._episode_read import EpisodeFileHandle, episode_names
 from grain_replay.rl.episodes import EpisodeIndex
-from grain_replay.rl.minari_arrow import ArrowEpisodeHandle
+from grain_replay.rl.minari_arrow import ArrowEpisodeHandle, arrow_layout, episode_files
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 from grain_replay.sources.reading.readers import Handle
@@ -224,8 +224,6 @@ class MinariDataSource(ReplaySource):
 
     def _open(self) -> Handle:
         if self._format == "arrow":
-            from grain_replay.rl.minari_arrow import ArrowEpisodeHandle
-
             return ArrowEpisodeHandle(
                 self._path, len(self), self._num_episodes, self._layout, self._offsets,
                 self._columns, self._jpeg, int(self._cache_bytes),
@@ -301,8 +299,6 @@ class MinariDataSource(ReplaySource):
         return Layout(n, spec, treedef, locations)
 
     def _arrow_layout(self, spaces: dict[str, Any], images: dict[str, tuple[int, ...]]) -> Layout:
-        from grain_replay.rl.minari_arrow import arrow_layout, episode_files
-
         files = episode_files(self._path)
         if not files or not all(files):
             raise InvalidStoreError(
