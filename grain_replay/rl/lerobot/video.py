@@ -224,9 +224,11 @@ class VideoReader(LeafReader):
         ep = np.searchsorted(self._ends, indices, side="right")
         times = self._cam.from_timestamp[ep] + self._timestamps.take(indices).astype(np.float64)
         fid = self._file_of_episode[ep]
-        for f in np.unique(fid):
-            pos = np.flatnonzero(fid == f)
-            self._fill(int(f), times[pos], ep[pos], indices[pos], pos, out)
+        # One stable sort cuts the batch into its files (positions kept in batch order).
+        order = np.argsort(fid, kind="stable")
+        cuts = np.flatnonzero(np.diff(fid[order])) + 1
+        for pos in np.split(order, cuts):
+            self._fill(int(fid[pos[0]]), times[pos], ep[pos], indices[pos], pos, out)
         return out
 
     def _key(self, f: int, t: float) -> tuple[str, int]:
