@@ -29,6 +29,7 @@ from grain_replay.errors import (
     ResidentBudgetError,
     ResidentUnsupportedError,
 )
+from grain_replay.pipeline.converter import default_sharding, mesh_sharding
 from grain_replay.pipeline.loader import BatchedReads, LoaderPlan
 from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
 
@@ -53,10 +54,9 @@ def _fmt_bytes(n: float) -> str:
 def _batch_sharding(sharding: Any) -> NamedSharding:
     """The sharding ``sharded_device_put`` gives every leaf, as a NamedSharding."""
     if sharding is None:
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        return NamedSharding(mesh, PartitionSpec("data"))
+        return default_sharding()
     if isinstance(sharding, Mesh):
-        return NamedSharding(sharding, PartitionSpec(sharding.axis_names[0]))
+        return mesh_sharding(sharding)
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
     raise ResidentUnsupportedError(
