@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from grain_replay.errors import InvalidPriorityError, InvalidSamplingError, PriorityIndexError
-from grain_replay.sampling.draws import uniforms
+from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.sumtree import SumTree
 
@@ -121,7 +121,8 @@ class PrioritySampler:
         self._source = source
         self._length = StoreLength(source, options.refresh_every)
         self._batch_size = batch_size
-        self._seed = seed
+        self._draws = Draws(seed, shard_index, batch_size)
+        self._offsets = np.arange(batch_size, dtype=np.float64)  # stratum of each row
         self.lag = lag
         self._p = shard_index
         self._count = shard_count
@@ -161,7 +162,9 @@ class PrioritySampler:
                     "before the first batch."
                 )
             b = self._batch_size
-            u = (np.arange(b) + uniforms(self._seed, self._p, step, b)) * (total / b)
+            u = self._draws.uniforms(step)
+            u += self._offsets
+            u *= total / b
             local = self._tree.find(u)
             p = self._tree.get(local)
             weight = (self._tree.min / p) ** self.options.beta_at(step)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
-from grain_replay.sampling.draws import integers
+from grain_replay.sampling.draws import Draws
 
 __all__ = ["UniformReplay", "UniformSampler", "RowReader", "StoreLength", "check_refresh_every"]
 
@@ -64,6 +64,26 @@ class UniformReplay:
         )
 
 
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """``(mtime_ns, size, inode)`` of ``path``, None if it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _tick_bound(mtime_ns: int) -> int:
+    """Nanoseconds after a change within which another change may share its mtime.
+
+    File systems that keep nanoseconds (ext4, xfs, btrfs, tmpfs, overlayfs)
+    stamp with the kernel's coarse clock, a tick of at most 10 ms: 50 ms is
+    safe. A whole-millisecond mtime suggests a coarse file system (FAT, HFS+,
+    ext3, some network file systems): 2 s.
+    """
+    return 2_000_000_000 if mtime_ns % 1_000_000 == 0 else 50_000_000
+
+
 class StoreLength:
     """The committed length of a source, re-read on a schedule of steps or on request.
 
@@ -72,8 +92,9 @@ class StoreLength:
     store's files; the reading copy refreshes only when a drawn row is past its end
     (:class:`RowReader`). A scheduled look at a local store first compares the
     store's ``stat`` (a commit replaces the metadata file, which changes the
-    directory's or the file's mtime) and re-reads the metadata only on a change;
-    ``refresh()`` always re-reads.
+    directory's or the file's mtime) and re-reads the metadata only on a change
+    (and once more after the file system's clock has ticked, in case a second
+    commit shared the first one's mtime); ``refresh()`` always re-reads.
     """
 
     def __init__(self, source: Any, refresh_every: int | None) -> None:
@@ -81,6 +102,7 @@ class StoreLength:
         self._forced = False
         self.n = len(source)
         self._stamp: tuple[int, int, int] | None = None
+        self._settled = False  # whether the stamp was seen after its tick had passed
         self._probe = source
         if callable(getattr(source, "refresh", None)):
             try:  # grain_replay's sources pickle without handles: an independent copy
@@ -93,17 +115,20 @@ class StoreLength:
         path = getattr(self._probe, "path", None)
         if not isinstance(path, str) or "://" in path:
             return True
-        try:
-            st = os.stat(path)
-        except OSError:
+        stamp = _stamp(path)
+        if stamp is None:
             return True
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        # A coarse-grained clock could hide a second commit within the same tick.
-        recent = time.time_ns() - st.st_mtime_ns < 2_000_000_000
-        if stamp == self._stamp and not recent:
-            return False
-        self._stamp = stamp
-        return True
+        # Two commits within one tick of the file system's clock leave the same
+        # stamp. A stamp first seen within a tick of its change is confirmed by
+        # one more look once that tick has surely passed.
+        recent = time.time_ns() - stamp[0] < _tick_bound(stamp[0])
+        if stamp != self._stamp:
+            self._stamp, self._settled = stamp, not recent
+            return True
+        if not self._settled and not recent:
+            self._settled = True
+            return True
+        return False
 
     def request(self) -> None:
         """The next draw re-reads the length."""
@@ -136,8 +161,7 @@ class UniformSampler:
     ) -> None:
         self._length = StoreLength(source, options.refresh_every)
         self._batch_size = batch_size
-        self._seed = seed
-        self._stream = shard_index
+        self._draws = Draws(seed, shard_index, batch_size)
         self._step = 0
         self._source = source
 
@@ -151,7 +175,7 @@ class UniformSampler:
                 f"{self._source!r} has no committed rows to replay. Fix: append and flush rows "
                 "with a ReplayWriter before the first batch."
             )
-        ids = integers(self._seed, self._stream, self._step, self._batch_size, n)
+        ids = self._draws.integers(self._step, n)
         self._step += 1
         return ids
 

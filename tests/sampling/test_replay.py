@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -155,3 +156,44 @@ def test_bad_batch_size_or_seed_is_refused(
     with pytest.raises(error) as e:
         gr.make_data_loader(gr.NpyDataSource(path), **args)  # type: ignore[arg-type]
     assert isinstance(e.value, gr.GrainReplayError)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**64 - 1])
+def test_block_draws_equal_the_functions_in_any_order(seed: int) -> None:
+    from grain_replay.sampling.draws import BLOCK, Draws
+
+    draws = Draws(seed, 3, 64)
+    steps = [0, 1, BLOCK - 1, BLOCK, 5, 3 * BLOCK + 2, 2**40 + 1, 0]
+    for step in steps:
+        for n in (1, 7, 1_000_003, 2**33):
+            np.testing.assert_array_equal(draws.integers(step, n), integers(seed, 3, step, 64, n))
+            # the first c numbers of a full draw are those of a draw of c (a mixture's share)
+            np.testing.assert_array_equal(
+                draws.integers(step, n)[:5], integers(seed, 3, step, 5, n)
+            )
+        np.testing.assert_array_equal(draws.uniforms(step), uniforms(seed, 3, step, 64))
+    with pytest.raises(ValueError, match="positive"):
+        draws.integers(0, 0)
+
+
+def test_a_commit_within_the_same_clock_tick_is_still_seen(
+    growing: tuple[gr.ReplayWriter, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two commits may leave one mtime; a stamp seen within a tick is confirmed once after it."""
+    from grain_replay.sampling import replay
+
+    writer, path = growing
+    length = replay.StoreLength(gr.NpyDataSource(path), refresh_every=1)
+    st = os.stat(path)
+    monkeypatch.setattr(replay, "_stamp", lambda p: (123_456_789, st.st_size, st.st_ino))
+    now = [123_456_789 + 1_000]  # within the tick of the frozen mtime
+    monkeypatch.setattr(replay.time, "time_ns", lambda: now[0])
+    assert length.at(1) == 50  # first look
+    writer.append(_rows(50, 10))
+    writer.flush()  # a second commit, same stamp
+    assert length.at(2) == 50  # within the tick: the stamp is not trusted yet, but not re-read
+    now[0] += 10**9  # the tick has passed: one confirming look
+    assert length.at(3) == 60
+    writer.append(_rows(60, 10))
+    writer.flush()
+    assert length.at(4) == 60  # settled stamp, unchanged: no look
