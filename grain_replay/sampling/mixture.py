@@ -20,7 +20,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidSamplingError, LeafMismatchError
 from grain_replay.pipeline.batches import CACHED_ORDER_MAX_RECORDS
 from grain_replay.pipeline.shuffle import permute
-from grain_replay.sampling.draws import integers
+from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.replay import StoreLength
 
 __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
@@ -31,22 +31,27 @@ __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
 Weights = Mapping[str, float] | Callable[[int], Mapping[str, float]]
 
 
-def apportion(quotas: np.ndarray, total: int) -> np.ndarray:
+def apportion(quotas: Sequence[float] | np.ndarray, total: int) -> np.ndarray:
     """Largest-remainder rounding of nonnegative ``quotas`` (summing to ``total``) to ints.
 
     Ties go to the earlier entry; a zero quota never receives a row.
     """
-    q = np.maximum(quotas, 0.0)
-    counts = np.floor(q).astype(np.int64)
-    short = total - int(counts.sum())
+    return np.array(_apportion([float(q) for q in quotas], total), dtype=np.int64)
+
+
+def _apportion(quotas: list[float], total: int) -> list[int]:
+    """:func:`apportion` on a short list (a mixture has a few sources: no numpy per batch)."""
+    q = [x if x > 0.0 else 0.0 for x in quotas]
+    counts = [math.floor(x) for x in q]
+    short = total - sum(counts)
     if short > 0:
-        rest = np.where(q > 0, q - counts, -1.0)
-        order = np.argsort(-rest, kind="stable")
-        counts[order[:short]] += 1
+        rest = [x - c if x > 0 else -1.0 for x, c in zip(q, counts)]
+        for i in sorted(range(len(q)), key=lambda i: -rest[i])[:short]:  # stable: ties go first
+            counts[i] += 1
     elif short < 0:  # only from float noise in the quotas' sum: take back from the smallest
-        rest = np.where(counts > 0, q - counts, np.inf)
-        order = np.argsort(rest, kind="stable")
-        counts[order[:-short]] -= 1
+        rest = [x - c if c > 0 else math.inf for x, c in zip(q, counts)]
+        for i in sorted(range(len(q)), key=lambda i: rest[i])[:-short]:
+            counts[i] -= 1
     return counts
 
 
@@ -107,13 +112,23 @@ class MixtureSampler:
         self.sizes = tuple(int(sizes[n]) for n in self.names)
         self._weights = weights
         self._fixed = None if callable(weights) else _check_weights(weights, self.names, -1)
+        self._fixed_list = None if self._fixed is None else self._fixed.tolist()
         self.batch_size = batch_size
         self._seed = seed
         self._shuffle = shuffle
         self._shard_index = shard_index
         self._shard_count = shard_count
-        self._debt = np.zeros(len(self.names))
-        self._given = np.zeros(len(self.names), dtype=np.int64)  # rows per process so far
+        # Python floats and ints: a few sources, so lists beat numpy's per-call cost.
+        self._debt = [0.0] * len(self.names)
+        self._given = [0] * len(self.names)  # rows per process so far
+        self._draws = (
+            None
+            if lengths is None
+            else [
+                Draws(seed, s * shard_count + shard_index, batch_size)
+                for s in range(len(self.names))
+            ]
+        )
         self._step = 0
         self._orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> order
 
@@ -129,22 +144,27 @@ class MixtureSampler:
         assert callable(self._weights)
         return _check_weights(self._weights(step), self.names, step)
 
+    def _quotas(self) -> list[float]:
+        weights = self._fixed_list
+        if weights is None:
+            weights = self.weights_at(self._step).tolist()
+        b = self.batch_size
+        return [b * w + d for w, d in zip(weights, self._debt)]
+
     def counts(self) -> np.ndarray:
         """The next step's rows per source, without drawing it."""
-        quotas = self.batch_size * self.weights_at(self._step) + self._debt
-        return apportion(quotas, self.batch_size)
+        return np.array(_apportion(self._quotas(), self.batch_size), dtype=np.int64)
 
     def draw(self) -> dict[str, np.ndarray]:
         """The next batch: source name -> record ids (only sources with rows)."""
-        weights = self.weights_at(self._step)
-        quotas = self.batch_size * weights + self._debt
-        counts = apportion(quotas, self.batch_size)
-        self._debt = quotas - counts
+        quotas = self._quotas()
+        counts = _apportion(quotas, self.batch_size)
         task: dict[str, np.ndarray] = {}
         for s, (name, c) in enumerate(zip(self.names, counts)):
             if c:
-                task[name] = self._ids(s, int(self._given[s]), int(c))
-        self._given += counts
+                task[name] = self._ids(s, self._given[s], c)
+        self._debt = [q - c for q, c in zip(quotas, counts)]
+        self._given = [g + c for g, c in zip(self._given, counts)]
         self._step += 1
         return task
 
@@ -162,8 +182,9 @@ class MixtureSampler:
                     "no committed rows yet. Fix: commit rows first, or give it weight 0 until "
                     "it has some."
                 )
-            stream = s * self._shard_count + self._shard_index
-            return integers(self._seed, stream, self._step, count, n)
+            assert self._draws is not None
+            # The first `count` numbers of a full batch's are integers(..., count, n).
+            return self._draws[s].integers(self._step, n)[:count]
         n = self.sizes[s]
         start = given * self._shard_count + self._shard_index * count
         first, at = divmod(start, n)
@@ -200,8 +221,8 @@ class MixtureSampler:
         """JSON-able state before the next draw (floats round-trip exactly through JSON)."""
         state: dict[str, Any] = {
             "step": self._step,
-            "debt": [float(x) for x in self._debt],
-            "given": [int(x) for x in self._given],
+            "debt": list(self._debt),
+            "given": list(self._given),
         }
         if self._lengths is not None:
             state["n"] = [length.n for length in self._lengths]
@@ -215,19 +236,42 @@ class MixtureSampler:
                 f"{len(self.names)} ({list(self.names)}). Fix: resume with the same sources."
             )
         self._step = int(state["step"])
-        self._debt = np.array(debt, dtype=np.float64)
-        self._given = np.array(given, dtype=np.int64)
+        self._debt = [float(x) for x in debt]
+        self._given = [int(x) for x in given]
         for length, n in zip(self._lengths or (), state.get("n", ())):
             length.n = int(n)
 
 
 def source_leaves(source: Any) -> list[str]:
     """The leaf keys of a source: its ``spec`` when it has one, else those of a 1-row read."""
+    return list(_source_spec(source))
+
+
+LeafShape = tuple[np.dtype, tuple[int, ...]] | None
+
+
+def _source_spec(source: Any) -> dict[str, LeafShape]:
+    """Leaf key -> (dtype, per-row shape): the ``spec``, else a 1-row read's.
+
+    None for a leaf whose ``spec`` entry has no dtype and shape, of a source
+    with no rows to read one from (an online store before its first commit).
+    """
     spec = getattr(source, "spec", None)
     if isinstance(spec, Mapping):
-        return list(spec)
+        out: dict[str, LeafShape] = {}
+        for k, v in spec.items():
+            try:
+                out[k] = (np.dtype(v.dtype), tuple(v.shape))
+            except (AttributeError, TypeError):
+                out[k] = None
+        if all(v is not None for v in out.values()) or not len(source):
+            return out
     leaves, _ = tree_lib.flatten(source.read_batch(np.zeros(1, dtype=np.int64)))
-    return list(leaves)
+    return {k: (np.asarray(v).dtype, np.asarray(v).shape[1:]) for k, v in leaves.items()}
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("=")
 
 
 def _treedef(source: Any, keys: list[str]) -> dict[str, Any]:
@@ -256,7 +300,8 @@ class MixtureReader:
             raise InvalidSamplingError("A mixture needs at least one source; got an empty mapping.")
         self.sources = dict(sources)
         self.names = tuple(self.sources)
-        leaves = {n: source_leaves(s) for n, s in self.sources.items()}
+        specs = {n: _source_spec(s) for n, s in self.sources.items()}
+        leaves = {n: list(spec) for n, spec in specs.items()}
         if keys is None:
             union = sorted(set().union(*leaves.values()), key=tree_lib.natural_key)
             lacking = {n: [k for k in union if k not in have] for n, have in leaves.items()}
@@ -283,6 +328,7 @@ class MixtureReader:
         first = self.sources[self.names[0]]
         treedef = _treedef(first, keys)
         self.keys = tree_lib.leaf_keys(treedef)
+        self._check_alike(specs)
         if source_leaf is not None:
             if source_leaf in self.keys or "/" in source_leaf or not source_leaf:
                 raise InvalidSamplingError(
@@ -302,31 +348,62 @@ class MixtureReader:
         self.source_leaf = source_leaf
         self._unflatten = tree_lib.compile_unflatten(treedef)
 
+    def _check_alike(self, specs: Mapping[str, Mapping[str, LeafShape]]) -> None:
+        """Sets each leaf's batch dtype and row shape; refuses leaves that differ by source."""
+        self._rows: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        bad = []
+        for k in self.keys:
+            known = [(n, spec) for n in self.names if (spec := specs[n][k]) is not None]
+            if not known:
+                raise LeafMismatchError(
+                    f"Leaf {k!r}: no source of the mixture says its dtype and shape (their "
+                    "spec entries are not LeafSpecs and they hold no rows). Fix: give the "
+                    "sources a spec of gr.LeafSpec(dtype, shape) per leaf."
+                )
+            first, (dtype, shape) = known[0]
+            for name, (other_dtype, other_shape) in known[1:]:
+                if other_shape != shape or _native(other_dtype) != _native(dtype):
+                    bad.append(
+                        f"{k!r}: {first!r} holds {dtype}{list(shape)}, {name!r} "
+                        f"({self.sources[name]!r}) {other_dtype}{list(other_shape)}"
+                    )
+            # Each batch is allocated once; every source writes its rows into its slice.
+            self._rows[k] = (_native(dtype), shape)
+        if bad:
+            raise LeafMismatchError(
+                f"The mixture's sources hold leaves of different dtypes or shapes: "
+                f"{'; '.join(bad)}. A batch holds rows of every source in one array per leaf. "
+                "Fix: write the stores with the same dtypes and shapes, or leave those leaves "
+                "out with keys=[...]."
+            )
+
     def __call__(self, task: Mapping[str, np.ndarray]) -> Any:
-        parts = []
-        ids = []
-        for s, name in enumerate(self.names):
-            rows = task.get(name)
-            if rows is None or not len(rows):
+        counts = [len(task.get(name, ())) for name in self.names]
+        total = sum(counts)
+        out = {k: np.empty((total, *shape), dtype) for k, (dtype, shape) in self._rows.items()}
+        start = 0
+        for name, count in zip(self.names, counts):
+            if not count:
                 continue
+            rows = task[name]
             source = self.sources[name]
             if self.growing and int(rows.max()) >= len(source):  # committed since it opened
                 refresh = getattr(source, "refresh", None)
                 if callable(refresh):
                     refresh()
-            read_flat = getattr(source, "read_flat", None)  # grain_replay's sources: no tree
-            if callable(read_flat):
-                leaves = read_flat(rows)
+            stop = start + count
+            part = {k: a[start:stop] for k, a in out.items()}
+            read_into = getattr(source, "read_into", None)  # grain_replay's sources
+            if callable(read_into):
+                # The rows were drawn in range and `part` was allocated from the specs.
+                read_into(rows, part, check=False)
             else:
                 leaves, _ = tree_lib.flatten(source.read_batch(rows))
-            parts.append(leaves)
-            ids.append(np.full(len(rows), s, dtype=np.int32))
-        if len(parts) == 1:
-            out = {k: parts[0][k] for k in self.keys}
-        else:
-            out = {k: np.concatenate([p[k] for p in parts]) for k in self.keys}
+                for k, dst in part.items():
+                    dst[...] = leaves[k]
+            start = stop
         if self.source_leaf is not None:
-            out[self.source_leaf] = ids[0] if len(ids) == 1 else np.concatenate(ids)
+            out[self.source_leaf] = np.repeat(np.arange(len(self.names), dtype=np.int32), counts)
         return self._unflatten(out)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,39 @@ class SourceTests:
         assert_flat_equal(flat(src.read_batch(idx)), want, self.rtol)
         assert_flat_equal(flat(src.read_batch(list(idx))), want, self.rtol)
         assert_flat_equal(src.read_flat(list(idx)), want, self.rtol)
+
+    def test_read_into_writes_the_named_leaves_into_slices_of_one_batch(
+        self, src: Any, expect: Expect
+    ) -> None:
+        n = len(src)
+        idx = np.array([n - 1, 0, 2 % n, 2 % n, -1])
+        want = expect(np.where(idx < 0, idx + n, idx))
+        keys = src.keys[::2]  # every other leaf: the rest are not read
+        batch = {k: np.full((len(idx) + 3, *src.spec[k].shape), 7, src.spec[k].dtype) for k in keys}
+        src.read_into(idx, {k: v[2:-1] for k, v in batch.items()})
+        assert_flat_equal(
+            {k: v[2:-1] for k, v in batch.items()}, {k: want[k] for k in keys}, self.rtol
+        )
+        for k, v in batch.items():  # nothing written outside the slices
+            assert (v[:2] == 7).all() and (v[-1:] == 7).all(), k
+        checked = {k: np.zeros_like(v[2:-1]) for k, v in batch.items()}
+        src.read_into(np.where(idx < 0, idx + n, idx), checked, check=False)
+        assert_flat_equal(checked, {k: want[k] for k in keys}, self.rtol)
+
+    def test_read_into_refuses_arrays_that_cannot_take_the_rows(self, src: Any) -> None:
+        key = src.keys[0]
+        spec = src.spec[key]
+        good = np.zeros((2, *spec.shape), spec.dtype)
+        other = np.dtype(np.int8 if spec.dtype != np.int8 else np.int16)
+        readonly = good.copy()
+        readonly.flags.writeable = False
+        for bad in (np.zeros((3, *spec.shape), spec.dtype), good.astype(other), readonly):
+            with pytest.raises(gr.InvalidArgumentError, match=re.escape(repr(key))):
+                src.read_into([0, 1], {key: bad})
+        with pytest.raises(gr.UnknownLeafError, match="no_such_leaf"):
+            src.read_into([0, 1], {"no_such_leaf": good})
+        with pytest.raises(IndexError):
+            src.read_into([0, len(src)], {key: good})
 
     def test_read_batch_preserves_order(self, src: Any, expect: Expect) -> None:
         idx = np.arange(len(src))[::-1]

@@ -299,3 +299,35 @@ def test_empty_online_source_with_rows_due_is_refused(tmp_path: Any) -> None:
     next(it), next(it)
     with pytest.raises(gr.InvalidSamplingError, match="no committed rows"):
         next(it)
+
+
+def test_leaves_of_other_dtypes_or_shapes_are_named_unless_keys_leaves_them_out(
+    tmp_path: Any,
+) -> None:
+    gr.write_npy(tmp_path / "f32", {"obs": np.zeros((10, 3), np.float32), "id": np.arange(10)})
+    gr.write_npy(tmp_path / "f64", {"obs": np.ones((10, 3), np.float64), "id": np.arange(10)})
+    gr.write_npy(tmp_path / "wide", {"obs": np.ones((10, 4), np.float32), "id": np.arange(10)})
+    srcs = {n: gr.NpyDataSource(tmp_path / n) for n in ("f32", "f64", "wide")}
+    with pytest.raises(
+        gr.LeafMismatchError, match=r"'obs'.*float32\[3\].*'f64'.*float64\[3\]"
+    ) as e:
+        gr.make_data_loader(srcs, weights={"f32": 1, "f64": 1, "wide": 1}, batch_size=6)
+    assert "float32[4]" in str(e.value) and "keys=" in str(e.value)
+    batch = next(
+        iter(gr.make_data_loader(srcs, weights={"f32": 1, "f64": 1, "wide": 1}, batch_size=6,
+                                 keys=["id"], source_leaf="src"))
+    )  # fmt: skip
+    assert set(batch) == {"id", "src"} and batch["src"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_foreign_source_and_a_store_fill_one_batch(stores: dict[str, str]) -> None:
+    """A source without read_into (read_batch only) writes its rows into the same batch."""
+    srcs = _sources(stores)
+    ours = iter(gr.make_data_loader(srcs, weights={"a": 3, "b": 1}, batch_size=8, seed=4))
+    mixed = {"a": srcs["a"], "b": CountingSource(srcs["b"])}
+    theirs = iter(gr.make_data_loader(mixed, weights={"a": 3, "b": 1}, batch_size=8, seed=4))
+    for _ in range(12):
+        x, y = next(ours), next(theirs)
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+            assert x[k].flags.c_contiguous and x[k].flags.writeable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import mmap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -22,6 +22,10 @@ class LeafReader(abc.ABC):
     def take(self, indices: np.ndarray) -> np.ndarray:
         """Rows ``indices`` (int64, in range, any order, duplicates allowed), as a new array."""
 
+    def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """Writes rows ``indices`` into ``out`` (``len(indices)`` rows of this leaf's shape)."""
+        out[...] = self.take(indices)
+
     def row(self, index: int) -> np.ndarray:
         """Row ``index`` as a new array (not a view of a file mapping)."""
         return self.take(np.array([index], dtype=np.int64))[0]
@@ -34,7 +38,7 @@ class Handle(abc.ABC):
     # Leaf key -> files its reader maps; checked for truncation before each read.
     mapped_files: dict[str, list[MappedFile]]
 
-    def check_mapped(self, keys: Sequence[str]) -> None:
+    def check_mapped(self, keys: Iterable[str]) -> None:
         """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map."""
         mapped = getattr(self, "mapped_files", None)
         if mapped:
@@ -88,6 +92,33 @@ class ArrayReader(LeafReader):
         out = np.take(self._array, indices, axis=0)
         ahead.finish(len(indices), time.perf_counter() - t0)
         return out
+
+    def grow(self, array: np.ndarray) -> None:
+        """Reads ``array`` from now on: the same rows and more, over the same memory.
+
+        The read-ahead state (warm or cold) carries over when the rows start at
+        the same address; a concurrent ``take`` reads the old or the new array,
+        both valid.
+        """
+        ahead = self._ahead
+        if ahead is None or not ahead.same_rows(array):
+            ahead = readahead.for_array(array)
+        self._array = array.view(np.ndarray)
+        self._ahead = ahead
+
+    def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
+        if out.dtype != self._array.dtype:  # another byte order: numpy converts on copy
+            out[...] = self.take(indices)
+            return
+        # The indices are checked: mode="clip" lets np.take write straight into
+        # ``out`` (mode="raise" with out= gathers into a buffer first).
+        ahead = self._ahead
+        if ahead is None or (ahead.cold and not ahead.start(indices)):
+            np.take(self._array, indices, axis=0, out=out, mode="clip")
+            return
+        t0 = time.perf_counter()
+        np.take(self._array, indices, axis=0, out=out, mode="clip")
+        ahead.finish(len(indices), time.perf_counter() - t0)
 
     def row(self, index: int) -> np.ndarray:
         if self._ahead is not None and self._ahead.cold:
