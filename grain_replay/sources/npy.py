@@ -6,6 +6,8 @@ import contextlib
 import math
 import mmap
 import os
+from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 
@@ -15,6 +17,7 @@ from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.formats import read_npy_header, read_npy_metadata
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.files import MappedFile, check_inside
+from grain_replay.sources.reading.growing import GrowingMap, map_file
 from grain_replay.sources.reading.readers import ArrayReader, Handle
 
 __all__ = ["NpyDataSource"]
@@ -25,6 +28,8 @@ class _NpyHandle(Handle):
         n = len(source)
         self.readers = {}
         self.mapped_files = {}
+        # Leaf -> (map that grows with the file, data offset): see grow().
+        self._growing: dict[str, tuple[GrowingMap, int]] = {}
         for key, file in source._layout.locations.items():
             spec = source._layout.spec[key]
             _, _, fortran, offset = read_npy_header(file, key, rows=n)
@@ -35,14 +40,42 @@ class _NpyHandle(Handle):
                 # Only the rows the metadata committed are mapped: a growing
                 # store's header and data may run ahead of them.
                 needed = offset + math.prod(shape) * spec.dtype.itemsize
-                mapping = _map_file(file, key, needed)
-                array = np.ndarray(
-                    shape, spec.dtype, buffer=mapping, offset=offset, order="F" if fortran else "C"
-                )
-                # The map's own descriptor answers the truncation check: one
-                # descriptor per leaf file (np.memmap plus a check held two).
-                self.mapped_files[key] = [MappedFile(file, needed, mapping=mapping)]
+                grows = None if fortran else map_file(file, needed)
+                if grows is not None:
+                    array = grows.array(offset, shape, spec.dtype)
+                    self._growing[key] = (grows, offset)
+                    self.mapped_files[key] = [grows.file]
+                else:
+                    mapping = _map_file(file, key, needed)
+                    array = np.ndarray(
+                        shape,
+                        spec.dtype,
+                        buffer=mapping,
+                        offset=offset,
+                        order="F" if fortran else "C",
+                    )
+                    # The map's own descriptor answers the truncation check: one
+                    # descriptor per leaf file (np.memmap plus a check held two).
+                    self.mapped_files[key] = [MappedFile(file, needed, mapping=mapping)]
             self.readers[key] = ArrayReader(array)
+
+    def grow(self, layout: Layout, offsets: Mapping[str, int]) -> bool:
+        """Extends every leaf's map to ``layout``'s rows in place; False: reopen instead."""
+        n = layout.num_records
+        if set(layout.locations) != set(self._growing):
+            return False
+        for key, file in layout.locations.items():
+            grows, offset = self._growing[key]
+            spec = layout.spec[key]
+            needed = offset + n * math.prod(spec.shape) * spec.dtype.itemsize
+            if grows.path != file or offsets.get(key) != offset or not grows.grow(needed):
+                return False
+        for key, (grows, offset) in self._growing.items():
+            spec = layout.spec[key]
+            cast(ArrayReader, self.readers[key]).grow(
+                grows.array(offset, (n, *spec.shape), spec.dtype)
+            )
+        return True
 
 
 def _map_file(path: str, key: str, needed: int) -> mmap.mmap:
@@ -75,8 +108,13 @@ class NpyDataSource(ReplaySource):
       >>> src[0]["obs"].shape
     """
 
+    _offsets: dict[str, int]  # leaf -> data offset in its file, as _inspect read it
+
     def _open(self) -> Handle:
         return _NpyHandle(self)
+
+    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
+        return isinstance(handle, _NpyHandle) and handle.grow(layout, self._offsets)
 
     def _inspect(self) -> Layout:
         path = self._path
@@ -100,9 +138,11 @@ class NpyDataSource(ReplaySource):
                 k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
             }
             check_inside(path, meta_path, "<metadata>", self._allow_external)
+            self._offsets = {}
             for key, file in locations.items():
                 check_inside(path, file, key, self._allow_external)
-                shape, dtype, _, _ = read_npy_header(file, key, rows=meta.num_records)
+                shape, dtype, _, offset = read_npy_header(file, key, rows=meta.num_records)
+                self._offsets[key] = offset
                 want = meta.leaves[key]
                 if (
                     shape[:1] < (meta.num_records,)
@@ -124,6 +164,7 @@ class NpyDataSource(ReplaySource):
                 "store there with gr.write(path, tree, overwrite=True)."
             )
         keys = layout_lib.foreign_keys(found, self._requested_keys)
+        self._offsets = {}  # a store without metadata does not grow: always reopened
         spec: dict[str, layout_lib.LeafSpec] = {}
         lengths: dict[str, int] = {}
         for k in keys:

@@ -117,6 +117,14 @@ class RowReadAhead:
         self._row_s = WARM_ROW_S + self._row_bytes / WARM_BYTES_PER_S
         self.cold = True  # unknown after opening: the first batch checks
 
+    def same_rows(self, array: np.ndarray) -> bool:
+        """Whether ``array``'s rows lie where this read-ahead's do (a grown map)."""
+        return (
+            int(array.ctypes.data) == self._base
+            and int(array.strides[0]) == self._stride
+            and int(array.itemsize * np.prod(array.shape[1:], dtype=np.int64)) == self._row_bytes
+        )
+
     def start(self, indices: np.ndarray) -> bool:
         """Reads rows ``indices`` ahead if they look cold; True if the gather is to be timed."""
         if not self.cold:

@@ -1,0 +1,150 @@
+"""A read-only file mapping that grows in place as a store's file is appended to.
+
+A ``ReplayWriter`` appends rows to a ``.npy`` file while readers map it. Remapping
+the whole file after each commit costs a reopen (milliseconds) and then a page
+fault per page touched again (the new mapping starts with no page table). This
+map reserves address space ahead (``PROT_NONE``, no memory) and maps the file's
+new pages behind the ones already mapped (``MAP_FIXED``): a commit costs one
+``mmap`` per leaf, and arrays over the old rows stay valid and warm.
+
+Linux only; :func:`map_file` returns None elsewhere (callers map the file whole).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from grain_replay.formats import PAGE
+from grain_replay.sources.reading.files import Descriptor, MappedFile
+from grain_replay.sources.reading.stitch import (
+    _LIBC,
+    _MAP_ANONYMOUS,
+    _MAP_FAILED,
+    _MAP_FIXED,
+    _MAP_NORESERVE,
+    _MAP_PRIVATE,
+    _MAP_SHARED,
+    _PROT_NONE,
+    _PROT_READ,
+    _Reservation,
+)
+
+__all__ = ["GrowingMap", "map_file"]
+
+# Address space reserved past the mapped bytes: twice them, at least this much.
+_HEADROOM = 256 << 20
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+class _Window:
+    """The first ``used`` bytes of a reservation, as numpy sees them (keeps it alive)."""
+
+    file_mapping = True  # readahead.is_file_mapping: the memory is a mapped file
+
+    def __init__(self, reservation: _Reservation, addr: int, used: int):
+        self._reservation = reservation
+        self.__array_interface__ = {
+            "data": (addr, True),
+            "shape": (used,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+class GrowingMap:
+    """The first bytes of one file, mapped read-only into a reserved range that can grow.
+
+    Args:
+      path: the file.
+      needed: bytes to map now (the file holds at least that many).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        needed: int,
+        descriptor: Descriptor,
+        reservation: _Reservation,
+        addr: int,
+        cap: int,
+    ):
+        self.path = path
+        self._descriptor = descriptor
+        st = os.fstat(descriptor.fd)
+        self._ino = st.st_ino
+        self._reservation = reservation  # unmaps the whole range when the last array goes
+        self._addr, self._cap = addr, cap
+        self._mapped = 0
+        self.file = MappedFile(path, needed, descriptor)
+        if st.st_size < needed or not self._map_to(needed):
+            raise OSError(f"{path}: mapping {needed:,} bytes failed")
+
+    def _map_to(self, needed: int) -> bool:
+        end = _pages(needed)
+        if end <= self._mapped:
+            return True
+        if end > self._cap or _LIBC is None:
+            return False
+        length = end - self._mapped
+        got = _LIBC.mmap(
+            self._addr + self._mapped,
+            length,
+            _PROT_READ,
+            _MAP_SHARED | _MAP_FIXED,
+            self._descriptor.fd,
+            self._mapped,
+        )
+        if got != self._addr + self._mapped:
+            return False
+        # Random rows: no read-ahead around each fault (see readers.advise_random).
+        _LIBC.madvise(got, length, getattr(mmap, "MADV_RANDOM", 1))
+        self._mapped = end
+        return True
+
+    def grow(self, needed: int) -> bool:
+        """Maps the file up to ``needed`` bytes; False if it cannot grow in place.
+
+        It cannot when the file at ``path`` is another file now (replaced), holds
+        fewer bytes, or the reservation is too small: the caller maps anew.
+        """
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        if st.st_ino != self._ino or st.st_size < needed:
+            return False
+        if not self._map_to(needed):
+            return False
+        self.file.needed = max(self.file.needed, needed)
+        return True
+
+    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A read-only C-ordered array of ``shape`` at byte ``offset`` of the file."""
+        used = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if used > self._mapped:
+            raise ValueError(f"{self.path}: {used:,} bytes wanted, {self._mapped:,} mapped")
+        flat = np.asarray(_Window(self._reservation, self._addr, used))
+        array = flat[offset:].view(dtype).reshape(shape)
+        array.flags.writeable = False
+        return array
+
+
+def map_file(path: str, needed: int) -> GrowingMap | None:
+    """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported."""
+    if _LIBC is None or needed <= 0:
+        return None
+    cap = _pages(max(2 * needed, needed + _HEADROOM))
+    addr = _LIBC.mmap(None, cap, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if addr in (None, _MAP_FAILED):
+        return None
+    reservation = _Reservation(addr, cap, 0)
+    try:
+        return GrowingMap(path, needed, Descriptor(path), reservation, addr, cap)
+    except OSError:
+        return None  # the reservation unmaps itself once dropped

@@ -1,0 +1,100 @@
+"""A growing .npy store's reader extends its maps in place on refresh() instead of reopening."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import grain_replay as gr
+from grain_replay.sources.reading import growing, readahead
+
+pytestmark = pytest.mark.skipif(not readahead.available(), reason="Linux mmap only")
+
+
+def _rows(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n, dtype=np.int64)
+    return {"id": ids, "obs": (ids[:, None] * np.ones(3)).astype(np.float32)}
+
+
+def _check(src: gr.NpyDataSource, idx: np.ndarray) -> None:
+    got = src.read_batch(idx)
+    np.testing.assert_array_equal(got["id"], idx)
+    np.testing.assert_array_equal(got["obs"], (idx[:, None] * np.ones(3)).astype(np.float32))
+
+
+def test_refresh_maps_new_rows_behind_the_old_ones_without_reopening(tmp_path: Any) -> None:
+    path = tmp_path / "store"
+    with gr.ReplayWriter(path, format="npy") as writer:
+        writer.append(_rows(0, 100))
+        writer.flush()
+        src = gr.NpyDataSource(path)
+        _check(src, np.arange(100))
+        old = src._get_handle().readers["obs"]._array  # an array handed out before growing
+        for start in range(100, 2_000, 300):
+            writer.append(_rows(start, 300))
+            writer.flush()
+            assert src.refresh() == start + 300
+            _check(src, np.arange(start + 300)[::-7])
+        assert src._opens == 1  # every refresh grew the open handle
+        np.testing.assert_array_equal(old[:, 0], np.arange(100))  # still valid, same memory
+        assert src._get_handle().readers["obs"]._array.ctypes.data == old.ctypes.data
+
+
+def test_a_replaced_file_is_reopened_not_grown(tmp_path: Any) -> None:
+    path = tmp_path / "store"
+    with gr.ReplayWriter(path, format="npy") as writer:
+        writer.append(_rows(0, 50))
+        writer.flush()
+    src = gr.NpyDataSource(path)
+    _check(src, np.arange(50))
+    # Another program rewrites the store: new files (new inodes) under the same names.
+    gr.write_npy(path, {k: v[::-1].copy() for k, v in _rows(0, 80).items()}, overwrite=True)
+    assert src.refresh() == 80
+    got = src.read_batch(np.arange(80))
+    np.testing.assert_array_equal(got["id"], np.arange(80)[::-1])
+    assert src._opens == 2
+
+
+def test_growth_past_the_reserved_range_reopens(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(growing, "_HEADROOM", 0)  # reserve twice the first map only
+    path = tmp_path / "store"
+    with gr.ReplayWriter(path, format="npy") as writer:
+        writer.append(_rows(0, 2_000))
+        writer.flush()
+        src = gr.NpyDataSource(path)
+        _check(src, np.arange(2_000))
+        writer.append(_rows(2_000, 10_000))
+        writer.flush()
+        src.refresh()
+        _check(src, np.arange(0, 12_000, 11))
+    assert src._opens == 2
+
+
+def test_grow_refuses_a_file_that_shrank(tmp_path: Any) -> None:
+    file = str(tmp_path / "f.bin")
+    with open(file, "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    m = growing.map_file(file, 4096)
+    assert m is not None
+    np.testing.assert_array_equal(m.array(0, (4096,), np.dtype(np.uint8))[:256], np.arange(256))
+    os.truncate(file, 8000)
+    assert not m.grow(10_000)  # past the file's end: the caller reopens
+    assert m.grow(8000)
+    with pytest.raises(ValueError, match="mapped"):
+        m.array(0, (9000,), np.dtype(np.uint8))
+    del m
+    gc.collect()
+
+
+def test_fortran_order_files_are_mapped_whole_and_still_refresh(tmp_path: Any) -> None:
+    path = tmp_path / "store"
+    path.mkdir()
+    np.save(path / "x.npy", np.asfortranarray(np.arange(40, dtype=np.float64).reshape(20, 2)))
+    src = gr.NpyDataSource(path)
+    np.testing.assert_array_equal(src.read_batch([3])["x"], [[6, 7]])
+    assert src.refresh() == 20
+    np.testing.assert_array_equal(src.read_batch([19])["x"], [[38, 39]])
