@@ -82,7 +82,9 @@ class Draws:
         self._seed, self._stream, self._count = seed, stream, count
         self._first = -1
         self._block = np.empty((0, count), dtype=np.uint64)
-        self._high: np.ndarray | None = None  # the block's bits >> 32, made on first use
+        # The block's integers in [0, n) for the last n asked (made on first use).
+        self._ranged = np.empty((0, count), dtype=np.int64)
+        self._ranged_n, self._ranged_first = 0, -1
         # The per-step keys differ only in the step: hash the common prefix once.
         self._prefix = _mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64))
 
@@ -95,19 +97,23 @@ class Draws:
             keys = _mix((steps ^ np.uint64(self._prefix)) + np.uint64(_GOLDEN))
             block = _mix(_counter(self._count)[None, :] + keys[:, None])
             block.flags.writeable = False
-            self._block, self._first, self._high = block, first, None
+            self._block, self._first = block, first
         return self._block[step - first]
 
     def integers(self, step: int, n: int) -> np.ndarray:
-        """``integers(seed, stream, step, count, n)``."""
+        """``integers(seed, stream, step, count, n)`` (a read-only view of a cached block)."""
         bits = self.bits(step)
         if not 0 < n < 2**32:
             return _integers(bits, n)
-        if self._high is None:
-            self._high = self._block >> _U32
-        hi = self._high[step - self._first] * np.uint64(n)
-        hi >>= _U32
-        return hi.view(np.int64)
+        if self._ranged_n != n or self._ranged_first != self._first:
+            # Lemire's multiply-shift for the whole block: n rarely changes between steps.
+            ranged = self._block >> _U32
+            ranged *= np.uint64(n)
+            ranged >>= _U32
+            self._ranged = ranged.view(np.int64)
+            self._ranged.flags.writeable = False
+            self._ranged_n, self._ranged_first = n, self._first
+        return self._ranged[step - self._first]
 
     def uniforms(self, step: int) -> np.ndarray:
         """``uniforms(seed, stream, step, count)``."""

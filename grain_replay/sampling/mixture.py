@@ -10,6 +10,7 @@ epochs (``C_s`` = rows it gave so far), one ``read_batch`` per source per batch.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = ["apportion", "MixtureSampler", "MixtureReader", "source_leaves"]
 # computed once per epoch (int32) and sliced; above, each batch permutes its own slice.
 
 Weights = Mapping[str, float] | Callable[[int], Mapping[str, float]]
+# Steps a mixture with fixed weights draws at once.
+_BLOCK = 16
 
 
 def apportion(quotas: Sequence[float] | np.ndarray, total: int) -> np.ndarray:
@@ -131,6 +134,10 @@ class MixtureSampler:
         )
         self._step = 0
         self._orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> order
+        # Steps drawn ahead, each with the state after it (see _draw_ahead).
+        self._ahead: collections.deque[tuple[dict[str, np.ndarray], list[float], list[int]]]
+        self._ahead = collections.deque()
+        self._blocked = self._fixed is not None and lengths is None and shard_count == 1
 
     @property
     def replay(self) -> bool:
@@ -157,6 +164,12 @@ class MixtureSampler:
 
     def draw(self) -> dict[str, np.ndarray]:
         """The next batch: source name -> record ids (only sources with rows)."""
+        if self._blocked:
+            if not self._ahead:
+                self._draw_ahead()
+            ahead, self._debt, self._given = self._ahead.popleft()
+            self._step += 1
+            return ahead
         quotas = self._quotas()
         counts = _apportion(quotas, self.batch_size)
         task: dict[str, np.ndarray] = {}
@@ -167,6 +180,36 @@ class MixtureSampler:
         self._given = [g + c for g, c in zip(self._given, counts)]
         self._step += 1
         return task
+
+    def _draw_ahead(self) -> None:
+        """Draws the next ``_BLOCK`` steps at once (fixed weights, one process, epochs).
+
+        Then each source's rows of those steps are one contiguous stretch of its
+        stream: one slice of its epoch order, cut into the steps' shares. The
+        steps and the state after each are exactly those of step-by-step draws.
+        """
+        b, weights = self.batch_size, self._fixed_list
+        assert weights is not None
+        debt, given = self._debt, self._given
+        steps = []
+        for _ in range(_BLOCK):
+            quotas = [b * w + d for w, d in zip(weights, debt)]
+            counts = _apportion(quotas, b)
+            debt = [q - c for q, c in zip(quotas, counts)]
+            steps.append((counts, debt, [g + c for g, c in zip(given, counts)]))
+            given = steps[-1][2]
+        tasks: list[dict[str, np.ndarray]] = [{} for _ in steps]
+        for s, name in enumerate(self.names):
+            total = sum(counts[s] for counts, _, _ in steps)
+            if not total:
+                continue
+            ids = self._ids(s, self._given[s], total)
+            at = 0
+            for task, (counts, _, _) in zip(tasks, steps):
+                if counts[s]:
+                    task[name] = ids[at : at + counts[s]]
+                    at += counts[s]
+        self._ahead.extend((task, debt, given) for task, (_, debt, given) in zip(tasks, steps))
 
     def refresh(self) -> None:
         """With replay: every source looks for new rows before the next draw."""
@@ -238,6 +281,7 @@ class MixtureSampler:
         self._step = int(state["step"])
         self._debt = [float(x) for x in debt]
         self._given = [int(x) for x in given]
+        self._ahead.clear()
         for length, n in zip(self._lengths or (), state.get("n", ())):
             length.n = int(n)
 
@@ -347,6 +391,9 @@ class MixtureReader:
             }
         self.source_leaf = source_leaf
         self._unflatten = tree_lib.compile_unflatten(treedef)
+        # What each source held when the mixture was made: epochs draw below it.
+        self.sizes = {name: len(src) for name, src in self.sources.items()}
+        self._bind()
 
     def _check_alike(self, specs: Mapping[str, Mapping[str, LeafShape]]) -> None:
         """Sets each leaf's batch dtype and row shape; refuses leaves that differ by source."""
@@ -378,33 +425,54 @@ class MixtureReader:
             )
 
     def __call__(self, task: Mapping[str, np.ndarray]) -> Any:
-        counts = [len(task.get(name, ())) for name in self.names]
-        total = sum(counts)
-        out = {k: np.empty((total, *shape), dtype) for k, (dtype, shape) in self._rows.items()}
+        total = 0
+        for rows in task.values():
+            total += len(rows)
+        out = {k: np.empty((total, *tail), dtype) for k, (dtype, tail) in self._rows.items()}
         start = 0
-        for name, count in zip(self.names, counts):
-            if not count:
+        for name, source, read_into in self._plan:
+            got = task.get(name)
+            if got is None or not len(got):
                 continue
-            rows = task[name]
-            source = self.sources[name]
-            if self.growing and int(rows.max()) >= len(source):  # committed since it opened
-                refresh = getattr(source, "refresh", None)
-                if callable(refresh):
-                    refresh()
-            stop = start + count
+            rows = got
+            if self.growing:  # rows drawn from what the consumer saw committed
+                past_end = int(rows.max()) >= len(source)
+                if past_end and callable(refresh := getattr(source, "refresh", None)):
+                    refresh()  # committed since this copy looked
+                    past_end = int(rows.max()) >= len(source)
+            else:  # epochs: rows < the size at construction (a store only grows)
+                past_end = len(source) < self.sizes[name]
+            stop = start + len(rows)
             part = {k: a[start:stop] for k, a in out.items()}
-            read_into = getattr(source, "read_into", None)  # grain_replay's sources
-            if callable(read_into):
-                # The rows were drawn in range and `part` was allocated from the specs.
-                read_into(rows, part, check=False)
+            if read_into is not None:
+                # The rows are drawn >= 0 and `part` is allocated from the specs: only
+                # rows past the end need the checks (which then raise RecordIndexError).
+                read_into(rows, part, check=past_end)
             else:
                 leaves, _ = tree_lib.flatten(source.read_batch(rows))
                 for k, dst in part.items():
                     dst[...] = leaves[k]
             start = stop
         if self.source_leaf is not None:
+            counts = [len(task.get(name, ())) for name in self.names]
             out[self.source_leaf] = np.repeat(np.arange(len(self.names), dtype=np.int32), counts)
         return self._unflatten(out)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_plan"]  # bound methods of the sources: made again after unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bind()
+
+    def _bind(self) -> None:
+        # (name, source, its read_into or None), in mixture order: the read loop's plan.
+        self._plan: list[tuple[str, Any, Callable[..., None] | None]] = []
+        for name, source in self.sources.items():
+            read_into = getattr(source, "read_into", None)  # grain_replay's sources
+            self._plan.append((name, source, read_into if callable(read_into) else None))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n!r}: {s!r}" for n, s in self.sources.items())

@@ -149,6 +149,11 @@ class PrioritySampler:
             seen[: len(self._seen)] = self._seen
             self._seen = seen
 
+    @property
+    def bound(self) -> int:
+        """The length the last draw drew below (its rows are < it)."""
+        return self._length.n
+
     def draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Step ``step``'s global row indices (int64) and importance weights (float32)."""
         with self._lock:

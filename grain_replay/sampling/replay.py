@@ -14,6 +14,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.draws import Draws
+from grain_replay.sources.base import ReplaySource
 
 __all__ = ["UniformReplay", "UniformSampler", "RowReader", "StoreLength", "check_refresh_every"]
 
@@ -168,6 +169,11 @@ class UniformSampler:
     def refresh(self) -> None:
         self._length.request()
 
+    @property
+    def bound(self) -> int:
+        """The length the last draw drew below."""
+        return self._length.n
+
     def draw(self) -> np.ndarray:
         n = self._length.at(self._step)
         if n == 0:
@@ -190,18 +196,29 @@ class UniformSampler:
 class RowReader:
     """Worker side: ``read_batch`` of a step's rows, looking for new rows when one is past the end.
 
-    The rows were drawn in the consuming process, which may have seen rows that
-    this process's copy of the source has not yet.
+    A task is ``(rows, bound)``: the rows were drawn below ``bound``, the length
+    the consuming process saw, which may be more than this process's copy of
+    the source has seen yet. A bare array of rows (a restored draw) is checked
+    row by row.
     """
 
     def __init__(self, source: Any) -> None:
         self.source = source
+        # grain_replay's stores read drawn rows without checking them again.
+        self._trusted = isinstance(source, ReplaySource)
 
-    def __call__(self, rows: np.ndarray) -> Any:
-        if len(rows) and int(rows.max()) >= len(self.source):
+    def __call__(self, task: Any) -> Any:
+        if isinstance(task, tuple):
+            rows, bound = task
+        else:
+            rows = np.asarray(task)
+            bound = int(rows.max()) + 1 if len(rows) else 0
+        if bound > len(self.source):
             refresh = getattr(self.source, "refresh", None)
             if callable(refresh):
                 refresh()
+        if self._trusted and bound <= len(self.source):
+            return self.source.read_batch(rows, check=False)
         return self.source.read_batch(rows)
 
     def __repr__(self) -> str:

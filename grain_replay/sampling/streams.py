@@ -79,6 +79,10 @@ class _UniformStream(_SelfStatedStream):
     def describe(self) -> dict[str, Any]:
         return self._describe
 
+    def draw(self, step: int) -> tuple[Any, Any]:
+        rows = self.sampler.draw()
+        return (rows, self.sampler.bound), None  # the reader's task: rows and their bound
+
 
 class _PriorityStream:
     kind = "prioritized"
@@ -93,7 +97,7 @@ class _PriorityStream:
 
     def draw(self, step: int) -> tuple[Any, Any]:
         index, weight = self.sampler.draw(step)
-        return index, (index, weight)
+        return (index, self.sampler.bound), (index, weight)
 
     def state(self) -> dict[str, Any]:
         return {}  # the priorities travel in priority_state()
@@ -140,7 +144,7 @@ def make_stream(
             source_leaf=source_leaf,
             growing=isinstance(sampling, UniformReplay),
         )
-        sizes = {name: len(src) for name, src in source.items()}
+        sizes = dict(reader.sizes)  # what the reader knows the rows are drawn below
         empty = [n for n, size in sizes.items() if size == 0]
         if empty and not isinstance(sampling, UniformReplay):
             raise InvalidSamplingError(f"The mixture's sources {empty} hold no records.")

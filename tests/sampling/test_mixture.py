@@ -331,3 +331,32 @@ def test_a_foreign_source_and_a_store_fill_one_batch(stores: dict[str, str]) -> 
         for k in x:
             np.testing.assert_array_equal(x[k], y[k])
             assert x[k].flags.c_contiguous and x[k].flags.writeable
+
+
+def test_rows_past_a_shrunk_source_raise_instead_of_reading_other_rows(tmp_path: Any) -> None:
+    gr.write_npy(tmp_path / "a", {"id": np.arange(60, dtype=np.int64)})
+    gr.write_npy(tmp_path / "b", {"id": 1000 + np.arange(60, dtype=np.int64)})
+    a, b = gr.NpyDataSource(tmp_path / "a"), gr.NpyDataSource(tmp_path / "b")
+    it = iter(gr.make_data_loader({"a": a, "b": b}, weights={"a": 1, "b": 1}, batch_size=16))
+    next(it)
+    gr.write_npy(tmp_path / "a", {"id": np.arange(5, dtype=np.int64)}, overwrite=True)
+    a.refresh()  # the store was replaced by a shorter one
+    with pytest.raises(gr.RecordIndexError, match="out of range"):
+        next(it)  # 8 rows of 60 drawn: some are past the 5 left
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_fixed_weights_drawn_in_blocks_equal_step_by_step_draws(shuffle: bool) -> None:
+    """Fixed weights draw 16 steps at once; a callable draws one by one: same steps, states."""
+    sizes, weights = {"a": 50, "b": 7, "c": 1000}, {"a": 0.3, "b": 0.2, "c": 0.5}
+    blocked = MixtureSampler(sizes, weights, 10, seed=3, shuffle=shuffle)
+    stepwise = MixtureSampler(sizes, lambda step: weights, 10, seed=3, shuffle=shuffle)
+    assert blocked._blocked and not stepwise._blocked
+    for step in range(70):  # many epochs of "b", blocks of 16 cut mid-epoch
+        if step == 37:  # resume mid-block from the other's state
+            blocked.set_state(stepwise.state())
+        assert blocked.state() == stepwise.state()
+        x, y = blocked.draw(), stepwise.draw()
+        assert x.keys() == y.keys()
+        for name in x:
+            np.testing.assert_array_equal(x[name], y[name])

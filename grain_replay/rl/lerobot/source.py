@@ -384,9 +384,11 @@ class LeRobotDataSource(ReplaySource):
             raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         return self.read_flat(indices)[key]
 
-    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    def read_flat(
+        self, indices: Sequence[int] | np.ndarray, *, check: bool = True
+    ) -> dict[str, np.ndarray]:
         if self._seq is None or self._frames is None:
-            return super().read_flat(indices)
+            return super().read_flat(indices, check=check)
         idx = self._check_indices(indices)
         # With edge padding every frame is an anchor, in frame order.
         got, _ = tree_lib.flatten(self._seq.read_batch(idx))

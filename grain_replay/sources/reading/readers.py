@@ -85,11 +85,12 @@ class ArrayReader(LeafReader):
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         ahead = self._ahead
-        # np.take along axis 0 is about 2x faster than fancy indexing here.
+        # take along axis 0 is about 2x faster than fancy indexing for rows of
+        # many bytes; the method skips np.take's wrapper (~0.6 us a call).
         if ahead is None or (ahead.cold and not ahead.start(indices)):
-            return np.take(self._array, indices, axis=0)
+            return self._array.take(indices, axis=0)
         t0 = time.perf_counter()
-        out = np.take(self._array, indices, axis=0)
+        out = self._array.take(indices, axis=0)
         ahead.finish(len(indices), time.perf_counter() - t0)
         return out
 
@@ -114,10 +115,10 @@ class ArrayReader(LeafReader):
         # ``out`` (mode="raise" with out= gathers into a buffer first).
         ahead = self._ahead
         if ahead is None or (ahead.cold and not ahead.start(indices)):
-            np.take(self._array, indices, axis=0, out=out, mode="clip")
+            self._array.take(indices, axis=0, out=out, mode="clip")
             return
         t0 = time.perf_counter()
-        np.take(self._array, indices, axis=0, out=out, mode="clip")
+        self._array.take(indices, axis=0, out=out, mode="clip")
         ahead.finish(len(indices), time.perf_counter() - t0)
 
     def row(self, index: int) -> np.ndarray:

@@ -299,13 +299,15 @@ class ZarrDataSource(ReplaySource):
 
     # -- reads: every leaf of a remote batch at once ---------------------------
 
-    def read_flat(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    def read_flat(
+        self, indices: Sequence[int] | np.ndarray, *, check: bool = True
+    ) -> dict[str, np.ndarray]:
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
         handle = self._get_handle()
         pool = getattr(handle, "pool", None)
         if pool is None:
-            return super().read_flat(indices)
-        idx = self._check_indices(indices)
+            return super().read_flat(indices, check=check)
+        idx = self._check_indices(indices) if check else np.asarray(indices)
         readers = handle.readers
         futures = [pool.submit(readers[k].take, idx) for k in self._keys]
         return {k: f.result() for k, f in zip(self._keys, futures)}
