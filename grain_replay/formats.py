@@ -40,6 +40,9 @@ NPY_MAGIC = b"\x93NUMPY"
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
 PAGE = mmap.PAGESIZE
+# The .npy header of a store a ReplayWriter grows: fixed, so the shape can be
+# rewritten in place as N grows (a file with another header is replaced, not grown).
+GROWING_NPY_HEADER = 256
 
 
 # -- optional libraries ---------------------------------------------------------------

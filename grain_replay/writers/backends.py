@@ -18,6 +18,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError, WriterBusyError
 from grain_replay.formats import (
+    GROWING_NPY_HEADER,
     PAGE,
     import_h5py,
     import_zarr,
@@ -80,7 +81,7 @@ class Backend(abc.ABC):
 
 # -- .npy directory -------------------------------------------------------------
 
-_NPY_HEADER = 256  # fixed, so the shape can be rewritten in place as N grows
+_NPY_HEADER = GROWING_NPY_HEADER  # fixed, so the shape can be rewritten in place as N grows
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:

@@ -98,3 +98,14 @@ def test_fortran_order_files_are_mapped_whole_and_still_refresh(tmp_path: Any) -
     np.testing.assert_array_equal(src.read_batch([3])["x"], [[6, 7]])
     assert src.refresh() == 20
     np.testing.assert_array_equal(src.read_batch([19])["x"], [[38, 39]])
+
+
+def test_only_files_a_replay_writer_grows_get_address_space_reserved(tmp_path: Any) -> None:
+    gr.write_npy(tmp_path / "static", _rows(0, 64))  # np.save headers: replaced, never grown
+    with gr.ReplayWriter(tmp_path / "growing", format="npy") as writer:
+        writer.append(_rows(0, 64))
+    static, grown = gr.NpyDataSource(tmp_path / "static"), gr.NpyDataSource(tmp_path / "growing")
+    _check(static, np.arange(64))
+    _check(grown, np.arange(64))
+    assert not static._get_handle()._growing
+    assert set(grown._get_handle()._growing) == {"id", "obs"}

@@ -35,7 +35,8 @@ from grain_replay.sources.reading.stitch import (
 __all__ = ["GrowingMap", "map_file"]
 
 # Address space reserved past the mapped bytes: twice them, at least this much.
-_HEADROOM = 256 << 20
+# (It holds no memory, but counts against a ulimit -v where one is set.)
+_HEADROOM = 64 << 20
 
 
 def _pages(nbytes: int) -> int:
