@@ -391,6 +391,10 @@ class MixtureReader:
             }
         self.source_leaf = source_leaf
         self._unflatten = tree_lib.compile_unflatten(treedef)
+        # A flat dict batch is the dict of leaves itself, in order: no rebuild.
+        self._flat = treedef.get("type") == "dict" and all(
+            c.get("type") == "leaf" for c in treedef["children"]
+        )
         # What each source held when the mixture was made: epochs draw below it.
         self.sizes = {name: len(src) for name, src in self.sources.items()}
         self._bind()
@@ -428,7 +432,12 @@ class MixtureReader:
         total = 0
         for rows in task.values():
             total += len(rows)
-        out = {k: np.empty((total, *tail), dtype) for k, (dtype, tail) in self._rows.items()}
+        shapes = self._shapes.get(total)
+        if shapes is None:  # the batch size: almost always the same
+            shapes = self._shapes[total] = [
+                (k, (total, *tail), dtype) for k, (dtype, tail) in self._rows.items()
+            ]
+        out = {k: np.empty(shape, dtype) for k, shape, dtype in shapes}
         start = 0
         for name, source, read_into in self._plan:
             got = task.get(name)
@@ -456,7 +465,7 @@ class MixtureReader:
         if self.source_leaf is not None:
             counts = [len(task.get(name, ())) for name in self.names]
             out[self.source_leaf] = np.repeat(np.arange(len(self.names), dtype=np.int32), counts)
-        return self._unflatten(out)
+        return out if self._flat else self._unflatten(out)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -468,6 +477,7 @@ class MixtureReader:
         self._bind()
 
     def _bind(self) -> None:
+        self._shapes: dict[int, list[tuple[str, tuple[int, ...], np.dtype]]] = {}
         # (name, source, its read_into or None), in mixture order: the read loop's plan.
         self._plan: list[tuple[str, Any, Callable[..., None] | None]] = []
         for name, source in self.sources.items():
