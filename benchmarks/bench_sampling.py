@@ -54,23 +54,24 @@ def _transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def _write(path: Path, n: int, *, growing: bool = False) -> None:
-    if (path / ".done").exists():
+def _write(path: Path, n: int, *, growing: str | None = None) -> None:
+    done = Path(str(path) + ".done")
+    if done.exists():
         return
     chunk = 100_000
     if growing:
-        with gr.ReplayWriter(path, format="npy") as writer:
+        with gr.ReplayWriter(path, format=growing) as writer:
             for i in range(0, n, chunk):
                 writer.append(_transitions(min(chunk, n - i), i + 7))
                 writer.flush()
     else:
         gr.write_npy(path, _transitions(n), overwrite=True)
-    (path / ".done").touch()
+    done.touch()
 
 
 def _warm(path: Path) -> None:
     """Reads every file of a store once: the cases compare reads from the page cache."""
-    for f in sorted(path.rglob("*")):
+    for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
         if f.is_file():
             with open(f, "rb") as fh:
                 while fh.read(1 << 24):
@@ -178,11 +179,11 @@ def bench_uniform(store: Path, args: argparse.Namespace) -> dict[str, Any]:
     ``4 * per_repeat`` batches; the ratio of per-batch medians (no refresh) is
     reported too.
     """
-    src = gr.NpyDataSource(store)
-    plain = gr.NpyDataSource(store)
+    src = gr.open_source(store)
+    plain = gr.open_source(store)
     sampling = gr.UniformReplay(refresh_every=16)
     it = iter(gr.make_data_loader(src, batch_size=args.batch, sampling=sampling))
-    twin = UniformSampler(gr.NpyDataSource(store), sampling, args.batch, seed=1)
+    twin = UniformSampler(gr.open_source(store), sampling, args.batch, seed=1)
     count = 4 * args.per_repeat
     out: dict[str, list[float]] = {
         "uniform_s": [],
@@ -190,7 +191,7 @@ def bench_uniform(store: Path, args: argparse.Namespace) -> dict[str, Any]:
         "uniform_median_s": [],
         "read_batch_median_s": [],
     }
-    with gr.ReplayWriter(store, format="npy") as writer:
+    with gr.ReplayWriter(store, format=args.growing_format) as writer:
         for r in range(args.repeats + 1):
             writer.append(_transitions(args.batch, 10_000 + r))  # the store grows
             writer.flush()
@@ -235,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         help="python of the venv with torchrl and flashbax (make bench-peers builds it)",
     )
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--growing-format",
+        choices=("npy", "hdf5", "zarr"),
+        default="npy",
+        help="format of the store uniform replay reads while it grows",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.repeats, args.per_repeat = 20_000, 3, 20
@@ -244,14 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     main_store = data_dir / f"transitions_{args.rows}"
     other_store = data_dir / f"transitions_b_{args.rows // 4}"
-    growing = data_dir / f"growing_{args.rows}"
+    suffix = {"npy": "", "hdf5": ".h5", "zarr": ".zarr"}[args.growing_format]
+    growing = data_dir / f"growing_{args.rows}{suffix}"
     _write(main_store, args.rows)
     _write(other_store, max(args.rows // 4, args.batch))
     if growing.exists():  # start each run from the same size
         import shutil
 
-        shutil.rmtree(growing)
-    _write(growing, args.rows, growing=True)
+        shutil.rmtree(growing) if growing.is_dir() else growing.unlink()
+        Path(str(growing) + ".done").unlink(missing_ok=True)
+    _write(growing, args.rows, growing=args.growing_format)
     for store in (main_store, other_store, growing):
         _warm(store)
     print(f"data ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -320,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     uni = ours["uniform"]
     rows.append(
         (
-            "uniform replay (growing) / read_batch speed",
+            f"uniform replay (growing {args.growing_format}) / read_batch speed",
             _med(uni["read_batch_s"]) / _med(uni["uniform_s"]),
             0.8,
             f"uniform {_med(uni['uniform_s']) * 1e6:.0f} us, read_batch "
