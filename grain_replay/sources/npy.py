@@ -121,6 +121,7 @@ class NpyDataSource(ReplaySource):
 
     def _inspect(self) -> Layout:
         path = self._path
+        self._offsets = {}  # filled for stores with metadata: only they grow
         if os.path.isfile(path):
             shape, dtype, _, _ = read_npy_header(path, tree_lib.ROOT_KEY)
             if len(shape) == 0:
@@ -141,7 +142,6 @@ class NpyDataSource(ReplaySource):
                 k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves
             }
             check_inside(path, meta_path, "<metadata>", self._allow_external)
-            self._offsets = {}
             for key, file in locations.items():
                 check_inside(path, file, key, self._allow_external)
                 shape, dtype, _, offset = read_npy_header(file, key, rows=meta.num_records)
@@ -167,7 +167,6 @@ class NpyDataSource(ReplaySource):
                 "store there with gr.write(path, tree, overwrite=True)."
             )
         keys = layout_lib.foreign_keys(found, self._requested_keys)
-        self._offsets = {}  # a store without metadata does not grow: always reopened
         spec: dict[str, layout_lib.LeafSpec] = {}
         lengths: dict[str, int] = {}
         for k in keys:

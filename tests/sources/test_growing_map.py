@@ -109,3 +109,18 @@ def test_only_files_a_replay_writer_grows_get_address_space_reserved(tmp_path: A
     _check(grown, np.arange(64))
     assert not static._get_handle()._growing
     assert set(grown._get_handle()._growing) == {"id", "obs"}
+
+
+def test_refresh_of_a_single_file_and_of_a_foreign_directory(tmp_path: Any) -> None:
+    np.save(tmp_path / "x.npy", np.arange(10))
+    one = gr.NpyDataSource(tmp_path / "x.npy")
+    assert one.read_batch([1, 2]).tolist() == [1, 2]
+    assert one.refresh() == 10
+    assert one.read_batch([9]).tolist() == [9]
+    (tmp_path / "dir").mkdir()
+    np.save(tmp_path / "dir" / "a.npy", np.arange(5))
+    foreign = gr.NpyDataSource(tmp_path / "dir")
+    assert foreign.read_batch([4])["a"].tolist() == [4]
+    np.save(tmp_path / "dir" / "a.npy", np.arange(7))  # replaced by a longer file
+    assert foreign.refresh() == 7
+    assert foreign.read_batch([6])["a"].tolist() == [6]
