@@ -211,18 +211,24 @@ def mapped_reader(
     row_shape: tuple[int, ...],
     num_records: int,
     whole_file: Callable[[], Any] | None = None,
+    headroom: int = 0,
 ) -> LeafReader:
     """Reader over unfiltered row-chunks at ``(file, offset)``, in row order.
 
     Stitched into one contiguous mapping when the layout allows (one gather per
-    batch); else one memory map per run of back-to-back chunks, or views of
-    ``whole_file()`` (a map of the one file all parts are in, shared by the
-    leaves: a map per run would hold a descriptor per run).
+    batch; the reader's ``mapping`` is the :class:`Stitched`, with ``headroom``
+    bytes of address space reserved for chunks to come); else one memory map per
+    run of back-to-back chunks, or views of ``whole_file()`` (a map of the one
+    file all parts are in, shared by the leaves: a map per run would hold a
+    descriptor per run).
     """
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
-    array = stitch(parts, chunk_rows * row_bytes, dtype, row_shape, num_records)
-    if array is not None:
-        return ArrayReader(array)
+    stitched = stitch(
+        parts, chunk_rows * row_bytes, dtype, row_shape, num_records, headroom=headroom
+    )
+    if stitched is not None:
+        array, mapping = stitched
+        return ArrayReader(array, mapping=mapping)
     # Fallback: one memory map per run of chunks stored back to back.
     chunk_bytes = chunk_rows * row_bytes
     runs: list[list[Any]] = []  # [first_row, file, offset, num_chunks]

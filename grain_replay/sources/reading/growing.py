@@ -43,21 +43,6 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-class _Window:
-    """The first ``used`` bytes of a reservation, as numpy sees them (keeps it alive)."""
-
-    file_mapping = True  # readahead.is_file_mapping: the memory is a mapped file
-
-    def __init__(self, reservation: _Reservation, addr: int, used: int):
-        self._reservation = reservation
-        self.__array_interface__ = {
-            "data": (addr, True),
-            "shape": (used,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-
 class GrowingMap:
     """The first bytes of one file, mapped read-only into a reserved range that can grow.
 
@@ -130,7 +115,7 @@ class GrowingMap:
         used = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if used > self._mapped:
             raise ValueError(f"{self.path}: {used:,} bytes wanted, {self._mapped:,} mapped")
-        flat = np.asarray(_Window(self._reservation, self._addr, used))
+        flat = np.asarray(self._reservation.window(used))
         array = flat[offset:].view(dtype).reshape(shape)
         array.flags.writeable = False
         return array

@@ -76,7 +76,9 @@ def advise_random(array: np.ndarray) -> None:
 class ArrayReader(LeafReader):
     """Rows of an in-process array, typically a read-only memory map of the file."""
 
-    def __init__(self, array: np.ndarray):
+    def __init__(self, array: np.ndarray, *, mapping: object = None):
+        # What maps the rows, when they can grow in place (a stitch.Stitched).
+        self.mapping = mapping
         advise_random(array)
         # A plain ndarray view: results of indexing are ndarrays, not np.memmap.
         self._array = array.view(np.ndarray)

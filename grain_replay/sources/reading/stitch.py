@@ -20,7 +20,7 @@ import numpy as np
 
 from grain_replay.formats import PAGE
 
-__all__ = ["can_stitch", "stitch"]
+__all__ = ["Stitched", "can_stitch", "stitch"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,9 @@ class _Reservation:
     # Tells readahead.is_file_mapping that the memory is mapped files.
     file_mapping = True
 
-    def __init__(self, addr: int, size: int, used: int):
+    def __init__(self, addr: int, size: int, used: int, owner: _Reservation | None = None):
         self._addr, self._size = addr, size
+        self._owner = owner  # a window keeps the whole range alive; only the owner unmaps
         self.__array_interface__ = {
             "data": (addr, True),
             "shape": (used,),
@@ -65,8 +66,12 @@ class _Reservation:
             "version": 3,
         }
 
+    def window(self, used: int) -> _Reservation:
+        """The first ``used`` bytes, as a buffer that keeps this range mapped."""
+        return _Reservation(self._addr, self._size, used, owner=self)
+
     def __del__(self) -> None:
-        if _LIBC is not None and self._addr:
+        if _LIBC is not None and self._addr and self._owner is None:
             _LIBC.munmap(self._addr, self._size)
             self._addr = 0
 
@@ -81,49 +86,94 @@ def can_stitch(offsets: Sequence[int], chunk_bytes: int) -> bool:
     )
 
 
+class Stitched:
+    """Chunks mapped back to back into a reserved range, which more chunks can join.
+
+    Args:
+      chunk_bytes: bytes of one chunk (whole pages).
+      cap: bytes of address space to reserve (at least the chunks mapped now).
+    """
+
+    def __init__(self, chunk_bytes: int, cap: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.count = 0  # chunks mapped
+        self._cap = cap
+        self._reservation: _Reservation | None = None
+        assert _LIBC is not None
+        addr = _LIBC.mmap(
+            None, cap, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+        )
+        if addr not in (None, _MAP_FAILED):
+            self._addr = int(addr)
+            self._reservation = _Reservation(self._addr, cap, 0)
+
+    def map(self, parts: Sequence[tuple[str, int]], first: int, used: int) -> bool:
+        """Maps ``parts[first:]`` at their places (replacing what was there); False on failure.
+
+        ``used`` is the bytes the rows take: a chunk past it is mapped only up to it.
+        """
+        if self._reservation is None or len(parts) * self.chunk_bytes > self._cap:
+            return False
+        addr, size = self._addr, self.chunk_bytes
+        for i in range(first, len(parts)):
+            path, offset = parts[i]
+            length = min(size, used - i * size)
+            if length <= 0:
+                break
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size < offset + length:
+                    logger.warning(
+                        "%s: chunk shorter than expected; reading it through the codec", path
+                    )
+                    return False
+                got = _LIBC.mmap(  # type: ignore[union-attr]
+                    addr + i * size, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset
+                )
+            finally:
+                os.close(fd)
+            if got != addr + i * size:
+                return False
+            # Random access: no read-ahead on page faults (see readers.advise_random).
+            _LIBC.madvise(got, length, getattr(mmap, "MADV_RANDOM", 1))  # type: ignore[union-attr]
+        self.count = len(parts)
+        return True
+
+    def array(self, dtype: np.dtype, row_shape: tuple[int, ...], num_rows: int) -> np.ndarray:
+        """The first ``num_rows`` rows, read-only (the array keeps the mapping alive)."""
+        assert self._reservation is not None
+        row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+        window = _Reservation.window(self._reservation, num_rows * row_bytes)
+        array = np.asarray(window).view(dtype).reshape((num_rows, *row_shape))
+        array.flags.writeable = False
+        return array
+
+
 def stitch(
     parts: Sequence[tuple[str, int]],
     chunk_bytes: int,
     dtype: np.dtype,
     row_shape: tuple[int, ...],
     num_rows: int,
-) -> np.ndarray | None:
+    *,
+    headroom: int = 0,
+) -> tuple[np.ndarray, Stitched] | None:
     """Maps ``parts`` (``(file, offset)`` per chunk, in row order) into one array.
 
+    Args:
+      headroom: bytes of address space to reserve past the chunks, for chunks a
+        growing store adds later (:meth:`Stitched.map`).
+
     Returns:
-      A read-only ``(num_rows, *row_shape)`` array, or None if the mapping failed
-      (the caller then reads chunk by chunk).
+      A read-only ``(num_rows, *row_shape)`` array and its :class:`Stitched`, or
+      None if the mapping failed (the caller then reads chunk by chunk).
     """
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
     used = num_rows * row_bytes
     if _LIBC is None or used == 0 or not can_stitch([o for _, o in parts], chunk_bytes):
         return None
-    total = len(parts) * chunk_bytes
-    addr = _LIBC.mmap(
-        None, total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
-    )
-    if addr in (None, _MAP_FAILED):
+    extra = -(-headroom // chunk_bytes) * chunk_bytes
+    stitched = Stitched(chunk_bytes, len(parts) * chunk_bytes + extra)
+    if not stitched.map(parts, 0, used):
         return None
-    reservation = _Reservation(addr, total, used)
-    for i, (path, offset) in enumerate(parts):
-        length = min(chunk_bytes, used - i * chunk_bytes)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if os.fstat(fd).st_size < offset + length:
-                logger.warning(
-                    "%s: chunk shorter than expected; reading it through the codec", path
-                )
-                return None
-            got = _LIBC.mmap(
-                addr + i * chunk_bytes, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset
-            )
-        finally:
-            os.close(fd)
-        if got != addr + i * chunk_bytes:
-            return None
-    # Random access: no read-ahead on page faults (see readers.advise_random).
-    _LIBC.madvise(addr, total, getattr(mmap, "MADV_RANDOM", 1))
-    flat = np.asarray(reservation)
-    array = flat.view(dtype).reshape((num_rows, *row_shape))
-    array.flags.writeable = False
-    return array
+    return stitched.array(dtype, row_shape, num_rows), stitched

@@ -25,7 +25,8 @@ from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
-from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.sources.reading.stitch import Stitched
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import remote as zarr_remote
@@ -110,15 +111,21 @@ class _ZarrHandle(Handle):
                 )
             return
         self.group = _open_local(source.path)
+        self._n = n
+        # A store written anew (gr.write(..., overwrite=True)) is a new directory:
+        # its chunks are not the ones mapped, so it is reopened, never grown.
+        self._root = os.stat(source.path).st_ino
         for key, loc in source._layout.locations.items():
             arr = self.group[loc]
             spec = source._layout.spec[key]
             chunk_rows = int(arr.chunks[0])
             files = _raw_chunk_files(arr, n, key, spec.dtype, source)
             if files is not None:
+                used = n * spec.dtype.itemsize * math.prod(spec.shape)
                 self.readers[key] = mapped_reader(
-                    [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n
-                )
+                    [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n,
+                    headroom=min(max(used, _GROW_MIN), _GROW_MAX),
+                )  # fmt: skip
                 continue
             # Local chunks with plain codecs: read the files and decode on a pool.
             fast = zarr_decode.local_chunk_reader(arr, n, key, source.path, source._allow_external)
@@ -128,6 +135,43 @@ class _ZarrHandle(Handle):
                 self.cache, None if fast is None else fast.read_rows,
             )  # fmt: skip
 
+    def grow(self, source: ZarrDataSource, layout: Layout) -> bool:
+        """Maps the chunks a growing store added (or rewrote) in place; False: reopen.
+
+        Committed rows never change, so the chunks wholly below the old length
+        stay mapped; the one that held the old end (zarr rewrote it, as a new
+        file) and those past it are mapped over their places.
+        """
+        if self.remote is not None or self.pool is not None:
+            return False
+        try:
+            if os.stat(source.path).st_ino != self._root:
+                return False
+        except OSError:
+            return False
+        group = _open_local(source.path)
+        n = layout.num_records
+        plans = []
+        for key, loc in layout.locations.items():
+            reader = self.readers.get(key)
+            stitched = getattr(reader, "mapping", None)
+            if not isinstance(reader, ArrayReader) or not isinstance(stitched, Stitched):
+                return False
+            arr = group[loc]
+            spec = layout.spec[key]
+            files = _raw_chunk_files(arr, n, key, spec.dtype, source)
+            if files is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
+                return False
+            first = self._n // int(arr.chunks[0])  # the chunk that held the old end
+            plans.append((reader, stitched, files, first, spec))
+        for reader, stitched, files, first, spec in plans:
+            used = n * spec.dtype.itemsize * math.prod(spec.shape)
+            if not stitched.map([(f, 0) for f in files], first, used):
+                return False
+            reader.grow(stitched.array(spec.dtype, spec.shape, n))
+        self.group, self._n = group, n
+        return True
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False)
@@ -136,6 +180,13 @@ class _ZarrHandle(Handle):
 
 # Beyond this many chunk files, decoding through zarr beats holding the maps.
 _MAX_MAPPED_CHUNKS = 4096
+# Address space a stitched leaf reserves for chunks a growing store adds: as much
+# as it maps, within these bounds (no memory; it counts against a ulimit -v).
+_GROW_MIN, _GROW_MAX = 64 << 20, 1 << 30
+
+
+def _chunk_bytes(arr: Any, dtype: np.dtype) -> int:
+    return dtype.itemsize * math.prod(int(c) for c in arr.chunks)
 
 
 def _raw_chunk_files(
@@ -183,7 +234,7 @@ def _raw_chunk_files(
         os.path.join(root, meta.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1)))
         for c in range(needed)
     ]
-    chunk_bytes = dtype.itemsize * math.prod(int(c) for c in arr.chunks)
+    chunk_bytes = _chunk_bytes(arr, dtype)
     store = source.path
     if not zarr_checks.check_chunk_files(
         files, root, key, chunk_bytes, store, source._allow_external
@@ -296,6 +347,9 @@ class ZarrDataSource(ReplaySource):
 
     def _open(self) -> Handle:
         return _ZarrHandle(self)
+
+    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
+        return isinstance(handle, _ZarrHandle) and handle.grow(self, layout)
 
     # -- reads: every leaf of a remote batch at once ---------------------------
 
