@@ -126,17 +126,23 @@ def test_refresh_of_a_single_file_and_of_a_foreign_directory(tmp_path: Any) -> N
     assert foreign.read_batch([6])["a"].tolist() == [6]
 
 
-def test_a_growing_zarr_store_maps_new_and_rewritten_chunks_in_place(tmp_path: Any) -> None:
-    """Zarr rewrites the chunk holding the old end as a new file: it is mapped again."""
-    path = tmp_path / "store.zarr"
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_a_growing_chunked_store_maps_new_and_rewritten_chunks_in_place(
+    tmp_path: Any, suffix: str
+) -> None:
+    """Zarr rewrites the chunk holding the old end as a new file: it is mapped again.
+
+    HDF5 allocates chunks as its capacity doubles: the new ones are mapped behind.
+    """
+    path = tmp_path / f"store{suffix}"
     with gr.ReplayWriter(path) as writer:
         writer.append(_rows(0, 100))
         writer.flush()
-        src = gr.ZarrDataSource(path)
+        src = gr.open_source(path)
         _check(src, np.arange(100))
         assert src._get_handle().readers["obs"].mapping is not None  # stitched chunks
         old = src._get_handle().readers["obs"]._array
-        for start in range(100, 30_000, 3_333):  # chunks of ~1 MiB: some fill, some start
+        for start in range(100, 60_000, 3_333):  # chunks of ~1 MiB: some fill, some start
             writer.append(_rows(start, 3_333))
             writer.flush()
             n = src.refresh()
@@ -146,11 +152,12 @@ def test_a_growing_zarr_store_maps_new_and_rewritten_chunks_in_place(tmp_path: A
         np.testing.assert_array_equal(old[:, 0], np.arange(100))
 
 
-def test_a_zarr_store_written_anew_is_reopened_not_grown(tmp_path: Any) -> None:
-    path = tmp_path / "store.zarr"
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_a_chunked_store_written_anew_is_reopened_not_grown(tmp_path: Any, suffix: str) -> None:
+    path = tmp_path / f"store{suffix}"
     with gr.ReplayWriter(path) as writer:
         writer.append(_rows(0, 50))
-    src = gr.ZarrDataSource(path)
+    src = gr.open_source(path)
     _check(src, np.arange(50))
     gr.write(path, {k: v[::-1].copy() for k, v in _rows(0, 80).items()}, overwrite=True)
     assert src.refresh() == 80

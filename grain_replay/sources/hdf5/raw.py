@@ -16,6 +16,7 @@ from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.stitch import headroom_for
 
 __all__ = [
     "MAX_RUNS",
@@ -109,6 +110,18 @@ def chunk_table(dset: Any, n: int) -> dict[int, int] | None:
     return table if unfiltered[0] else None
 
 
+def chunk_parts(dset: Any, path: str, n: int, row_bytes: int) -> list[tuple[str, int]] | None:
+    """``(path, offset)`` of every row-chunk below row ``n``, if all can be mapped back to back."""
+    chunks = chunk_table(dset, n)
+    if chunks is None:
+        return None
+    rows = dset.chunks[0]
+    needed = -(-n // rows)
+    if len(chunks) != needed or count_runs(chunks, needed, rows * row_bytes) > MAX_RUNS:
+        return None
+    return [(path, chunks[c]) for c in range(needed)]
+
+
 def count_runs(chunks: dict[int, int], count: int, chunk_bytes: int) -> int:
     """Number of runs of chunks ``0 .. count-1`` stored back to back."""
     runs = 0
@@ -151,7 +164,8 @@ def raw_chunk_reader(
     guard = MappedFile(path, reach, descriptor)
     if len(chunks) == needed and count_runs(chunks, needed, chunk_bytes) <= MAX_RUNS:
         parts = [(path, chunks[c]) for c in range(needed)]
-        reader = mapped_reader(parts, rows, spec.dtype, spec.shape, n, whole_file)
+        headroom = headroom_for(n * row_bytes)
+        reader = mapped_reader(parts, rows, spec.dtype, spec.shape, n, whole_file, headroom)
         return reader, guard, True
     fill = dset.fillvalue
 

@@ -32,6 +32,7 @@ from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.sources.reading.stitch import Stitched
 
 __all__ = ["HDF5DataSource"]
 
@@ -55,6 +56,8 @@ class _HDF5Handle(Handle):
             self.file = open_h5(source.path)
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
+        self._n = n
+        self._descriptor: Descriptor | None = None  # the one all mapped leaves share
         self.readers = {}
         self.mapped_files = {}
         needs_h5py = False
@@ -122,11 +125,59 @@ class _HDF5Handle(Handle):
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype, read_blocks, self.cache,
                 )  # fmt: skip
+        self._descriptor = descriptor
         if not needs_h5py:
             # Every leaf is mapped or read raw: the h5py handle is not needed, and
             # keeping it would stop a ReplayWriter in this process from opening
             # the file for writing (HDF5 shares one handle per file per process).
             self._close_file()
+
+    def grow(self, source: HDF5DataSource, layout: Layout) -> bool:
+        """Maps the chunks a growing store added in place; False: reopen instead.
+
+        HDF5 writes a chunk where it was allocated: the chunks mapped stay, and
+        only those past them are mapped (from the chunk that held the old end,
+        in case its place changed). Every leaf must be a stitched map of this
+        same file (not replaced since it was opened).
+        """
+        if self.file is not None or self._fileobj is not None or self._descriptor is None:
+            return False
+        try:
+            if os.stat(source.path).st_ino != os.fstat(self._descriptor.fd).st_ino:
+                return False
+        except OSError:
+            return False
+        n = layout.num_records
+        plans = []
+        with open_h5(source.path) as f:
+            for key, loc in layout.locations.items():
+                reader = self.readers.get(key)
+                stitched = getattr(reader, "mapping", None)
+                guards = self.mapped_files.get(key, [])
+                if not isinstance(reader, ArrayReader) or not isinstance(stitched, Stitched):
+                    return False
+                spec = layout.spec[key]
+                row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+                dset = f[loc]
+                if dset.chunks is None or dset.chunks[0] * row_bytes != stitched.chunk_bytes:
+                    return False
+                parts = hdf5_raw.chunk_parts(dset, source.path, n, row_bytes)
+                first = self._n // dset.chunks[0]
+                if parts is None or parts[:first] != stitched.parts[:first] or len(guards) != 1:
+                    return False
+                plans.append((reader, stitched, parts, first, spec, row_bytes, guards[0]))
+        for reader, stitched, parts, first, spec, row_bytes, guard in plans:
+            used = n * row_bytes
+            reach = max(off + min(stitched.chunk_bytes, used - c * stitched.chunk_bytes)
+                        for c, (_, off) in enumerate(parts))  # fmt: skip
+            if os.fstat(self._descriptor.fd).st_size < reach:
+                return False
+            if not stitched.map(parts, first, used):
+                return False
+            guard.needed = max(guard.needed, reach)
+            reader.grow(stitched.array(spec.dtype, spec.shape, n))
+        self._n = n
+        return True
 
     def _close_file(self) -> None:
         if self.file is not None:
@@ -211,6 +262,9 @@ class HDF5DataSource(ReplaySource):
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
         super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
+
+    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
+        return isinstance(handle, _HDF5Handle) and handle.grow(self, layout)
 
     def _open(self) -> Handle:
         if is_url(self._path):

@@ -20,7 +20,7 @@ import numpy as np
 
 from grain_replay.formats import PAGE
 
-__all__ = ["Stitched", "can_stitch", "stitch"]
+__all__ = ["Stitched", "can_stitch", "headroom_for", "stitch"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ def can_stitch(offsets: Sequence[int], chunk_bytes: int) -> bool:
     )
 
 
+# Address space a stitched leaf reserves for chunks a growing store adds: as much
+# as it maps, within these bounds (no memory; it counts against a ulimit -v).
+_GROW_MIN, _GROW_MAX = 64 << 20, 1 << 30
+
+
+def headroom_for(used: int) -> int:
+    """Bytes to reserve past ``used`` mapped bytes of a store that may grow."""
+    return min(max(used, _GROW_MIN), _GROW_MAX)
+
+
 class Stitched:
     """Chunks mapped back to back into a reserved range, which more chunks can join.
 
@@ -96,7 +106,7 @@ class Stitched:
 
     def __init__(self, chunk_bytes: int, cap: int) -> None:
         self.chunk_bytes = chunk_bytes
-        self.count = 0  # chunks mapped
+        self.parts: list[tuple[str, int]] = []  # (file, offset) of each chunk mapped
         self._cap = cap
         self._reservation: _Reservation | None = None
         assert _LIBC is not None
@@ -136,7 +146,7 @@ class Stitched:
                 return False
             # Random access: no read-ahead on page faults (see readers.advise_random).
             _LIBC.madvise(got, length, getattr(mmap, "MADV_RANDOM", 1))  # type: ignore[union-attr]
-        self.count = len(parts)
+        self.parts = list(parts)
         return True
 
     def array(self, dtype: np.dtype, row_shape: tuple[int, ...], num_rows: int) -> np.ndarray:

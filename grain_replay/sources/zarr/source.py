@@ -26,7 +26,7 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.readers import ArrayReader, Handle
-from grain_replay.sources.reading.stitch import Stitched
+from grain_replay.sources.reading.stitch import Stitched, headroom_for
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import remote as zarr_remote
@@ -124,7 +124,7 @@ class _ZarrHandle(Handle):
                 used = n * spec.dtype.itemsize * math.prod(spec.shape)
                 self.readers[key] = mapped_reader(
                     [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n,
-                    headroom=min(max(used, _GROW_MIN), _GROW_MAX),
+                    headroom=headroom_for(used),
                 )  # fmt: skip
                 continue
             # Local chunks with plain codecs: read the files and decode on a pool.
@@ -180,9 +180,6 @@ class _ZarrHandle(Handle):
 
 # Beyond this many chunk files, decoding through zarr beats holding the maps.
 _MAX_MAPPED_CHUNKS = 4096
-# Address space a stitched leaf reserves for chunks a growing store adds: as much
-# as it maps, within these bounds (no memory; it counts against a ulimit -v).
-_GROW_MIN, _GROW_MAX = 64 << 20, 1 << 30
 
 
 def _chunk_bytes(arr: Any, dtype: np.dtype) -> int:
