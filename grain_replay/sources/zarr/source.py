@@ -159,10 +159,10 @@ class _ZarrHandle(Handle):
                 return False
             arr = group[loc]
             spec = layout.spec[key]
-            files = _raw_chunk_files(arr, n, key, spec.dtype, source)
+            first = self._n // int(arr.chunks[0])  # the chunk that held the old end
+            files = _raw_chunk_files(arr, n, key, spec.dtype, source, first)
             if files is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
                 return False
-            first = self._n // int(arr.chunks[0])  # the chunk that held the old end
             plans.append((reader, stitched, files, first, spec))
         for reader, stitched, files, first, spec in plans:
             used = n * spec.dtype.itemsize * math.prod(spec.shape)
@@ -187,7 +187,7 @@ def _chunk_bytes(arr: Any, dtype: np.dtype) -> int:
 
 
 def _raw_chunk_files(
-    arr: Any, n: int, key: str, want: np.dtype, source: ZarrDataSource
+    arr: Any, n: int, key: str, want: np.dtype, source: ZarrDataSource, first: int = 0
 ) -> list[str] | None:
     """Chunk files of a local, uncompressed, row-chunked array, or None.
 
@@ -233,8 +233,9 @@ def _raw_chunk_files(
     ]
     chunk_bytes = _chunk_bytes(arr, dtype)
     store = source.path
+    # Chunks before ``first`` were checked when they were mapped (a growing store).
     if not zarr_checks.check_chunk_files(
-        files, root, key, chunk_bytes, store, source._allow_external
+        files[first:], root, key, chunk_bytes, store, source._allow_external
     ):
         return None  # an unwritten chunk reads as the fill value
     return files
