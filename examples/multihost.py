@@ -375,8 +375,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     multihost_utils.sync_global_devices("done")
     if nproc > 1:
         jax.distributed.shutdown()
-        global _LEFT_A_JOB
-        _LEFT_A_JOB = True
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
@@ -486,16 +484,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-# Set once this process has left a multi-process job (see the end of the file).
-_LEFT_A_JOB = False
-
 if __name__ == "__main__":
     main()
-    if _LEFT_A_JOB:
-        # Interpreter teardown after jax.distributed.shutdown() can hang ~150 s in
-        # the coordinator: the final GC destroys jax's CPU client, whose thread pool
-        # joins a gloo thread still waiting on a peer that already exited. The work
-        # is done and its results written: leave without the teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)

@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from grain_replay.errors import InvalidSamplingError
-from grain_replay.sampling.mixture import MixtureReader, MixtureSampler, Weights
+from grain_replay.sampling.mixture import MixtureSampler, Weights
+from grain_replay.sampling.mixture_reader import MixtureReader
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
 from grain_replay.sampling.replay import RowReader, StoreLength, UniformReplay, UniformSampler
 

@@ -125,11 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The results are written. Interpreter teardown can then hang ~150 s in the
-    # coordinator process: the final GC destroys jax's CPU client, whose thread
-    # pool joins a gloo thread still waiting on the peer that already exited
-    # (seen with py-spy in ~PjRtCpuClient). Nothing is left to run: leave now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
