@@ -285,13 +285,6 @@ class ReplaySource(SourceSurface):
         self._keys = list(self._layout.spec)
         self._build = tree_lib.compile_unflatten(self._layout.treedef)
 
-    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
-        """Extends an open handle to ``layout`` (the same leaves, more rows) in place.
-
-        False (the default) closes it instead: the next read reopens the store.
-        """
-        return False
-
     def refresh(self) -> int:
         """Re-reads the store's metadata to see rows committed since; returns the new length.
 
@@ -308,7 +301,7 @@ class ReplaySource(SourceSurface):
                 and layout.num_records >= old.num_records
                 and layout.spec == old.spec
                 and layout.locations == old.locations
-                and self._grow_handle(handle, layout)
+                and handle.grow(self, layout)
             )
         # The handle holds the new rows before the length says so.
         self._set_layout(layout)

@@ -62,8 +62,9 @@ class _NpyHandle(Handle):
                     self.mapped_files[key] = [MappedFile(file, needed, mapping=mapping)]
             self.readers[key] = ArrayReader(array)
 
-    def grow(self, layout: Layout, offsets: Mapping[str, int]) -> bool:
+    def grow(self, source: NpyDataSource, layout: Layout) -> bool:
         """Extends every leaf's map to ``layout``'s rows in place; False: reopen instead."""
+        offsets: Mapping[str, int] = source._offsets  # as its _inspect read them
         n = layout.num_records
         if set(layout.locations) != set(self._growing):
             return False
@@ -115,9 +116,6 @@ class NpyDataSource(ReplaySource):
 
     def _open(self) -> Handle:
         return _NpyHandle(self)
-
-    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
-        return isinstance(handle, _NpyHandle) and handle.grow(layout, self._offsets)
 
     def _inspect(self) -> Layout:
         path = self._path

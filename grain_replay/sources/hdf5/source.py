@@ -263,9 +263,6 @@ class HDF5DataSource(ReplaySource):
         self._retry = remote_lib.retry_options(retries)
         super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
 
-    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
-        return isinstance(handle, _HDF5Handle) and handle.grow(self, layout)
-
     def _open(self) -> Handle:
         if is_url(self._path):
             return _HDF5Handle(self)

@@ -6,6 +6,7 @@ import abc
 import mmap
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,15 @@ class Handle(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases OS resources; the default holds none."""
+
+    def grow(self, source: Any, layout: Any) -> bool:
+        """Extends this open handle in place to ``layout`` of ``source`` (the same
+        leaves, more rows; a ``sources.base.Layout``).
+
+        False (the default, and whenever the store cannot grow in place): the
+        source closes the handle and its next read reopens the store.
+        """
+        return False
 
 
 def advise_random(array: np.ndarray) -> None:

@@ -346,9 +346,6 @@ class ZarrDataSource(ReplaySource):
     def _open(self) -> Handle:
         return _ZarrHandle(self)
 
-    def _grow_handle(self, handle: Handle, layout: Layout) -> bool:
-        return isinstance(handle, _ZarrHandle) and handle.grow(self, layout)
-
     # -- reads: every leaf of a remote batch at once ---------------------------
 
     def read_flat(
