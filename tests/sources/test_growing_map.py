@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources.reading import growing, readahead
+from grain_replay.sources.reading import growing, readahead, stitch
 
 pytestmark = pytest.mark.skipif(not readahead.available(), reason="Linux mmap only")
 
@@ -60,7 +60,8 @@ def test_a_replaced_file_is_reopened_not_grown(tmp_path: Any) -> None:
 
 
 def test_growth_past_the_reserved_range_reopens(tmp_path: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(growing, "_HEADROOM", 0)  # reserve twice the first map only
+    monkeypatch.setattr(stitch, "_GROW_MIN", 0)  # reserve no address space ahead
+    monkeypatch.setattr(stitch, "_GROW_MAX", 0)
     path = tmp_path / "store"
     with gr.ReplayWriter(path, format="npy") as writer:
         writer.append(_rows(0, 2_000))

@@ -12,31 +12,15 @@ Linux only; :func:`map_file` returns None elsewhere (callers map the file whole)
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
 
 from grain_replay.formats import PAGE
 from grain_replay.sources.reading.files import Descriptor, MappedFile
-from grain_replay.sources.reading.stitch import (
-    _LIBC,
-    _MAP_ANONYMOUS,
-    _MAP_FAILED,
-    _MAP_FIXED,
-    _MAP_NORESERVE,
-    _MAP_PRIVATE,
-    _MAP_SHARED,
-    _PROT_NONE,
-    _PROT_READ,
-    _Reservation,
-)
+from grain_replay.sources.reading.stitch import _Reservation, headroom_for, place, reserve
 
 __all__ = ["GrowingMap", "map_file"]
-
-# Address space reserved past the mapped bytes: twice them, at least this much.
-# (It holds no memory, but counts against a ulimit -v where one is set.)
-_HEADROOM = 64 << 20
 
 
 def _pages(nbytes: int) -> int:
@@ -51,21 +35,12 @@ class GrowingMap:
       needed: bytes to map now (the file holds at least that many).
     """
 
-    def __init__(
-        self,
-        path: str,
-        needed: int,
-        descriptor: Descriptor,
-        reservation: _Reservation,
-        addr: int,
-        cap: int,
-    ):
+    def __init__(self, path: str, needed: int, descriptor: Descriptor, reservation: _Reservation):
         self.path = path
         self._descriptor = descriptor
         st = os.fstat(descriptor.fd)
         self._ino = st.st_ino
         self._reservation = reservation  # unmaps the whole range when the last array goes
-        self._addr, self._cap = addr, cap
         self._mapped = 0
         self.file = MappedFile(path, needed, descriptor)
         if st.st_size < needed or not self._map_to(needed):
@@ -75,21 +50,11 @@ class GrowingMap:
         end = _pages(needed)
         if end <= self._mapped:
             return True
-        if end > self._cap or _LIBC is None:
+        if end > self._reservation.size:
             return False
-        length = end - self._mapped
-        got = _LIBC.mmap(
-            self._addr + self._mapped,
-            length,
-            _PROT_READ,
-            _MAP_SHARED | _MAP_FIXED,
-            self._descriptor.fd,
-            self._mapped,
-        )
-        if got != self._addr + self._mapped:
+        addr = self._reservation.addr + self._mapped
+        if not place(addr, end - self._mapped, self._descriptor.fd, self._mapped):
             return False
-        # Random rows: no read-ahead around each fault (see readers.advise_random).
-        _LIBC.madvise(got, length, getattr(mmap, "MADV_RANDOM", 1))
         self._mapped = end
         return True
 
@@ -123,14 +88,12 @@ class GrowingMap:
 
 def map_file(path: str, needed: int) -> GrowingMap | None:
     """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported."""
-    if _LIBC is None or needed <= 0:
+    if needed <= 0:
         return None
-    cap = _pages(max(2 * needed, needed + _HEADROOM))
-    addr = _LIBC.mmap(None, cap, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-    if addr in (None, _MAP_FAILED):
+    reservation = reserve(_pages(needed + headroom_for(needed)))
+    if reservation is None:
         return None
-    reservation = _Reservation(addr, cap, 0)
     try:
-        return GrowingMap(path, needed, Descriptor(path), reservation, addr, cap)
+        return GrowingMap(path, needed, Descriptor(path), reservation)
     except OSError:
         return None  # the reservation unmaps itself once dropped

@@ -20,7 +20,7 @@ import numpy as np
 
 from grain_replay.formats import PAGE
 
-__all__ = ["Stitched", "can_stitch", "headroom_for", "stitch"]
+__all__ = ["Stitched", "can_stitch", "headroom_for", "place", "reserve", "stitch"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _Reservation:
     file_mapping = True
 
     def __init__(self, addr: int, size: int, used: int, owner: _Reservation | None = None):
-        self._addr, self._size = addr, size
+        self.addr, self.size = addr, size
         self._owner = owner  # a window keeps the whole range alive; only the owner unmaps
         self.__array_interface__ = {
             "data": (addr, True),
@@ -68,12 +68,12 @@ class _Reservation:
 
     def window(self, used: int) -> _Reservation:
         """The first ``used`` bytes, as a buffer that keeps this range mapped."""
-        return _Reservation(self._addr, self._size, used, owner=self)
+        return _Reservation(self.addr, self.size, used, owner=self)
 
     def __del__(self) -> None:
-        if _LIBC is not None and self._addr and self._owner is None:
-            _LIBC.munmap(self._addr, self._size)
-            self._addr = 0
+        if _LIBC is not None and self.addr and self._owner is None:
+            _LIBC.munmap(self.addr, self.size)
+            self.addr = 0
 
 
 def can_stitch(offsets: Sequence[int], chunk_bytes: int) -> bool:
@@ -96,6 +96,25 @@ def headroom_for(used: int) -> int:
     return min(max(used, _GROW_MIN), _GROW_MAX)
 
 
+def reserve(size: int) -> _Reservation | None:
+    """``size`` bytes of address space (no memory, no access), or None if refused."""
+    if _LIBC is None:
+        return None
+    addr = _LIBC.mmap(None, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    return None if addr in (None, _MAP_FAILED) else _Reservation(int(addr), size, 0)
+
+
+def place(addr: int, length: int, fd: int, offset: int) -> bool:
+    """Maps ``length`` bytes of ``fd`` at ``offset`` read-only at ``addr`` (inside a reservation,
+    replacing what was there), advised for random reads; False if refused."""
+    got = _LIBC.mmap(addr, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset)  # type: ignore[union-attr]
+    if got != addr:
+        return False
+    # Random access: no read-ahead on page faults (see readers.advise_random).
+    _LIBC.madvise(addr, length, getattr(mmap, "MADV_RANDOM", 1))  # type: ignore[union-attr]
+    return True
+
+
 class Stitched:
     """Chunks mapped back to back into a reserved range, which more chunks can join.
 
@@ -107,24 +126,17 @@ class Stitched:
     def __init__(self, chunk_bytes: int, cap: int) -> None:
         self.chunk_bytes = chunk_bytes
         self.parts: list[tuple[str, int]] = []  # (file, offset) of each chunk mapped
-        self._cap = cap
-        self._reservation: _Reservation | None = None
-        assert _LIBC is not None
-        addr = _LIBC.mmap(
-            None, cap, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
-        )
-        if addr not in (None, _MAP_FAILED):
-            self._addr = int(addr)
-            self._reservation = _Reservation(self._addr, cap, 0)
+        self._reservation = reserve(cap)
 
     def map(self, parts: Sequence[tuple[str, int]], first: int, used: int) -> bool:
         """Maps ``parts[first:]`` at their places (replacing what was there); False on failure.
 
         ``used`` is the bytes the rows take: a chunk past it is mapped only up to it.
         """
-        if self._reservation is None or len(parts) * self.chunk_bytes > self._cap:
+        reservation = self._reservation
+        if reservation is None or len(parts) * self.chunk_bytes > reservation.size:
             return False
-        addr, size = self._addr, self.chunk_bytes
+        size = self.chunk_bytes
         for i in range(first, len(parts)):
             path, offset = parts[i]
             length = min(size, used - i * size)
@@ -137,15 +149,10 @@ class Stitched:
                         "%s: chunk shorter than expected; reading it through the codec", path
                     )
                     return False
-                got = _LIBC.mmap(  # type: ignore[union-attr]
-                    addr + i * size, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset
-                )
+                if not place(reservation.addr + i * size, length, fd, offset):
+                    return False
             finally:
                 os.close(fd)
-            if got != addr + i * size:
-                return False
-            # Random access: no read-ahead on page faults (see readers.advise_random).
-            _LIBC.madvise(got, length, getattr(mmap, "MADV_RANDOM", 1))  # type: ignore[union-attr]
         self.parts = list(parts)
         return True
 
