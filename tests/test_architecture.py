@@ -4,7 +4,7 @@ The layers, bottom first (see docs/architecture.md):
 
 0. errors, tree, layout, formats, remote/, integrity, _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
-2. sources/base.py: the source surface.
+2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
 3. sources/hdf5/, sources/zarr/, sources/npy.py (never each other) and writers/ (no source).
 4. sources/__init__.py: ``open_source`` over the formats.
 5. rl/, pipeline/, sampling/ and any other module not listed.
@@ -38,6 +38,7 @@ LAYERS = {
     "grain_replay.sources.reading": 1,
     "grain_replay.sources.checks": 1,
     "grain_replay.sources.base": 2,
+    "grain_replay.sources.surface": 2,
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
