@@ -33,8 +33,13 @@ def _counter(count: int) -> np.ndarray:
     return counter
 
 
+def _prefix(seed: int, stream: int) -> int:
+    """The part of a step's key that all steps of ``(seed, stream)`` share."""
+    return _mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64))
+
+
 def _key(seed: int, stream: int, step: int) -> int:
-    return _mix_int(_mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64)) ^ (step & _MASK64))
+    return _mix_int(_prefix(seed, stream) ^ (step & _MASK64))
 
 
 def _bits(seed: int, stream: int, step: int, count: int) -> np.ndarray:
@@ -79,14 +84,14 @@ class Draws:
     """
 
     def __init__(self, seed: int, stream: int, count: int) -> None:
-        self._seed, self._stream, self._count = seed, stream, count
+        self._count = count
         self._first = -1
         self._block = np.empty((0, count), dtype=np.uint64)
         # The block's integers in [0, n) for the last n asked (made on first use).
         self._ranged = np.empty((0, count), dtype=np.int64)
         self._ranged_n, self._ranged_first = 0, -1
         # The per-step keys differ only in the step: hash the common prefix once.
-        self._prefix = _mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64))
+        self._prefix = _prefix(seed, stream)
 
     def bits(self, step: int) -> np.ndarray:
         """The ``count`` 64-bit words of ``step`` (read-only)."""
@@ -106,11 +111,8 @@ class Draws:
         if not 0 < n < 2**32:
             return _integers(bits, n)
         if self._ranged_n != n or self._ranged_first != self._first:
-            # Lemire's multiply-shift for the whole block: n rarely changes between steps.
-            ranged = self._block >> _U32
-            ranged *= np.uint64(n)
-            ranged >>= _U32
-            self._ranged = ranged.view(np.int64)
+            # The whole block at once: n rarely changes between steps.
+            self._ranged = _to_range(self._block, n)
             self._ranged.flags.writeable = False
             self._ranged_n, self._ranged_first = n, self._first
         return self._ranged[step - self._first]

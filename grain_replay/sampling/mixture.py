@@ -57,6 +57,15 @@ def _apportion(quotas: list[float], total: int) -> list[int]:
     return counts
 
 
+def _next_counts(
+    weights: list[float], debt: list[float], batch_size: int
+) -> tuple[list[int], list[float]]:
+    """One step's rows per source and the debt after it (see the module docstring)."""
+    quotas = [batch_size * w + d for w, d in zip(weights, debt)]
+    counts = _apportion(quotas, batch_size)
+    return counts, [q - c for q, c in zip(quotas, counts)]
+
+
 def _check_weights(weights: Mapping[str, float], names: tuple[str, ...], step: int) -> np.ndarray:
     where = f"weights at step {step}" if step >= 0 else "weights"
     if not isinstance(weights, Mapping):
@@ -150,16 +159,13 @@ class MixtureSampler:
         assert callable(self._weights)
         return _check_weights(self._weights(step), self.names, step)
 
-    def _quotas(self) -> list[float]:
-        weights = self._fixed_list
-        if weights is None:
-            weights = self.weights_at(self._step).tolist()
-        b = self.batch_size
-        return [b * w + d for w, d in zip(weights, self._debt)]
+    def _weights_list(self) -> list[float]:
+        return self._fixed_list or self.weights_at(self._step).tolist()
 
     def counts(self) -> np.ndarray:
         """The next step's rows per source, without drawing it."""
-        return np.array(_apportion(self._quotas(), self.batch_size), dtype=np.int64)
+        counts, _ = _next_counts(self._weights_list(), self._debt, self.batch_size)
+        return np.array(counts, dtype=np.int64)
 
     def draw(self) -> dict[str, np.ndarray]:
         """The next batch: source name -> record ids (only sources with rows)."""
@@ -169,13 +175,12 @@ class MixtureSampler:
             ahead, self._debt, self._given = self._ahead.popleft()
             self._step += 1
             return ahead
-        quotas = self._quotas()
-        counts = _apportion(quotas, self.batch_size)
+        counts, debt = _next_counts(self._weights_list(), self._debt, self.batch_size)
         task: dict[str, np.ndarray] = {}
         for s, (name, c) in enumerate(zip(self.names, counts)):
             if c:
                 task[name] = self._ids(s, self._given[s], c)
-        self._debt = [q - c for q, c in zip(quotas, counts)]
+        self._debt = debt
         self._given = [g + c for g, c in zip(self._given, counts)]
         self._step += 1
         return task
@@ -187,16 +192,14 @@ class MixtureSampler:
         stream: one slice of its epoch order, cut into the steps' shares. The
         steps and the state after each are exactly those of step-by-step draws.
         """
-        b, weights = self.batch_size, self._fixed_list
+        weights = self._fixed_list
         assert weights is not None
         debt, given = self._debt, self._given
-        steps = []
+        steps = []  # (counts, debt after, given after) of each step
         for _ in range(_BLOCK):
-            quotas = [b * w + d for w, d in zip(weights, debt)]
-            counts = _apportion(quotas, b)
-            debt = [q - c for q, c in zip(quotas, counts)]
-            steps.append((counts, debt, [g + c for g, c in zip(given, counts)]))
-            given = steps[-1][2]
+            counts, debt = _next_counts(weights, debt, self.batch_size)
+            given = [g + c for g, c in zip(given, counts)]
+            steps.append((counts, debt, given))
         tasks: list[dict[str, np.ndarray]] = [{} for _ in steps]
         for s, name in enumerate(self.names):
             total = sum(counts[s] for counts, _, _ in steps)

@@ -9,6 +9,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidSamplingError, LeafMismatchError
+from grain_replay.sampling.replay import reaches
 
 __all__ = ["MixtureReader", "source_leaves"]
 
@@ -172,10 +173,7 @@ class MixtureReader:
                 continue
             rows = got
             if self.growing:  # rows drawn from what the consumer saw committed
-                past_end = int(rows.max()) >= len(source)
-                if past_end and callable(refresh := getattr(source, "refresh", None)):
-                    refresh()  # committed since this copy looked
-                    past_end = int(rows.max()) >= len(source)
+                past_end = not reaches(source, int(rows.max()) + 1)
             else:  # epochs: rows < the size at construction (a store only grows)
                 past_end = len(source) < self.sizes[name]
             stop = start + len(rows)

@@ -16,7 +16,14 @@ from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.draws import Draws
 from grain_replay.sources.base import ReplaySource
 
-__all__ = ["UniformReplay", "UniformSampler", "RowReader", "StoreLength", "check_refresh_every"]
+__all__ = [
+    "UniformReplay",
+    "UniformSampler",
+    "RowReader",
+    "StoreLength",
+    "check_refresh_every",
+    "reaches",
+]
 
 
 def check_refresh_every(value: Any, owner: str) -> int | None:
@@ -193,6 +200,19 @@ class UniformSampler:
         self._length.n = int(state["n"])
 
 
+def reaches(source: Any, bound: int) -> bool:
+    """Whether ``source`` holds the rows below ``bound``, refreshing it first if not yet.
+
+    Rows are drawn in the consuming process from the length it saw; the copy of
+    the source that reads them (in a worker, say) may not have seen the commit.
+    """
+    if bound > len(source):
+        refresh = getattr(source, "refresh", None)
+        if callable(refresh):
+            refresh()
+    return bound <= len(source)
+
+
 class RowReader:
     """Worker side: ``read_batch`` of a step's rows, looking for new rows when one is past the end.
 
@@ -213,11 +233,7 @@ class RowReader:
         else:
             rows = np.asarray(task)
             bound = int(rows.max()) + 1 if len(rows) else 0
-        if bound > len(self.source):
-            refresh = getattr(self.source, "refresh", None)
-            if callable(refresh):
-                refresh()
-        if self._trusted and bound <= len(self.source):
+        if self._trusted and reaches(self.source, bound):
             return self.source.read_batch(rows, check=False)
         return self.source.read_batch(rows)
 
