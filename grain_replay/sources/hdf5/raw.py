@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -122,6 +122,11 @@ def chunk_parts(dset: Any, path: str, n: int, row_bytes: int) -> list[tuple[str,
     return [(path, chunks[c]) for c in range(needed)]
 
 
+def chunk_reach(offsets: Iterable[tuple[int, int]], chunk_bytes: int, used: int) -> int:
+    """How far into the file chunks ``(index, offset)`` reach, holding ``used`` bytes of rows."""
+    return max((off + min(chunk_bytes, used - c * chunk_bytes) for c, off in offsets), default=0)
+
+
 def count_runs(chunks: dict[int, int], count: int, chunk_bytes: int) -> int:
     """Number of runs of chunks ``0 .. count-1`` stored back to back."""
     runs = 0
@@ -157,10 +162,7 @@ def raw_chunk_reader(
     row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
     chunk_bytes = rows * row_bytes
     needed = -(-n // rows)
-    reach = max(
-        (off + min(chunk_bytes, (n - c * rows) * row_bytes) for c, off in chunks.items()),
-        default=0,
-    )
+    reach = chunk_reach(chunks.items(), chunk_bytes, n * row_bytes)
     guard = MappedFile(path, reach, descriptor)
     if len(chunks) == needed and count_runs(chunks, needed, chunk_bytes) <= MAX_RUNS:
         parts = [(path, chunks[c]) for c in range(needed)]

@@ -29,10 +29,9 @@ from grain_replay.sources.hdf5 import raw as hdf5_raw
 from grain_replay.sources.hdf5 import refs as hdf5_refs
 from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from grain_replay.sources.reading.chunked import ChunkedLeafReader
+from grain_replay.sources.reading.chunked import ChunkedLeafReader, grow_stitched, stitched_map
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle
-from grain_replay.sources.reading.stitch import Stitched
 
 __all__ = ["HDF5DataSource"]
 
@@ -152,9 +151,9 @@ class _HDF5Handle(Handle):
         with open_h5(source.path) as f:
             for key, loc in layout.locations.items():
                 reader = self.readers.get(key)
-                stitched = getattr(reader, "mapping", None)
+                stitched = stitched_map(reader)
                 guards = self.mapped_files.get(key, [])
-                if not isinstance(reader, ArrayReader) or not isinstance(stitched, Stitched):
+                if stitched is None:
                     return False
                 spec = layout.spec[key]
                 row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
@@ -165,17 +164,17 @@ class _HDF5Handle(Handle):
                 first = self._n // dset.chunks[0]
                 if parts is None or parts[:first] != stitched.parts[:first] or len(guards) != 1:
                     return False
-                plans.append((reader, stitched, parts, first, spec, row_bytes, guards[0]))
-        for reader, stitched, parts, first, spec, row_bytes, guard in plans:
-            used = n * row_bytes
-            reach = max(off + min(stitched.chunk_bytes, used - c * stitched.chunk_bytes)
-                        for c, (_, off) in enumerate(parts))  # fmt: skip
-            if os.fstat(self._descriptor.fd).st_size < reach:
-                return False
-            if not stitched.map(parts, first, used):
+                reach = hdf5_raw.chunk_reach(
+                    ((c, off) for c, (_, off) in enumerate(parts)),
+                    stitched.chunk_bytes,
+                    n * row_bytes,
+                )
+                plans.append((reader, parts, first, spec, reach, guards[0]))
+        size = os.fstat(self._descriptor.fd).st_size
+        for reader, parts, first, spec, reach, guard in plans:
+            if size < reach or not grow_stitched(reader, parts, first, spec.dtype, spec.shape, n):
                 return False
             guard.needed = max(guard.needed, reach)
-            reader.grow(stitched.array(spec.dtype, spec.shape, n))
         self._n = n
         return True
 

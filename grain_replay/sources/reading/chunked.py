@@ -11,7 +11,7 @@ import numpy as np
 from grain_replay.sources.reading import readahead
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import ArrayReader, LeafReader, advise_random
-from grain_replay.sources.reading.stitch import stitch
+from grain_replay.sources.reading.stitch import Stitched, stitch
 
 __all__ = ["ChunkedLeafReader", "SegmentedReader", "group_by_chunk", "mapped_reader"]
 
@@ -202,6 +202,34 @@ class SegmentedReader(LeafReader):
         j = int(np.searchsorted(self._starts, index, side="right") - 1)
         r = self._segments[j][index - int(self._starts[j])]
         return r.copy() if isinstance(r, np.ndarray) else r
+
+
+def stitched_map(reader: LeafReader | None) -> Stitched | None:
+    """The growable map under a :func:`mapped_reader`'s reader, None if it has none."""
+    mapping = getattr(reader, "mapping", None)
+    return mapping if isinstance(reader, ArrayReader) and isinstance(mapping, Stitched) else None
+
+
+def grow_stitched(
+    reader: LeafReader | None,
+    parts: Sequence[tuple[str, int]],
+    first: int,
+    dtype: np.dtype,
+    row_shape: tuple[int, ...],
+    num_records: int,
+) -> bool:
+    """Maps ``parts[first:]`` into ``reader``'s :class:`Stitched` and reads ``num_records``.
+
+    False if they cannot be mapped in place (the caller reopens the store).
+    """
+    stitched = stitched_map(reader)
+    if stitched is None or not isinstance(reader, ArrayReader):
+        return False
+    row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    if not stitched.map(parts, first, num_records * row_bytes):
+        return False
+    reader.grow(stitched.array(dtype, row_shape, num_records))
+    return True
 
 
 def mapped_reader(

@@ -17,9 +17,14 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.formats import import_zarr, is_url
 from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.cache import ChunkCache
-from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
-from grain_replay.sources.reading.readers import ArrayReader, Handle
-from grain_replay.sources.reading.stitch import Stitched, headroom_for
+from grain_replay.sources.reading.chunked import (
+    ChunkedLeafReader,
+    grow_stitched,
+    mapped_reader,
+    stitched_map,
+)
+from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.reading.stitch import headroom_for
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import remote as zarr_remote
@@ -144,8 +149,8 @@ class ZarrHandle(Handle):
         plans = []
         for key, loc in layout.locations.items():
             reader = self.readers.get(key)
-            stitched = getattr(reader, "mapping", None)
-            if not isinstance(reader, ArrayReader) or not isinstance(stitched, Stitched):
+            stitched = stitched_map(reader)
+            if stitched is None:
                 return False
             arr = group[loc]
             spec = layout.spec[key]
@@ -153,12 +158,10 @@ class ZarrHandle(Handle):
             files = _raw_chunk_files(arr, n, key, spec.dtype, source, first)
             if files is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
                 return False
-            plans.append((reader, stitched, files, first, spec))
-        for reader, stitched, files, first, spec in plans:
-            used = n * spec.dtype.itemsize * math.prod(spec.shape)
-            if not stitched.map([(f, 0) for f in files], first, used):
+            plans.append((reader, [(f, 0) for f in files], first, spec))
+        for reader, parts, first, spec in plans:
+            if not grow_stitched(reader, parts, first, spec.dtype, spec.shape, n):
                 return False
-            reader.grow(stitched.array(spec.dtype, spec.shape, n))
         self.group, self._n = group, n
         return True
 
