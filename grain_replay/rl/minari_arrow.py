@@ -15,6 +15,7 @@ from grain_replay.layout import LeafSpec
 from grain_replay.rl._jpeg import decode_jpegs
 from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.readers import Handle, LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["ArrowEpisodeHandle", "arrow_layout", "episode_files"]
 
@@ -289,13 +290,7 @@ class ArrowEpisodeHandle(Handle):
             return []
         episode = np.searchsorted(self.ends, indices, side="right")
         local = indices - self.starts[episode] + offset
-        order = np.argsort(episode, kind="stable")
-        eps = episode[order]
-        cuts = np.flatnonzero(np.r_[True, eps[1:] != eps[:-1]])
-        return [
-            (int(eps[a]), order[a:b], local[order[a:b]])
-            for a, b in zip(cuts, np.r_[cuts[1:], len(order)])
-        ]
+        return [(ep, pos, local[pos]) for ep, pos in runs(episode)]
 
     def _table(self, ep: int) -> Any:
         return self._tables[ep]
