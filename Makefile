@@ -57,15 +57,18 @@ bench-quick: $(STAMP)
 bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_s3.py
 
-# torchrl and flashbax (which pulls torch and its own jax) live in their own venv.
-PEERS_VENV ?= /work/venvs/peers
-$(PEERS_VENV)/.installed:
-	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet torchrl flashbax numpy
-	touch $(PEERS_VENV)/.installed
+# torchrl and flashbax (which pulls torch and its own jax) live in a repo-local venv of
+# their own (git-ignored, like .venv-lerobot/).
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
 
-bench-peers: $(STAMP) $(PEERS_VENV)/.installed
-	$(PY) benchmarks/bench_sampling.py --peers-python $(PEERS_VENV)/bin/python
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet torchrl flashbax numpy
+	touch $(PEERS_STAMP)
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(PY) benchmarks/bench_sampling.py --peers-python $(abspath $(PEERS_VENV))/bin/python
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grain_replay tests examples benchmarks
@@ -73,4 +76,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy grain_replay
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_out bench_out
+	rm -rf $(VENV) .venv-peers build *.egg-info demo_out bench_out
