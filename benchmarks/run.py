@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     sampler.reset()
     # The memory and sequences sections write their own stores.
     needs_stores = set(cfg.sections) - {"memory", "sequences"}
-    stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
+    # The device section reads the .npy stores only.
+    layouts = ("npy",) if needs_stores == {"device"} else None
+    stores = (
+        bench_data.ensure_stores(datasets, data_dir, quick, log, layouts) if needs_stores else {}
+    )
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
         {s.path: s.nbytes for layouts in stores.values() for s in layouts.values()}
@@ -191,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_report.write_json(json_path, results, meta)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
-    bench_report.write_plot(os.path.join(out_dir, "plot.png"), results)
-    print(f"wrote {json_path}, {os.path.join(out_dir, 'plot.png')}")
+    try:
+        plots = bench_report.write_plots(os.path.join(out_dir, "plot.png"), results, meta)
+    except ImportError as e:  # a machine without matplotlib (the GPU check's) still reports
+        plots = (f"no plots ({e.name} is not installed)",)
+    print(f"wrote {json_path}, {', '.join(plots)}")
     print(f"elapsed {time.perf_counter() - t_start:.1f}s (data preparation {data_s:.1f}s)")
     return 0
 
