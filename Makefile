@@ -71,19 +71,18 @@ bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/bench_sampling.py --peers-python $(abspath $(PEERS_VENV))/bin/python
 
 # Wheels for benchmarks/gpu_check.sh on a GPU machine with Python 3.12, its own jax and no
-# network: grain, zarr, this package and the dependencies such a machine lacks (it has jax,
-# numpy, h5py, tensorstore, orbax, flax, torch). The script installs only those it lacks.
+# network: grain and zarr with everything they depend on (resolved for that Python), and
+# this package. The script installs only what that machine lacks, never jax or numpy.
 .PHONY: gpu-wheels gpu-check-cpu
 GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON_VERSION ?= 3.12
-GPU_WHEEL_PACKAGES ?= grain array-record portpicker psutil cloudpickle etils absl-py protobuf \
-	zarr donfig numcodecs google-crc32c pyyaml typing-extensions packaging fsspec zipp
+GPU_WHEEL_PACKAGES ?= grain zarr
 GPU_WHEELS_MAX_MB := 64
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PY) -m pip download --quiet --python-version $(GPU_PYTHON_VERSION) --only-binary=:all: \
-		--no-deps -d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+		-d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
 	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) .
 	@du -sm $(GPU_WHEELS) | awk '{ if ($$1 > $(GPU_WHEELS_MAX_MB)) { print "$(GPU_WHEELS): " $$1 " MB, over $(GPU_WHEELS_MAX_MB) MB"; exit 1 } else print "$(GPU_WHEELS): " $$1 " MB of wheels for Python $(GPU_PYTHON_VERSION)" }'
 

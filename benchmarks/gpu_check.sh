@@ -2,7 +2,7 @@
 # The device benchmarks on a GPU machine that has its own jax and no network.
 #
 # Installs the wheels it carries (`make gpu-wheels` builds them here, for Python 3.12:
-# grain, zarr, grain_replay and the pure dependencies such a machine lacks) into a
+# grain and zarr with their dependencies, and grain_replay) into a
 # throwaway venv that sees every package of the machine's interpreter, so nothing of the
 # machine's own is replaced: a carried wheel of a package the machine has is skipped
 # (jax, numpy, ... stay the machine's), and the run stops if jax's version moved. Then
@@ -67,7 +67,7 @@ JAX_BEFORE="$("$PY" -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__vers
 echo "    python $("$PY" -c 'import platform; print(platform.python_version())'), jax and jaxlib $JAX_BEFORE"
 
 # Which carried wheels to install: each one whose package the interpreter lacks, and
-# grain_replay always (the code under test). jax/jaxlib/numpy are never installed.
+# grain_replay always (the code under test). A carried jax or jaxlib is refused.
 PLAN="$("$PY" - "$CARRY" <<'PY'
 import importlib.metadata as md
 import os
@@ -75,7 +75,22 @@ import re
 import sys
 
 carry = sys.argv[1]
-never = {"jax", "jaxlib", "numpy", "ml-dtypes"}
+never = {"jax", "jaxlib"}
+here = sys.version_info[:2]
+
+
+def for_this_python(name: str) -> bool:
+    """The wheel's Python tag admits this interpreter (py3, cpXY, or cpXY-abi3 for XY <= ours)."""
+    py, abi = name[: -len(".whl")].split("-")[-3:-1]
+    for tag in py.split("."):
+        m = re.fullmatch(r"cp(\d)(\d+)", tag)
+        if tag.startswith("py") or (m and (int(m[1]), int(m[2])) == here):
+            return True
+        if m and abi == "abi3" and (int(m[1]), int(m[2])) <= here:
+            return True
+    return False
+
+
 for name in sorted(os.listdir(carry)):
     if not name.endswith(".whl"):
         continue
@@ -91,13 +106,15 @@ for name in sorted(os.listdir(carry)):
         print(f"refuse {name} {key}: the machine's own {key} is never replaced")
     elif have is not None:
         print(f"keep {name} {key} {have} is installed (carried {version})")
+    elif not for_this_python(name):
+        print(f"skip {name} {key}: built for another Python than {here[0]}.{here[1]}")
     else:
         print(f"install {name} {key} {version}")
 PY
 )"
 echo "==> carried wheels ($CARRY)"
 echo "$PLAN" | sed 's/^/    /'
-echo "$PLAN" | grep -q '^refuse ' && die 3 "the carry folder holds jax/jaxlib/numpy: those stay the machine's. Fix: rebuild it with 'make gpu-wheels'."
+echo "$PLAN" | grep -q '^refuse ' && die 3 "the carry folder holds jax or jaxlib: those stay the machine's. Fix: rebuild it with 'make gpu-wheels'."
 mapfile -t WHEELS < <(echo "$PLAN" | awk '$1 == "install" {print $2}')
 echo "$PLAN" | grep -q '^install .*grain_replay' || die 2 "no grain_replay wheel in $CARRY. Fix: make gpu-wheels."
 
@@ -134,7 +151,7 @@ JAX_AFTER="$("$VPY" -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__vers
 [ "$JAX_AFTER" = "$JAX_BEFORE" ] || die 3 "jax moved from $JAX_BEFORE to $JAX_AFTER: the install touched jax."
 echo "==> jax unchanged: $JAX_AFTER"
 cd "$OUT"  # not the checkout: `python -` puts the working directory on sys.path
-"$VPY" - "$VENV" <<'PY' || die 4 "an import failed after the install (a dependency not carried?). Fix: add it to GPU_WHEEL_PACKAGES in the Makefile and rebuild."
+"$VPY" - "$VENV" <<'PY' || die 4 "an import failed after the install (a dependency not carried?). Fix: rebuild the carry with 'make gpu-wheels' (GPU_WHEEL_PACKAGES names what it resolves)."
 import sys
 import grain, zarr, grain_replay
 here = grain_replay.__file__

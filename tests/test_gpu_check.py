@@ -42,6 +42,7 @@ def test_dry_run_installs_what_the_machine_lacks_and_keeps_the_rest(tmp_path: Pa
         "grain_replay-0.1.0-py3-none-any.whl",
         "zarr-3.4.2-py3-none-any.whl",  # this venv has zarr: kept
         "not_a_real_package-1.0-py3-none-any.whl",  # missing here: installed
+        "other_python_only-1.0-cp39-cp39-manylinux2014_x86_64.whl",  # not for this Python
     )
     proc = _run("--carry", str(carry), "--out", str(tmp_path / "out"), "--dry-run", "--cpu")
     assert proc.returncode == 0, proc.stderr
@@ -49,6 +50,10 @@ def test_dry_run_installs_what_the_machine_lacks_and_keeps_the_rest(tmp_path: Pa
     assert "install grain_replay-0.1.0-py3-none-any.whl" in out
     assert "keep zarr-3.4.2-py3-none-any.whl zarr" in out
     assert "install not_a_real_package-1.0-py3-none-any.whl" in out
+    assert (
+        "skip other_python_only-1.0-cp39" in out
+        and "other_python_only" not in out.split("pip install", 1)[1]
+    )
     assert "--no-index --no-deps" in out and "--sections device" in out
     assert "JAX_PLATFORMS=cpu" in out
     assert not (tmp_path / "out" / "venv").exists()  # a dry run changes nothing
