@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import mmap
@@ -46,6 +47,22 @@ GROWING_NPY_HEADER = 256
 
 
 # -- optional libraries ---------------------------------------------------------------
+
+
+def import_optional(module: str, hint: str) -> Any:
+    """``module`` imported, or a MissingDependencyError with ``hint`` (what needs it, the fix).
+
+    Each parent package is imported first, as ``import a.b`` does, so that a package
+    blocked or missing (``sys.modules["a"] = None``) is noticed even when ``a.b`` was
+    imported before.
+    """
+    parts = module.split(".")
+    try:
+        for i in range(1, len(parts) + 1):
+            got = importlib.import_module(".".join(parts[:i]))
+    except ImportError as e:
+        raise MissingDependencyError(hint) from e
+    return got
 
 
 def import_h5py() -> Any:

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError
+from grain_replay.errors import InvalidStoreError
+from grain_replay.formats import import_optional
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.reading.runs import runs
@@ -18,14 +19,11 @@ __all__ = ["JpegLeafReader", "decode_jpegs", "pack_blobs", "pil_image"]
 
 def pil_image() -> Any:
     """``PIL.Image``, the decoder Minari itself uses (bit-identical frames), or an install hint."""
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Reading JPEG-encoded Minari image spaces needs Pillow. Fix: pip install "
-            "'grain-replay[rl]' (or pip install pillow)."
-        ) from e
-    return Image
+    return import_optional(
+        "PIL.Image",
+        "Reading JPEG-encoded Minari image spaces needs Pillow. Fix: pip install "
+        "'grain-replay[rl]' (or pip install pillow).",
+    )
 
 
 def decode_jpegs(blobs: Sequence[Any], shape: tuple[int, ...], where: str, key: str) -> np.ndarray:

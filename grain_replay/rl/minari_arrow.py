@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError
+from grain_replay.errors import InvalidStoreError
+from grain_replay.formats import import_optional
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._jpeg import decode_jpegs
 from grain_replay.sources.base import Layout
@@ -23,15 +24,13 @@ _LEAF = {"type": "leaf"}
 
 
 def pyarrow() -> Any:
-    try:
-        import pyarrow as pa
-        import pyarrow.ipc
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Reading Minari datasets in Arrow format needs pyarrow. Fix: pip install "
-            "'grain-replay[rl]' (or pip install pyarrow)."
-        ) from e
-    return pa
+    """``pyarrow`` with ``pyarrow.ipc`` loaded, or MissingDependencyError with the install hint."""
+    hint = (
+        "Reading Minari datasets in Arrow format needs pyarrow. Fix: pip install "
+        "'grain-replay[rl]' (or pip install pyarrow)."
+    )
+    import_optional("pyarrow.ipc", hint)
+    return import_optional("pyarrow", hint)
 
 
 def episode_files(data_dir: str) -> list[list[str]]:

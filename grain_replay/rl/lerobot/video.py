@@ -14,9 +14,9 @@ import numpy as np
 from grain_replay.errors import (
     FrameTimestampError,
     InvalidStoreError,
-    MissingDependencyError,
     StoreNotFoundError,
 )
+from grain_replay.formats import import_optional
 from grain_replay.rl.lerobot.meta import Camera
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import LeafReader
@@ -27,14 +27,11 @@ __all__ = ["VideoFiles", "VideoReader", "decode_at", "import_av"]
 
 def import_av() -> Any:
     """The ``av`` module (PyAV), or MissingDependencyError with the install hint."""
-    try:
-        import av
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Decoding LeRobot camera videos needs PyAV. Fix: pip install av (or "
-            "grain_replay[rl]), or leave the cameras out with keys=[...]."
-        ) from e
-    return av
+    return import_optional(
+        "av",
+        "Decoding LeRobot camera videos needs PyAV. Fix: pip install av (or "
+        "grain_replay[rl]), or leave the cameras out with keys=[...].",
+    )
 
 
 class _Frame:
