@@ -28,8 +28,9 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, WorkerDiedError
+from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
-from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity
+from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.worker_main import (
     _BATCH,
     _ERROR,
