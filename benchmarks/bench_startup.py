@@ -10,6 +10,7 @@ alone. Also standalone: ``python benchmarks/bench_startup.py [--repeats 7]``.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -24,6 +25,7 @@ __all__ = ["FIRST_BATCH_TARGET_S", "first_batch_seconds", "run_startup"]
 FIRST_BATCH_TARGET_S = 0.4  # issue 22: from 1.1 s, measured on a 2-core CPU machine
 _ROWS = 4096
 _BATCH = 64
+_RECORD_BYTES = (17 + 6 + 1) * 4
 
 
 def _write_stores(root: str) -> dict[str, Any]:
@@ -43,6 +45,11 @@ def _write_stores(root: str) -> dict[str, Any]:
             gr.write(path, tree, format=fmt)
         out[fmt] = gr.open_source(path)
     return out
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def first_batch_seconds(make: Callable[[], Any], repeats: int) -> list[float]:
@@ -76,19 +83,31 @@ def _cases(sources: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     return cases
 
 
-def measure(root: str, repeats: int, log: Callable[[str], None] = print) -> dict[str, list[float]]:
+def measure(
+    root: str, repeats: int, log: Callable[[str], None] = print, only: str | None = None
+) -> dict[str, tuple[list[float], float]]:
+    """Case name -> (seconds to the first batch per repeat, CPU seconds per worker)."""
     import jax  # the consuming process has jax, as a training script does
 
     jax.devices()
     sources = _write_stores(root)
     out = {}
     for name, make in _cases(sources).items():
+        if only is not None and only not in f"startup/{name}":
+            continue
         first_batch_seconds(make, 1)  # warm: page cache, lazy imports of this process
-        out[name] = times = first_batch_seconds(make, repeats)
+        cpu0 = _children_cpu_s()
+        times = first_batch_seconds(make, repeats)
+        # CPU seconds per worker, from its start to its exit (close() joins it): what a
+        # start-up costs whatever the machine's load (the wall time is that on idle cores).
+        workers = 2 if "worker_count=2" in name else 0
+        per_worker = (_children_cpu_s() - cpu0) / (repeats * workers) if workers else 0.0
         log(
             f"  startup/{name}: first batch after {statistics.median(times):.3f} s "
-            f"(median of {repeats}; {min(times):.3f}-{max(times):.3f})"
+            f"(median of {repeats}; {min(times):.3f}-{max(times):.3f}); "
+            f"{per_worker:.3f} CPU s per worker"
         )
+        out[name] = (times, per_worker)
     for src in sources.values():
         src.close()
     return out
@@ -101,18 +120,21 @@ def run_startup(cfg: Any, stores: Any, res: Any, log: Callable[[str], None]) -> 
     del stores  # tiny stores of its own: what is timed is the start-up
     root = os.path.join(cfg.data_dir, "startup")
     os.makedirs(root, exist_ok=True)
-    repeats = max(3, cfg.repeats)
-    for name, times in measure(root, repeats, log).items():
+    repeats = cfg.repeats
+    cpu = {}
+    for name, (times, per_worker) in measure(root, repeats, log, cfg.only).items():
+        cpu[f"startup/{name}"] = per_worker
         fmt = name.split("/")[0]
         res.add(
             Case(
                 f"startup/{name}", "startup", "transitions-small", fmt, fmt,
-                name.split("/", 1)[1], "pipeline", _BATCH, 92, 1, times,
+                name.split("/", 1)[1], "pipeline", _BATCH, _RECORD_BYTES, 1, times,
                 note="seconds to the first batch, jax imported",
             )
         )  # fmt: skip
     medians = {c.name: c.median_s for c in res.cases if c.section == "startup"}
     res.extra["first_batch_s"] = medians
+    res.extra["worker_start_cpu_s"] = cpu
     slow = [n for n, s in medians.items() if "worker_count=2" in n and s > FIRST_BATCH_TARGET_S]
     res.notes.append(
         f"first batch with worker_count=2 (jax imported): target <= {FIRST_BATCH_TARGET_S} s; "
@@ -126,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--data", default=None, help="store directory (default: a temporary one)")
+    p.add_argument("--only", default=None, help="run only cases whose name contains SUBSTR")
     args = p.parse_args(argv)
     if args.data:
         os.makedirs(args.data, exist_ok=True)
-        measure(args.data, args.repeats)
+        measure(args.data, args.repeats, only=args.only)
     else:
         with tempfile.TemporaryDirectory() as root:
-            measure(root, args.repeats)
+            measure(root, args.repeats, only=args.only)
     return 0
 
 
