@@ -40,6 +40,7 @@ from grain_replay.sources import (
     HDF5DataSource,
     NpyDataSource,
     ReplaySource,
+    RLDSDataSource,
     ZarrDataSource,
     open_source,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "ZarrDataSource",
+    "RLDSDataSource",
     "ReplaySource",
     "open_source",
     "LeafSpec",

@@ -23,8 +23,8 @@ class FeatureValues:
     Feature). Offsets are relative to the start of the Example's bytes.
 
     - bytes: ``offsets``/``lengths`` of each element.
-    - float: ``count`` values, the first at ``offset``, ``stride`` bytes apart
-      (4 when packed, 5 when written unpacked: a tag byte before each value).
+    - float: ``count`` values in groups of ``stride`` bytes from ``offset``: 4
+      when packed, 5 when written unpacked (each group a tag byte, then the float).
     - int64: the decoded ``values``.
     """
 
@@ -133,21 +133,20 @@ def _feature(buf: bytes, start: int, stop: int) -> FeatureValues:
         if all(w == _I32 for w, _, _ in values):
             starts = np.array([s for _, s, _ in values], np.int64)
             if len(starts) == 1 or np.all(np.diff(starts) == 5):
-                return FeatureValues("float", len(starts), offset=int(starts[0]), stride=5)
+                # Each value as a 5-byte group: its one-byte tag, then the float.
+                return FeatureValues("float", len(starts), offset=int(starts[0]) - 1, stride=5)
         raise WireError("a FloatList mixes packed and unpacked runs, which is not supported")
     if kind == 3:  # Int64List
         parts = []
         for f, w, s, e in items:
             if f != 1:
                 continue
-            if w == _LEN:
-                parts.append(decode_varints(memoryview(buf)[s:e]))
-            elif w == _VARINT:
-                parts.append(decode_varints(memoryview(buf)[s:e]))
-            else:
+            if w not in (_LEN, _VARINT):
                 raise WireError("an Int64List value is neither a varint nor packed")
-        values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        return FeatureValues("int64", len(values), values=values)
+            # A packed run's payload, or one unpacked varint's bytes: both decode alike.
+            parts.append(decode_varints(memoryview(buf)[s:e]))
+        ints = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return FeatureValues("int64", len(ints), values=ints)
     raise WireError(f"a Feature has the unknown field {kind}")
 
 

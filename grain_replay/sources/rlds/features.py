@@ -20,9 +20,7 @@ _PREFIX = "tensorflow_datasets.core.features."
 _TENSOR = {"tensor_feature.Tensor", "scalar.Scalar", "feature.Tensor"}
 _DICT = "features_dict.FeaturesDict"
 _DATASET = "dataset_feature.Dataset"
-_SUPPORTED = (
-    "FeaturesDict, Dataset (the steps), Tensor, Scalar, Image, Text and ClassLabel"
-)
+_SUPPORTED = "FeaturesDict, Dataset (the steps), Tensor, Scalar, Image, Text and ClassLabel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +98,11 @@ def _leaves(
     cls = _class(node)
     key = "/".join(path)
     name = key if level == EPISODE else "/".join([STEPS, *path])
-    if cls == _DICT or "featuresDict" in node and not cls:
+    if cls == _DICT or ("featuresDict" in node and not cls):
         for child, sub in node.get("featuresDict", {}).get("features", {}).items():
             _leaves(sub, [*path, child], level, where, out)
         return
-    if cls == _DATASET or "sequence" in node:
+    if cls == _DATASET or ("sequence" in node and not cls):
         if level == STEPS or path != [STEPS]:
             raise InvalidStoreError(
                 f"{where}: feature {key!r} is a {cls or 'Sequence'} inside "

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -110,9 +110,7 @@ def index_shard(path: str, features: Sequence[Feature], *, check_crc: bool = Tru
     arrays = {"n_steps": np.asarray(n_steps, np.int64)}
     empty = {"#off": np.int64, "#stride": np.uint8, "#len": np.uint32}
     for f in features:
-        suffixes = ["#off", "#stride"] if f.wire == "float" else ["#val"] if f.wire == "int64" else [
-            "#off", "#len"
-        ]  # fmt: skip
+        suffixes = {"float": ["#off", "#stride"], "int64": ["#val"]}.get(f.wire, ["#off", "#len"])
         for s in suffixes:
             got = parts.get(f.key + s)
             dtype = f.dtype if s == "#val" else empty[s]
@@ -185,7 +183,8 @@ def _save_cached(dirs: Sequence[str], name: str, index: ShardIndex, signature: s
         try:
             os.makedirs(d, exist_ok=True)
             with open(tmp, "wb") as f:
-                np.savez(f, __signature__=np.str_(signature), **index.arrays)
+                arrays: dict[str, Any] = {"__signature__": np.str_(signature), **index.arrays}
+                np.savez(f, **arrays)
             os.replace(tmp, file)
             return
         except OSError as e:
@@ -196,20 +195,12 @@ def _save_cached(dirs: Sequence[str], name: str, index: ShardIndex, signature: s
                 pass
 
 
-def _cached_or_built(
-    path: str, features: Sequence[Feature], dirs: Sequence[str], use_cache: bool, check_crc: bool
-) -> ShardIndex:
-    name = os.path.basename(path)
-    signature = _signature(path, features)
-    if use_cache:
-        for d in dirs:
-            got = _load_cached(os.path.join(d, name + ".npz"), signature)
-            if got is not None:
-                return got
-    index = index_shard(path, features, check_crc=check_crc)
-    if use_cache:
-        _save_cached(dirs, name, index, signature)
-    return index
+def _load_cached_any(dirs: Sequence[str], name: str, signature: str) -> ShardIndex | None:
+    for d in dirs:
+        got = _load_cached(os.path.join(d, name + ".npz"), signature)
+        if got is not None:
+            return got
+    return None
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -256,25 +247,31 @@ def build_index(
     check_crc: bool = True,
     progress: bool = True,
     threads: int | None = None,
-    on_shard: Callable[[int], None] | None = None,
 ) -> Index:
     """The index of ``shards`` (paths, in read order), from the cache or built in threads."""
     dirs = cache_dirs(root)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0)), len(shards)))
-    bar = _progress(len(shards), progress and len(shards) > 1)
-    results: list[ShardIndex | None] = [None] * len(shards)
+    signatures = [_signature(p, features) for p in shards]
+    results: list[ShardIndex | None] = [
+        _load_cached_any(dirs, os.path.basename(p), sig) if use_cache else None
+        for p, sig in zip(shards, signatures)
+    ]
+    missing = [i for i, r in enumerate(results) if r is None]
+    bar = _progress(len(missing), progress and len(missing) > 1)
+
+    def build(i: int) -> ShardIndex:
+        index = index_shard(shards[i], features, check_crc=check_crc)
+        if use_cache:
+            _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
+        return index
+
     try:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {
-                pool.submit(_cached_or_built, p, features, dirs, use_cache, check_crc): i
-                for i, p in enumerate(shards)
-            }
+            futures = {pool.submit(build, i): i for i in missing}
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()
                 if bar is not None:
                     bar.update(1)
-                if on_shard is not None:
-                    on_shard(futures[fut])
     finally:
         if bar is not None:
             bar.close()

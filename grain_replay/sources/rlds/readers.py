@@ -7,6 +7,7 @@ import os
 import threading
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -197,7 +198,8 @@ class _BytesReader(_Base):
 
         def decode(k: int) -> None:
             try:
-                with Image.open(io.BytesIO(blobs[k])) as im:
+                with Image.open(io.BytesIO(blobs[k])) as opened:
+                    im: Any = opened
                     if f.dtype == np.uint8 and mode is not None and im.mode != mode:
                         im = im.convert(mode)
                     arr = np.asarray(im)
