@@ -192,8 +192,9 @@ class RLDSDataSource(ReplaySource):
                 lens = index.arrays[f.key + "#len"]
                 dtype = np.dtype(f"S{max(1, int(lens.max()) if lens.size else 1)}")
             spec[f.key] = LeafSpec(dtype, f.shape)
-        keys = list(spec)
-        return Layout(index.num_steps, spec, _treedef(keys), {k: k for k in keys})
+        treedef = _treedef(list(spec))
+        keys = tree_lib.leaf_keys(treedef)  # nested dicts, keys sorted as TFDS sorts them
+        return Layout(index.num_steps, {k: spec[k] for k in keys}, treedef, {k: k for k in keys})
 
     def _chosen(self, features: list[Feature]) -> list[Feature]:
         """The step features, and the episode features ``keys=`` names."""

@@ -16,13 +16,13 @@ FOOTER = 4
 _MASK_DELTA = 0xA282EAD8
 
 
-def _crc32c(data: bytes | memoryview) -> int:
+def _crc32c(data: bytes | bytearray | memoryview) -> int:
     import google_crc32c  # a dependency of zarr, so of grain-replay
 
-    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+    return int(google_crc32c.value(data if isinstance(data, bytes) else bytes(data)))
 
 
-def masked_crc(data: bytes | memoryview) -> int:
+def masked_crc(data: bytes | bytearray | memoryview) -> int:
     """TFRecord's masked CRC32C of ``data``."""
     crc = _crc32c(data)
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
