@@ -150,10 +150,18 @@ def _encode_image(img: np.ndarray, fmt: str) -> bytes:
 
 
 def _decode_image(data: bytes) -> np.ndarray:
+    # As the reader decodes (simplejpeg when installed, else Pillow): tested apart in
+    # test_rlds_source.py against Pillow and, in make test-rlds, against TensorFlow.
+    from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
+
+    return decode_image(data, (*np.asarray(_shape_of(data)), 3), np.dtype(np.uint8), jpeg_decoder())
+
+
+def _shape_of(data: bytes) -> tuple[int, int]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im.convert("RGB"))
+        return im.height, im.width
 
 
 def write_rlds(

@@ -467,3 +467,24 @@ def test_cli_info_verify_convert_stats(ds: Any, tmp_path: Any) -> None:
         gr.RLDSDataSource(root, progress=False)
     )
     shutil.rmtree(tmp_path / "copy.h5", ignore_errors=True)
+
+
+def test_jpeg_decoders_agree_and_png_is_exact() -> None:
+    from rlds_fixture import _encode_image
+
+    from grain_replay.sources.rlds.images import decode_image
+
+    simplejpeg = pytest.importorskip("simplejpeg")
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 255, (16, 24, 3), dtype=np.uint8)
+    img[:8] = 90
+    jpeg = _encode_image(img, "jpeg")
+    u8 = np.dtype(np.uint8)
+    fast = decode_image(jpeg, (16, 24, 3), u8, simplejpeg)
+    slow = decode_image(jpeg, (16, 24, 3), u8, None)  # Pillow
+    diff = np.abs(fast.astype(int) - slow.astype(int))
+    assert 0 < diff.max() <= 16 and diff.mean() < 2  # fast IDCT (TF's) vs accurate (Pillow's)
+    png = _encode_image(img, "png")
+    np.testing.assert_array_equal(decode_image(png, (16, 24, 3), u8, simplejpeg), img)
+    with pytest.raises(ValueError, match="reshape"):
+        decode_image(jpeg, (16, 16, 3), u8, simplejpeg)  # another shape than declared

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -15,6 +13,7 @@ from grain_replay.errors import InvalidStoreError, MissingDependencyError
 from grain_replay.sources.reading.pool import run_grouped
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.rlds.features import STEPS, Feature
+from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
 from grain_replay.sources.rlds.index import Index
 
 __all__ = ["Shards", "make_reader"]
@@ -184,27 +183,16 @@ class _BytesReader(_Base):
         return self._images(blobs, episode, j)
 
     def _images(self, blobs: list[bytes], episode: np.ndarray, j: np.ndarray) -> np.ndarray:
-        try:
-            from PIL import Image
-        except ImportError as e:
-            raise MissingDependencyError(
-                "Decoding RLDS images needs Pillow. Fix: pip install 'grain-replay[rl]' (or "
-                "pip install pillow)."
-            ) from e
         f = self.f
         out = np.empty((len(blobs), *f.shape), f.dtype)
-        channels = f.shape[2]
-        mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels)
+        fast = jpeg_decoder()
 
         def decode(k: int) -> None:
             try:
-                with Image.open(io.BytesIO(blobs[k])) as opened:
-                    im: Any = opened
-                    if f.dtype == np.uint8 and mode is not None and im.mode != mode:
-                        im = im.convert(mode)
-                    arr = np.asarray(im)
-                out[k] = arr.reshape(f.shape)
-            except Exception as e:  # Pillow raises many kinds for bad bytes
+                out[k] = decode_image(blobs[k], f.shape, f.dtype, fast)
+            except MissingDependencyError:
+                raise
+            except Exception as e:  # the decoders raise many kinds for bad bytes
                 raise InvalidStoreError(
                     f"{self.where(int(episode[k]), int(j[k]))}: the encoded image does not "
                     f"decode to {f.dtype}{list(f.shape)} ({type(e).__name__}: {e}). Fix: the "
