@@ -1,10 +1,10 @@
 """The TensorFlow side of bench_rlds.py, run in the rlds venv (make test-rlds builds it).
 
 Usage:
-  python bench_rlds_peer.py write ROOT --episodes E --length T --size S --format tfrecord|array_record
+  python bench_rlds_peer.py write ROOT --episodes E --length T --size S --format FMT
   python bench_rlds_peer.py tfdata DATASET_DIR --batches K --shuffle 10000
   python bench_rlds_peer.py datasource DATASET_DIR --batches K
-Each timing command prints one JSON line: {"steps_per_s": ...}.
+(FMT: tfrecord or array_record.) Each timing command prints one JSON line: {"steps_per_s": ...}.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ def write(root: str, episodes: int, length: int, size: int, fmt: str) -> None:
             cam = f.Image(shape=(size, size, 3), encoding_format="jpeg")
             steps = {
                 "observation": f.FeaturesDict(
-                    {"image": cam, "wrist_image": cam, "state": f.Tensor(shape=(8,), dtype=np.float32)}
+                    {
+                        "image": cam,
+                        "wrist_image": cam,
+                        "state": f.Tensor(shape=(8,), dtype=np.float32),
+                    }
                 ),
                 "action": f.Tensor(shape=(7,), dtype=np.float32),
                 "reward": f.Scalar(dtype=np.float32),
@@ -82,14 +86,28 @@ def write(root: str, episodes: int, length: int, size: int, fmt: str) -> None:
     print(builder.data_dir)
 
 
-def tfdata(path: str, batches: int, shuffle: int) -> None:
+def _chunked(ep, chunk: int):  # type: ignore[no-untyped-def]
+    """octo's trajectory transform: each step gets the next ``chunk`` actions (edge-padded)."""
+    import tensorflow as tf
+
+    steps = ep["steps"].batch(1 << 20).get_single_element()  # the whole trajectory
+    n = tf.shape(steps["action"])[0]
+    idx = tf.minimum(tf.range(n)[:, None] + tf.range(chunk)[None, :], n - 1)
+    steps["action"] = tf.gather(steps["action"], idx)
+    return tf.data.Dataset.from_tensor_slices(steps)
+
+
+def tfdata(path: str, batches: int, shuffle: int, chunk: int = 0) -> None:
     """octo/openpi's pipeline: episodes -> steps -> shuffle buffer -> batch, images decoded."""
     import tensorflow as tf
     import tensorflow_datasets as tfds
 
     builder = tfds.builder_from_directory(path)
     ds = builder.as_dataset(split="train", shuffle_files=True)
-    ds = ds.flat_map(lambda ep: ep["steps"]).repeat()
+    if chunk:
+        ds = ds.flat_map(lambda ep: _chunked(ep, chunk)).repeat()
+    else:
+        ds = ds.flat_map(lambda ep: ep["steps"]).repeat()
     ds = ds.shuffle(shuffle).batch(BATCH).prefetch(tf.data.AUTOTUNE)
     it = iter(ds)
     for _ in range(2):  # warm-up (fills the shuffle buffer)
@@ -108,7 +126,7 @@ def datasource(path: str, batches: int) -> None:
 
     builder = tfds.builder_from_directory(path)
     src = builder.as_data_source(split="train")
-    lengths = np.array([len(src[i]["steps"]["is_first"]) for i in range(len(src))])
+    lengths = np.array([len(src[i]["steps"]) for i in range(len(src))])
     ends = np.cumsum(lengths)
     rng = np.random.default_rng(0)
     t = time.perf_counter()
@@ -116,8 +134,8 @@ def datasource(path: str, batches: int) -> None:
         steps = rng.integers(0, ends[-1], BATCH)
         ep = np.searchsorted(ends, steps, side="right")
         j = steps - (ends[ep] - lengths[ep])
-        imgs = [src[int(e)]["steps"]["observation"]["image"][int(k)] for e, k in zip(ep, j)]
-        np.stack(imgs)
+        rows = [src[int(e)]["steps"][int(k)] for e, k in zip(ep, j)]
+        np.stack([r["observation"]["image"] for r in rows])
     dt = time.perf_counter() - t
     print(json.dumps({"steps_per_s": batches * BATCH / dt}))
 
@@ -136,12 +154,13 @@ def main(argv: list[str]) -> None:
         s.add_argument("path")
         s.add_argument("--batches", type=int, default=5)
         s.add_argument("--shuffle", type=int, default=10000)
+        s.add_argument("--chunk", type=int, default=0)
     a = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if a.cmd == "write":
         write(a.root, a.episodes, a.length, a.size, a.format)
     elif a.cmd == "tfdata":
-        tfdata(a.path, a.batches, a.shuffle)
+        tfdata(a.path, a.batches, a.shuffle, a.chunk)
     else:
         datasource(a.path, a.batches)
 
