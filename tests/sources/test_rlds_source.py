@@ -488,3 +488,29 @@ def test_jpeg_decoders_agree_and_png_is_exact() -> None:
     np.testing.assert_array_equal(decode_image(png, (16, 24, 3), u8, simplejpeg), img)
     with pytest.raises(ValueError, match="reshape"):
         decode_image(jpeg, (16, 16, 3), u8, simplejpeg)  # another shape than declared
+
+
+def test_array_record_shards_read_like_tfrecord_ones(tmp_path: Any) -> None:
+    ar = pytest.importorskip("array_record.python.array_record_module")
+    from grain_replay.sources.rlds.tfrecord import iter_records
+
+    data = write_rlds(tmp_path, lengths=LENGTHS, shards=2)
+    info_path = os.path.join(tmp_path, "dataset_info.json")
+    for i in range(2):  # the same episodes as TFDS's file_format="array_record" lays them out
+        src_path = _shard(tmp_path, i, 2)
+        dst = src_path.replace(".tfrecord-", ".array_record-")
+        writer = ar.ArrayRecordWriter(dst, "group_size:1")
+        for _, rec in iter_records(src_path):
+            writer.write(rec)
+        writer.close()
+        os.unlink(src_path)
+    with open(info_path) as f:
+        info = json.load(f)
+    info["fileFormat"] = "array_record"
+    with open(info_path, "w") as f:
+        json.dump(info, f)
+    src = gr.open_source(tmp_path, keys=[*STEP_KEYS, *META], record_cache_bytes=10_000)
+    assert isinstance(src, gr.RLDSDataSource)
+    idx = np.random.default_rng(0).integers(0, len(src), 60)
+    assert_flat_equal(src.read_flat(idx), {k: data[k][idx] for k in src.keys})
+    assert gr.build_episode_index(src).lengths.tolist() == list(LENGTHS)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
 from grain_replay.sources.rlds.example import FeatureValues, WireError, parse_example
 from grain_replay.sources.rlds.features import STEPS, Feature
 from grain_replay.sources.rlds.tfrecord import iter_records
@@ -58,7 +59,9 @@ class ShardIndex:
     arrays: dict[str, np.ndarray]
 
 
-def index_shard(path: str, features: Sequence[Feature], *, check_crc: bool = True) -> ShardIndex:
+def index_shard(
+    path: str, features: Sequence[Feature], *, check_crc: bool = True, fmt: str = "tfrecord"
+) -> ShardIndex:
     """Reads the shard ``path`` once and records where every value sits.
 
     Per episode: the step count, and for each float leaf the file offset of its
@@ -79,8 +82,17 @@ def index_shard(path: str, features: Sequence[Feature], *, check_crc: bool = Tru
     def add(name: str, value: Any) -> None:
         parts.setdefault(name, []).append(np.asarray(value).reshape(-1))
 
-    for data_off, data in iter_records(path, check_crc=check_crc):
-        where = f"{path}: the episode at byte offset {data_off - 12}"
+    records = (
+        iter_array_records(path)
+        if fmt == "array_record"
+        else iter_records(path, check_crc=check_crc)
+    )
+    for data_off, data in records:
+        where = (
+            f"{path}: record {data_off >> RECORD_SHIFT}"
+            if fmt == "array_record"
+            else f"{path}: the episode at byte offset {data_off - 12}"
+        )
         try:
             parsed = parse_example(data, wanted)
         except WireError as e:
@@ -247,6 +259,7 @@ def build_index(
     check_crc: bool = True,
     progress: bool = True,
     threads: int | None = None,
+    fmt: str = "tfrecord",
 ) -> Index:
     """The index of ``shards`` (paths, in read order), from the cache or built in threads."""
     dirs = cache_dirs(root)
@@ -260,7 +273,7 @@ def build_index(
     bar = _progress(len(missing), progress and len(missing) > 1)
 
     def build(i: int) -> ShardIndex:
-        index = index_shard(shards[i], features, check_crc=check_crc)
+        index = index_shard(shards[i], features, check_crc=check_crc, fmt=fmt)
         if use_cache:
             _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
         return index

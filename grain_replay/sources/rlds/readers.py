@@ -12,6 +12,7 @@ import numpy as np
 from grain_replay.errors import InvalidStoreError, MissingDependencyError
 from grain_replay.sources.reading.pool import run_grouped
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.rlds.arrayrecord import RecordCache
 from grain_replay.sources.rlds.features import STEPS, Feature
 from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
 from grain_replay.sources.rlds.index import Index
@@ -66,7 +67,7 @@ class Shards:
 
 
 class _Base(LeafReader):
-    def __init__(self, f: Feature, index: Index, shards: Shards):
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
         self.f = f
         self.index = index
         self.shards = shards
@@ -92,7 +93,7 @@ class _Base(LeafReader):
 class _IntReader(_Base):
     """Int64-list leaves (flags, ids): decoded when indexed, gathered from memory."""
 
-    def __init__(self, f: Feature, index: Index, shards: Shards):
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
         super().__init__(f, index, shards)
         self.values = index.arrays[f.key + "#val"].reshape(-1, *f.shape)
 
@@ -104,7 +105,7 @@ class _IntReader(_Base):
 class _FloatReader(_Base):
     """Float-list leaves: ``prod(shape)`` float32 values per step, read with one pread each."""
 
-    def __init__(self, f: Feature, index: Index, shards: Shards):
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
         super().__init__(f, index, shards)
         self.off = index.arrays[f.key + "#off"]
         self.stride = index.arrays[f.key + "#stride"]
@@ -136,7 +137,7 @@ class _FloatReader(_Base):
 class _BytesReader(_Base):
     """Bytes-list leaves: text, encoded tensors and images, one pread per element."""
 
-    def __init__(self, f: Feature, index: Index, shards: Shards):
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
         super().__init__(f, index, shards)
         self.off = index.arrays[f.key + "#off"]
         self.len = index.arrays[f.key + "#len"]
@@ -203,7 +204,7 @@ class _BytesReader(_Base):
         return out
 
 
-def make_reader(f: Feature, index: Index, shards: Shards) -> LeafReader:
+def make_reader(f: Feature, index: Index, shards: Shards | RecordCache) -> LeafReader:
     """The reader of leaf ``f``."""
     if f.wire == "int64":
         return _IntReader(f, index, shards)

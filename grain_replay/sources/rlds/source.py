@@ -15,6 +15,7 @@ from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.rlds.arrayrecord import RecordCache
 from grain_replay.sources.rlds.features import STEPS, Feature, read_features
 from grain_replay.sources.rlds.index import Index, build_index
 from grain_replay.sources.rlds.readers import Shards, make_reader
@@ -52,10 +53,10 @@ def dataset_shards(root: str, split: str | None) -> tuple[str, list[str], str]:
             "Fix: pass split= with one of them."
         )
     fmt = str(info.get("fileFormat") or "tfrecord")
-    if fmt != "tfrecord":
+    if fmt not in ("tfrecord", "array_record"):
         raise InvalidStoreError(
-            f"{where}: the shards are {fmt!r} files; RLDSDataSource reads TFRecord shards. Fix: "
-            "rebuild the dataset with file_format='tfrecord', or convert it once with TFDS."
+            f"{where}: the shards are {fmt!r} files; RLDSDataSource reads TFRecord and "
+            "ArrayRecord shards. Fix: rebuild the dataset with file_format='tfrecord'."
         )
     entry = splits[split]
     lengths = [int(n) for n in entry.get("shardLengths", [])]
@@ -82,8 +83,19 @@ def dataset_shards(root: str, split: str | None) -> tuple[str, list[str], str]:
 
 
 class _RLDSHandle(Handle):
-    def __init__(self, index: Index, features: Sequence[Feature], sizes: Sequence[int]):
-        self.shards = Shards(index.shards, sizes)
+    def __init__(
+        self,
+        index: Index,
+        features: Sequence[Feature],
+        sizes: Sequence[int],
+        fmt: str,
+        record_cache_bytes: int,
+    ):
+        self.shards: Shards | RecordCache = (
+            RecordCache(index.shards, record_cache_bytes)
+            if fmt == "array_record"
+            else Shards(index.shards, sizes)
+        )
         self.readers = {f.key: make_reader(f, index, self.shards) for f in features}
 
     def close(self) -> None:
@@ -133,6 +145,10 @@ class RLDSDataSource(ReplaySource):
       split: the TFDS split (default ``"train"``).
       check_crc: check both CRC32Cs of every record while indexing.
       progress: show a progress bar while indexing several shards.
+      record_cache_bytes: ArrayRecord shards only (TFDS's ``file_format="array_record"``,
+        read with the array_record package): an ArrayRecord record is compressed whole,
+        so each episode a batch touches is read once and kept in a per-process cache of
+        this many bytes, shared by the leaves.
 
     Raises:
       StoreNotFoundError: no dataset at ``path``, or a shard missing.
@@ -157,6 +173,7 @@ class RLDSDataSource(ReplaySource):
         split: str | None = None,
         check_crc: bool = True,
         progress: bool = True,
+        record_cache_bytes: int = 256 * 2**20,
     ):
         path = os.path.expanduser(os.fspath(path))
         if is_url(path):
@@ -164,6 +181,9 @@ class RLDSDataSource(ReplaySource):
                 f"{path}: RLDSDataSource reads datasets on the local file system. Fix: copy "
                 "the dataset folder to a local disk first (e.g. gsutil -m cp -r)."
             )
+        if record_cache_bytes < 0:
+            raise InvalidArgumentError(f"record_cache_bytes must be >= 0, got {record_cache_bytes}")
+        self._record_cache_bytes = int(record_cache_bytes)
         self._split_arg = split
         self._check_crc = bool(check_crc)
         self._progress = bool(progress)
@@ -177,7 +197,7 @@ class RLDSDataSource(ReplaySource):
         if not os.path.isdir(root):
             raise StoreNotFoundError(f"No RLDS dataset at {root}. Fix: check the path.")
         self._features = read_features(root)
-        self._split, self._shards, _ = dataset_shards(root, self._split_arg)
+        self._split, self._shards, self._format = dataset_shards(root, self._split_arg)
         self._sizes = [os.path.getsize(p) for p in self._shards]
         chosen = self._chosen(self._features)
         # Every feature is indexed (one cache serves every keys=); only chosen ones are read.
@@ -216,13 +236,14 @@ class RLDSDataSource(ReplaySource):
             self._indexed,
             check_crc=self._check_crc,
             progress=self._progress,
+            fmt=self._format,
         )
 
     def _open(self) -> Handle:
         index = self._index if self._index is not None else self._make_index()
         self._index = index
         feats = [f for f in self._indexed if f.key in self._layout.spec]
-        return _RLDSHandle(index, feats, self._sizes)
+        return _RLDSHandle(index, feats, self._sizes, self._format, self._record_cache_bytes)
 
     # -- what the dataset says --------------------------------------------------
 
