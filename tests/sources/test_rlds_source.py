@@ -514,3 +514,27 @@ def test_array_record_shards_read_like_tfrecord_ones(tmp_path: Any) -> None:
     idx = np.random.default_rng(0).integers(0, len(src), 60)
     assert_flat_equal(src.read_flat(idx), {k: data[k][idx] for k in src.keys})
     assert gr.build_episode_index(src).lengths.tolist() == list(LENGTHS)
+
+
+def test_replay_writer_refuses_to_append_to_an_rlds_dataset(ds: Any) -> None:
+    root, _ = ds
+    with pytest.raises(InvalidStoreError, match="rlds dataset, which grain_replay reads"):
+        gr.ReplayWriter(root)
+
+
+def test_wire_parser_skips_unknown_fields_and_refuses_garbage() -> None:
+    from rlds_fixture import _len_field, _varint, example, feature_floats
+
+    from grain_replay.sources.rlds.example import WireError
+
+    unknown = _varint(5 << 3 | 0) + _varint(300)  # an unknown varint field inside a BytesList
+    feat = _len_field(1, unknown + _len_field(1, b"ab") + unknown + _len_field(1, b"c"))
+    rec = example({"t": feat, "f": feature_floats(np.arange(3, dtype=np.float32))})
+    got = parse_example(rec)
+    t, f = got["t"], got["f"]
+    assert t.offsets is not None and t.lengths is not None
+    assert [rec[o : o + n] for o, n in zip(t.offsets, t.lengths)] == [b"ab", b"c"]
+    assert (f.kind, f.count, f.stride) == ("float", 3, 4)
+    assert np.frombuffer(rec[f.offset : f.offset + 12], "<f4").tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(WireError):
+        parse_example(rec[:-3])  # cut inside a field

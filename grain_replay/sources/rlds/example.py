@@ -69,18 +69,57 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int, int]]:
     """``(field, wire, start, stop)`` of each field in ``buf[pos:end]``; for LEN fields
     ``start:stop`` is the payload, else the value's bytes."""
     out = []
+    append = out.append
     while pos < end:
-        key, pos = _varint(buf, pos, end)
-        field, wire = key >> 3, key & 7
+        key = buf[pos]  # one-byte tags and lengths inline: the common case by far
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(buf, pos, end)
+        wire = key & 7
         if wire == _LEN:
-            n, pos = _varint(buf, pos, end)
+            if pos >= end:
+                raise WireError(f"field {key >> 3} runs past the end of its message")
+            n = buf[pos]
+            if n < 0x80:
+                pos += 1
+            else:
+                n, pos = _varint(buf, pos, end)
             start, pos = pos, pos + n
         else:
             start, pos = pos, _skip(buf, pos, end, wire)
         if pos > end:
-            raise WireError(f"field {field} runs past the end of its message")
-        out.append((field, wire, start, pos))
+            raise WireError(f"field {key >> 3} runs past the end of its message")
+        append((key >> 3, wire, start, pos))
     return out
+
+
+def _bytes_list(buf: bytes, pos: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of a BytesList's values (field 1, length-delimited)."""
+    offsets: list[int] = []
+    lengths: list[int] = []
+    while pos < end:
+        key = buf[pos]
+        if key != 0x0A:  # field 1, LEN: the only field a BytesList has; skip others
+            key, pos = _varint(buf, pos, end)
+            if key >> 3 == 1:
+                raise WireError("a BytesList value is not length-delimited")
+            pos = _skip(buf, pos, end, key & 7)
+            continue
+        pos += 1
+        if pos >= end:
+            raise WireError("a BytesList value runs past the end of its message")
+        n = buf[pos]
+        if n < 0x80:
+            pos += 1
+        else:
+            n, pos = _varint(buf, pos, end)
+        offsets.append(pos)
+        lengths.append(n)
+        pos += n
+        if pos > end:
+            raise WireError("a BytesList value runs past the end of its message")
+    return np.array(offsets, np.int64), np.array(lengths, np.int64)
 
 
 def decode_varints(data: bytes | memoryview | np.ndarray) -> np.ndarray:
@@ -114,13 +153,10 @@ def _feature(buf: bytes, start: int, stop: int) -> FeatureValues:
     if len(kinds) != 1 or fields[0][1] != _LEN:
         raise WireError("a Feature holds more than one list kind")
     kind, _, a, b = fields[-1]  # protobuf: the last occurrence of a oneof wins
-    items = _fields(buf, a, b)
     if kind == 1:  # BytesList
-        offsets = np.fromiter((s for f, w, s, _ in items if f == 1), np.int64, len(items))
-        lengths = np.fromiter((e - s for f, w, s, e in items if f == 1), np.int64, len(items))
-        if any(w != _LEN for f, w, _, _ in items if f == 1):
-            raise WireError("a BytesList value is not length-delimited")
+        offsets, lengths = _bytes_list(buf, a, b)
         return FeatureValues("bytes", len(offsets), offsets=offsets, lengths=lengths)
+    items = _fields(buf, a, b)
     if kind == 2:  # FloatList
         values = [(w, s, e) for f, w, s, e in items if f == 1]
         if not values:
