@@ -116,6 +116,7 @@ def main(argv: list[str]) -> None:
         for _ in range(a.repeats):
             for name, fn in (
                 ("ours", lambda: ours(tfr, a.batches, a.workers)),
+                ("ours, 0 workers", lambda: ours(tfr, a.batches, 0)),
                 ("ours, 16-step chunks", lambda: ours(tfr, a.batches, a.workers, 16)),
                 (
                     "tf.data",

@@ -538,3 +538,8 @@ def test_wire_parser_skips_unknown_fields_and_refuses_garbage() -> None:
     assert np.frombuffer(rec[f.offset : f.offset + 12], "<f4").tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(WireError):
         parse_example(rec[:-3])  # cut inside a field
+
+
+def test_urls_are_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"local file system.*copy the dataset"):
+        gr.RLDSDataSource("gs://bucket/bridge/1.0.0")
