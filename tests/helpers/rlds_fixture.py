@@ -252,3 +252,47 @@ def write_rlds(
         out[k] = out[k].astype(bytes)
     out["__lengths__"] = np.asarray(lengths)
     return out
+
+
+def write_rlds_columns(
+    root: str | os.PathLike[str],
+    steps: dict[str, np.ndarray],
+    lengths: Sequence[int],
+    *,
+    shards: int = 2,
+    name: str = "cols",
+) -> str:
+    """An RLDS dataset whose step features are the numeric ``steps`` arrays (rows in read
+    order, episodes of ``lengths``), plus the RLDS flags; returns ``root``."""
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    ends = np.cumsum(lengths)
+    records = []
+    for e, n in enumerate(lengths):
+        a = int(ends[e]) - n
+        feats = {}
+        for key, v in steps.items():
+            part = np.asarray(v)[a : a + n]
+            pack = feature_floats if part.dtype.kind == "f" else feature_ints
+            feats["steps/" + key] = pack(part)
+        t = np.arange(n)
+        feats["steps/is_first"] = feature_ints(t == 0)
+        feats["steps/is_last"] = feature_ints(t == n - 1)
+        feats["steps/is_terminal"] = feature_ints(t == n - 1)
+        records.append(example(feats))
+    decl = {k: tensor(np.asarray(v).dtype.name, np.asarray(v).shape[1:]) for k, v in steps.items()}
+    decl.update({k: tensor("bool") for k in ("is_first", "is_last", "is_terminal")})
+    bounds = np.linspace(0, len(records), shards + 1).round().astype(int)
+    shard_lengths = []
+    for i in range(shards):
+        part = records[bounds[i] : bounds[i + 1]]
+        shard_lengths.append(str(len(part)))
+        with open(os.path.join(root, f"{name}-train.tfrecord-{i:05d}-of-{shards:05d}"), "wb") as f:
+            f.write(tfrecord(part))
+    with open(os.path.join(root, "features.json"), "w") as f:
+        json.dump(features_json(decl), f)
+    info = {"fileFormat": "tfrecord", "name": name, "version": "1.0.0"}
+    info["splits"] = [{"name": "train", "shardLengths": shard_lengths}]
+    with open(os.path.join(root, "dataset_info.json"), "w") as f:
+        json.dump(info, f)
+    return root
