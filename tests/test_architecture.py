@@ -5,7 +5,8 @@ The layers, bottom first (see docs/architecture.md):
 0. errors, tree, layout, formats, remote/, integrity, _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
 2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
-3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and writers/ (no source).
+3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and
+   writers/ (no source).
 4. sources/__init__.py: ``open_source`` over the formats.
 5. rl/, pipeline/, sampling/ and any other module not listed.
 6. cli, and the package itself.
