@@ -68,7 +68,7 @@ def _skip(buf: bytes, pos: int, end: int, wire: int) -> int:
 def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int, int]]:
     """``(field, wire, start, stop)`` of each field in ``buf[pos:end]``; for LEN fields
     ``start:stop`` is the payload, else the value's bytes."""
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     append = out.append
     while pos < end:
         key = buf[pos]  # one-byte tags and lengths inline: the common case by far
