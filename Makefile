@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
+.PHONY: install demo test test-slow test-lerobot test-rlds bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
 
 install: $(STAMP)
 
@@ -44,6 +44,21 @@ $(LEROBOT_STAMP):
 test-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	LEROBOT_PYTHON=$(abspath $(LEROBOT_VENV))/bin/python $(PY) -m pytest -q \
 		tests/rl/test_lerobot_peer.py tests/rl/test_lerobot.py
+
+# TensorFlow + tensorflow-datasets (only to write and read back the RLDS peer datasets) in a
+# venv of their own; grain_replay reads RLDS without them. tensorflow-cpu 2.21 needs Python 3.11+.
+RLDS_VENV ?= .venv-rlds
+RLDS_STAMP := $(RLDS_VENV)/.installed
+
+$(RLDS_STAMP):
+	test -x $(RLDS_VENV)/bin/python || $(PYTHON) -m venv $(RLDS_VENV)
+	$(RLDS_VENV)/bin/python -m pip install --quiet "tensorflow-cpu==2.21.0" \
+		"tensorflow-datasets==4.9.10" pillow
+	touch $(RLDS_STAMP)
+
+test-rlds: $(STAMP) $(RLDS_STAMP)
+	RLDS_PYTHON=$(abspath $(RLDS_VENV))/bin/python $(PY) -m pytest -q \
+		tests/sources/test_rlds_peer.py tests/sources/test_rlds_source.py
 
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python

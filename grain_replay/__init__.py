@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
         HDF5DataSource,
         NpyDataSource,
         ReplaySource,
+        RLDSDataSource,
         ZarrDataSource,
         open_source,
     )
@@ -78,6 +79,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "ZarrDataSource",
+    "RLDSDataSource",
     "ReplaySource",
     "open_source",
     "LeafSpec",
@@ -146,7 +148,13 @@ _LAZY = {
     "LeafSpec": "grain_replay.layout",
     **{
         name: "grain_replay.sources"
-        for name in ("HDF5DataSource", "NpyDataSource", "ZarrDataSource", "ReplaySource")
+        for name in (
+            "HDF5DataSource",
+            "NpyDataSource",
+            "ZarrDataSource",
+            "RLDSDataSource",
+            "ReplaySource",
+        )
     },
     "open_source": "grain_replay.sources",
     **{
