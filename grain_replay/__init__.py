@@ -39,6 +39,7 @@ from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
     HDF5DataSource,
     NpyDataSource,
+    NpzDataSource,
     ReplaySource,
     ZarrDataSource,
     open_source,
@@ -58,6 +59,7 @@ __all__ = [
     # sources
     "HDF5DataSource",
     "NpyDataSource",
+    "NpzDataSource",
     "ZarrDataSource",
     "ReplaySource",
     "open_source",

@@ -20,6 +20,7 @@ __all__ = [
     "HDF5_SIGNATURE",
     "NPY_MAGIC",
     "PAGE",
+    "ZIP_SIGNATURES",
     "ZARR_MARKERS",
     "detect_format",
     "format_from_path",
@@ -36,6 +37,8 @@ __all__ = [
 FORMATS = ("hdf5", "npy", "zarr")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NPY_MAGIC = b"\x93NUMPY"
+# A zip archive (.npz) starts with a local file header, or is empty (end record only).
+ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
 # Files whose presence makes a directory a Zarr store.
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
@@ -115,7 +118,9 @@ def format_from_path(path: str | os.PathLike[str]) -> str:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """``"hdf5"``, ``"npy"`` or ``"zarr"`` from what is at ``path`` (the suffix, for URLs).
+    """The format of what is at ``path`` (``"hdf5"``, ``"npy"``, ``"npz"``, ``"zarr"``, ...).
+
+    For URLs the suffix decides.
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
@@ -137,9 +142,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             return "hdf5"
         if magic.startswith(NPY_MAGIC):
             return "npy"
+        if magic.startswith(ZIP_SIGNATURES):
+            return "npz"
         raise InvalidStoreError(
-            f"{path} is neither an HDF5 nor a .npy file (magic bytes {magic!r}). Fix: pass an "
-            "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
+            f"{path} is neither an HDF5, a .npy nor an .npz file (magic bytes {magic!r}). Fix: "
+            "pass an HDF5 file, a .npy or .npz file, a directory of .npy files or a Zarr group."
         )
     if os.path.isdir(path):
         # Zarr v3 (group or array: zarr.json), v2 group (.zgroup), v2 array (.zarray),
