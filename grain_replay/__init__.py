@@ -41,6 +41,7 @@ from grain_replay.sources import (
     NpyDataSource,
     NpzDataSource,
     ReplaySource,
+    TorchRLDataSource,
     ZarrDataSource,
     open_source,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "NpzDataSource",
+    "TorchRLDataSource",
     "ZarrDataSource",
     "ReplaySource",
     "open_source",

@@ -153,6 +153,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         # and a v2 store with only consolidated metadata or attributes.
         if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
+        if any(
+            os.path.isfile(os.path.join(path, *parts, "storage_metadata.json"))
+            for parts in ((), ("storage",))
+        ):
+            return "torchrl"  # ReplayBuffer.dumps(path), or its storage/ directory
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket

@@ -43,6 +43,7 @@ LAYERS = {
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
     "grain_replay.sources.npz": 3,
+    "grain_replay.sources.torchrl": 3,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
     "grain_replay.cli": 6,
@@ -53,6 +54,7 @@ FORMAT_ROOMS = (
     "grain_replay.sources.zarr",
     "grain_replay.sources.npy",
     "grain_replay.sources.npz",
+    "grain_replay.sources.torchrl",
 )
 
 

@@ -11,6 +11,7 @@ from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.npz import NpzDataSource
+from grain_replay.sources.torchrl import TorchRLDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "NpzDataSource",
+    "TorchRLDataSource",
     "ZarrDataSource",
     "detect_format",
     "open_source",
@@ -37,7 +39,7 @@ def open_source(
 
     Args:
       path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, an ``.npz``
-        archive, or an URL ending in ``.zarr`` / ``.h5``.
+        archive, a torchrl buffer dump, or an URL ending in ``.zarr`` / ``.h5``.
       keys: leaves (or groups) to read; default all.
       storage_options: fsspec options for URLs.
       **kwargs: passed to the source class (e.g. ``cache_bytes``).
@@ -50,6 +52,7 @@ def open_source(
         "hdf5": HDF5DataSource,
         "npy": NpyDataSource,
         "npz": NpzDataSource,
+        "torchrl": TorchRLDataSource,
         "zarr": ZarrDataSource,
     }
     cls = classes[detect_format(path)]

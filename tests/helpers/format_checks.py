@@ -42,3 +42,10 @@ def _leaves(batch: Any, keys: list[str]) -> list[Any]:
             node = node[part]
         out.append(node)
     return out
+
+
+def sorted_tree(tree: Any) -> Any:
+    """``tree`` with every dict's keys sorted: the order a foreign store's leaves come back in."""
+    if isinstance(tree, dict):
+        return {k: sorted_tree(tree[k]) for k in sorted(tree)}
+    return tree

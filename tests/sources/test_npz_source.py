@@ -41,13 +41,6 @@ class _NpzTests(DataSourceTests):
             for k in src.keys:
                 np.testing.assert_array_equal(got[k], z[k + ""][idx], err_msg=k)
 
-    @pytest.mark.parametrize("workers", [0, 2])
-    def test_loader_and_sharded_device_put(self, tmp_path: Any, workers: int) -> None:
-        tree = make_tree(64)
-        tree["index"] = np.arange(64, dtype=np.int64)
-        src = gr.NpzDataSource(self.write(str(tmp_path / "l.npz"), tree))
-        assert_loader_delivers_every_record(src, "index", workers=workers)
-
 
 def _sorted(tree: Any) -> Any:
     if isinstance(tree, dict):
@@ -73,6 +66,16 @@ class TestNpzCompressed(_NpzTests):
         handle = src._handle
         src.read_batch([2, 3])
         assert src._handle is handle and src._opens == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_loader_and_sharded_device_put(tmp_path: Any, workers: int, save: Any) -> None:
+    tree = make_tree(64)
+    tree["index"] = np.arange(64, dtype=np.int64)
+    path = str(tmp_path / "l.npz")
+    save(path, **flat(tree))
+    assert_loader_delivers_every_record(gr.NpzDataSource(path), "index", workers=workers)
 
 
 def test_open_source_detects_npz(tmp_path: Any) -> None:
