@@ -42,6 +42,7 @@ from grain_replay.sources import (
     NpzDataSource,
     ReplaySource,
     TorchRLDataSource,
+    VaultDataSource,
     ZarrDataSource,
     open_source,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "NpyDataSource",
     "NpzDataSource",
     "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
     "ReplaySource",
     "open_source",

@@ -26,8 +26,10 @@ __all__ = [
     "format_from_path",
     "import_fsspec",
     "import_h5py",
+    "import_tensorstore",
     "import_zarr",
     "is_url",
+    "is_vault",
     "metadata_from_attrs",
     "read_npy_header",
     "read_npy_metadata",
@@ -41,6 +43,8 @@ NPY_MAGIC = b"\x93NUMPY"
 ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
 # Files whose presence makes a directory a Zarr store.
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
+# The OCDBT database file at the root of a flashbax Vault.
+VAULT_MANIFEST = "manifest.ocdbt"
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
 PAGE = mmap.PAGESIZE
 # The .npy header of a store a ReplayWriter grows: fixed, so the shape can be
@@ -86,6 +90,18 @@ def import_fsspec() -> Any:
             "and s3fs; for other protocols add their fsspec backend, e.g. gcsfs)."
         ) from e
     return fsspec
+
+
+def import_tensorstore() -> Any:
+    """``tensorstore``, or a MissingDependencyError naming the ``vault`` extra."""
+    try:
+        import tensorstore
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"flashbax Vaults are read through tensorstore ({e}). Fix: pip install "
+            "'grain-replay[vault]' (or pip install tensorstore)."
+        ) from e
+    return tensorstore
 
 
 # -- paths and detection --------------------------------------------------------------
@@ -158,10 +174,30 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             for parts in ((), ("storage",))
         ):
             return "torchrl"  # ReplayBuffer.dumps(path), or its storage/ directory
+        if is_vault(path):
+            return "vault"
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket
     raise StoreNotFoundError(f"No replay store at {path}. Fix: check the path.")
+
+
+def is_vault(path: str) -> bool:
+    """A flashbax Vault: ``metadata.json`` beside an OCDBT ``manifest.ocdbt`` (or one such
+    directory inside ``path``, as ``Vault(vault_name=...)`` nests it under its uid)."""
+
+    def one(d: str) -> bool:
+        return os.path.isfile(os.path.join(d, VAULT_MANIFEST)) and os.path.isfile(
+            os.path.join(d, "metadata.json")
+        )
+
+    if one(path):
+        return True
+    try:
+        subdirs = [e.path for e in os.scandir(path) if e.is_dir()]
+    except OSError:
+        return False
+    return any(one(d) for d in subdirs)
 
 
 # -- .npy headers -----------------------------------------------------------------------

@@ -44,6 +44,7 @@ LAYERS = {
     "grain_replay.sources.npy": 3,
     "grain_replay.sources.npz": 3,
     "grain_replay.sources.torchrl": 3,
+    "grain_replay.sources.vault": 3,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
     "grain_replay.cli": 6,
@@ -55,6 +56,7 @@ FORMAT_ROOMS = (
     "grain_replay.sources.npy",
     "grain_replay.sources.npz",
     "grain_replay.sources.torchrl",
+    "grain_replay.sources.vault",
 )
 
 

@@ -12,6 +12,7 @@ from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.npz import NpzDataSource
 from grain_replay.sources.torchrl import TorchRLDataSource
+from grain_replay.sources.vault import VaultDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "NpyDataSource",
     "NpzDataSource",
     "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
     "detect_format",
     "open_source",
@@ -39,7 +41,7 @@ def open_source(
 
     Args:
       path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, an ``.npz``
-        archive, a torchrl buffer dump, or an URL ending in ``.zarr`` / ``.h5``.
+        archive, a torchrl buffer dump, a flashbax Vault, or an URL ending in ``.zarr`` / ``.h5``.
       keys: leaves (or groups) to read; default all.
       storage_options: fsspec options for URLs.
       **kwargs: passed to the source class (e.g. ``cache_bytes``).
@@ -53,6 +55,7 @@ def open_source(
         "npy": NpyDataSource,
         "npz": NpzDataSource,
         "torchrl": TorchRLDataSource,
+        "vault": VaultDataSource,
         "zarr": ZarrDataSource,
     }
     cls = classes[detect_format(path)]
