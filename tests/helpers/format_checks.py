@@ -10,13 +10,13 @@ import grain_replay as gr
 
 
 def assert_loader_delivers_every_record(
-    src: Any, index_key: str, *, workers: int, batch_size: int = 8
+    src: Any, index_key: str, *, workers: int, batch_size: int = 8, offset: int = 0
 ) -> None:
     """Every record once, through make_data_loader (``workers``) and sharded_device_put.
 
-    ``index_key`` is a leaf holding each record's own position (0..N-1), so a batch
-    says which records it holds; every leaf of the batch is compared with a direct
-    read of those records.
+    ``index_key`` is a leaf holding each record's own position plus ``offset``, so a
+    batch says which records it holds; every leaf of the batch is compared with a
+    direct read of those records.
     """
     loader = gr.make_data_loader(
         src, batch_size=batch_size, shuffle=True, seed=3, worker_count=workers
@@ -25,7 +25,7 @@ def assert_loader_delivers_every_record(
     with gr.sharded_device_put(loader) as batches:
         for batch in batches:
             flat = dict(zip(src.keys, _leaves(batch, src.keys)))
-            idx = np.asarray(flat[index_key]).reshape(-1).astype(np.int64)
+            idx = np.asarray(flat[index_key]).reshape(-1).astype(np.int64) - offset
             want = src.read_flat(idx)
             for k in src.keys:
                 np.testing.assert_array_equal(np.asarray(flat[k]), want[k], err_msg=k)

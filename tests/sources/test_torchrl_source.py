@@ -50,6 +50,8 @@ class TestTorchRLPytree(_TorchRLTests):
 def test_loader_and_sharded_device_put(tmp_path: Any, workers: int) -> None:
     tree = make_tree(64)
     tree["index"] = np.arange(64, dtype=np.int64)
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # bfloat16 leaves cross the worker pipe too
+    tree["hidden"] = np.linspace(0, 1, 64 * 2).reshape(64, 2).astype(ml_dtypes.bfloat16)
     src = gr.TorchRLDataSource(write_dump(str(tmp_path / "l"), tree, capacity=100))
     assert_loader_delivers_every_record(src, "index", workers=workers)
 

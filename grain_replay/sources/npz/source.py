@@ -22,7 +22,7 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.npz.zipdir import DEFLATED, STORED, Member, read_members
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.files import MappedFile
-from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.sources.reading.readers import ArrayReader, Handle, LeafReader
 
 __all__ = ["NpzDataSource"]
 
@@ -87,6 +87,33 @@ def _inflate_head(f: IO[bytes], m: Member) -> bytes:
     return out
 
 
+class _ByteRows(LeafReader):
+    """Rows of a member whose data is not aligned for its dtype, gathered as raw bytes.
+
+    A zip member's data starts wherever its local header ends, so a float32
+    member is usually misaligned in the map; numpy's gather of misaligned
+    elements is ~10x slower than of whole rows of bytes (void items), which
+    come back as a new, aligned array of the member's dtype.
+    """
+
+    def __init__(self, array: np.ndarray):
+        self._dtype = array.dtype
+        self._shape = array.shape[1:]
+        self._void = np.dtype((np.void, math.prod(self._shape) * array.dtype.itemsize))
+        self._rows = ArrayReader(array.reshape(len(array), -1).view(self._void).reshape(len(array)))
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        rows = self._rows.take(indices)
+        return rows.view(self._dtype).reshape(len(rows), *self._shape)
+
+    def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
+        if out.dtype != self._dtype or not out.flags.c_contiguous:
+            out[...] = self.take(indices)
+            return
+        rows = out.reshape(len(out), -1).view(self._void).reshape(len(out))
+        self._rows.take_into(indices, rows)
+
+
 class _NpzHandle(Handle):
     def __init__(self, source: NpzDataSource):
         path = source._path
@@ -119,6 +146,9 @@ class _NpzHandle(Handle):
                 )
                 end = start + leaf.nbytes
                 self.mapped_files[key] = [MappedFile(path, end, mapping=self._mapping)]
+                if not array.flags.aligned and not leaf.fortran:
+                    self.readers[key] = _ByteRows(array)
+                    continue
             else:
                 raw = cache.dense(key, (leaf.nbytes,), np.dtype(np.uint8), 1)
                 if raw is None:

@@ -6,42 +6,20 @@ import contextlib
 import math
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.base import Layout, ReplaySource
+from grain_replay.sources.base import Layout, ReplaySource, check_out
 from grain_replay.sources.reading.files import MappedFile, check_inside
-from grain_replay.sources.reading.readers import ArrayReader, Handle, LeafReader
+from grain_replay.sources.reading.readers import ArrayReader, Handle
 from grain_replay.sources.torchrl.dump import TorchRLDump, read_dump
 
 __all__ = ["TorchRLDataSource"]
-
-
-class _Rotated(LeafReader):
-    """Write order over a wrapped circular buffer: record ``i`` is row ``(i + start) % n``."""
-
-    def __init__(self, inner: ArrayReader, start: int, n: int):
-        self._inner = inner
-        self._start = start
-        self._n = n
-
-    def _rows(self, indices: np.ndarray) -> np.ndarray:
-        rows = indices + self._start
-        rows[rows >= self._n] -= self._n
-        return rows
-
-    def take(self, indices: np.ndarray) -> np.ndarray:
-        return self._inner.take(self._rows(np.asarray(indices, dtype=np.int64)))
-
-    def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
-        self._inner.take_into(self._rows(np.asarray(indices, dtype=np.int64)), out)
-
-    def row(self, index: int) -> np.ndarray:
-        return self._inner.row((index + self._start) % self._n)
 
 
 class _TorchRLHandle(Handle):
@@ -61,8 +39,7 @@ class _TorchRLHandle(Handle):
                 mapping = _map(leaf.file, key, nbytes)
                 array = np.ndarray(shape, spec.dtype, buffer=mapping)
                 self.mapped_files[key] = [MappedFile(leaf.file, nbytes, mapping=mapping)]
-            reader = ArrayReader(array)
-            self.readers[key] = _Rotated(reader, dump.start, n) if dump.start else reader
+            self.readers[key] = ArrayReader(array)
 
 
 def _map(path: str, key: str, needed: int) -> mmap.mmap:
@@ -127,6 +104,43 @@ class TorchRLDataSource(ReplaySource):
 
     def _open(self) -> Handle:
         return _TorchRLHandle(self)
+
+    # -- records oldest first: record i is storage row (i + start) % N, once per batch ---------
+
+    def _rows(self, records: np.ndarray) -> np.ndarray:
+        start = self._dump.start
+        if not start:
+            return records
+        rows = records + start
+        rows[rows >= len(self)] -= len(self)
+        return rows
+
+    def __getitem__(self, index: int) -> Any:
+        i = self._check_index(index)
+        return super().__getitem__((i + self._dump.start) % len(self))
+
+    def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        return super().read_leaf(key, self._rows(self._check_indices(indices)))
+
+    def read_flat(
+        self, indices: Sequence[int] | np.ndarray, *, check: bool = True
+    ) -> dict[str, np.ndarray]:
+        idx = self._check_indices(indices) if check else np.asarray(indices, dtype=np.int64)
+        return super().read_flat(self._rows(idx), check=False)
+
+    def read_into(
+        self,
+        indices: Sequence[int] | np.ndarray,
+        out: Mapping[str, np.ndarray],
+        *,
+        check: bool = True,
+    ) -> None:
+        if check:
+            idx = self._check_indices(indices)
+            check_out(out, self._layout.spec, len(idx), self._path)
+        else:
+            idx = np.asarray(indices, dtype=np.int64)
+        super().read_into(self._rows(idx), out, check=False)
 
     def _inspect(self) -> Layout:
         dump = read_dump(self._path)
