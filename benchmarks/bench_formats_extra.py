@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     import time
 
-    import bench_report
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--transitions", type=int, default=0)
@@ -147,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         res = SectionResult("formats_extra", log=lambda m: print(m, flush=True))
         run_formats_extra(cfg, {}, res, print)
-    meta = {"mode": "quick" if args.quick else "full", "elapsed_s": time.perf_counter() - t0}
-    print(bench_report.markdown([res], meta))
+    print(
+        f"\nformats_extra, {cfg.transitions:,} transitions, batch {cfg.batch_size}, "
+        f"{args.repeats} repeats (medians), {time.perf_counter() - t0:.0f}s"
+    )
+    for r in res.ratios:
+        verdict = "" if r.passed is None else ("  pass" if r.passed else "  FAIL")
+        print(f"  {r.name}: {r.value:.2f}x (target {r.target}){verdict}")
     return 0
 
 

@@ -170,8 +170,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
         if any(
-            os.path.isfile(os.path.join(path, *parts, "storage_metadata.json"))
+            os.path.isfile(os.path.join(path, *parts, name))
             for parts in ((), ("storage",))
+            for name in ("storage_metadata.json", "checkpoint.h5")
         ):
             return "torchrl"  # ReplayBuffer.dumps(path), or its storage/ directory
         if is_vault(path):
