@@ -57,8 +57,11 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.sources import (
         HDF5DataSource,
         NpyDataSource,
+        NpzDataSource,
         ReplaySource,
         RLDSDataSource,
+        TorchRLDataSource,
+        VaultDataSource,
         ZarrDataSource,
         open_source,
     )
@@ -78,6 +81,9 @@ __all__ = [
     # sources
     "HDF5DataSource",
     "NpyDataSource",
+    "NpzDataSource",
+    "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
     "RLDSDataSource",
     "ReplaySource",
@@ -151,8 +157,11 @@ _LAZY = {
         for name in (
             "HDF5DataSource",
             "NpyDataSource",
-            "ZarrDataSource",
             "RLDSDataSource",
+            "NpzDataSource",
+            "TorchRLDataSource",
+            "VaultDataSource",
+            "ZarrDataSource",
             "ReplaySource",
         )
     },
