@@ -14,6 +14,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource, select_keys
+from grain_replay.sources.reading.readers import window_rows
 from grain_replay.sources.surface import SourceSurface
 
 __all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
@@ -97,6 +98,18 @@ class LeafAccess:
             flat = np.asarray(leaves[key])[bounds[j] : bounds[j + 1]]
             out[key] = flat.reshape(rows.shape + flat.shape[1:])
         return out
+
+    def take_windows(self, key: str, starts: np.ndarray, length: int) -> np.ndarray:
+        """``leaf[start : start + length]`` per start, ``(len(starts), length, ...)``.
+
+        ``starts`` are int64 in ``[0, N - length]``. A grain_replay source
+        reads them with one ``read_windows``; any other as the rows.
+        """
+        src = self.source
+        if isinstance(src, ReplaySource):
+            return np.asarray(src.read_windows(key, starts, length, check=False))
+        rows = window_rows(starts, length).reshape(len(starts), length)
+        return self.take({key: rows})[key]
 
     def handle(self) -> Any:
         return getattr(self.source, "_handle", None)

@@ -28,6 +28,8 @@ from grain_replay.sources import ReplaySource
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 
 PAD_MODES = ("edge", "zero", "drop")
+# Longest run of offsets read as windows (its lookup tables are K x K).
+MAX_WINDOW = 256
 
 
 class _Group:
@@ -39,6 +41,28 @@ class _Group:
         self.before = bool(offsets.min() < 0)  # clip to the episode's first step
         self.after = bool(offsets.max() > 0)  # clip to its last step
         self._tiled = offsets[:0]
+        # Consecutive ascending offsets: each anchor's steps are one window of rows.
+        self.run = bool(np.all(np.diff(offsets) == 1)) and len(offsets) <= MAX_WINDOW
+        self.windowed = False  # set by the view: read as windows (see SequenceDataSource._read)
+        self._tables: tuple[np.ndarray, ...] | None = None
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per window position ``p`` (0..K-1), ``(K, K)`` rows over the window's j:
+
+        ``pad_before[p] = j < p`` and ``at_least[p] = max(j, p)`` (an episode that
+        starts at window position p), ``pad_after[p] = j > p`` and ``at_most[p] =
+        min(j, p)`` (one that ends there). Read-only, made once.
+        """
+        tables = self._tables
+        if tables is None:
+            k = len(self.offsets)
+            j = np.arange(k, dtype=np.int64)
+            p = j[:, None]
+            tables = (j < p, np.maximum(j, p), j > p, np.minimum(j, p))
+            for t in tables:
+                t.flags.writeable = False
+            self._tables = tables  # a race only recomputes it
+        return cast(tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tables)
 
     def tiled(self, b: int) -> np.ndarray:
         """The offsets repeated for ``b`` anchors, ``(b * K,)`` (read-only, kept per size)."""
@@ -60,6 +84,7 @@ class _Anchors(Spans):
         self.lasts = index.ends - 1
         # Every step anchors one record, in order: a record id is its step id.
         self.every_step = self.total == index.num_steps
+        self.num_steps = index.num_steps
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(episode, anchor step)`` of each record id (ids in range)."""
@@ -229,6 +254,14 @@ class SequenceDataSource(DerivedSource):
             spec[key + PAD_SUFFIX] = LeafSpec(np.dtype(bool), (len(off),))
         # grain_replay sources read one leaf at chosen rows; others read every leaf per row.
         self._per_leaf = isinstance(steps, ReplaySource)
+        # A run of offsets that holds the anchor (any run when nothing pads) is read as one
+        # window of rows per anchor: every step it clips to lies inside that window.
+        for group in self._groups:
+            off = group.offsets
+            group.windowed = (
+                self._per_leaf and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
+            )
+        self._windowed = any(g.windowed for g in self._groups)
         flags = EpisodeFlags(done_key, terminated_key, truncated_key)
         super().__init__(steps, flags=flags, episodes=episodes, cache=cache)
         self._set_structure(treedef, spec)
@@ -320,29 +353,29 @@ class SequenceDataSource(DerivedSource):
         """
         spans = cast(_Anchors, self._derived()[1])
         episode, t = spans.locate(ids)
-        b = len(t)
-        first = last = None
-        plans = []
-        for group in self._groups:
-            k = len(group.offsets)
-            pos = np.repeat(t, k)
-            pos += group.tiled(b)
-            if self._pad == "drop":  # every record's offsets lie inside its episode
-                plans.append((group, pos.reshape(b, k), np.zeros((b, k), bool)))
-                continue
-            rows = pos
-            if group.before:
-                if first is None:
-                    first = spans.starts[episode]
-                rows = np.maximum(pos, np.repeat(first, k))
-            if group.after:
-                if last is None:
-                    last = spans.lasts[episode]
-                rows = np.minimum(rows, np.repeat(last, k), out=None if rows is pos else rows)
-            plans.append((group, rows.reshape(b, k), (rows != pos).reshape(b, k)))
-        return plans
+        return [(group, *self._rows_plan(group, t, episode, spans)) for group in self._groups]
+
+    def _rows_plan(
+        self, group: _Group, t: np.ndarray, episode: np.ndarray, spans: _Anchors
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, is_pad)`` of one group, as :meth:`_group_plans` builds them."""
+        b, k = len(t), len(group.offsets)
+        pos = np.repeat(t, k)
+        pos += group.tiled(b)
+        if self._pad == "drop":
+            return pos.reshape(b, k), np.zeros((b, k), bool)
+        rows = pos
+        if group.before:
+            rows = np.maximum(pos, np.repeat(spans.starts[episode], k))
+        if group.after:
+            rows = np.minimum(
+                rows, np.repeat(spans.lasts[episode], k), out=None if rows is pos else rows
+            )
+        return rows.reshape(b, k), (rows != pos).reshape(b, k)
 
     def _read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        if self._windowed:
+            return self._read_windows(ids)
         plans = self._group_plans(ids)
         if self._per_leaf:
             # The B x K positions in one read per leaf: the readers fetch and decode each
@@ -361,9 +394,96 @@ class SequenceDataSource(DerivedSource):
                 at += rows.size
                 for k in group.keys:
                     got[k] = np.take(read[k], where, axis=0)
+        return self._finish(got, [is_pad for _, _, is_pad in plans])
+
+    def _read_windows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The read of a grain_replay source with a windowed group (see ``_group_plans``).
+
+        A windowed group's anchors read the window of its offsets' steps,
+        ``read_windows(key, t + offsets[0], K)`` per leaf, one copy per window
+        on a memory-mapped leaf. Only the anchors whose window crosses their
+        episode's bounds (or the store's) are fixed up afterwards, in memory:
+        each of their positions takes the window's row of its clipped step
+        (which lies inside the window, as the offsets hold the anchor), and
+        their masks are filled. Other groups read their rows as before.
+        """
+        spans = cast(_Anchors, self._derived()[1])
+        episode, t = spans.locate(ids)
+        b = len(t)
+        n = spans.num_steps
+        access = self._access
+        drop = self._pad == "drop"
+        first = last = None
+        got: dict[str, np.ndarray] = {}
+        masks = []
+        for group in self._groups:
+            k = len(group.offsets)
+            if not group.windowed or n < k:
+                rows, is_pad = self._rows_plan(group, t, episode, spans)
+                masks.append(is_pad)
+                got.update(access.take(dict.fromkeys(group.keys, rows)))
+                continue
+            start = t + group.offsets[0]
+            if drop or not (group.before or group.after):
+                # Every window lies inside its episode.
+                for key in group.keys:
+                    got[key] = access.take_windows(key, start, k)
+                masks.append(np.zeros((b, k), bool))
+                continue
+            # The window position where the episode starts (clipped to 0) and where it
+            # ends (clipped to K-1); an anchor with neither inside its window reads it as is.
+            pad_before, at_least, pad_after, at_most = group.tables()
+            if group.before:
+                if first is None:
+                    first = spans.starts[episode]
+                lo = first - start
+                np.maximum(lo, 0, out=lo)
+            if group.after:
+                if last is None:
+                    last = spans.lasts[episode]
+                hi = last - start
+                np.minimum(hi, k - 1, out=hi)
+            if group.before and group.after:
+                mask = pad_before.take(lo, axis=0)
+                mask |= pad_after.take(hi, axis=0)
+                near = ((lo > 0) | (hi < k - 1)).nonzero()[0]
+            elif group.before:
+                mask = pad_before.take(lo, axis=0)
+                near = lo.nonzero()[0]
+            else:
+                mask = pad_after.take(hi, axis=0)
+                near = (hi < k - 1).nonzero()[0]
+            if not near.size:
+                for key in group.keys:
+                    got[key] = access.take_windows(key, start, k)
+                masks.append(mask)
+                continue
+            # Each position of those anchors reads the window's row of its clipped step.
+            if group.before:
+                at = at_least.take(lo[near], axis=0)
+                if group.after:
+                    np.minimum(at, hi[near, None], out=at)
+            else:
+                at = at_most.take(hi[near], axis=0)
+            # A window that would leave the store (first or last episode) starts inside it.
+            inside = np.maximum(start, 0)
+            np.minimum(inside, n - k, out=inside)
+            shift = start[near] - inside[near]
+            if shift.any():
+                at += shift[:, None]
+            rows = near[:, None]
+            for key in group.keys:
+                values = access.take_windows(key, inside, k)
+                values[near] = values[rows, at]
+                got[key] = values
+            masks.append(mask)
+        return self._finish(got, masks)
+
+    def _finish(self, got: dict[str, np.ndarray], masks: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The output of the leaves read (``got``) and their groups' masks, zeros padded."""
         out: dict[str, np.ndarray] = {}
         for key, (g, first) in self._group_of.items():
-            is_pad = plans[g][2]
+            is_pad = masks[g]
             # Each leaf owns its mask: the group's first leaf takes the plan's, others copy it.
             mask = is_pad if first else is_pad.copy()
             values = got[key]

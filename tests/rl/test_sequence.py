@@ -183,23 +183,41 @@ def test_single_step_episodes_pad_every_other_offset() -> None:
     assert b["step_is_pad"].tolist() == [[True, False, True]] * 3
 
 
-def test_keys_not_named_are_not_read(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("offsets", "windows"),
+    [
+        ({"obs/pixels": [-1, 0], "action": range(4)}, {"obs/pixels", "action"}),
+        ({"obs/pixels": [-2, 0], "action": [3, 1, 2]}, set()),  # not runs: read as rows
+        ({"obs/pixels": [-1, 0], "action": [0, 2]}, {"obs/pixels"}),
+    ],
+)
+def test_keys_not_named_are_not_read(
+    tmp_path: Any, offsets: dict[str, Any], windows: set[str]
+) -> None:
     path = gr.write_npy(str(tmp_path / "s"), step_tree(LENGTHS, TERMINATED))
     steps = gr.NpyDataSource(path)
-    src = SequenceDataSource(steps, {"obs/pixels": [-1, 0], "action": range(4)})
-    src.read_batch([0])  # builds the episode index (reads the flags) first
-    reads: list[tuple[str, int]] = []
-    read_leaf = steps.read_leaf
+    src = SequenceDataSource(steps, offsets)
+    expect = flat(src.read_batch(np.arange(len(src))))  # also builds the episode index
+    reads: list[tuple[str, str, int]] = []
+    read_leaf, read_windows = steps.read_leaf, steps.read_windows
 
-    def counting(key: str, rows: Any) -> np.ndarray:
-        reads.append((key, len(rows)))
-        return read_leaf(key, rows)
+    def counting(key: str, rows: Any, **kw: Any) -> np.ndarray:
+        reads.append(("rows", key, len(rows)))
+        return read_leaf(key, rows, **kw)
+
+    def counting_windows(key: str, starts: Any, length: int, **kw: Any) -> np.ndarray:
+        reads.append(("windows", key, len(starts) * length))
+        return read_windows(key, starts, length, **kw)
 
     steps.read_leaf = counting  # type: ignore[method-assign]
-    src.read_batch(np.arange(len(src)))
-    assert sorted(k for k, _ in reads) == ["action", "obs/pixels"]  # one read per named leaf
-    # Each read asks for the B x K positions at once.
-    assert dict(reads) == {"action": 4 * len(src), "obs/pixels": 2 * len(src)}
+    steps.read_windows = counting_windows  # type: ignore[method-assign]
+    assert_flat_equal(flat(src.read_batch(np.arange(len(src)))), expect)
+    assert sorted(k for _, k, _ in reads) == ["action", "obs/pixels"]  # one read per named leaf
+    # Each read asks for the B x K positions at once: runs of offsets as B windows of K rows.
+    assert {k: n for _, k, n in reads} == {
+        k: len(list(v)) * len(src) for k, v in offsets.items()
+    }
+    assert {k for how, k, _ in reads if how == "windows"} == windows
 
 
 def test_compressed_store_decodes_each_chunk_once_per_batch(tmp_path: Any) -> None:
@@ -517,6 +535,44 @@ def test_store_records_match_the_per_step_reference(
     assert len(src) == n
     ids = np.concatenate([np.arange(n), np.arange(n)[::-2]]).astype(np.int64)
     assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
+
+
+run_lists = st.builds(
+    lambda lo, k: list(range(lo, lo + k)), st.integers(-8, 3), st.integers(1, 10)
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    open_last=st.booleans(),
+    pad=st.sampled_from(["edge", "zero", "drop"]),
+    offsets=st.dictionaries(
+        st.sampled_from(["step", "obs/vec", "obs/pixels", "reward"]),
+        st.one_of(run_lists, offset_lists),
+        min_size=1,
+    ),
+)
+def test_windowed_reads_match_the_per_step_reference(
+    tmp_path_factory: Any,
+    lengths: list[int],
+    open_last: bool,
+    pad: str,
+    offsets: dict[str, list[int]],
+) -> None:
+    # Runs of offsets are read as one window per anchor, fixed up at episode and store ends.
+    tree = step_tree(lengths, [i % 2 == 0 for i in range(len(lengths))], open_last=open_last)
+    path = gr.write_npy(str(tmp_path_factory.mktemp("win") / "s"), tree)
+    src = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    expect, n = ref_expect(tree, lengths, offsets, pad, open_last)
+    assert len(src) == n
+    ids = np.concatenate([np.arange(n), np.arange(n)[::-3]]).astype(np.int64)
+    got = flat(src.read_batch(ids))
+    assert_flat_equal(got, expect(ids))
+    arrays = [got[k] for k in offsets] + [got[k + "_is_pad"] for k in offsets]
+    for i, a in enumerate(arrays):  # each leaf owns its values and its mask
+        assert a.flags.writeable and a.flags.c_contiguous
+        assert not any(np.shares_memory(a, b) for b in arrays[i + 1 :])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,7 +26,7 @@ from grain_replay.rl.lerobot.meta import (
 from grain_replay.rl.lerobot.video import VideoFiles, VideoReader
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from grain_replay.sources.reading.readers import Handle, LeafReader
+from grain_replay.sources.reading.readers import Handle, LeafReader, window_rows
 
 __all__ = ["LeRobotDataSource", "DEFAULT_TOLERANCE_S", "DEFAULT_FRAME_CACHE_BYTES"]
 
@@ -383,6 +383,16 @@ class LeRobotDataSource(ReplaySource):
         if key not in self._layout.spec:
             raise KeyError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         return self.read_flat(indices)[key]
+
+    def read_windows(
+        self, key: str, starts: Sequence[int] | np.ndarray, length: int, *, check: bool = True
+    ) -> np.ndarray:
+        if self._seq is None:
+            return super().read_windows(key, starts, length, check=check)
+        # Records are sequences read through the view: a window is read as its rows.
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        got = self.read_leaf(key, window_rows(starts, int(length)))
+        return got.reshape(len(starts), int(length), *got.shape[1:])
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True

@@ -13,7 +13,12 @@ import numpy as np
 from grain_replay.sources.reading import readahead
 from grain_replay.sources.reading.files import MappedFile
 
-__all__ = ["ArrayReader", "Handle", "LeafReader", "advise_random"]
+__all__ = ["ArrayReader", "Handle", "LeafReader", "advise_random", "window_rows"]
+
+
+def window_rows(starts: np.ndarray, length: int) -> np.ndarray:
+    """The rows of windows ``starts[i] .. starts[i] + length - 1``, window after window, flat."""
+    return np.repeat(starts, length) + np.tile(np.arange(length, dtype=np.int64), len(starts))
 
 
 class LeafReader(abc.ABC):
@@ -26,6 +31,15 @@ class LeafReader(abc.ABC):
     def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Writes rows ``indices`` into ``out`` (``len(indices)`` rows of this leaf's shape)."""
         out[...] = self.take(indices)
+
+    def take_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``length`` consecutive rows from each of ``starts``, ``(len(starts), length, ...)``.
+
+        ``starts`` are int64 with ``0 <= start <= rows - length``. The default
+        takes the ``len(starts) * length`` rows at once.
+        """
+        got = self.take(window_rows(starts, length))
+        return got.reshape(len(starts), length, *got.shape[1:])
 
     def row(self, index: int) -> np.ndarray:
         """Row ``index`` as a new array (not a view of a file mapping)."""
@@ -94,6 +108,8 @@ class ArrayReader(LeafReader):
         self._array = array.view(np.ndarray)
         # Reads rows of a file mapping ahead while they are not page-cached.
         self._ahead = readahead.for_array(array)
+        # Window length -> (the array it views, its windows as one item each, or None).
+        self._windows: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         ahead = self._ahead
@@ -105,6 +121,34 @@ class ArrayReader(LeafReader):
         out = self._array.take(indices, axis=0)
         ahead.finish(len(indices), time.perf_counter() - t0)
         return out
+
+    def take_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Each window copied whole: one fancy index over a view whose items are windows.
+
+        On a C-contiguous array, ``length`` rows from a start are one block of
+        bytes, so the view ``(rows - length + 1,)`` of ``length * row_bytes``-byte
+        items, one row apart, gathers each window as one copy (256 windows of
+        16 rows of 56 B: about 0.6x the time of taking the 4,096 rows). While
+        the rows are not page-cached, the rows are taken (and read ahead) instead.
+        """
+        ahead = self._ahead
+        if ahead is not None and ahead.cold:
+            return super().take_windows(starts, length)
+        array = self._array
+        cached = self._windows.get(length)
+        if cached is None or cached[0] is not array:
+            cached = (array, _window_view(array, length))
+            self._windows[length] = cached  # a race only recomputes it
+        view = cached[1]
+        if view is None:
+            return super().take_windows(starts, length)
+        if ahead is None:
+            got = view[starts]
+        else:
+            t0 = time.perf_counter()
+            got = view[starts]
+            ahead.finish(len(starts) * length, time.perf_counter() - t0)
+        return got.view(array.dtype).reshape(len(starts), length, *array.shape[1:])
 
     def grow(self, array: np.ndarray) -> None:
         """Reads ``array`` from now on: the same rows and more, over the same memory.
@@ -138,3 +182,20 @@ class ArrayReader(LeafReader):
             self._ahead.read_ahead(np.array([index], dtype=np.int64))
         r = self._array[index]
         return r.copy() if isinstance(r, np.ndarray) else r
+
+
+def _window_view(array: np.ndarray, length: int) -> np.ndarray | None:
+    """``array``'s windows of ``length`` rows as items of one 1-d view; None if it has none."""
+    n = array.shape[0] if array.ndim else 0
+    row_bytes = array.strides[0] if array.ndim else 0
+    if (
+        not array.flags.c_contiguous
+        or array.dtype.hasobject
+        or length < 1
+        or n < length
+        or row_bytes <= 0
+        or row_bytes != array.itemsize * (array.size // max(n, 1))
+    ):
+        return None
+    item = np.dtype((np.void, row_bytes * length))
+    return np.ndarray((n - length + 1,), dtype=item, buffer=array, strides=(row_bytes,))

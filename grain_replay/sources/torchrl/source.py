@@ -16,7 +16,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource, check_out
 from grain_replay.sources.reading.files import MappedFile, check_inside
-from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.sources.reading.readers import ArrayReader, Handle, window_rows
 from grain_replay.sources.torchrl.dump import TorchRLDump, read_dump
 
 __all__ = ["TorchRLDataSource"]
@@ -121,6 +121,14 @@ class TorchRLDataSource(ReplaySource):
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         return super().read_leaf(key, self._rows(self._check_indices(indices)))
+
+    def read_windows(
+        self, key: str, starts: Sequence[int] | np.ndarray, length: int, *, check: bool = True
+    ) -> np.ndarray:
+        # Records wrap around the ring's start: a window is not consecutive rows.
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        got = self.read_leaf(key, window_rows(starts, int(length)))
+        return got.reshape(len(starts), int(length), *got.shape[1:])
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
