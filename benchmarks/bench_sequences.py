@@ -281,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         target = "" if r.target is None else f">= {r.target}"
         passed = "" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"| {r.name} | {r.value:.2f}x | {target} | {passed} |")
+    for r in res.ratios:
+        if r.name.startswith("2 obs + 16 actions") and r.name.endswith("/ gather") and r.target:
+            verdict = "meets" if r.value >= r.target else "MISSES"
+            print(
+                f"action chunks, {r.name.split(':')[1].split('/')[0].strip()}: "
+                f"{r.value:.2f}x the gather of the same rows, {verdict} the "
+                f">= {r.target}x target"
+            )
     return 0
 
 

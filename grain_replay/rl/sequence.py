@@ -91,7 +91,7 @@ class _Anchors(Spans):
         # Unsorted needles: sorting a batch of 256 first (so that each search narrows from
         # the last) cost more than it saved, from 73 to 730,000 episodes (numpy 2.4).
         bounds = self.ends if self.every_step else self.cum_end
-        episode = np.searchsorted(bounds, ids, side="right")
+        episode = bounds.searchsorted(ids, side="right")
         if self.every_step:
             return episode, ids
         k = ids - (self.cum_end[episode] - self.count[episode])
@@ -423,7 +423,8 @@ class SequenceDataSource(DerivedSource):
                 masks.append(is_pad)
                 got.update(access.take(dict.fromkeys(group.keys, rows)))
                 continue
-            start = t + group.offsets[0]
+            off = int(group.offsets[0])
+            start = t + off if off else t
             if drop or not (group.before or group.after):
                 # Every window lies inside its episode.
                 for key in group.keys:
@@ -466,11 +467,14 @@ class SequenceDataSource(DerivedSource):
             else:
                 at = at_most.take(hi[near], axis=0)
             # A window that would leave the store (first or last episode) starts inside it.
-            inside = np.maximum(start, 0)
-            np.minimum(inside, n - k, out=inside)
-            shift = start[near] - inside[near]
-            if shift.any():
-                at += shift[:, None]
+            inside = start
+            wanted = start[near]
+            if np.minimum.reduce(wanted) < 0 or np.maximum.reduce(wanted) > n - k:
+                moved = np.maximum(wanted, 0)
+                np.minimum(moved, n - k, out=moved)
+                inside = start.copy()
+                inside[near] = moved
+                at += (wanted - moved)[:, None]
             rows = near[:, None]
             for key in group.keys:
                 values = access.take_windows(key, inside, k)

@@ -108,8 +108,9 @@ class ArrayReader(LeafReader):
         self._array = array.view(np.ndarray)
         # Reads rows of a file mapping ahead while they are not page-cached.
         self._ahead = readahead.for_array(array)
-        # Window length -> (the array it views, its windows as one item each, or None).
-        self._windows: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        # Window length -> (the array it views, its windows as one item each or None, and
+        # the dtype that views a gathered item as the window's rows).
+        self._windows: dict[int, tuple[np.ndarray, np.ndarray | None, np.dtype[Any]]] = {}
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         ahead = self._ahead
@@ -137,7 +138,8 @@ class ArrayReader(LeafReader):
         array = self._array
         cached = self._windows.get(length)
         if cached is None or cached[0] is not array:
-            cached = (array, _window_view(array, length))
+            rows = np.dtype((array.dtype, (length, *array.shape[1:])))
+            cached = (array, _window_view(array, length), rows)
             self._windows[length] = cached  # a race only recomputes it
         view = cached[1]
         if view is None:
@@ -148,7 +150,8 @@ class ArrayReader(LeafReader):
             t0 = time.perf_counter()
             got = view[starts]
             ahead.finish(len(starts) * length, time.perf_counter() - t0)
-        return got.view(array.dtype).reshape(len(starts), length, *array.shape[1:])
+        # (B,) items of a subarray dtype: a (B, length, ...) array of the leaf's dtype.
+        return got.view(cached[2])
 
     def grow(self, array: np.ndarray) -> None:
         """Reads ``array`` from now on: the same rows and more, over the same memory.
