@@ -107,7 +107,7 @@ class LeafAccess:
         """
         src = self.source
         if isinstance(src, ReplaySource):
-            return src.read_windows(key, starts, length, check=False)  # type: ignore[no-any-return]
+            return src.read_windows(key, starts, length, check=False)
         rows = window_rows(starts, length).reshape(len(starts), length)
         return self.take({key: rows})[key]
 

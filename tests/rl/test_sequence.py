@@ -214,9 +214,7 @@ def test_keys_not_named_are_not_read(
     assert_flat_equal(flat(src.read_batch(np.arange(len(src)))), expect)
     assert sorted(k for _, k, _ in reads) == ["action", "obs/pixels"]  # one read per named leaf
     # Each read asks for the B x K positions at once: runs of offsets as B windows of K rows.
-    assert {k: n for _, k, n in reads} == {
-        k: len(list(v)) * len(src) for k, v in offsets.items()
-    }
+    assert {k: n for _, k, n in reads} == {k: len(list(v)) * len(src) for k, v in offsets.items()}
     assert {k for how, k, _ in reads if how == "windows"} == windows
 
 
@@ -537,9 +535,7 @@ def test_store_records_match_the_per_step_reference(
     assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
 
 
-run_lists = st.builds(
-    lambda lo, k: list(range(lo, lo + k)), st.integers(-8, 3), st.integers(1, 10)
-)
+run_lists = st.builds(lambda lo, k: list(range(lo, lo + k)), st.integers(-8, 3), st.integers(1, 10))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
