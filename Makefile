@@ -29,9 +29,9 @@ demo: $(STAMP)
 	$(PY) -m grain_replay.cli demo
 
 # Which stack this run tests, first (CI runs one leg per interpreter).
-VERSIONS := import sys, importlib.metadata as m; print("==> versions: python", \
-	sys.version.split()[0], *(f"{p} {m.version(p)}" for p in \
-	("jax", "jaxlib", "numpy", "zarr", "grain")), sep=", ")
+VERSIONS := import sys, importlib.metadata as m; print("==> versions: " + ", ".join( \
+	[f"python {sys.version.split()[0]}"] + [f"{p} {m.version(p)}" for p in \
+	("jax", "jaxlib", "numpy", "zarr", "grain")]))
 
 test: $(STAMP)
 	@$(PY) -c '$(VERSIONS)'
