@@ -45,6 +45,14 @@ def default_segment_rows(capacity: int | None) -> int:
     return max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
 
 
+def _being_made(path: str) -> bool:
+    """Whether ``path`` is a store another writer is creating right now (no store file yet)."""
+    if not os.path.isdir(path):
+        return False
+    made = {parts_lib.WRITERS_DIR, parts_lib.ORDINALS_DIR}
+    return all(n in made or n.startswith(parts_lib.STORE_FILE) for n in os.listdir(path))
+
+
 class _Open:
     """The segment being appended to."""
 
@@ -80,13 +88,13 @@ class PartWriter:
             )
         if format is not None and format not in FORMATS:
             raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
-        if os.path.exists(path) and not parts_lib.is_parts_store(path):
+        if os.path.exists(path) and not parts_lib.is_parts_store(path) and not _being_made(path):
             raise InvalidStoreError(
                 f"{path} is a single-writer store (or another file); capacity= and writer_id= "
                 "need a store directory made by them. Fix: pass another path, or drop "
                 "capacity/writer_id to append to it."
             )
-        if not os.path.exists(path):
+        if not parts_lib.is_parts_store(path):
             parts_lib.create_store_file(path, format or format_from_path(path))
         on_disk = parts_lib.read_store_file(path)
         if format is not None and format != on_disk:
