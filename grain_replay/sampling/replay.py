@@ -267,7 +267,9 @@ class RowReader:
 
     def __call__(self, task: Any) -> Any:
         if isinstance(task, IdTask):
-            return self.source.read_ids(task.ids)
+            # A row evicted before this process opened it: another live row of its
+            # writer, as good a uniform draw (never a torn or mislabeled row).
+            return self.source.read_ids(task.ids, evicted="replace")
         if isinstance(task, tuple):
             rows, bound = task
         else:

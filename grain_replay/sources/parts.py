@@ -128,6 +128,7 @@ class PartsDataSource(SourceSurface):
         self._treedef: dict[str, Any] = {"type": "dict", "keys": [], "children": []}
         self._build = tree_lib.compile_unflatten(self._treedef)
         self._seg_keys: list[str] = []
+        self.replaced = 0  # rows read_ids(evicted="replace") replaced in this process
         self.refresh()
 
     # -- snapshot -------------------------------------------------------------------
@@ -202,9 +203,11 @@ class PartsDataSource(SourceSurface):
             segments[s.first], rows[s.first] = src, s.rows
         # Segments evicted since the last snapshot stay open one more generation, so
         # that rows drawn against it are still found by id.
-        keep = [] if old is None else [
-            s.first for s in old.manifest.segments if s.first not in segments
-        ]
+        keep = (
+            []
+            if old is None
+            else [s.first for s in old.manifest.segments if s.first not in segments]
+        )
         for f in keep:
             assert old is not None
             segments[f], rows[f] = old.segments[f], old.rows[f]
@@ -402,19 +405,37 @@ class PartsDataSource(SourceSurface):
         for k, dst in out.items():
             dst[...] = flat[k]
 
-    def read_ids(self, ids: Sequence[int] | np.ndarray) -> Any:
+    def read_ids(self, ids: Sequence[int] | np.ndarray, *, evicted: str = "raise") -> Any:
+        """Records by row id; see :meth:`read_ids_flat`."""
+        return self._build(self.read_ids_flat(ids, evicted=evicted))
+
+    def read_ids_flat(
+        self, ids: Sequence[int] | np.ndarray, *, evicted: str = "raise"
+    ) -> dict[str, np.ndarray]:
         """Records by row id (see :meth:`ids`), from this snapshot or the one before it.
 
         An id newer than the snapshot takes a new one first. A row drawn from an
         older snapshot that has been evicted since is read from the segment this
-        process still holds open; only a row this process never saw and whose
-        segment is gone raises.
+        process still holds open (segments stay open one refresh longer, and the
+        writer keeps its newest evicted segment on disk).
+
+        Args:
+          ids: row ids, any shape (flattened).
+          evicted: what to do with a row whose segment this process never opened
+            and which is gone: ``"raise"``, or ``"replace"`` it with a live row
+            of the same writer (``live_start + (seq - live_start) % live``, a
+            function of the snapshot): uniform replay does, since that row is
+            as good a uniform draw. Every row returned is whole, as committed.
 
         Raises:
-          EvictedRowError: the row was evicted before this reader opened its segment.
+          EvictedRowError: with ``evicted="raise"``, a row that cannot be read any more.
         """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        snap = self._snapshot()
+        try:
+            snap = self._snapshot()
+        except EvictedRowError:  # a pickled snapshot whose segments went: take a new one
+            self.refresh()
+            snap = self._snapshot()
         ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
         for attempt in range(2):
             known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
@@ -429,7 +450,39 @@ class PartsDataSource(SourceSurface):
                 f"{self._path}: no writer with ordinal {int(ordinal[p < 0][0])} in the store. "
                 "Fix: pass ids returned by src.ids() of this store."
             )
-        return self._build(self._gather(snap, p, seq))
+        ok = self._readable(snap, p, seq)
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            part = snap.parts[int(p[bad])]
+            if evicted != "replace" or part.manifest.live == 0:
+                raise EvictedRowError(
+                    f"{self._path}: writer {part.manifest.writer_id!r}: row {int(seq[bad])} "
+                    "was evicted before this reader opened its segment. Fix: refresh() "
+                    "more often than the writers evict, or raise capacity."
+                )
+            start, live = snap.live_start[p], snap.committed[p] - snap.live_start[p]
+            seq = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
+            self.replaced += int((~ok).sum())
+        return self._gather(snap, p, seq)
+
+    def _readable(self, snap: _Snapshot, p: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Whether each row ``seq`` of part ``p`` is in a segment this snapshot holds open."""
+        ok = np.ones(len(p), dtype=bool)
+        if not len(p):
+            return ok
+        seg_rows = snap.seg_rows[p]
+        first = seq // seg_rows * seg_rows
+        key = p * (1 << parts_lib.ID_SHIFT) + first
+        groups, inverse = np.unique(key, return_inverse=True)
+        for g, k in enumerate(groups):
+            part = snap.parts[int(k >> parts_lib.ID_SHIFT)]
+            f = int(k & parts_lib.SEQ_MASK)
+            if f not in part.segments:
+                ok[inverse == g] = False
+            else:
+                sel = inverse == g
+                ok[sel] = (seq[sel] - f) < part.rows[f]
+        return ok
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)

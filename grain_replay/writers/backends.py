@@ -55,8 +55,10 @@ class Backend(abc.ABC):
         meta: layout_lib.StoreMetadata,
         chunk_rows: int | None,
         compression: str | None,
+        *,
+        sync: bool = True,
     ) -> None:
-        """Creates an empty store (N = 0) atomically."""
+        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``)."""
 
     @classmethod
     @abc.abstractmethod
@@ -131,13 +133,13 @@ class NpyBackend(Backend):
         os.replace(tmp, file)
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         if chunk_rows is not None or compression is not None:
             raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
                 "chunk_rows/compression, or use format='zarr'."
             )
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             os.makedirs(partial)
             for key, spec in meta.leaves.items():
                 file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
@@ -204,10 +206,10 @@ class ZarrBackend(Backend):
                 arr.resize((n, *arr.shape[1:]))
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         zarr = import_zarr()
         compressors = zarr_compressors(compression, path)
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             group = zarr.open_group(partial, mode="w", zarr_format=3)
             for key, spec in meta.leaves.items():
                 shape = (1, *spec.shape)
@@ -320,7 +322,7 @@ class HDF5Backend(Backend):
                 )
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         h5py = import_h5py()
         if compression is not None:
             raise InvalidArgumentError(
@@ -328,7 +330,7 @@ class HDF5Backend(Backend):
                 "on disk when rewritten, which a crash could leave half done). Fix: drop "
                 "compression, or use format='zarr' with compression."
             )
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             with h5py.File(
                 partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
             ) as f:

@@ -153,7 +153,9 @@ class PartWriter:
                 f"{m.segment_rows} rows. Fix: pass segment_rows={m.segment_rows} or None."
             )
         if m.format != self._format:
-            raise InvalidStoreError(f"{self._where}: manifest says {m.format}, store {self._format}.")
+            raise InvalidStoreError(
+                f"{self._where}: manifest says {m.format}, store {self._format}."
+            )
 
     def _segment_path(self, first: int) -> str:
         return os.path.join(self._dir, parts_lib.segment_name(first, self._format))
@@ -293,7 +295,7 @@ class PartWriter:
         remove_path(path)  # a leftover of a crash before this segment's first commit
         meta = self._segment_meta(0)
         cls = BACKENDS[self._format]
-        cls.create(path, meta, self._chunk_rows, self._compression)
+        cls.create(path, meta, self._chunk_rows, self._compression, sync=False)
         self._open = _Open(first, 0, cls(path, meta), Checksummer(meta.leaves))
         return self._open
 
