@@ -50,6 +50,7 @@ __all__ = [
     "create_store_file",
     "is_parts_store",
     "list_writers",
+    "live_holder",
     "read_manifest",
     "read_owner",
     "read_store_file",
@@ -213,6 +214,25 @@ def read_owner(wdir: str) -> dict[str, Any]:
         return owner if isinstance(owner, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def live_holder(wdir: str) -> dict[str, Any] | None:
+    """The owner of a writer id while a live process holds its lock, else None.
+
+    Probes with a shared, non-blocking ``flock`` on ``lock``: it fails only while a
+    writer holds the exclusive one (a dead writer's lock was released by the kernel).
+    """
+    try:
+        fd = os.open(os.path.join(wdir, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return read_owner(wdir) or {"pid": None}
+    finally:
+        os.close(fd)  # closing also drops the probe's own shared lock
+    return None
 
 
 def acquire_writer_lock(store: str, writer_id: str) -> int:

@@ -346,13 +346,21 @@ class PartsDataSource(SourceSurface):
 
     # -- reads --------------------------------------------------------------------------
 
-    def _gather(self, snap: _Snapshot, p: np.ndarray, seq: np.ndarray) -> dict[str, np.ndarray]:
+    def _gather(
+        self,
+        snap: _Snapshot,
+        p: np.ndarray,
+        seq: np.ndarray,
+        keys: Sequence[str] | None = None,
+    ) -> dict[str, np.ndarray]:
         """Rows ``seq`` of parts ``p``: one vectorized read per leaf per segment touched."""
         b = len(p)
-        out = {k: np.empty((b, *s.shape), s.dtype) for k, s in self._spec.items()}
+        names = list(self._spec) if keys is None else list(keys)
+        out = {k: np.empty((b, *self._spec[k].shape), self._spec[k].dtype) for k in names}
         if WRITER_KEY in out:
             out[WRITER_KEY][...] = snap.ordinals[p] if b else 0
-        if not self._seg_keys or b == 0:
+        seg_keys = [k for k in names if k != WRITER_KEY]
+        if not seg_keys or b == 0:
             return out
         seg_rows = snap.seg_rows[p]
         first = seq // seg_rows * seg_rows
@@ -372,8 +380,11 @@ class PartsDataSource(SourceSurface):
                     "before this reader opened it, or not yet committed). Fix: refresh() "
                     "more often than the writers evict, or raise capacity."
                 )
+            if len(seg_keys) == 1:
+                out[seg_keys[0]][sel] = src.read_leaf(seg_keys[0], offs)
+                continue
             flat = src.read_flat(offs, check=False)
-            for name in self._seg_keys:
+            for name in seg_keys:
                 out[name][sel] = flat[name]
         return out
 
@@ -388,6 +399,25 @@ class PartsDataSource(SourceSurface):
         idx = np.where(idx < 0, idx + snap.n, idx)
         p, seq = snap.locate(idx)
         return self._gather(snap, p, seq)
+
+    def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows ``indices`` of the single leaf ``key``."""
+        if key not in self._spec:
+            raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {list(self._spec)}")
+        snap = self._snapshot()
+        idx = check_indices(indices, snap.n, self._path)
+        p, seq = snap.locate(idx)
+        return self._gather(snap, p, seq, [key])[key]
+
+    def segments(self) -> list[tuple[str, int, int, str]]:
+        """``(writer_id, first row, committed rows, path)`` of each live segment of the snapshot."""
+        out = []
+        for m, _ in self._manifests:
+            wdir = parts_lib.writer_dir(self._path, m.writer_id)
+            for seg in m.segments:
+                path = os.path.join(wdir, parts_lib.segment_name(seg.first, m.format))
+                out.append((m.writer_id, seg.first, seg.rows, path))
+        return out
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, *, check: bool = True) -> Any:
         return self._build(self.read_flat(indices, check=check))
