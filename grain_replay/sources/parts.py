@@ -409,6 +409,11 @@ class PartsDataSource(SourceSurface):
         p, seq = snap.locate(idx)
         return self._gather(snap, p, seq, [key])[key]
 
+    def writer_starts(self) -> np.ndarray:
+        """The position of each writer's oldest live row in the snapshot (episode views cut
+        episodes there: no episode or window runs from one writer's rows into another's)."""
+        return self._snapshot().starts[:-1].copy()
+
     def segments(self) -> list[tuple[str, int, int, str]]:
         """``(writer_id, first row, committed rows, path)`` of each live segment of the snapshot."""
         out = []
