@@ -34,11 +34,13 @@ from grain_replay.errors import (
     UnsupportedStateError,
     WorkerDiedError,
     WriterBusyError,
+    EvictedRowError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (
     HDF5DataSource,
     NpyDataSource,
+    PartsDataSource,
     ReplaySource,
     ZarrDataSource,
     open_source,
@@ -58,6 +60,7 @@ __all__ = [
     # sources
     "HDF5DataSource",
     "NpyDataSource",
+    "PartsDataSource",
     "ZarrDataSource",
     "ReplaySource",
     "open_source",
@@ -69,6 +72,7 @@ __all__ = [
     "write_zarr",
     "ReplayWriter",
     "WriterBusyError",
+    "EvictedRowError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",

@@ -23,6 +23,7 @@ from grain_replay import layout as layout_lib
 from grain_replay import parts as parts_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
+    EvictedRowError,
     GrainReplayError,
     InvalidStoreError,
     RecordIndexError,
@@ -36,7 +37,7 @@ from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.surface import SourceSurface
 from grain_replay.sources.zarr import ZarrDataSource
 
-__all__ = ["WRITER_KEY", "EvictedRowError", "PartsDataSource"]
+__all__ = ["WRITER_KEY", "PartsDataSource"]
 
 WRITER_KEY = "_writer"
 _CLASSES: dict[str, type[ReplaySource]] = {
@@ -44,10 +45,6 @@ _CLASSES: dict[str, type[ReplaySource]] = {
     "hdf5": HDF5DataSource,
     "zarr": ZarrDataSource,
 }
-
-
-class EvictedRowError(GrainReplayError, LookupError):
-    """A row asked for by id was evicted before this reader could open it."""
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:
