@@ -127,7 +127,7 @@ class StoreLength:
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
-        ids: np.ndarray = self._probe.ids(positions)
+        ids: np.ndarray = self._probe.ids(positions, check=False)
         return ids
 
     def _changed(self) -> bool:

@@ -29,12 +29,15 @@ from grain_replay.errors import (
     RecordIndexError,
     UnknownLeafError,
 )
+from grain_replay.formats import PAGE
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import ReplaySource, select_keys, Layout
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
+from grain_replay.sources.reading.stitch import place, reserve
 from grain_replay.sources.surface import SourceSurface
+from grain_replay.writers.backends import NpySegmentBackend
 from grain_replay.sources.zarr import ZarrDataSource
 
 __all__ = ["WRITER_KEY", "PartsDataSource"]
@@ -64,6 +67,58 @@ class _Part:
     # first row of a segment -> its opened store (live segments, then kept retired ones)
     segments: dict[int, ReplaySource]
     rows: dict[int, int]  # first -> committed rows readable in it
+    mapped: _Mapped | None = None  # the live segments back to back (.npy), or None
+
+
+@dataclasses.dataclass
+class _Mapped:
+    """A writer's live ``.npy`` segments mapped back to back: one array per leaf."""
+
+    base: int  # the sequence number of row 0 of the arrays
+    stop: int  # one past the last committed row
+    arrays: dict[str, np.ndarray]
+
+
+def _map_segments(
+    wdir: str, m: parts_lib.Manifest, spec: Mapping[str, LeafSpec]
+) -> _Mapped | None:
+    """Maps the live segments of a ``.npy`` writer part back to back, or None where it
+    cannot (another format, rows that are not whole pages per segment, old headers)."""
+    if m.format != "npy" or not m.segments or not spec:
+        return None
+    header = NpySegmentBackend.HEADER
+    base = m.segments[0].first
+    stop = m.segments[-1].first + m.segments[-1].rows
+    arrays = {}
+    for key, leaf in spec.items():
+        row = leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
+        if row == 0 or (m.segment_rows * row) % PAGE or header % PAGE:
+            return None
+        total = (stop - base) * row
+        reservation = reserve(-(-total // PAGE) * PAGE)
+        if reservation is None:
+            return None
+        name = layout_lib.disk_name(key) + ".npy"
+        for seg in m.segments:
+            file = os.path.join(wdir, parts_lib.segment_name(seg.first, m.format), name)
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                length = seg.rows * row
+                if os.fstat(fd).st_size < header + length:
+                    return None
+                at = reservation.addr + (seg.first - base) * row
+                if not place(at, -(-length // PAGE) * PAGE, fd, header):
+                    return None
+            finally:
+                os.close(fd)
+        array = np.asarray(reservation.window(total)).view(leaf.dtype)
+        array = array.reshape((stop - base, *leaf.shape))
+        array.flags.writeable = False
+        arrays[key] = array
+    return _Mapped(base, stop, arrays)
 
 
 class _Snapshot:
@@ -200,15 +255,18 @@ class PartsDataSource(SourceSurface):
             segments[s.first], rows[s.first] = src, s.rows
         # Segments evicted since the last snapshot stay open one more generation, so
         # that rows drawn against it are still found by id.
-        keep = (
-            []
-            if old is None
-            else [s.first for s in old.manifest.segments if s.first not in segments]
-        )
+        keep = [] if old is None else [
+            s.first for s in old.manifest.segments if s.first not in segments
+        ]
+        mapped = None
+        if all(s.first in segments for s in m.segments):
+            wdir = parts_lib.writer_dir(self._path, m.writer_id)
+            spec = {k: self._spec[k] for k in self._seg_keys}
+            mapped = _map_segments(wdir, m, spec)
         for f in keep:
             assert old is not None
             segments[f], rows[f] = old.segments[f], old.rows[f]
-        return _Part(m, stamp, segments, rows)
+        return _Part(m, stamp, segments, rows, mapped)
 
     def _take(self, previous: _Snapshot | None) -> _Snapshot:
         """A snapshot of the store now, reusing what did not change since ``previous``."""
@@ -317,9 +375,15 @@ class PartsDataSource(SourceSurface):
         keys = list(self._spec)
         return f"PartsDataSource(path={self._path!r}, keys={keys!r}, num_records={len(self)})"
 
-    def ids(self, positions: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The stable row id (``ordinal << 40 | seq``, int64) of each position of the snapshot."""
+    def ids(self, positions: Sequence[int] | np.ndarray, *, check: bool = True) -> np.ndarray:
+        """The stable row id (``ordinal << 40 | seq``, int64) of each position of the snapshot.
+
+        ``check=False`` trusts ``positions`` to be int64 in ``[0, len)`` (a sampler's draws).
+        """
         snap = self._snapshot()
+        if not check and len(snap.parts) == 1:
+            shift = (int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + int(snap.live_start[0])
+            return np.asarray(positions, dtype=np.int64) + shift
         pos = check_indices(positions, snap.n, self._path)
         p, seq = snap.locate(pos)
         return (snap.ordinals[p] << parts_lib.ID_SHIFT) | seq
@@ -359,6 +423,10 @@ class PartsDataSource(SourceSurface):
         seg_keys = [k for k in names if k != WRITER_KEY]
         if not seg_keys or b == 0:
             return out
+        rest = self._gather_mapped(snap, p, seq, seg_keys, out)
+        if rest is None:
+            return out
+        p, seq = p[rest], seq[rest]
         seg_rows = snap.seg_rows[p]
         first = seq // seg_rows * seg_rows
         offset = seq - first
@@ -370,6 +438,7 @@ class PartsDataSource(SourceSurface):
             src = part.segments.get(seg_first)
             sel = np.flatnonzero(inverse == g) if len(groups) > 1 else slice(None)
             offs = offset[sel]
+            at = rest[sel]
             if src is None or int(offs.max()) >= part.rows.get(seg_first, 0):
                 raise EvictedRowError(
                     f"{self._path}: writer {part.manifest.writer_id!r}: row "
@@ -378,12 +447,46 @@ class PartsDataSource(SourceSurface):
                     "more often than the writers evict, or raise capacity."
                 )
             if len(seg_keys) == 1:
-                out[seg_keys[0]][sel] = src.read_leaf(seg_keys[0], offs)
+                out[seg_keys[0]][at] = src.read_leaf(seg_keys[0], offs)
                 continue
             flat = src.read_flat(offs, check=False)
             for name in seg_keys:
-                out[name][sel] = flat[name]
+                out[name][at] = flat[name]
         return out
+
+    @staticmethod
+    def _gather_mapped(
+        snap: _Snapshot,
+        p: np.ndarray,
+        seq: np.ndarray,
+        keys: list[str],
+        out: dict[str, np.ndarray],
+    ) -> np.ndarray | None:
+        """Reads the rows a part's back-to-back map holds (one gather per leaf per part);
+        returns the positions in the batch of the other rows, or None if none is left."""
+        if len(snap.parts) == 1:
+            m = snap.parts[0].mapped
+            if m is None:
+                return np.arange(len(p))
+            if int(seq.min()) >= m.base and int(seq.max()) < m.stop:
+                idx = seq - m.base
+                for k in keys:
+                    np.take(m.arrays[k], idx, axis=0, out=out[k])
+                return None
+        mapped = np.zeros(len(p), dtype=bool)
+        for pi in np.unique(p):
+            m = snap.parts[int(pi)].mapped
+            if m is None:
+                continue
+            sel = (p == pi) & (seq >= m.base) & (seq < m.stop)
+            if not sel.any():
+                continue
+            mapped |= sel
+            idx = seq[sel] - m.base
+            for k in keys:
+                out[k][sel] = m.arrays[k][idx]
+        rest = np.flatnonzero(~mapped)
+        return rest if len(rest) else None
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
@@ -468,6 +571,15 @@ class PartsDataSource(SourceSurface):
         except EvictedRowError:  # a pickled snapshot whose segments went: take a new one
             self.refresh()
             snap = self._snapshot()
+        if len(snap.parts) == 1 and len(ids) and snap.parts[0].mapped is not None:
+            # One writer whose live rows are mapped: one gather per leaf, no grouping.
+            m = snap.parts[0].mapped
+            rows = ids - ((int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + m.base)
+            if int(rows.min()) >= 0 and int(rows.max()) < m.stop - m.base:
+                out = {k: np.take(m.arrays[k], rows, axis=0) for k in self._seg_keys}
+                if WRITER_KEY in self._spec:
+                    out[WRITER_KEY] = np.full(len(ids), snap.ordinals[0], dtype=np.int64)
+                return {k: out[k] for k in self._spec}
         ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
         for attempt in range(2):
             known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
@@ -502,6 +614,10 @@ class PartsDataSource(SourceSurface):
         ok = np.ones(len(p), dtype=bool)
         if not len(p):
             return ok
+        if len(snap.parts) == 1:  # the common case: one writer, its live rows mapped
+            m = snap.parts[0].mapped
+            if m is not None and int(seq.min()) >= m.base and int(seq.max()) < m.stop:
+                return ok
         seg_rows = snap.seg_rows[p]
         first = seq // seg_rows * seg_rows
         key = p * (1 << parts_lib.ID_SHIFT) + first

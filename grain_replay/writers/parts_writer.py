@@ -9,7 +9,9 @@ and every segment it names intact; reopening drops the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -26,7 +28,8 @@ from grain_replay.errors import (
 from grain_replay.formats import FORMATS, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.atomic import remove_path
-from grain_replay.writers.backends import BACKENDS, Backend
+from grain_replay.formats import PAGE
+from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend
 
 __all__ = ["PartWriter", "default_segment_rows"]
 
@@ -39,10 +42,26 @@ UNBOUNDED_SEGMENT_ROWS = 1 << 20
 SEGMENTS_PER_CAPACITY = 16
 
 
-def default_segment_rows(capacity: int | None) -> int:
-    if capacity is None:
-        return UNBOUNDED_SEGMENT_ROWS
-    return max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
+def default_segment_rows(
+    capacity: int | None, fmt: str = "", leaves: dict[str, layout_lib.LeafSpec] | None = None
+) -> int:
+    """``ceil(capacity / 16)`` rows; for ``.npy``, rounded up to whole pages of every leaf
+    (so readers map a writer's segments back to back) when that at most doubles it."""
+    rows = UNBOUNDED_SEGMENT_ROWS if capacity is None else max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
+    if fmt == "npy" and leaves:
+        unit = 1
+        for spec in leaves.values():
+            b = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+            if b:
+                unit = math.lcm(unit, PAGE // math.gcd(PAGE, b))
+        rounded = -(-rows // unit) * unit
+        if rounded <= 2 * rows:
+            return rounded
+    return rows
+
+
+def _segment_backend(fmt: str) -> type[Backend]:
+    return NpySegmentBackend if fmt == "npy" else BACKENDS[fmt]
 
 
 def _being_made(path: str) -> bool:
@@ -108,6 +127,7 @@ class PartWriter:
         self._lock_fd: int | None = parts_lib.acquire_writer_lock(path, self._id)
         self._open: _Open | None = None
         self._full: list[_Open] = []  # filled since the last flush, not yet committed
+        self._default_rows = segment_rows is None
         self._pending = 0
         try:
             manifest = parts_lib.read_manifest(self._dir)
@@ -179,8 +199,9 @@ class PartWriter:
         if tail.rows >= m.segment_rows:
             return
         meta = self._segment_meta(tail.rows)
-        backend = BACKENDS[self._format](self._segment_path(tail.first), meta)
-        on_disk = BACKENDS[self._format].read_metadata(self._segment_path(tail.first))
+        cls = _segment_backend(self._format)
+        backend = cls(self._segment_path(tail.first), meta)
+        on_disk = cls.read_metadata(self._segment_path(tail.first))
         summer = None
         if on_disk is not None and on_disk.num_records == tail.rows:
             try:
@@ -221,6 +242,10 @@ class PartWriter:
         leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
         if self._meta is None:
             self._meta = self._schema_of_store(layout_lib.StoreMetadata(0, leaves, treedef))
+            m = self._manifest
+            if self._default_rows and m.committed == 0 and not m.segments:
+                rows = default_segment_rows(m.capacity, self._format, self._meta.leaves)
+                self._manifest = dataclasses.replace(m, segment_rows=rows)
         self._check_matches(arrays, leaves, treedef)
         done = 0
         while done < n:
@@ -294,7 +319,7 @@ class PartWriter:
         path = self._segment_path(first)
         remove_path(path)  # a leftover of a crash before this segment's first commit
         meta = self._segment_meta(0)
-        cls = BACKENDS[self._format]
+        cls = _segment_backend(self._format)
         cls.create(path, meta, self._chunk_rows, self._compression, sync=False)
         self._open = _Open(first, 0, cls(path, meta), Checksummer(meta.leaves))
         return self._open
