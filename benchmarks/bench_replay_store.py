@@ -54,9 +54,7 @@ ROW_BYTES = 64 * 4 * 2 + 8 + 4 + 1
 
 
 def _disk(path: str) -> int:
-    return sum(
-        os.stat(os.path.join(r, f)).st_size for r, _, fs in os.walk(path) for f in fs
-    )
+    return sum(os.stat(os.path.join(r, f)).st_size for r, _, fs in os.walk(path) for f in fs)
 
 
 def _rss_mb() -> float:
@@ -98,7 +96,7 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
             w.append(transitions(n, inserted))
             inserted += n
             w.flush()
-        segment_rows = w._part.manifest.segment_rows  # noqa: SLF001 - the stated slack
+        segment_rows = w._part.manifest.segment_rows
     with gr.ReplayWriter(plain) as w:
         for start in range(0, live, block):
             w.append(transitions(min(block, live - start), start))
@@ -159,8 +157,10 @@ def bench_writers(tmp: str, rows: int, log: Any) -> dict[str, Any]:
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", code, path, f"w{i}", str(rows), go],
-                stdout=subprocess.PIPE, text=True, env=env,
-            )  # fmt: skip
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             for i in range(k)
         ]
         for p in procs:
@@ -251,13 +251,14 @@ def run_store(cfg: Any, stores: Any, res: Any, log: Any) -> None:
     )
     res.ratios.append(
         Ratio(
-            "store: 1.1 x (live + slack) / disk", "live", "disk",
-            1.1 * (1 + ev["stated_slack"]) / ev["disk_ratio"], 1.0,
-        )  # fmt: skip
+            "store: 1.1 x (live + slack) / disk",
+            "live",
+            "disk",
+            1.1 * (1 + ev["stated_slack"]) / ev["disk_ratio"],
+            1.0,
+        )
     )
-    res.ratios.append(
-        Ratio("store: 2 writers / 1 writer", "2", "1", out["writers"]["ratio"], 1.6)
-    )
+    res.ratios.append(Ratio("store: 2 writers / 1 writer", "2", "1", out["writers"]["ratio"], 1.6))
     res.ratios.append(
         Ratio("store: 10 x refresh@1 / refresh@64", "1", "64", 10 / out["refresh_64_over_1"], 1.0)
     )

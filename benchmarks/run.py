@@ -20,8 +20,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory")
-# "memory" writes a store larger than half of RAM: run only when asked for.
+SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory", "store")
+# "memory" writes a store larger than half of RAM: run only when asked for. "store"
+# (bounded, many-writer replay stores: bench_replay_store.py) starts writer processes.
 DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device")
 
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_formats import run_formats
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
+    from bench_replay_store import run_store
     from bench_sequences import run_sequences
     from bench_write import run_write
 
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sampler.reset()
     # The memory and sequences sections write their own stores.
-    needs_stores = set(cfg.sections) - {"memory", "sequences"}
+    needs_stores = set(cfg.sections) - {"memory", "sequences", "store"}
     stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequences": run_sequences,
         "device": run_device,
         "memory": functools.partial(run_memory, fmt=args.memory_format),
+        "store": run_store,
     }
     results: list[common.SectionResult] = []
     json_path = os.path.join(out_dir, "results.json")

@@ -9,6 +9,7 @@ from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    EvictedRowError,
     FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
@@ -34,7 +35,6 @@ from grain_replay.errors import (
     UnsupportedStateError,
     WorkerDiedError,
     WriterBusyError,
-    EvictedRowError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import (

@@ -46,7 +46,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         info["size_on_disk"] = size_on_disk(src.path)
     writers = _writers(src)
     if writers is not None:
-        info["format"] = src.format
+        info["format"] = getattr(src, "format", info["format"])
         info["writers"] = writers
         info["evicted_records"] = sum(w["evicted"] for w in writers)
     info["checksums"] = getattr(src, "checksums", None) is not None
@@ -314,7 +314,7 @@ def _verify_parts(src: Any, args: argparse.Namespace) -> int:
     blocks = 0
     segments = src.segments()
     bar = _progress(len(segments), "verify (segments)", not args.quiet, "segments")
-    for writer_id, first, rows, path in segments:
+    for writer_id, _first, rows, path in segments:
         try:
             with gr.open_source(path) as seg:
                 if len(seg) < rows:

@@ -31,14 +31,14 @@ from grain_replay.errors import (
 )
 from grain_replay.formats import PAGE
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import ReplaySource, select_keys, Layout
+from grain_replay.sources.base import Layout, ReplaySource, select_keys
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.reading.stitch import place, reserve
 from grain_replay.sources.surface import SourceSurface
-from grain_replay.writers.backends import NpySegmentBackend
 from grain_replay.sources.zarr import ZarrDataSource
+from grain_replay.writers.backends import NpySegmentBackend
 
 __all__ = ["WRITER_KEY", "PartsDataSource"]
 
@@ -79,9 +79,7 @@ class _Mapped:
     arrays: dict[str, np.ndarray]
 
 
-def _map_segments(
-    wdir: str, m: parts_lib.Manifest, spec: Mapping[str, LeafSpec]
-) -> _Mapped | None:
+def _map_segments(wdir: str, m: parts_lib.Manifest, spec: Mapping[str, LeafSpec]) -> _Mapped | None:
     """Maps the live segments of a ``.npy`` writer part back to back, or None where it
     cannot (another format, rows that are not whole pages per segment, old headers)."""
     if m.format != "npy" or not m.segments or not spec:
@@ -180,6 +178,7 @@ class PartsDataSource(SourceSurface):
         self._treedef: dict[str, Any] = {"type": "dict", "keys": [], "children": []}
         self._build = tree_lib.compile_unflatten(self._treedef)
         self._seg_keys: list[str] = []
+        self._schema_text: str | None = None
         self.replaced = 0  # rows read_ids(evicted="replace") replaced in this process
         self.refresh()
 
@@ -188,10 +187,12 @@ class PartsDataSource(SourceSurface):
     def _schema(self, manifests: list[parts_lib.Manifest]) -> None:
         """Spec and treedef from the writers' schemas (which must agree)."""
         first: tuple[str, layout_lib.StoreMetadata] | None = None
+        first_text = None
         for m in manifests:
-            if m.schema is None:
-                continue
+            if m.schema is None or m.schema == first_text:
+                continue  # the same text as the first: parsed once
             meta = layout_lib.StoreMetadata.from_json(m.schema, where=self._path)
+            first_text = m.schema if first is None else first_text
             if first is None:
                 first = (m.writer_id, meta)
             elif meta.leaves != first[1].leaves or meta.treedef != first[1].treedef:
@@ -201,8 +202,9 @@ class PartsDataSource(SourceSurface):
                     "their dtypes/shapes). Fix: remove one writer's folder under writers/, or "
                     "read it alone."
                 )
-        if first is None:
-            return
+        if first is None or first_text == self._schema_text:
+            return  # nothing new: spec and treedef as they are
+        self._schema_text = first_text
         meta = first[1]
         full = Layout(0, dict(meta.leaves), meta.treedef, {k: k for k in meta.leaves})
         if self._only_writer:
@@ -255,9 +257,11 @@ class PartsDataSource(SourceSurface):
             segments[s.first], rows[s.first] = src, s.rows
         # Segments evicted since the last snapshot stay open one more generation, so
         # that rows drawn against it are still found by id.
-        keep = [] if old is None else [
-            s.first for s in old.manifest.segments if s.first not in segments
-        ]
+        keep = (
+            []
+            if old is None
+            else [s.first for s in old.manifest.segments if s.first not in segments]
+        )
         mapped = None
         if all(s.first in segments for s in m.segments):
             wdir = parts_lib.writer_dir(self._path, m.writer_id)

@@ -25,10 +25,9 @@ from grain_replay.errors import (
     InvalidStoreError,
     InvalidTreeError,
 )
-from grain_replay.formats import FORMATS, format_from_path
+from grain_replay.formats import FORMATS, PAGE, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.atomic import remove_path
-from grain_replay.formats import PAGE
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend
 
 __all__ = ["PartWriter", "default_segment_rows"]
@@ -47,7 +46,11 @@ def default_segment_rows(
 ) -> int:
     """``ceil(capacity / 16)`` rows; for ``.npy``, rounded up to whole pages of every leaf
     (so readers map a writer's segments back to back) when that at most doubles it."""
-    rows = UNBOUNDED_SEGMENT_ROWS if capacity is None else max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
+    rows = (
+        UNBOUNDED_SEGMENT_ROWS
+        if capacity is None
+        else max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
+    )
     if fmt == "npy" and leaves:
         unit = 1
         for spec in leaves.values():

@@ -84,8 +84,9 @@ class ReplayWriter:
                 )
             self._flush_every = flush_every
             self._format = format or ""
-            self._lock_fd = None
-            self._backend = None
+            self._lock_fd: int | None = None
+            self._backend: Backend | None = None
+            self._summer: Checksummer | None = None
             self._pending = 0
             self._part = PartWriter(
                 self._path,
@@ -119,9 +120,9 @@ class ReplayWriter:
         if flush_every is not None and flush_every <= 0:
             raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
         self._flush_every = flush_every
-        self._lock_fd: int | None = self._acquire_lock()
-        self._backend: Backend | None = None
-        self._summer: Checksummer | None = None
+        self._lock_fd = self._acquire_lock()
+        self._backend = None
+        self._summer = None
         self._pending = 0
         try:
             if os.path.exists(self._path):

@@ -14,7 +14,7 @@ import grain_replay as gr
 from grain_replay.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
-from parts_child import make_rows  # noqa: E402
+from parts_child import make_rows
 
 
 @pytest.fixture

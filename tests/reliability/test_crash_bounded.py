@@ -60,7 +60,7 @@ class _Child:
             time.sleep(0.01)
 
     def kill(self) -> tuple[int, int]:
-        """SIGKILL; returns (rows the last finished flush committed, rows of the last flush begun)."""
+        """SIGKILL; returns (rows the last finished flush committed, of the last one begun)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         self._thread.join(timeout=10)

@@ -172,7 +172,7 @@ def test_writer_processes_and_a_learner_at_once(tmp_path: Path) -> None:
             ],
             stdout=subprocess.DEVNULL,
             cwd=os.getcwd(),
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     try:

@@ -69,7 +69,7 @@ def test_disk_use_stays_bounded_however_long_the_run(tmp_path: Path, fmt: str) -
             w.append(make_rows("a", 400 * k, 400))
             w.flush()
             sizes.append(_disk_bytes(path))
-        seg = w._part.manifest.segment_rows  # noqa: SLF001 - the documented slack
+        seg = w._part.manifest.segment_rows
     assert seg == 100
     # capacity + the partly filled head segment + one retired segment, plus headers
     # and chunk padding (a fixed amount per segment file).
@@ -107,7 +107,7 @@ def test_reopen_continues_after_the_last_committed_row(tmp_path: Path, fmt: str)
     w.append(make_rows("a", 0, 90))
     w.flush()
     w.append(make_rows("a", 90, 5))  # never committed
-    w._part.abandon()  # noqa: SLF001 - as if the process died here
+    w._part.abandon()
     w = gr.ReplayWriter(path, fmt, capacity=64, writer_id="a")
     assert w.committed == 90 and len(w) == 90
     w.append(make_rows("a", 90, 20))
@@ -177,11 +177,20 @@ def test_reader_refresh_sees_new_writers_and_rereads_only_changed_ones(
 
 def _holder(path: str, writer_id: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        [sys.executable, str(HELPERS / "parts_child.py"), path, "npy", writer_id, "50",
-         "--blocks", "3", "--hold"],
+        [
+            sys.executable,
+            str(HELPERS / "parts_child.py"),
+            path,
+            "npy",
+            writer_id,
+            "50",
+            "--blocks",
+            "3",
+            "--hold",
+        ],
         stdout=subprocess.PIPE,
         cwd=os.getcwd(),
-    )  # fmt: skip
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.strip() == b"idle":
@@ -226,7 +235,7 @@ def test_writer_processes_append_at_once(tmp_path: Path) -> None:
             ],
             stdout=subprocess.DEVNULL,
             cwd=os.getcwd(),
-        )  # fmt: skip
+        )
         for i in range(3)
     ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
@@ -234,7 +243,7 @@ def test_writer_processes_append_at_once(tmp_path: Path) -> None:
     assert len(src) == 600
     batch = src.read_batch(np.arange(600))
     check_rows(batch)
-    for i, wid in enumerate(f"p{i}" for i in range(3)):
+    for wid in ("p0", "p1", "p2"):
         mine = batch["_writer"] == src.writer_ordinals[wid]
         np.testing.assert_array_equal(batch["seq"][mine], np.arange(100, 300))
 
@@ -267,9 +276,9 @@ def test_a_tree_unlike_the_stores_is_refused_naming_the_writers(tmp_path: Path) 
     path = str(tmp_path / "store")
     with gr.ReplayWriter(path, capacity=10, writer_id="a") as w:
         w.append(make_rows("a", 0, 3))
+        bad = make_rows("a", 3, 2)
+        bad["vec"] = bad["vec"].astype(np.float32)
         with pytest.raises(gr.InvalidTreeError, match=r"writer 'a'.*float32.*Fix"):
-            bad = make_rows("a", 3, 2)
-            bad["vec"] = bad["vec"].astype(np.float32)
             w.append(bad)
         assert len(w) == 3
     with gr.ReplayWriter(path, capacity=10, writer_id="b") as w:
