@@ -45,7 +45,8 @@ def default_segment_rows(
     capacity: int | None, fmt: str = "", leaves: dict[str, layout_lib.LeafSpec] | None = None
 ) -> int:
     """``ceil(capacity / 16)`` rows; for ``.npy``, rounded up to whole pages of every leaf
-    (so readers map a writer's segments back to back) when that at most doubles it."""
+    (so readers map a writer's segments back to back) when that at most doubles it or
+    stays within a quarter of the capacity."""
     rows = (
         UNBOUNDED_SEGMENT_ROWS
         if capacity is None
@@ -58,7 +59,7 @@ def default_segment_rows(
             if b:
                 unit = math.lcm(unit, PAGE // math.gcd(PAGE, b))
         rounded = -(-rows // unit) * unit
-        if rounded <= 2 * rows:
+        if rounded <= max(2 * rows, (capacity or 0) // 4):
             return rounded
     return rows
 
