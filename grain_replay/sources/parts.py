@@ -241,19 +241,23 @@ class PartsDataSource(SourceSurface):
     ) -> _Part:
         segments: dict[int, ReplaySource] = {}
         rows: dict[int, int] = {}
+        wdir = parts_lib.writer_dir(self._path, m.writer_id)
         for s in m.segments:
             src = None if old is None else old.segments.get(s.first)
-            if src is not None and old is not None and old.rows.get(s.first, 0) < s.rows:
-                src.refresh()  # the tail grew: new pages mapped behind the old ones
-            if src is None:
-                try:
+            try:
+                if src is not None and old is not None and old.rows.get(s.first, 0) < s.rows:
+                    src.refresh()  # the tail grew: new pages mapped behind the old ones
+                if src is None:
                     src = self._open_segment(m, s.first)
-                except (OSError, GrainReplayError):
-                    if strict:
-                        raise
-                    continue  # evicted since the manifest was read: retried by the caller
-            if len(src) < s.rows:
-                src.refresh()
+                if len(src) < s.rows:
+                    src.refresh()
+            except (OSError, GrainReplayError):
+                gone = not os.path.exists(
+                    os.path.join(wdir, parts_lib.segment_name(s.first, m.format))
+                )
+                if strict or not gone:
+                    raise  # a damaged segment, not an evicted one
+                continue  # evicted since the manifest was read: retried by the caller
             segments[s.first], rows[s.first] = src, s.rows
         # Segments evicted since the last snapshot stay open one more generation, so
         # that rows drawn against it are still found by id.

@@ -212,6 +212,15 @@ class PartWriter:
                 summer = Checksummer.resume(meta.leaves, on_disk.checksums, tail.rows)
             except ValueError:
                 summer = None
+        else:
+            # Committed past the manifest (a crash between the two commits): the segment
+            # says the manifest's rows again, so readers map what they will read. Its
+            # checksums covered the dropped rows too: they are not recorded any more.
+            logger.warning(
+                "%s: segment %s held rows the manifest never committed; dropped them "
+                "(and its checksums)", self._where, tail.first,
+            )  # fmt: skip
+            backend.commit(tail.rows, None)
         self._open = _Open(tail.first, tail.rows, backend, summer)
 
     def _segment_meta(self, n: int) -> layout_lib.StoreMetadata:

@@ -315,3 +315,26 @@ def test_empty_store_then_first_commit(tmp_path: Path) -> None:
     with pytest.raises(gr.RecordIndexError, match="out of range"):
         src[4]
     w.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_segment_committed_past_its_manifest_reads_as_the_manifest_says(
+    tmp_path: Path, fmt: str
+) -> None:
+    path = str(tmp_path / "store")
+    w = gr.ReplayWriter(path, fmt, capacity=100, writer_id="a", segment_rows=50)
+    w.append(make_rows("a", 0, 10))
+    w.flush()
+    w.append(make_rows("a", 10, 5))
+    part = w._part
+    part._open.backend.commit(15, None)
+    part.abandon()
+    again = gr.ReplayWriter(path, fmt, capacity=100, writer_id="a", segment_rows=50)
+    src = gr.open_source(path)  # while the reopened writer has not flushed yet
+    np.testing.assert_array_equal(src.read_batch(np.arange(len(src)))["seq"], np.arange(10))
+    again.append(make_rows("a", 10, 3))
+    again.close()
+    src.refresh()
+    batch = src.read_batch(np.arange(len(src)))
+    np.testing.assert_array_equal(batch["seq"], np.arange(13))
+    check_rows(batch)
