@@ -8,12 +8,11 @@ import sys
 import threading
 from typing import Any
 
-import grain
 import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
-from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.pipeline.state import StreamShape, stream_repr
 from grain_replay.sources.base import BatchSource
 
@@ -128,6 +127,8 @@ class BatchedReads:
         The leading axis is ``batch_size``, or None when the last batch of an epoch is
         shorter (``drop_remainder=False``). Reads no data.
         """
+        import grain  # here: spawned loader workers unpickle this class without grain
+
         b = self.options.batch_size
         rows: int | None = b if self.options.drop_remainder or self._n % b == 0 else None
         spec, treedef = getattr(self.source, "spec", None), getattr(self.source, "treedef", None)
@@ -174,8 +175,7 @@ class BatchedReads:
             with self._order_lock:
                 order = self._orders.get(epoch)
                 if order is None:
-                    order = permute(np.arange(self._n), self._n, self.options.seed, epoch)
-                    order = order.astype(np.int32 if self._n < 2**31 else np.int64)
+                    order = epoch_order(self._n, self.options.seed, epoch)
                     # Keep the current and the next epoch (threads read ahead).
                     self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
                     self._orders[epoch] = order
