@@ -74,6 +74,7 @@ __all__ = [
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    "shutdown_distributed",
     # sampling: mixtures and replay (grain_replay.sampling)
     "UniformReplay",
     "PrioritizedReplay",
@@ -127,6 +128,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.loader",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "shutdown_distributed": "grain_replay.pipeline.distributed",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
