@@ -19,7 +19,12 @@ import subprocess
 import sys
 import time
 
-JOB = re.compile(r"multihost job: (\d+) processes, ([\d.]+) s")
+JOB = re.compile(r"multihost job: (\d+) processes, ([\d.]+) s \(processes ended at ([^)]*) s\)")
+
+
+def _spread(ends: str) -> float:
+    values = [float(e) for e in ends.split(", ") if e != "-"]
+    return max(values) - min(values) if values else 0.0
 
 
 def main() -> int:
@@ -36,7 +41,10 @@ def main() -> int:
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider"]
         proc = subprocess.run([*cmd, *files], cwd=root, capture_output=True, text=True)
-        jobs = [float(m.group(2)) for m in JOB.finditer(proc.stdout)]
+        found = list(JOB.finditer(proc.stdout))
+        jobs = [float(m.group(2)) for m in found]
+        # A teardown stall shows as one process ending long after the others.
+        spreads = [_spread(m.group(3)) for m in found]
         times += jobs
         over = [t for t in jobs if t >= args.limit]
         summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "(no output)"
@@ -44,7 +52,8 @@ def main() -> int:
         bad += not ok
         print(
             f"run {run:2d}: {'ok ' if ok else 'BAD'} {time.monotonic() - t0:6.1f} s, "
-            f"{len(jobs)} jobs: {' '.join(f'{t:.1f}' for t in jobs)} | {summary}",
+            f"{len(jobs)} jobs: {' '.join(f'{t:.1f}' for t in jobs)}; "
+            f"last-first process end: max {max(spreads, default=0):.1f} s | {summary}",
             flush=True,
         )
         if proc.returncode != 0:

@@ -1,10 +1,10 @@
 """gr.shutdown_distributed(): processes of a gloo job leave together, without the exit stall.
 
 With a bare ``jax.distributed.shutdown()`` after ``sync_global_devices``, about one
-job in six on the loaded 2-core CI machine stalled ~150 s at exit: the other local
+job in five on the loaded 2-core CI machine stalled ~150 s at exit: the other local
 devices' collectives were still connecting their gloo pairs when the first device's
 result let the process go on (docs/multihost.md, "Leaving the job"). Each job here
-must finish within the job limit (``procs.JOB_TIMEOUT_S``, 60 s).
+must finish within the job limit (``procs.JOB_TIMEOUT_S``, 120 s: below the stall).
 """
 
 from __future__ import annotations
