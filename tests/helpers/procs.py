@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _py_spy_dumps(procs: list[subprocess.Popen[bytes]]) -> str:
+    """Where each live process is (``py-spy dump --native``), when py-spy is installed."""
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return "\n(install py-spy to see where each process was)"
+    out = []
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            r = subprocess.run(
+                [exe, "dump", "--native", "--pid", str(p.pid)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            out.append(f"--- process {i}: py-spy dump ---\n{r.stdout[-6000:]}{r.stderr[-500:]}")
+    return "\n" + "\n".join(out)
+
+
 def run_job(
     cmds: list[list[str]],
     env: dict[str, str],
@@ -118,6 +138,7 @@ def run_job(
     ended: list[float | None] = [None] * len(cmds)
     t0 = time.monotonic()
     timed_out = False
+    stacks = ""
     try:
         for cmd, log_path in zip(cmds, logs):
             with open(log_path, "wb") as log:
@@ -139,6 +160,7 @@ def run_job(
         for i, p in enumerate(procs):
             if ended[i] is None and p.poll() is not None:
                 ended[i] = time.monotonic() - t0
+        stacks = _py_spy_dumps(procs) if timed_out else ""
     finally:
         for p in procs:
             if p.poll() is None:
@@ -154,5 +176,5 @@ def run_job(
             for i in range(len(cmds))
         )
         why = f"timed out after {timeout_s:.0f} s" if timed_out else "failed"
-        pytest.fail(f"{len(cmds)}-process job {why}:\n{report}")
+        pytest.fail(f"{len(cmds)}-process job {why}:\n{report}{stacks}")
     return [json.loads(o.read_text()) for o in outs]
