@@ -1,7 +1,7 @@
 """Benchmarks of grain_replay: rates and same-run ratios against the limit and the baselines.
 
 Usage: ``python benchmarks/run.py [--quick] [--out DIR] [--data DIR] [--only SUBSTR]
-[--sections formats,pipeline,cold,write,sequences,device]``. See benchmarks/README.md.
+[--sections formats,pipeline,cold,write,sequences,device,startup]``. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory")
-# "memory" writes a store larger than half of RAM: run only when asked for.
+SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory", "startup")
+# "memory" writes a store larger than half of RAM, "startup" spawns ~40 worker
+# processes (seconds to the first batch): run them only when asked for.
 DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device")
 
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
     from bench_sequences import run_sequences
+    from bench_startup import run_startup
     from bench_write import run_write
 
     quick = args.quick
@@ -130,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sampler.reset()
     # The memory and sequences sections write their own stores.
-    needs_stores = set(cfg.sections) - {"memory", "sequences"}
-    stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
+    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup"}
+    # The device section reads the .npy stores only.
+    only = ("npy",) if needs_stores == {"device"} else None
+    stores = bench_data.ensure_stores(datasets, data_dir, quick, log, only) if needs_stores else {}
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
         {s.path: s.nbytes for layouts in stores.values() for s in layouts.values()}
@@ -165,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequences": run_sequences,
         "device": run_device,
         "memory": functools.partial(run_memory, fmt=args.memory_format),
+        "startup": run_startup,
     }
     results: list[common.SectionResult] = []
     json_path = os.path.join(out_dir, "results.json")
@@ -191,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_report.write_json(json_path, results, meta)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
-    bench_report.write_plot(os.path.join(out_dir, "plot.png"), results)
-    print(f"wrote {json_path}, {os.path.join(out_dir, 'plot.png')}")
+    try:
+        plots = bench_report.write_plots(os.path.join(out_dir, "plot.png"), results, meta)
+    except ImportError as e:  # a machine without matplotlib (the GPU check's) still reports
+        plots = (f"no plots ({e.name} is not installed)",)
+    print(f"wrote {json_path}, {', '.join(plots)}")
     print(f"elapsed {time.perf_counter() - t_start:.1f}s (data preparation {data_s:.1f}s)")
     return 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
@@ -35,21 +35,41 @@ from grain_replay.errors import (
     WorkerDiedError,
     WriterBusyError,
 )
-from grain_replay.layout import LeafSpec
-from grain_replay.sources import (
-    HDF5DataSource,
-    NpyDataSource,
-    ReplaySource,
-    ZarrDataSource,
-    open_source,
-)
-from grain_replay.writers import (
-    ReplayWriter,
-    write,
-    write_hdf5,
-    write_npy,
-    write_zarr,
-)
+
+if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
+    from grain_replay.layout import LeafSpec
+    from grain_replay.loading import make_data_loader, replay_dataset
+    from grain_replay.pipeline.batches import LoaderOptions
+    from grain_replay.pipeline.device_put import sharded_device_put
+    from grain_replay.remote import RetryOptions
+    from grain_replay.rl import (
+        D4RLDataSource,
+        EpisodeIndex,
+        LeRobotDataSource,
+        MinariDataSource,
+        NStepDataSource,
+        SequenceDataSource,
+        TransitionDataSource,
+        WindowDataSource,
+        build_episode_index,
+    )
+    from grain_replay.sampling import PrioritizedReplay, Sampled, UniformReplay
+    from grain_replay.sources import (
+        HDF5DataSource,
+        NpyDataSource,
+        ReplaySource,
+        RLDSDataSource,
+        ZarrDataSource,
+        open_source,
+    )
+    from grain_replay.stats import compute_stats
+    from grain_replay.writers import (
+        ReplayWriter,
+        write,
+        write_hdf5,
+        write_npy,
+        write_zarr,
+    )
 
 __version__ = "0.1.0"
 
@@ -59,6 +79,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "ZarrDataSource",
+    "RLDSDataSource",
     "ReplaySource",
     "open_source",
     "LeafSpec",
@@ -122,10 +143,28 @@ __all__ = [
     "PriorityIndexError",
 ]
 
+# Public name -> the module that defines it, imported on first use: a spawned
+# loader worker imports this package and only the modules its reads need.
 _LAZY = {
-    "make_data_loader": "grain_replay.pipeline.loader",
-    "replay_dataset": "grain_replay.pipeline.loader",
-    "LoaderOptions": "grain_replay.pipeline.loader",
+    "LeafSpec": "grain_replay.layout",
+    **{
+        name: "grain_replay.sources"
+        for name in (
+            "HDF5DataSource",
+            "NpyDataSource",
+            "ZarrDataSource",
+            "RLDSDataSource",
+            "ReplaySource",
+        )
+    },
+    "open_source": "grain_replay.sources",
+    **{
+        name: "grain_replay.writers"
+        for name in ("ReplayWriter", "write", "write_hdf5", "write_npy", "write_zarr")
+    },
+    "make_data_loader": "grain_replay.loading",
+    "replay_dataset": "grain_replay.loading",
+    "LoaderOptions": "grain_replay.pipeline.batches",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
     "shutdown_distributed": "grain_replay.pipeline.distributed",
@@ -151,14 +190,21 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    import importlib.util
+
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'grain_replay' has no attribute {name!r}")
-    import importlib
-
+        # gr.tree, gr.sources, ...: a subpackage or module reached as an attribute.
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'grain_replay' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 ensure_absl_flags_parsed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import mmap
@@ -20,6 +21,7 @@ __all__ = [
     "HDF5_SIGNATURE",
     "NPY_MAGIC",
     "PAGE",
+    "RLDS_MARKERS",
     "ZARR_MARKERS",
     "detect_format",
     "format_from_path",
@@ -38,6 +40,8 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NPY_MAGIC = b"\x93NUMPY"
 # Files whose presence makes a directory a Zarr store.
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
+# Files whose presence together makes a directory a TFDS-built (RLDS) dataset.
+RLDS_MARKERS = ("dataset_info.json", "features.json")
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
 PAGE = mmap.PAGESIZE
 # The .npy header of a store a ReplayWriter grows: fixed, so the shape can be
@@ -46,6 +50,22 @@ GROWING_NPY_HEADER = 256
 
 
 # -- optional libraries ---------------------------------------------------------------
+
+
+def import_optional(module: str, hint: str) -> Any:
+    """``module`` imported, or a MissingDependencyError with ``hint`` (what needs it, the fix).
+
+    Each parent package is imported first, as ``import a.b`` does, so that a package
+    blocked or missing (``sys.modules["a"] = None``) is noticed even when ``a.b`` was
+    imported before.
+    """
+    parts = module.split(".")
+    try:
+        for i in range(1, len(parts) + 1):
+            got = importlib.import_module(".".join(parts[:i]))
+    except ImportError as e:
+        raise MissingDependencyError(hint) from e
+    return got
 
 
 def import_h5py() -> Any:
@@ -115,7 +135,8 @@ def format_from_path(path: str | os.PathLike[str]) -> str:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """``"hdf5"``, ``"npy"`` or ``"zarr"`` from what is at ``path`` (the suffix, for URLs).
+    """``"hdf5"``, ``"npy"``, ``"zarr"`` or ``"rlds"`` from what is at ``path`` (the suffix, for
+    URLs). ``"rlds"``: a TFDS dataset folder (``dataset_info.json`` and ``features.json``).
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
@@ -146,6 +167,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         # and a v2 store with only consolidated metadata or attributes.
         if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
+        if all(os.path.isfile(os.path.join(path, name)) for name in RLDS_MARKERS):
+            return "rlds"
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket

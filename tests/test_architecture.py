@@ -5,10 +5,13 @@ The layers, bottom first (see docs/architecture.md):
 0. errors, tree, layout, formats, remote/, integrity, _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
 2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
-3. sources/hdf5/, sources/zarr/, sources/npy.py (never each other) and writers/ (no source).
+3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and
+   writers/ (no source).
 4. sources/__init__.py: ``open_source`` over the formats.
-5. rl/, pipeline/, sampling/ and any other module not listed.
-6. cli, and the package itself.
+5. rl/, stats/, pipeline/ and any other module not listed.
+6. sampling/: mixtures and replay streams, read through pipeline/'s iterators.
+7. loading: the facade a user calls (make_data_loader), over pipeline/ and sampling/.
+8. cli, and the package itself.
 
 Every import counts, also those inside functions and under ``TYPE_CHECKING``.
 """
@@ -42,15 +45,19 @@ LAYERS = {
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
+    "grain_replay.sources.rlds": 3,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
-    "grain_replay.cli": 6,
+    "grain_replay.sampling": 6,
+    "grain_replay.loading": 7,
+    "grain_replay.cli": 8,
 }
-DEFAULT_LAYER = 5  # rl, pipeline, sampling and whatever joins them
+DEFAULT_LAYER = 5  # rl, stats, pipeline and whatever joins them
 FORMAT_ROOMS = (
     "grain_replay.sources.hdf5",
     "grain_replay.sources.zarr",
     "grain_replay.sources.npy",
+    "grain_replay.sources.rlds",
 )
 
 
@@ -101,7 +108,7 @@ GRAPH = {name: _imports(name) for name in MODULES}
 
 def _layer(name: str) -> int:
     if name == "grain_replay":
-        return 6
+        return 8
     best = max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len, default=None)
     return DEFAULT_LAYER if best is None else LAYERS[best]
 

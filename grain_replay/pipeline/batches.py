@@ -8,7 +8,6 @@ import sys
 import threading
 from typing import Any
 
-import grain
 import numpy as np
 
 from grain_replay import tree as tree_lib
@@ -128,6 +127,8 @@ class BatchedReads:
         The leading axis is ``batch_size``, or None when the last batch of an epoch is
         shorter (``drop_remainder=False``). Reads no data.
         """
+        import grain  # here: spawned loader workers unpickle this class without grain
+
         b = self.options.batch_size
         rows: int | None = b if self.options.drop_remainder or self._n % b == 0 else None
         spec, treedef = getattr(self.source, "spec", None), getattr(self.source, "treedef", None)

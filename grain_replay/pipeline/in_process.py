@@ -7,7 +7,8 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity
+from grain_replay.pipeline.grain_iterator import GrainStateIterator
+from grain_replay.pipeline.state import LoaderIdentity
 
 __all__ = ["InProcessLoaderIterator"]
 

@@ -1,9 +1,13 @@
-"""Batch-level reads inside grain: a DataLoader and an IterDataset whose elements are batches."""
+"""Epochs of batch-level reads inside grain: a DataLoader and an IterDataset of batches.
+
+``grain_replay.loading.make_data_loader`` (``gr.make_data_loader``) builds these for
+``sampling="epochs"``; mixtures and replay are ``grain_replay.sampling``'s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -17,7 +21,7 @@ from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 from grain_replay.sources.base import BatchSource
 
-__all__ = ["LoaderOptions", "BatchedReads", "LoaderPlan", "make_data_loader", "replay_dataset"]
+__all__ = ["LoaderOptions", "BatchedReads", "LoaderPlan", "epoch_dataset", "make_epoch_loader"]
 
 
 class _GlobalBatchSampler:
@@ -170,20 +174,7 @@ class _BatchesMapDataset(grain.MapDataset):
         return self._reads.element_spec()
 
 
-def _samples(
-    source: Any, weights: Any, sampling: Any, keys: Sequence[str] | None, source_leaf: str | None
-) -> bool:
-    """Whether the arguments ask for a mixture or replay stream (``grain_replay.sampling``)."""
-    return bool(
-        isinstance(source, Mapping)
-        or sampling != "epochs"
-        or weights is not None
-        or keys
-        or source_leaf
-    )
-
-
-def make_data_loader(
+def make_epoch_loader(
     source: BatchSource,
     *,
     batch_size: int,
@@ -196,69 +187,11 @@ def make_data_loader(
     operations: Sequence[Any] = (),
     read_options: grain.ReadOptions | None = None,
     worker_buffer_size: int = 2,
-    weights: Any = None,
-    sampling: Any = "epochs",
-    keys: Sequence[str] | None = None,
-    source_leaf: str | None = None,
 ) -> grain.DataLoader:
-    """A ``grain.DataLoader`` of host batches, each read with one ``read_batch`` call.
+    """``gr.make_data_loader`` with ``sampling="epochs"``: seeded permutations, batch reads.
 
-    Every epoch is a fresh seeded permutation of the records; the processes of a
-    multi-host job (``ShardByJaxProcess`` by default) read disjoint batches, and
-    together every record exactly once per epoch (less the remainder dropped).
-    The stream depends only on ``seed``, not on ``worker_count``.
-
-    Args:
-      source: a grain_replay source (anything with ``__len__`` and
-        ``read_batch(indices)``).
-      batch_size: records per batch in this process.
-      shuffle: permute records each epoch; else read them in order.
-      seed: selects the permutations.
-      num_epochs: passes over the data; None repeats forever.
-      drop_remainder: drop the last partial batch of each epoch.
-      worker_count: worker processes reading and mapping batches (0 reads in this
-        process). Each worker writes whole batches into its own shared-memory slots;
-        the consuming process copies a batch out with one ``memcpy`` per leaf.
-      shard_options: ``grain.sharding.ShardOptions``; default
-        ``ShardByJaxProcess(drop_remainder=True)``.
-      operations: grain transformations applied to host batches in the workers.
-      read_options: grain ``ReadOptions``: threads reading ahead. Default: none;
-        batches are read inside ``next()`` (which ``sharded_device_put`` calls on its
-        own thread) or, with workers, one at a time in each worker. For a
-        high-latency source (object storage), read ahead with e.g.
-        ``grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)``; in a worker,
-        ``num_threads`` reads are kept in flight.
-      worker_buffer_size: finished batches each worker keeps ahead (its
-        shared-memory slots).
-      weights: with a mapping of sources (a mixture): name -> weight, or a callable
-        of the step returning one. Every batch holds exactly the largest-remainder
-        share of each source, without drift; each source walks its own epochs.
-      sampling: ``"epochs"`` (the default, above), ``gr.UniformReplay()`` or
-        ``gr.PrioritizedReplay()``: draws with replacement over a growing store.
-        Mixtures and replay streams are endless (``num_epochs`` 1 or None).
-      keys: a mixture reads only these leaves (the ones its sources share).
-      source_leaf: a mixture's batches gain this int32 leaf: each row's source
-        position in ``source``.
-
-    Returns:
-      A ``grain.DataLoader`` whose iterator yields numpy batches and supports
-      ``get_state``/``set_state``.
-
-    Example:
-      >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
-      >>> for batch in gr.sharded_device_put(loader): ...
+    Arguments as in :func:`grain_replay.loading.make_data_loader`.
     """
-    if _samples(source, weights, sampling, keys, source_leaf):
-        from grain_replay.sampling.loader import make_sampling_loader
-
-        ensure_absl_flags_parsed()
-        return make_sampling_loader(
-            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
-            drop_remainder=drop_remainder, worker_count=worker_count,
-            shard_options=shard_options, operations=operations, read_options=read_options,
-            worker_buffer_size=worker_buffer_size, weights=weights, sampling=sampling,
-            keys=keys, source_leaf=source_leaf,
-        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     worker_count = _as_int("worker_count", worker_count)
     if worker_count < 0:
@@ -277,7 +210,7 @@ def make_data_loader(
     )
 
 
-def replay_dataset(
+def epoch_dataset(
     source: BatchSource,
     *,
     batch_size: int,
@@ -287,31 +220,11 @@ def replay_dataset(
     drop_remainder: bool = True,
     shard_options: Any = None,
     read_options: grain.ReadOptions | None = None,
-    weights: Any = None,
-    sampling: Any = "epochs",
-    keys: Sequence[str] | None = None,
-    source_leaf: str | None = None,
 ) -> grain.IterDataset:
-    """A ``grain.IterDataset`` of host batches with the same batch-level reads.
+    """``gr.replay_dataset`` with ``sampling="epochs"``: a ``grain.IterDataset`` of batches.
 
-    For pipelines composed by hand (``.map``, ``.mp_prefetch``, ...). Arguments
-    as in :func:`make_data_loader`.
-
-    A mixture or replay ``sampling`` reads in the iterating process; its iterator
-    has ``update_priorities`` (prioritized replay) until it is wrapped.
-
-    Example:
-      >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
+    Arguments as in :func:`grain_replay.loading.replay_dataset`.
     """
-    if _samples(source, weights, sampling, keys, source_leaf):
-        from grain_replay.sampling.loader import make_sampling_dataset
-
-        ensure_absl_flags_parsed()
-        return make_sampling_dataset(
-            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
-            drop_remainder=drop_remainder, shard_options=shard_options, weights=weights,
-            sampling=sampling, keys=keys, source_leaf=source_leaf,
-        )  # fmt: skip
     options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
     shard_options = shard_options if shard_options is not None else default_shard_options()
     reads = BatchedReads(source, options, shard_options.shard_count)

@@ -1,4 +1,4 @@
-"""grain.DataLoader checkpoint bytes, and the base of grain_replay's own loader iterators.
+"""grain.DataLoader checkpoint bytes, written and read without grain (workers import this).
 
 A loader state is grain's ``DataLoader`` iterator state (version 2), byte for byte:
 per worker the global index of the last element it handed out, the worker count,
@@ -16,20 +16,16 @@ there (elastic resume); with the same number of processes grain's own checks app
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import dataclasses
 import json
 import re
-from typing import Any, Self
-
-import grain
-import jax
+from typing import Any
 
 from grain_replay.errors import CheckpointMismatchError
 
 __all__ = [
-    "GrainStateIterator",
+    "EncodedIdentity",
     "LoaderIdentity",
     "StreamShape",
     "handed_out_by_worker",
@@ -150,7 +146,7 @@ def _last_seen(j: int, worker: int, ident: LoaderIdentity) -> int:
     return ident.shard_index - span + worker * ident.shard_count + seen * span
 
 
-class _Encoded:
+class EncodedIdentity:
     """The JSON-encoded strings of a state, computed once per iterator."""
 
     def __init__(self, ident: LoaderIdentity) -> None:
@@ -159,7 +155,7 @@ class _Encoded:
 
 
 def loader_state_bytes(
-    ident: LoaderIdentity, handed_out: int, encoded: _Encoded | None = None
+    ident: LoaderIdentity, handed_out: int, encoded: EncodedIdentity | None = None
 ) -> bytes:
     """What ``get_state()`` of grain's own iterator of the loader returns after ``handed_out``.
 
@@ -168,7 +164,7 @@ def loader_state_bytes(
     ~30 us, paid on every batch under ``sharded_device_put``, so the same bytes are
     spelled out here (tests pin them against grain's).
     """
-    enc = encoded if encoded is not None else _Encoded(ident)
+    enc = encoded if encoded is not None else EncodedIdentity(ident)
     workers = ident.worker_count
     seen = ",\n".join(
         f'        "{w}": {_last_seen(handed_out, w, ident)}' for w in range(max(workers, 1))
@@ -299,6 +295,8 @@ def handed_out_from_state(ident: LoaderIdentity, state: Any) -> int:
 
 def _process_file(directory: Any) -> Any:
     """Where grain's Orbax handler keeps this process's state in a checkpoint directory."""
+    import jax  # here, not at the top: spawned loader workers import this module
+
     return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
@@ -323,6 +321,8 @@ def _saved_file(directory: Any) -> Any:
             "iterator was saved to."
         )
     saved = counts.pop()
+    import jax
+
     return directory / f"process_{jax.process_index() % saved}-of-{saved}.json"
 
 
@@ -347,100 +347,3 @@ async def load_text(directory: Any, *, elastic: bool) -> str:
             "was saved to, with as many processes as saved it."
         )
     return await asyncio.to_thread(path.read_text)
-
-
-class GrainStateIterator(grain.DataLoaderIterator):
-    """A ``grain.DataLoaderIterator`` of a loader's elements that keeps grain's state bytes.
-
-    A ``grain.DataLoader``'s iterator is a ``grain.DataLoaderIterator``, so this is
-    one; but ``grain.DataLoaderIterator.__init__`` builds grain's own pipeline, so
-    it is not called, and every method of the class is defined here (a test checks
-    that none is inherited). Element ``j`` of this process is global element
-    ``j * shard_count + shard_index`` (as grain's sampler dataset shards it); the
-    state counts only elements handed out.
-    """
-
-    def __init__(self, identity: LoaderIdentity, *, length: int) -> None:
-        # grain.DataLoaderIterator.__init__ is deliberately not called (see above).
-        self._identity = identity
-        self._encoded = _Encoded(identity)
-        self._length = length
-        self._shard_index = identity.shard_index
-        self._shard_count = identity.shard_count
-        self._worker_count = identity.worker_count
-        self._next_index = 0
-
-    def __iter__(self) -> Self:
-        return self
-
-    @abc.abstractmethod
-    def __next__(self) -> Any:
-        """The next element; subclasses read it."""
-
-    def get_state(self) -> bytes:
-        """The state of grain's iterator of the same loader after the same elements."""
-        return loader_state_bytes(self._identity, self._next_index, self._encoded)
-
-    def set_state(self, state: bytes) -> None:
-        """Resumes right after the last element handed out when ``state`` was taken.
-
-        Args:
-          state: bytes from ``get_state`` of this iterator or of grain's iterator of
-            the same loader (same ``worker_count``, sampler and source), or of a
-            loader of the same global stream on another number of processes.
-
-        Raises:
-          CheckpointMismatchError: (a ``ValueError``) ``state`` was saved with another
-            worker count, sampler or source; nothing changes.
-        """
-        self._next_index = handed_out_from_state(self._identity, state)
-        self._seek()
-
-    def seek(self, position: int) -> None:
-        """Resumes at element ``position`` of this process (0: the first)."""
-        self._next_index = int(position)
-        self._seek()
-
-    def _seek(self) -> None:
-        """Drops what was read ahead of ``_next_index``."""
-
-    def start_prefetch(self) -> None:
-        """Starts reading the next elements in the background (grain's restore calls it)."""
-
-    async def save(self, directory: Any) -> Any:
-        """Orbax's ``StatefulCheckpointable.save``: the state, as grain's iterator writes it.
-
-        Args:
-          directory: an Orbax ``PathAwaitingCreation``.
-
-        Returns:
-          A coroutine writing ``process_<i>-of-<n>.json`` once the directory exists.
-        """
-        return save_text(directory, self.get_state().decode())
-
-    async def load(self, directory: Any) -> Any:
-        """Orbax's ``StatefulCheckpointable.load``: reads what :meth:`save` wrote.
-
-        A checkpoint saved on another number of processes resumes too (the state of
-        process ``i mod m`` of the ``m`` that saved it: see :func:`handed_out_from_state`).
-
-        Returns:
-          A coroutine that sets the state.
-        """
-
-        async def read() -> None:
-            self.set_state((await load_text(directory, elastic=True)).encode())
-
-        return read()
-
-    def __str__(self) -> str:
-        return f"PyGrainDatasetIterator(state={self.get_state().decode()})"
-
-    def close(self) -> None:
-        """Stops reading ahead; the position is kept."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

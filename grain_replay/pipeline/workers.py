@@ -28,8 +28,9 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, WorkerDiedError
+from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
-from grain_replay.pipeline.state import GrainStateIterator, LoaderIdentity
+from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.worker_main import (
     _BATCH,
     _ERROR,
@@ -67,6 +68,13 @@ class _Worker:
             for key, dtype, shape, offset in spec[1]
         ]
         self.unpack = tree_lib.compile_unflatten(spec[0])
+
+
+def _give_back(w: _Worker, slot: int) -> None:
+    """Returns a slot to its worker; one that died meanwhile is reported by the next receive."""
+    # A batch it wrote before dying is still whole in the slot and is handed out.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        w.conn.send((_FREE, slot))
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -145,7 +153,7 @@ class _Pool:
                 w.set_spec(msg[4])
             if generation != self.generation:
                 if kind in (_BATCH, _PICKLED):
-                    w.conn.send((_FREE, msg[3]))
+                    _give_back(w, msg[3])
                 continue
             if element != k:  # a broken protocol, not a user error
                 raise RuntimeError(f"worker {index} sent element {element}, expected {k}")
@@ -153,7 +161,7 @@ class _Pool:
                 self.broken = True  # the next call seeks back to the failed batch
                 raise msg[3]
             if kind == _PICKLED:
-                w.conn.send((_FREE, msg[3]))
+                _give_back(w, msg[3])
                 return msg[4]
             return self._unpack(w, msg[3])
 
@@ -165,7 +173,7 @@ class _Pool:
                 leaves[key] = np.frombuffer(mem, dtype, count, offset).reshape(shape).copy()
             else:
                 leaves[key] = np.empty(shape, dtype)
-        w.conn.send((_FREE, slot))
+        _give_back(w, slot)
         assert w.unpack is not None
         return w.unpack(leaves)
 

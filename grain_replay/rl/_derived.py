@@ -13,7 +13,12 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
-from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
+from grain_replay.rl.episodes import (
+    EpisodeFlags,
+    EpisodeIndex,
+    build_episode_index,
+    source_episodes,
+)
 from grain_replay.sources.base import SourceSurface, as_record_index, check_indices
 
 __all__ = ["DerivedSource", "Spans"]
@@ -109,8 +114,8 @@ class DerivedSource(SourceSurface):
         if self._given_episodes is not None:
             return self._given_episodes
         source = self._access.source
-        own = getattr(source, "episodes", None) if not self._flags.keys else None
-        if isinstance(own, EpisodeIndex) and own.num_steps == len(source):
+        own = source_episodes(source) if not self._flags.keys else None
+        if own is not None:
             return own
         return build_episode_index(
             source,

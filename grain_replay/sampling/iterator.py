@@ -90,10 +90,13 @@ class SamplingIterator:
                 shard_index=0,
                 shard_count=1,
             )
+            # The workers get the reader and the operations, not _Maps: unpickling them
+            # must not import this module (grain, through the consumer's iterators).
             self._inner = WorkerLoaderIterator(
                 identity,
-                self._read,
+                stream.reader,
                 length=ENDLESS,
+                maps=maps,
                 buffer_size=worker_buffer_size,
                 read_threads=read_threads,
                 task=self._task,

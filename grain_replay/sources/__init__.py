@@ -10,6 +10,7 @@ from grain_replay.formats import detect_format
 from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
+from grain_replay.sources.rlds import RLDSDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "SourceSurface",
     "HDF5DataSource",
     "NpyDataSource",
+    "RLDSDataSource",
     "ZarrDataSource",
     "detect_format",
     "open_source",
@@ -34,8 +36,8 @@ def open_source(
     """Opens ``path`` with the source class its contents call for.
 
     Args:
-      path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, or an URL
-        ending in ``.zarr`` / ``.h5``.
+      path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, a TFDS-built
+        RLDS dataset folder, or an URL ending in ``.zarr`` / ``.h5``.
       keys: leaves (or groups) to read; default all.
       storage_options: fsspec options for URLs.
       **kwargs: passed to the source class (e.g. ``cache_bytes``).
@@ -48,6 +50,7 @@ def open_source(
         "hdf5": HDF5DataSource,
         "npy": NpyDataSource,
         "zarr": ZarrDataSource,
+        "rlds": RLDSDataSource,
     }
     cls = classes[detect_format(path)]
     if storage_options is not None:

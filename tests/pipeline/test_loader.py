@@ -1,4 +1,4 @@
-"""Tests for grain_replay.pipeline.loader: make_data_loader, replay_dataset, BatchedReads."""
+"""Tests for make_data_loader, replay_dataset (grain_replay.loading) and BatchedReads."""
 
 from __future__ import annotations
 

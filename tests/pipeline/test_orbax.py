@@ -21,8 +21,8 @@ import pytest
 from conformance import make_tree
 
 import grain_replay as gr
+from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
-from grain_replay.pipeline.state import GrainStateIterator
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
 ocp = pytest.importorskip("orbax.checkpoint")  # in the test extra

@@ -213,6 +213,28 @@ def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: st
     wait_no_new_children(before)  # an exhausted iterator stops its workers
 
 
+def test_batches_a_killed_worker_left_in_shared_memory_arrive_then_its_death(path: str) -> None:
+    reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
+    it = iter(_loader(gr.open_source(path), num_epochs=1))
+    got = [next(it)["id"].tolist()]  # worker 0's first batch; it reads its next ones
+    assert it._pool is not None
+    worker = it._pool.workers[0]
+    deadline = time.monotonic() + 60
+    while not worker.conn.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.conn.poll(), "worker 0 wrote no second batch within 60 s"
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.join(10)
+    # Its written batch is whole in shared memory: handed out, though its slot cannot
+    # be given back to a dead worker; then its death, then new workers at that batch.
+    with pytest.raises(gr.WorkerDiedError, match=r"terminated unexpectedly with exit code -9"):
+        while True:
+            got.append(next(it)["id"].tolist())
+    assert len(got) >= 3
+    got += _ids(list(it))
+    assert got == reference
+
+
 def test_close_and_garbage_collection_leave_no_workers(path: str) -> None:
     before = children()
     it = iter(_loader(gr.open_source(path), num_epochs=None))
