@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.loading import make_data_loader, replay_dataset
     from grain_replay.pipeline.batches import LoaderOptions
     from grain_replay.pipeline.device_put import sharded_device_put
+    from grain_replay.pipeline.distributed import shutdown_distributed
     from grain_replay.remote import RetryOptions
     from grain_replay.rl import (
         D4RLDataSource,
