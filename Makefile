@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot test-rlds bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
+.PHONY: install demo test test-slow test-lerobot test-rlds test-formats bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
 
 install: $(STAMP)
 
@@ -59,6 +59,21 @@ $(RLDS_STAMP):
 test-rlds: $(STAMP) $(RLDS_STAMP)
 	RLDS_PYTHON=$(abspath $(RLDS_VENV))/bin/python $(PY) -m pytest -q \
 		tests/sources/test_rlds_peer.py tests/sources/test_rlds_source.py
+
+# torch, torchrl and flashbax in a venv of their own: they write real buffer dumps and Vaults,
+# and the main venv's tests compare our reads with theirs (FORMATS_PYTHON, formats_peer.py).
+FORMATS_VENV ?= .venv-formats
+FORMATS_STAMP := $(FORMATS_VENV)/.installed
+
+$(FORMATS_STAMP):
+	test -x $(FORMATS_VENV)/bin/python || $(PYTHON) -m venv $(FORMATS_VENV)
+	$(FORMATS_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "torchrl==0.14.1" tensordict flashbax
+	touch $(FORMATS_STAMP)
+
+test-formats: $(STAMP) $(FORMATS_STAMP)
+	FORMATS_PYTHON=$(abspath $(FORMATS_VENV))/bin/python $(PY) -m pytest -q -n 0 \
+		tests/sources/test_formats_peer.py tests/sources/test_npz_source.py \
+		tests/sources/test_torchrl_source.py tests/sources/test_vault_source.py
 
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python

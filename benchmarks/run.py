@@ -20,10 +20,20 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory", "startup")
+SECTIONS = (
+    "formats",
+    "formats_extra",
+    "pipeline",
+    "cold",
+    "write",
+    "sequences",
+    "device",
+    "memory",
+    "startup",
+)
 # "memory" writes a store larger than half of RAM, "startup" spawns ~40 worker
 # processes (seconds to the first batch): run them only when asked for.
-DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device")
+DEFAULT_SECTIONS = ("formats", "formats_extra", "pipeline", "cold", "write", "sequences", "device")
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -98,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cold import run_cold
     from bench_device import run_device
     from bench_formats import run_formats
+    from bench_formats_extra import run_formats_extra
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
     from bench_sequences import run_sequences
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sampler.reset()
     # The memory and sequences sections write their own stores.
-    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup"}
+    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup", "formats_extra"}
     # The device section reads the .npy stores only.
     only = ("npy",) if needs_stores == {"device"} else None
     stores = bench_data.ensure_stores(datasets, data_dir, quick, log, only) if needs_stores else {}
@@ -163,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     runners = {
         "formats": run_formats,
+        "formats_extra": run_formats_extra,
         "pipeline": run_pipeline,
         "cold": run_cold,
         "write": run_write,

@@ -58,8 +58,11 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.sources import (
         HDF5DataSource,
         NpyDataSource,
+        NpzDataSource,
         ReplaySource,
         RLDSDataSource,
+        TorchRLDataSource,
+        VaultDataSource,
         ZarrDataSource,
         open_source,
     )
@@ -79,6 +82,9 @@ __all__ = [
     # sources
     "HDF5DataSource",
     "NpyDataSource",
+    "NpzDataSource",
+    "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
     "RLDSDataSource",
     "ReplaySource",
@@ -153,8 +159,11 @@ _LAZY = {
         for name in (
             "HDF5DataSource",
             "NpyDataSource",
-            "ZarrDataSource",
             "RLDSDataSource",
+            "NpzDataSource",
+            "TorchRLDataSource",
+            "VaultDataSource",
+            "ZarrDataSource",
             "ReplaySource",
         )
     },

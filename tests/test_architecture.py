@@ -46,6 +46,9 @@ LAYERS = {
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
     "grain_replay.sources.rlds": 3,
+    "grain_replay.sources.npz": 3,
+    "grain_replay.sources.torchrl": 3,
+    "grain_replay.sources.vault": 3,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
     "grain_replay.sampling": 6,
@@ -58,6 +61,9 @@ FORMAT_ROOMS = (
     "grain_replay.sources.zarr",
     "grain_replay.sources.npy",
     "grain_replay.sources.rlds",
+    "grain_replay.sources.npz",
+    "grain_replay.sources.torchrl",
+    "grain_replay.sources.vault",
 )
 
 
