@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.loading import make_data_loader, replay_dataset
     from grain_replay.pipeline.batches import LoaderOptions
     from grain_replay.pipeline.device_put import sharded_device_put
+    from grain_replay.pipeline.distributed import shutdown_distributed
     from grain_replay.remote import RetryOptions
     from grain_replay.rl import (
         D4RLDataSource,
@@ -105,6 +106,7 @@ __all__ = [
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    "shutdown_distributed",
     # sampling: mixtures and replay (grain_replay.sampling)
     "UniformReplay",
     "PrioritizedReplay",
@@ -180,6 +182,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.batches",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "shutdown_distributed": "grain_replay.pipeline.distributed",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
