@@ -31,6 +31,7 @@ __all__ = [
     "LeafMismatchError",
     "InvalidPriorityError",
     "PriorityIndexError",
+    "EvictedRowError",
 ]
 
 
@@ -147,3 +148,7 @@ class InvalidPriorityError(GrainReplayError, ValueError):
 
 class PriorityIndexError(GrainReplayError, IndexError):
     """A priority update names a row this iterator never handed out."""
+
+
+class EvictedRowError(GrainReplayError, LookupError):
+    """A row of a bounded store asked for by id was evicted before this reader opened it."""

@@ -86,7 +86,7 @@ class _UniformStream(_ReplayStream, _SelfStatedStream):
 
     def draw(self, step: int) -> tuple[Any, Any]:
         rows = self.sampler.draw()
-        return (rows, self.sampler.bound), None  # the reader's task: rows and their bound
+        return self.sampler.task(rows), None  # the reader's task: rows and their bound, or ids
 
 
 class _PriorityStream(_ReplayStream):
