@@ -78,6 +78,11 @@ def test_wrapped_circular_buffer_reads_oldest_first(tmp_path: Any) -> None:
     out = {"obs": np.empty((2, 3), np.float32)}
     src.read_into([1, 2], out)
     assert out["obs"][:, 0].tolist() == [5, 6]
+    # Windows of records across the ring's wrap (slot 9 -> slot 0) read in record order.
+    for _ in range(2):  # cold, then warm
+        windows = src.read_windows("step", [4, 0, 6], 4)
+        assert windows.tolist() == [[8, 9, 10, 11], [4, 5, 6, 7], [10, 11, 12, 13]]
+        assert src.read_windows("obs", [5], 5)[0, :, 0].tolist() == [9, 10, 11, 12, 13]
 
 
 def test_storage_directory_opens_too_and_nested_keys_are_leaves(tmp_path: Any) -> None:
