@@ -14,7 +14,7 @@ import numpy as np
 from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
-from grain_replay.sampling.encoded import decode_arrays, encode_arrays
+from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.replay import UniformSampler, reaches
@@ -214,9 +214,11 @@ class SamplingIterator:
             mark = self._watermark()
             if mark is not None:
                 out["watermark"] = mark.to_json()
-            if self._stream.kind == "prioritized":
-                out["priorities"] = encode_arrays(self._priority_state_locked())
-            return json.dumps(out).encode()
+            text = json.dumps(out).encode()
+            if self._stream.kind != "prioritized":
+                return text
+            pieces = json_pieces(self._priority_state_locked())
+            return b"".join([text[:-1], b', "priorities": ', *pieces, b"}"])
 
     def set_state(self, state: bytes) -> None:
         """Resumes right after the batch at which ``state`` was taken, priorities included.

@@ -330,3 +330,24 @@ def test_watermarks_of_several_processes_merge_to_what_any_drew_from(tmp_path: P
     bounded = gr.Watermark("/s", writers={"a": 3}).merge(gr.Watermark("/s", writers={"b": 4}))
     assert bounded.rows_for("a") == 3 and bounded.rows_for("b") == 4
     assert bounded.rows_for("new") == 0  # a writer that started after the checkpoint
+
+
+def test_arrays_round_trip_through_json_text() -> None:
+    from grain_replay.sampling.encoded import decode_arrays, encode_arrays, encode_arrays_json
+
+    arrays = {
+        "scalar": np.array(7, np.int64),
+        "empty": np.zeros((0, 4), np.float32),
+        "strided": np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2],
+        "big-endian": np.arange(5, dtype=">i4"),
+        "bits": np.packbits(np.array([1, 0, 1], bool)),
+    }
+    text = encode_arrays_json(arrays)
+    assert json.loads(text) == encode_arrays(arrays)
+    for name, back in decode_arrays(json.loads(text)).items():
+        np.testing.assert_array_equal(back, arrays[name])
+        assert back.shape == arrays[name].shape
+    with pytest.raises(TypeError, match="only numbers"):
+        encode_arrays({"o": np.array([object()])})
+    with pytest.raises(ValueError, match="base64|bytes"):
+        decode_arrays({"x": {"dtype": "<f8", "shape": [2], "data": "!!"}})
