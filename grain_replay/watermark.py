@@ -1,4 +1,4 @@
-"""Commit watermarks: how far each writer of a store had committed when a replay checkpoint was taken.
+"""Commit watermarks: how far each writer of a store had committed at a replay checkpoint.
 
 A replay iterator's checkpoint (``get_state()``, saved by grain's Orbax handler)
 records the rows its sampler drew from: for a plain store the committed length

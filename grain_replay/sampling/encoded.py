@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.integrity import as_bytes
+
 __all__ = ["decode_arrays", "encode_arrays", "encode_arrays_json", "json_pieces"]
 
 # Plain numeric dtypes only: decoding never builds objects.
@@ -25,7 +27,7 @@ def _entries(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, dict[str, Any]
         a = np.asarray(a, dtype=a.dtype.newbyteorder("<"))
         if not a.flags.c_contiguous:  # (ascontiguousarray would make a 0-d array 1-d)
             a = a.copy()
-        data = base64.b64encode(memoryview(a.reshape(-1).view(np.uint8)))
+        data = base64.b64encode(as_bytes(a))
         out.append((name, {"dtype": a.dtype.str, "shape": list(a.shape)}, data))
     return out
 

@@ -173,10 +173,16 @@ class SamplingIterator:
             return None
         sampler: Any = self._stream.sampler  # type: ignore[attr-defined]
         store = str(getattr(source, "path", None) or repr(source))
-        # A bounded many-writer store names each writer's committed rows in the view.
+        # A bounded many-writer store names each writer's committed rows in the view:
+        # through commit_watermark(), or the writers' manifests of its snapshot.
         per_writer = getattr(source, "commit_watermark", None)
         if callable(per_writer):
             return Watermark(store, writers=dict(per_writer()))
+        manifests = getattr(source, "writers", None)
+        if isinstance(manifests, list) and all(
+            hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
+        ):
+            return Watermark(store, writers={m.writer_id: int(m.committed) for m in manifests})
         return Watermark(store, rows=int(sampler.bound))
 
     def get_state(self) -> bytes:
@@ -217,7 +223,7 @@ class SamplingIterator:
             text = json.dumps(out).encode()
             if self._stream.kind != "prioritized":
                 return text
-            pieces = json_pieces(self._priority_state_locked())
+            pieces = json_pieces(self._priority_state_locked(copy=False))
             return b"".join([text[:-1], b', "priorities": ', *pieces, b"}"])
 
     def set_state(self, state: bytes) -> None:
@@ -350,8 +356,9 @@ class SamplingIterator:
         with self._lock:
             return self._priority_state_locked()
 
-    def _priority_state_locked(self) -> dict[str, np.ndarray]:
-        state = self._priority().state()
+    def _priority_state_locked(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        # copy=False: encoded at once, under this iterator's lock (no draw changes the tree).
+        state = self._priority().state(copy=copy)
         steps = sorted(self._drawn)
         b = len(self._drawn[steps[0]][1][0]) if steps else 0
         state["next_draw"] = np.array(self._next_draw, dtype=np.int64)

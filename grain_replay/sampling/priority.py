@@ -255,8 +255,13 @@ class PrioritySampler:
 
     # -- checkpointing -------------------------------------------------------
 
-    def state(self) -> dict[str, np.ndarray]:
-        """Arrays that restore the priorities exactly: tree values, pending updates, ..."""
+    def state(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        """Arrays that restore the priorities exactly: tree values, pending updates, ...
+
+        Args:
+          copy: False returns a read-only view of the tree's values, valid until the
+            next draw (for a caller that encodes them at once, holding off draws).
+        """
         with self._lock:
             counts = [len(x) for _, x, _ in self._pending]
             return {
@@ -266,7 +271,7 @@ class PrioritySampler:
                     [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
                 ),
                 "n": np.array(self._length.n, dtype=np.int64),
-                "values": self._tree.values.copy(),
+                "values": self._tree.values.copy() if copy else self._tree.values,
                 "max_priority": np.array(self._max, dtype=np.float64),
                 "seen": np.packbits(self._seen),
                 "pending_stamp": np.array([s for s, _, _ in self._pending], dtype=np.int64),

@@ -183,7 +183,7 @@ def test_restore_into_another_store_is_refused(store: str, tmp_path: Path) -> No
     other = str(tmp_path / "other")
     gr.write_npy(other, _rows(0, N))
     elsewhere = _batches(other, "uniform", 0, False)
-    with pytest.raises(gr.ReplayCheckpointError, match="another|replays") as info:
+    with pytest.raises(gr.ReplayCheckpointError, match=r"another|replays") as info:
         elsewhere.set_state(state)
     assert store in str(info.value) and other in str(info.value)
 
@@ -287,7 +287,7 @@ def test_resume_from_bad_input_is_refused_and_loses_nothing(tmp_path: Path) -> N
     path = str(tmp_path / "replay")
     with gr.ReplayWriter(path) as w:
         w.append(_rows(0, 20))
-    with pytest.raises(gr.InvalidStoreError, match="holds 20 committed rows.*covers 30"):
+    with pytest.raises(gr.InvalidStoreError, match=r"holds 20 committed rows.*covers 30"):
         gr.ReplayWriter(path, resume_from=30)
     with pytest.raises(gr.InvalidArgumentError, match="row count"):
         gr.ReplayWriter(path, resume_from="10")  # type: ignore[arg-type]
@@ -349,5 +349,34 @@ def test_arrays_round_trip_through_json_text() -> None:
         assert back.shape == arrays[name].shape
     with pytest.raises(TypeError, match="only numbers"):
         encode_arrays({"o": np.array([object()])})
-    with pytest.raises(ValueError, match="base64|bytes"):
+    with pytest.raises(ValueError, match=r"base64|bytes"):
         decode_arrays({"x": {"dtype": "<f8", "shape": [2], "data": "!!"}})
+
+
+def test_a_many_writer_source_records_each_writers_committed_rows(store: str) -> None:
+    """The hook for bounded many-writer stores: the view's per-writer sequence numbers."""
+
+    class _Manifest:
+        def __init__(self, writer_id: str, committed: int) -> None:
+            self.writer_id, self.committed = writer_id, committed
+
+    class _ManyWriters(gr.NpyDataSource):
+        @property
+        def writers(self) -> list[_Manifest]:
+            return [_Manifest("actor-0", 70), _Manifest("actor-1", 50)]
+
+    def make() -> Any:
+        return iter(
+            gr.make_data_loader(_ManyWriters(store), batch_size=B, sampling=gr.UniformReplay())
+        )
+
+    it = make()
+    next(it)
+    mark = gr.read_watermark(it.get_state())
+    assert mark == gr.Watermark(store, writers={"actor-0": 70, "actor-1": 50})
+    assert mark.rows_for("actor-1") == 50 and mark.rows_for("actor-9") == 0
+    fresh = iter(
+        gr.make_data_loader(_ManyWriters(store), batch_size=B, sampling=gr.UniformReplay())
+    )
+    fresh.set_state(it.get_state())  # restores (the rows check is per writer, the store's own)
+    assert fresh.position == 1
