@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
+.PHONY: install demo test test-slow test-lerobot test-rlds test-formats bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
 
 install: $(STAMP)
 
@@ -45,6 +45,36 @@ test-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	LEROBOT_PYTHON=$(abspath $(LEROBOT_VENV))/bin/python $(PY) -m pytest -q \
 		tests/rl/test_lerobot_peer.py tests/rl/test_lerobot.py
 
+# TensorFlow + tensorflow-datasets (only to write and read back the RLDS peer datasets) in a
+# venv of their own; grain_replay reads RLDS without them. tensorflow-cpu 2.21 needs Python 3.11+.
+RLDS_VENV ?= .venv-rlds
+RLDS_STAMP := $(RLDS_VENV)/.installed
+
+$(RLDS_STAMP):
+	test -x $(RLDS_VENV)/bin/python || $(PYTHON) -m venv $(RLDS_VENV)
+	$(RLDS_VENV)/bin/python -m pip install --quiet "tensorflow-cpu==2.21.0" \
+		"tensorflow-datasets==4.9.10" pillow
+	touch $(RLDS_STAMP)
+
+test-rlds: $(STAMP) $(RLDS_STAMP)
+	RLDS_PYTHON=$(abspath $(RLDS_VENV))/bin/python $(PY) -m pytest -q \
+		tests/sources/test_rlds_peer.py tests/sources/test_rlds_source.py
+
+# torch, torchrl and flashbax in a venv of their own: they write real buffer dumps and Vaults,
+# and the main venv's tests compare our reads with theirs (FORMATS_PYTHON, formats_peer.py).
+FORMATS_VENV ?= .venv-formats
+FORMATS_STAMP := $(FORMATS_VENV)/.installed
+
+$(FORMATS_STAMP):
+	test -x $(FORMATS_VENV)/bin/python || $(PYTHON) -m venv $(FORMATS_VENV)
+	$(FORMATS_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "torchrl==0.14.1" tensordict flashbax
+	touch $(FORMATS_STAMP)
+
+test-formats: $(STAMP) $(FORMATS_STAMP)
+	FORMATS_PYTHON=$(abspath $(FORMATS_VENV))/bin/python $(PY) -m pytest -q -n 0 \
+		tests/sources/test_formats_peer.py tests/sources/test_npz_source.py \
+		tests/sources/test_torchrl_source.py tests/sources/test_vault_source.py
+
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python
 
@@ -57,15 +87,39 @@ bench-quick: $(STAMP)
 bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_s3.py
 
-# torchrl and flashbax (which pulls torch and its own jax) live in their own venv.
-PEERS_VENV ?= /work/venvs/peers
-$(PEERS_VENV)/.installed:
-	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet torchrl flashbax numpy
-	touch $(PEERS_VENV)/.installed
+# torchrl and flashbax (which pulls torch and its own jax) live in a repo-local venv of
+# their own (git-ignored, like .venv-lerobot/).
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
 
-bench-peers: $(STAMP) $(PEERS_VENV)/.installed
-	$(PY) benchmarks/bench_sampling.py --peers-python $(PEERS_VENV)/bin/python
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet torchrl flashbax numpy
+	touch $(PEERS_STAMP)
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(PY) benchmarks/bench_sampling.py --peers-python $(abspath $(PEERS_VENV))/bin/python
+
+# Wheels for benchmarks/gpu_check.sh on a GPU machine with Python 3.12, its own jax and no
+# network: grain and zarr with everything they depend on (resolved for that Python), and
+# this package. The script installs only what that machine lacks, never jax or numpy.
+.PHONY: gpu-wheels gpu-check-cpu
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEEL_PACKAGES ?= grain zarr
+GPU_WHEELS_MAX_MB := 64
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --python-version $(GPU_PYTHON_VERSION) --only-binary=:all: \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) .
+	@du -sm $(GPU_WHEELS) | awk '{ if ($$1 > $(GPU_WHEELS_MAX_MB)) { print "$(GPU_WHEELS): " $$1 " MB, over $(GPU_WHEELS_MAX_MB) MB"; exit 1 } else print "$(GPU_WHEELS): " $$1 " MB of wheels for Python $(GPU_PYTHON_VERSION)" }'
+
+# The script's whole path on this machine's CPU (this venv stands in for the GPU machine's).
+gpu-check-cpu: $(STAMP)
+	benchmarks/gpu_check.sh --cpu --python $(PY) --carry $(GPU_WHEELS) --out bench_out/gpu-cpu \
+		--transitions 2000 --image-records 200 --batch-size 16 --repeats 1 --target-s 0.002
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grain_replay tests examples benchmarks
@@ -73,4 +127,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy grain_replay
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_out bench_out
+	rm -rf $(VENV) .venv-peers .gpu-wheels build *.egg-info demo_out bench_out

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -336,9 +336,14 @@ def _remove(path: str) -> None:
 
 
 def ensure_stores(
-    datasets: list[Dataset], data_dir: str, quick: bool, log: Callable[[str], None]
+    datasets: list[Dataset],
+    data_dir: str,
+    quick: bool,
+    log: Callable[[str], None],
+    layouts: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Store]]:
-    """Every dataset in every layout under ``data_dir``; reuses stores made with the same params.
+    """Every dataset in every layout (or those named) under ``data_dir``; reuses stores made
+    with the same params.
 
     Returns:
       ``{dataset name: {layout name: Store}}``.
@@ -351,6 +356,8 @@ def ensure_stores(
         arrays: dict[str, np.ndarray] | None = None
         out[ds.name] = {}
         for layout in LAYOUTS:
+            if layouts is not None and layout.name not in layouts:
+                continue
             rel = os.path.join(ds.dir_name, layout.name + layout.suffix)
             path = os.path.join(data_dir, rel)
             params = {**ds.params(), "layout": layout.name, "quick": quick}

@@ -48,6 +48,22 @@ CONV_FED_GPU_TARGET = 1 / 1.05  # the loader adds < 5 % to the conv step
 MLP_RESIDENT_GPU_TARGET = 1 / 1.02  # resident replay adds < 2 % to the MLP step
 
 
+def _gpu_target(res: SectionResult, ratio: Any, target: float, on_accelerator: bool) -> None:
+    """Records a GPU target with its ratio in ``extra["gpu_targets"]`` on every backend (judged
+    only on an accelerator), so that ``gpu_check.sh`` prints each one, on CPU too."""
+    if ratio is None:
+        return
+    res.extra.setdefault("gpu_targets", []).append(
+        {
+            "name": ratio.name,
+            "value": ratio.value,
+            "target": target,
+            "judged": on_accelerator,
+            "passed": ratio.value >= target if on_accelerator else None,
+        }
+    )
+
+
 def _paired(
     cfg: Config,
     names: dict[str, str],
@@ -300,11 +316,13 @@ def run_device(
             RESIDENT_CPU_TARGET if ds_name == "transitions" and not on_accelerator else None,
             "resident",
         )  # fmt: skip
-        res.ratio(
+        put = res.ratio(
             f"{p} sharded_device_put(loader) / bare pinned put",
             g("sharded_device_put(loader)"), g("device_put-pinned"),
             PUT_VS_PINNED_GPU_TARGET if ds_name == "images" and on_accelerator else None, "put",
         )  # fmt: skip
+        if ds_name == "images":
+            _gpu_target(res, put, PUT_VS_PINNED_GPU_TARGET, on_accelerator)
         res.ratio(
             f"{p} pinned staging / pageable (sharded_device_put(loader))",
             g("sharded_device_put(loader, pinned)"), g("sharded_device_put(loader)"), None, "put",
@@ -321,10 +339,12 @@ def run_device(
             c = g(fed)
             if c is None or base is None:
                 continue
-            res.ratio(
+            fed_ratio = res.ratio(
                 f"{p} {fed} / step on device batches (1 - input fraction)",
                 c, base, target if on_accelerator else None, "step",
             )  # fmt: skip
+            if target is not None:
+                _gpu_target(res, fed_ratio, target, on_accelerator)
             fraction = 1.0 - c.records_per_s / base.records_per_s
             fractions.setdefault(ds_name, {})[fed] = fraction
             res.notes.append(

@@ -16,7 +16,7 @@ Usage::
 
     python benchmarks/bench_sampling.py                  # 1M rows; peers if their venv exists
     python benchmarks/bench_sampling.py --quick          # 20k rows, short
-    python benchmarks/bench_sampling.py --peers-python /work/venvs/peers/bin/python
+    python benchmarks/bench_sampling.py --peers-python .venv-peers/bin/python
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.replay import UniformSampler
 
-DEFAULT_PEERS = "/work/venvs/peers/bin/python"
 HERE = Path(__file__).resolve().parent
+# The repo-local venv `make bench-peers` builds.
+DEFAULT_PEERS = str(HERE.parent / ".venv-peers" / "bin" / "python")
 
 
 def _transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 """The peers' side of bench_sampling.py: torchrl and flashbax prioritized replay on the same data.
 
 Runs in its own virtual environment (torch and flashbax's own jax must not enter
-grain_replay's): ``make bench-peers`` builds ``/work/venvs/peers`` and runs it. Reads
+grain_replay's): ``make bench-peers`` builds ``.venv-peers/`` and runs it. Reads
 the transitions that ``bench_sampling.py`` wrote (a directory of ``.npy`` leaves),
 fills each library's prioritized buffer with them, and times, per batch of
 ``--batch`` rows: prioritized sample + read, and a priority update. Writes JSON.

@@ -20,10 +20,20 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device", "memory", "startup")
+SECTIONS = (
+    "formats",
+    "formats_extra",
+    "pipeline",
+    "cold",
+    "write",
+    "sequences",
+    "device",
+    "memory",
+    "startup",
+)
 # "memory" writes a store larger than half of RAM, "startup" spawns ~40 worker
 # processes (seconds to the first batch): run them only when asked for.
-DEFAULT_SECTIONS = ("formats", "pipeline", "cold", "write", "sequences", "device")
+DEFAULT_SECTIONS = ("formats", "formats_extra", "pipeline", "cold", "write", "sequences", "device")
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -98,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_cold import run_cold
     from bench_device import run_device
     from bench_formats import run_formats
+    from bench_formats_extra import run_formats_extra
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
     from bench_sequences import run_sequences
@@ -132,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sampler.reset()
     # The memory and sequences sections write their own stores.
-    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup"}
-    stores = bench_data.ensure_stores(datasets, data_dir, quick, log) if needs_stores else {}
+    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup", "formats_extra"}
+    # The device section reads the .npy stores only.
+    only = ("npy",) if needs_stores == {"device"} else None
+    stores = bench_data.ensure_stores(datasets, data_dir, quick, log, only) if needs_stores else {}
     data_s = time.perf_counter() - t0
     common.PAGE_CACHE.track(
         {s.path: s.nbytes for layouts in stores.values() for s in layouts.values()}
@@ -161,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     runners = {
         "formats": run_formats,
+        "formats_extra": run_formats_extra,
         "pipeline": run_pipeline,
         "cold": run_cold,
         "write": run_write,
@@ -194,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_report.write_json(json_path, results, meta)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
-    bench_report.write_plot(os.path.join(out_dir, "plot.png"), results)
-    print(f"wrote {json_path}, {os.path.join(out_dir, 'plot.png')}")
+    try:
+        plots = bench_report.write_plots(os.path.join(out_dir, "plot.png"), results, meta)
+    except ImportError as e:  # a machine without matplotlib (the GPU check's) still reports
+        plots = (f"no plots ({e.name} is not installed)",)
+    print(f"wrote {json_path}, {', '.join(plots)}")
     print(f"elapsed {time.perf_counter() - t_start:.1f}s (data preparation {data_s:.1f}s)")
     return 0
 

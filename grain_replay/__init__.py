@@ -58,7 +58,11 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.sources import (
         HDF5DataSource,
         NpyDataSource,
+        NpzDataSource,
         ReplaySource,
+        RLDSDataSource,
+        TorchRLDataSource,
+        VaultDataSource,
         ZarrDataSource,
         open_source,
     )
@@ -79,7 +83,11 @@ __all__ = [
     # sources
     "HDF5DataSource",
     "NpyDataSource",
+    "NpzDataSource",
+    "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
+    "RLDSDataSource",
     "ReplaySource",
     "open_source",
     "LeafSpec",
@@ -151,7 +159,16 @@ _LAZY = {
     "LeafSpec": "grain_replay.layout",
     **{
         name: "grain_replay.sources"
-        for name in ("HDF5DataSource", "NpyDataSource", "ZarrDataSource", "ReplaySource")
+        for name in (
+            "HDF5DataSource",
+            "NpyDataSource",
+            "RLDSDataSource",
+            "NpzDataSource",
+            "TorchRLDataSource",
+            "VaultDataSource",
+            "ZarrDataSource",
+            "ReplaySource",
+        )
     },
     "open_source": "grain_replay.sources",
     **{

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import mmap
@@ -20,13 +21,17 @@ __all__ = [
     "HDF5_SIGNATURE",
     "NPY_MAGIC",
     "PAGE",
+    "RLDS_MARKERS",
+    "ZIP_SIGNATURES",
     "ZARR_MARKERS",
     "detect_format",
     "format_from_path",
     "import_fsspec",
     "import_h5py",
+    "import_tensorstore",
     "import_zarr",
     "is_url",
+    "is_vault",
     "metadata_from_attrs",
     "read_npy_header",
     "read_npy_metadata",
@@ -36,8 +41,14 @@ __all__ = [
 FORMATS = ("hdf5", "npy", "zarr")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NPY_MAGIC = b"\x93NUMPY"
+# A zip archive (.npz) starts with a local file header, or is empty (end record only).
+ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
 # Files whose presence makes a directory a Zarr store.
 ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray", ".zmetadata", ".zattrs")
+# Files whose presence together makes a directory a TFDS-built (RLDS) dataset.
+RLDS_MARKERS = ("dataset_info.json", "features.json")
+# The OCDBT database file at the root of a flashbax Vault.
+VAULT_MANIFEST = "manifest.ocdbt"
 # Chunks and HDF5 data offsets that are whole pages can be memory-mapped back to back.
 PAGE = mmap.PAGESIZE
 # The .npy header of a store a ReplayWriter grows: fixed, so the shape can be
@@ -46,6 +57,22 @@ GROWING_NPY_HEADER = 256
 
 
 # -- optional libraries ---------------------------------------------------------------
+
+
+def import_optional(module: str, hint: str) -> Any:
+    """``module`` imported, or a MissingDependencyError with ``hint`` (what needs it, the fix).
+
+    Each parent package is imported first, as ``import a.b`` does, so that a package
+    blocked or missing (``sys.modules["a"] = None``) is noticed even when ``a.b`` was
+    imported before.
+    """
+    parts = module.split(".")
+    try:
+        for i in range(1, len(parts) + 1):
+            got = importlib.import_module(".".join(parts[:i]))
+    except ImportError as e:
+        raise MissingDependencyError(hint) from e
+    return got
 
 
 def import_h5py() -> Any:
@@ -85,6 +112,18 @@ def import_fsspec() -> Any:
     return fsspec
 
 
+def import_tensorstore() -> Any:
+    """``tensorstore``, or a MissingDependencyError naming the ``vault`` extra."""
+    try:
+        import tensorstore
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"flashbax Vaults are read through tensorstore ({e}). Fix: pip install "
+            "'grain-replay[vault]' (or pip install tensorstore)."
+        ) from e
+    return tensorstore
+
+
 # -- paths and detection --------------------------------------------------------------
 
 
@@ -115,7 +154,10 @@ def format_from_path(path: str | os.PathLike[str]) -> str:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """``"hdf5"``, ``"npy"`` or ``"zarr"`` from what is at ``path`` (the suffix, for URLs).
+    """The format at ``path``: ``"hdf5"``, ``"npy"``, ``"npz"``, ``"zarr"``, ``"rlds"``, ....
+
+    ``"rlds"``: a TFDS dataset folder (``dataset_info.json`` and ``features.json``).
+    For URLs the suffix decides.
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
@@ -137,19 +179,49 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             return "hdf5"
         if magic.startswith(NPY_MAGIC):
             return "npy"
+        if magic.startswith(ZIP_SIGNATURES):
+            return "npz"
         raise InvalidStoreError(
-            f"{path} is neither an HDF5 nor a .npy file (magic bytes {magic!r}). Fix: pass an "
-            "HDF5 file, a .npy file, a directory of .npy files or a Zarr group."
+            f"{path} is neither an HDF5, a .npy nor an .npz file (magic bytes {magic!r}). Fix: "
+            "pass an HDF5 file, a .npy or .npz file, a directory of .npy files or a Zarr group."
         )
     if os.path.isdir(path):
         # Zarr v3 (group or array: zarr.json), v2 group (.zgroup), v2 array (.zarray),
         # and a v2 store with only consolidated metadata or attributes.
         if any(os.path.exists(os.path.join(path, name)) for name in ZARR_MARKERS):
             return "zarr"
+        if all(os.path.isfile(os.path.join(path, name)) for name in RLDS_MARKERS):
+            return "rlds"
+        if any(
+            os.path.isfile(os.path.join(path, *parts, name))
+            for parts in ((), ("storage",))
+            for name in ("storage_metadata.json", "checkpoint.h5")
+        ):
+            return "torchrl"  # ReplayBuffer.dumps(path), or its storage/ directory
+        if is_vault(path):
+            return "vault"
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket
     raise StoreNotFoundError(f"No replay store at {path}. Fix: check the path.")
+
+
+def is_vault(path: str) -> bool:
+    """A flashbax Vault: ``metadata.json`` beside an OCDBT ``manifest.ocdbt`` (or one such
+    directory inside ``path``, as ``Vault(vault_name=...)`` nests it under its uid)."""
+
+    def one(d: str) -> bool:
+        return os.path.isfile(os.path.join(d, VAULT_MANIFEST)) and os.path.isfile(
+            os.path.join(d, "metadata.json")
+        )
+
+    if one(path):
+        return True
+    try:
+        subdirs = [e.path for e in os.scandir(path) if e.is_dir()]
+    except OSError:
+        return False
+    return any(one(d) for d in subdirs)
 
 
 # -- .npy headers -----------------------------------------------------------------------

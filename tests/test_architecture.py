@@ -5,7 +5,8 @@ The layers, bottom first (see docs/architecture.md):
 0. errors, tree, layout, formats, remote/, integrity, _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
 2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
-3. sources/hdf5/, sources/zarr/, sources/npy.py (never each other) and writers/ (no source).
+3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and
+   writers/ (no source).
 4. sources/__init__.py: ``open_source`` over the formats.
 5. rl/, stats/, pipeline/ and any other module not listed.
 6. sampling/: mixtures and replay streams, read through pipeline/'s iterators.
@@ -45,6 +46,10 @@ LAYERS = {
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
+    "grain_replay.sources.rlds": 3,
+    "grain_replay.sources.npz": 3,
+    "grain_replay.sources.torchrl": 3,
+    "grain_replay.sources.vault": 3,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
     "grain_replay.sampling": 6,
@@ -56,6 +61,10 @@ FORMAT_ROOMS = (
     "grain_replay.sources.hdf5",
     "grain_replay.sources.zarr",
     "grain_replay.sources.npy",
+    "grain_replay.sources.rlds",
+    "grain_replay.sources.npz",
+    "grain_replay.sources.torchrl",
+    "grain_replay.sources.vault",
 )
 
 

@@ -95,8 +95,19 @@ def test_quick_run_writes_results_for_every_section_and_format(quick_run: tuple[
     workers = ("full-1-worker", "make_data_loader-2-workers", "grain-worker-iterator-2-workers")
     for method in workers:
         assert f"pipeline/transitions/npy/{method}" in pipeline, sorted(pipeline)
-    assert doc["targets"]["passed"] + doc["targets"]["failed"] > 0
-    assert "| ratio | value | target | pass |" in stdout
+    # A quick run reports its ratios and the full-size targets without judging them.
+    assert doc["targets"]["judged"] is False and doc["targets"]["count"] > 0
+    assert doc["targets"]["passed"] == doc["targets"]["failed"] == 0
+    assert all(t["passed"] is None and t["target"] > 0 for t in doc["targets"]["list"])
+    assert "| ratio | value | full-size target |" in stdout
+    assert not [line for line in stdout.splitlines() if "PASS" in line or "FAIL" in line]
+    assert "not judged" in stdout
+    # The headline: each workload against the peer a user would pick, and against the limit.
+    workloads = {row["workload"]: row for row in doc["headline"]}
+    row = workloads["transitions, random batches (.npy)"]
+    assert "arrayrecord" in row["vs_peer"]["den"] and "numpy-gather" in row["vs_limit"]["den"]
+    assert len(workloads) >= 8
+    assert "## at a glance" in stdout
 
 
 def test_quick_run_reports_device_section(quick_run: tuple[Path, str]):
@@ -113,11 +124,19 @@ def test_quick_run_reports_device_section(quick_run: tuple[Path, str]):
     assert set(section["input_fraction"]) == {"transitions", "images"}
 
 
-def test_quick_run_draws_the_plot(quick_run: tuple[Path, str]):
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_quick_run_draws_the_headline_then_the_detail(quick_run: tuple[Path, str]):
     out, _ = quick_run
-    png = out / "plot.png"
-    assert png.exists() and png.stat().st_size > 1000
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png, detail = out / "plot.png", out / "plot_detail.png"
+    assert png.stat().st_size > 1000 and detail.stat().st_size > 1000
+    width, height = _png_size(png)
+    assert width <= 1400 and height <= 1400, (width, height)  # one screen, not a column
+    assert _png_size(detail)[1] > height  # every ratio, after the headline
 
 
 def test_only_and_sections_filter_and_reuse_the_data(quick_run: tuple[Path, str], tmp_path: Path):

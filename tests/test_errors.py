@@ -353,3 +353,19 @@ def test_empty_directory_error_suggests_what_the_readme_shows_and_the_fix_works(
 def test_missing_npy_directory_error_suggests_gr_write(tmp_path: Path):
     with pytest.raises(gr.StoreNotFoundError, match=r"gr\.write\(path, tree\)"):
         gr.NpyDataSource(tmp_path / "nothing")
+
+
+def test_import_optional_names_the_fix_for_a_missing_or_blocked_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import email.mime.text  # a submodule already imported, then its package blocked
+
+    from grain_replay.formats import import_optional
+
+    assert import_optional("email.mime.text", "unused") is email.mime.text
+    with pytest.raises(gr.MissingDependencyError, match="Fix: pip install nothing") as info:
+        import_optional("no_such_module_here.sub", "needs it. Fix: pip install nothing")
+    assert isinstance(info.value, ImportError) and isinstance(info.value.__cause__, ImportError)
+    monkeypatch.setitem(sys.modules, "email", None)
+    with pytest.raises(gr.MissingDependencyError, match="blocked"):
+        import_optional("email.mime.text", "blocked")

@@ -26,6 +26,8 @@ REASONS = {
     "needs an S3 endpoint and credentials": "s3://",
     "needs a LeRobot dataset from the Hugging Face Hub (tests/rl/test_lerobot.py runs it "
     "on a toy one)": "LeRobotDataSource",
+    "needs an RLDS dataset built by TFDS (tests/sources/test_rlds_source.py runs it on a "
+    "toy one)": "tensorflow_datasets/",
 }
 
 

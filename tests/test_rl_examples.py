@@ -215,3 +215,18 @@ def test_multihost_two_processes_checkpoint_and_resume(
     assert (third["start_step"], third["end_step"]) == (8, 10)
     later = np.concatenate(third["global_ids"])
     assert len(np.unique(later)) == len(later) == 32  # epoch 1 goes on, no record twice
+
+
+# -- rlds_bc ---------------------------------------------------------------------------------
+
+
+def test_rlds_bc_learns_action_chunks_from_a_toy_rlds_dataset(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    rlds_bc = _load("rlds_bc")
+    dataset = rlds_bc.write_toy_dataset(str(tmp_path / "toy" / "1.0.0"), episodes=12, seed=0)
+    src = gr.open_source(dataset)
+    assert isinstance(src, gr.RLDSDataSource) and len(src.episode_ends) == 12
+    argv = ["--dataset", dataset, "--steps", "300", "--log-every", "0", "--workers", "0"]
+    result = rlds_bc.main(argv)
+    assert result["steps"] == 300 and result["records"] == len(src)
+    assert result["final_loss"] < 0.6 * result["initial_loss"], result

@@ -12,6 +12,7 @@ from rl_fixtures import ArraySource
 
 import grain_replay as gr
 import grain_replay.stats.cache as stats_store
+from grain_replay.rl._access import LeafAccess
 from grain_replay.stats import quantile_error, quantile_name, stats_cache_path
 
 SUFFIX = {"hdf5": ".h5", "npy": "", "zarr": ".zarr"}
@@ -120,6 +121,39 @@ def test_keys_select_leaves_and_groups(tmp_path: Any) -> None:
 def test_any_source_with_read_batch_works_without_cache() -> None:
     tree = _tree(700)
     _assert_matches_numpy(gr.compute_stats(ArraySource(tree), quantiles=QS), tree)
+
+
+def test_stats_read_through_the_views_leaf_access(tmp_path: Any, monkeypatch: Any) -> None:
+    """compute_stats has no read of its own: every leaf at once is one read_flat a block, a
+    subset one read_leaf per leaf, as every view reads (rl/_access.py LeafAccess.take)."""
+    tree = _tree(500)
+    src = gr.open_source(gr.write(str(tmp_path / "s.h5"), tree))
+    calls: list[str] = []
+    for name in ("read_flat", "read_leaf", "read_batch"):
+        real = getattr(src, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(src, name, spy)
+    _assert_matches_numpy(gr.compute_stats(src, quantiles=QS, block_bytes=4096, cache=False), tree)
+    blocks = len([c for c in calls if c == "read_flat"])
+    assert blocks > 3 and set(calls) == {"read_flat"}
+    calls.clear()
+    stats = gr.compute_stats(src, keys=["action", "reward"], block_bytes=4096, cache=False)
+    np.testing.assert_allclose(stats["action"]["mean"], tree["action"].mean(), rtol=1e-12)
+    assert set(calls) == {"read_leaf"} and len(calls) % 2 == 0
+    # The views' reads: one read_flat for every leaf at one row array of any shape.
+    calls.clear()
+    rows = np.array([[3, 1], [499, 3]])
+    got = LeafAccess(src).take(dict.fromkeys(src.keys, rows))
+    assert calls == ["read_flat"]
+    for key, x in _flat(tree).items():
+        np.testing.assert_array_equal(got[key], x[rows], err_msg=key)
+    calls.clear()
+    LeafAccess(src).take({k: rows.copy() for k in src.keys})  # different rows per leaf
+    assert set(calls) == {"read_leaf"}
 
 
 def test_quantiles_of_a_sampled_store_are_within_the_rank_error(tmp_path: Any) -> None:

@@ -26,16 +26,26 @@ exit status:
 # %(default)s where an argument has one, rather than ArgumentDefaultsHelpFormatter's
 # "(default: None)" after every flag.
 _HelpFormatter = argparse.RawDescriptionHelpFormatter
+# What verify and stats read.
+_ANY_STORE = "a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file"
+
+
+def _command(sub: Any, name: str, func: Any, **kwargs: Any) -> Any:
+    """A subcommand's parser (help, description, epilog in ``kwargs``) that runs ``func``."""
+    p = sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+    p.set_defaults(func=func)
+    return p
 
 
 def _add_info(sub: Any) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "info",
+        cmd_info,
         help="show format, records, leaves, episodes and size (writes nothing)",
         description="Shows a store's format, records, leaves (dtype, shape), episodes and\n"
         "size on disk. Read-only: it works on a read-only store and writes nothing\n"
         "unless --cache-episodes is given.",
-        formatter_class=_HelpFormatter,
     )
     p.add_argument("path", help="a store: .h5/.hdf5 file, .zarr group or .npy directory/file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -44,19 +54,19 @@ def _add_info(sub: Any) -> None:
         action="store_true",
         help="also write the episode index beside the store, where the RL views reuse it",
     )
-    p.set_defaults(func=cmd_info)
 
 
 def _add_convert(sub: Any) -> None:
     from grain_replay.writers.oneshot import HDF5_COMPRESSIONS, ZARR_COMPRESSIONS
 
     compressions = sorted({*HDF5_COMPRESSIONS, *ZARR_COMPRESSIONS})
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "convert",
+        cmd_convert,
         help="copy a store into another format, bit-exactly",
         description="Copies SRC into a new store at DST, bit-exactly, streaming in bounded\n"
         "memory. An interrupted convert leaves nothing behind.",
-        formatter_class=_HelpFormatter,
     )
     p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
     p.add_argument(
@@ -84,32 +94,32 @@ def _add_convert(sub: Any) -> None:
         "(default: %(default)s = 64 MiB)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert)
 
 
 def _add_verify(sub: Any) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "verify",
+        cmd_verify,
         help="check metadata, lengths and checksums; exit 0 ok, 1 corrupt, 2 error",
         description="Reads every leaf of a store and checks its metadata, lengths and\n"
         "recorded checksums.",
         epilog=_VERIFY_EPILOG,
-        formatter_class=_HelpFormatter,
     )
-    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
+    p.add_argument("path", help=_ANY_STORE)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_verify)
 
 
 def _add_stats(sub: Any) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "stats",
+        cmd_stats,
         help="per-leaf count, mean, std, min, max, quantiles",
         description="Per-leaf count, mean, std, min, max and quantiles, in one streaming\n"
         "pass; cached beside the store unless --no-cache.",
-        formatter_class=_HelpFormatter,
     )
-    p.add_argument("path", help="a store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
+    p.add_argument("path", help=_ANY_STORE)
     p.add_argument("--json", action="store_true", help="machine-readable output (NaN -> null)")
     p.add_argument("--keys", nargs="+", help="leaves or groups (default: all)")
     p.add_argument(
@@ -122,17 +132,17 @@ def _add_stats(sub: Any) -> None:
     )
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_stats)
 
 
 def _add_demo(sub: Any) -> None:
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "demo",
+        cmd_demo,
         help="write a synthetic replay in each format and stream it back",
         description="Writes a synthetic replay of transitions as HDF5, .npy and Zarr, then\n"
         "streams one shuffled epoch of each through make_data_loader and\n"
         "sharded_device_put, and prints the rates.",
-        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--out", default="demo_out", help="directory the stores go to (default: %(default)s)"
@@ -146,7 +156,6 @@ def _add_demo(sub: Any) -> None:
     p.add_argument(
         "--workers", type=int, default=2, help="loader worker processes (default: %(default)s)"
     )
-    p.set_defaults(func=cmd_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,6 +160,21 @@ def _leaf_bytes(specs: Iterable[Any]) -> list[int]:
     return [s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in specs]
 
 
+def _storable(spec: Any) -> Any:
+    """``spec`` as written: fixed-width bytes (RLDS text) become uint8 ``(*shape, width)``."""
+    from grain_replay import layout as layout_lib
+
+    if spec.dtype.kind == "S":
+        return layout_lib.LeafSpec(np.dtype(np.uint8), (*spec.shape, spec.dtype.itemsize))
+    return layout_lib.LeafSpec(spec.dtype, tuple(spec.shape))
+
+
+def _as_storable(a: np.ndarray) -> np.ndarray:
+    if a.dtype.kind == "S":
+        return np.ascontiguousarray(a).view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
+    return a
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
     from grain_replay import layout as layout_lib
@@ -176,11 +191,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src = _open(args.src)
     n = len(src)
     fmt = args.format or format_from_path(args.dst)
-    leaves = {k: layout_lib.LeafSpec(v.dtype, tuple(v.shape)) for k, v in src.spec.items()}
+    leaves = {k: _storable(v) for k, v in src.spec.items()}
     row_bytes = sum(_leaf_bytes(leaves.values()))
     block = max(1, args.block_bytes // max(1, row_bytes))
     probe = src.read_batch(np.arange(min(n, 1)))
     treedef = tree_lib.flatten(probe)[1]
+    text = [k for k, v in src.spec.items() if v.dtype.kind == "S"]
+    if text:
+        print(
+            f"text leaves {text} are written as uint8 arrays of their bytes (NUL-padded); "
+            "read one back with bytes(row).rstrip(b'\\0')",
+            file=sys.stderr,
+        )
     meta = layout_lib.StoreMetadata(n, leaves, treedef)
     t = time.perf_counter()
     bar: Any = None  # drawn with the first block: the writer checks its options before that
@@ -192,7 +214,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             rows = src.read_batch(np.arange(start, min(start + block, n)))
             flat = tree_lib.flatten(rows)[0]
             bar.update(min(block, n - start))
-            yield start, {k: np.asarray(v) for k, v in flat.items()}
+            yield start, {k: _as_storable(np.asarray(v)) for k, v in flat.items()}
 
     try:
         out = write_blocks(

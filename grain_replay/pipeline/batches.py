@@ -12,7 +12,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
-from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.pipeline.state import StreamShape, stream_repr
 from grain_replay.sources.base import BatchSource
 
@@ -175,8 +175,7 @@ class BatchedReads:
             with self._order_lock:
                 order = self._orders.get(epoch)
                 if order is None:
-                    order = permute(np.arange(self._n), self._n, self.options.seed, epoch)
-                    order = order.astype(np.int32 if self._n < 2**31 else np.int64)
+                    order = epoch_order(self._n, self.options.seed, epoch)
                     # Keep the current and the next epoch (threads read ahead).
                     self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
                     self._orders[epoch] = order

@@ -73,7 +73,8 @@ def _layout(batch: Any) -> tuple[Any, list[np.ndarray], int] | None:
     for key, leaf in leaves.items():
         if type(leaf) is not np.ndarray or leaf.dtype.hasobject:
             return None
-        fields.append((key, leaf.dtype.str, leaf.shape, offset))
+        # The dtype itself, not its .str: bfloat16 (ml_dtypes) would come back as void.
+        fields.append((key, leaf.dtype, leaf.shape, offset))
         arrays.append(leaf)
         offset = _round_up(offset + leaf.nbytes)
     return (treedef, tuple(fields)), arrays, offset

@@ -14,6 +14,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource, select_keys
+from grain_replay.sources.surface import SourceSurface
 
 __all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
 
@@ -27,11 +28,13 @@ def describe(source: Any) -> str:
 class LeafAccess:
     """Reads chosen leaves of a source at chosen rows, one vectorized read per leaf.
 
-    A :class:`ReplaySource` is read through its per-process leaf readers, so
-    each leaf gets exactly the rows it needs and no bounds check is repeated
-    for rows the caller computed. Any other object with ``spec``, ``__len__``
-    and ``read_batch`` is read with a single ``read_batch`` over the union of
-    the requested rows. Picklable whenever the source is.
+    This is the one way a view or ``compute_stats`` reads leaves of a source.
+    Every leaf of a grain_replay source at the same rows is one ``read_flat``
+    (one bounds check). Otherwise a :class:`ReplaySource` is read through its
+    per-process leaf readers, so each leaf gets exactly the rows it needs. Any
+    other object with ``spec``, ``__len__`` and ``read_batch`` is read with a
+    single ``read_batch`` over the union of the requested rows. Picklable
+    whenever the source is.
     """
 
     def __init__(self, source: Any):
@@ -69,6 +72,11 @@ class LeafAccess:
         if not requests:
             return {}
         src = self.source
+        if isinstance(src, SourceSurface) and len(requests) == len(self.spec):
+            first = next(iter(requests.values()))
+            if all(rows is first for rows in requests.values()) and set(requests) == set(self.spec):
+                got = src.read_flat(first.reshape(-1))
+                return {k: got[k].reshape(first.shape + got[k].shape[1:]) for k in requests}
         if isinstance(src, ReplaySource):
             out = {}
             for key, rows in requests.items():

@@ -13,7 +13,12 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
-from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex, build_episode_index
+from grain_replay.rl.episodes import (
+    EpisodeFlags,
+    EpisodeIndex,
+    build_episode_index,
+    source_episodes,
+)
 from grain_replay.sources.base import SourceSurface, as_record_index, check_indices
 
 __all__ = ["DerivedSource", "Spans"]
@@ -109,9 +114,16 @@ class DerivedSource(SourceSurface):
         if self._given_episodes is not None:
             return self._given_episodes
         source = self._access.source
-        own = getattr(source, "episodes", None) if not self._flags.keys else None
-        if isinstance(own, EpisodeIndex) and own.num_steps == len(source):
+        own = source_episodes(source) if not self._flags.keys else None
+        if own is not None:
             return own
+        # A store whose layout knows episode ends the flags alone do not give (a flashbax
+        # Vault's batch rows) hands them over as arrays.
+        bounds = getattr(source, "episode_bounds", None) if not self._flags.keys else None
+        found = bounds() if callable(bounds) else None
+        if found is not None:
+            ends, terminated, open_last = found
+            return EpisodeIndex(ends, terminated, open_last)
         return build_episode_index(
             source,
             done_key=self._flags.done,

@@ -16,6 +16,7 @@ from grain_replay.sources.base import Layout
 from grain_replay.sources.hdf5.raw import memmap_offset
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import Handle, LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["EpisodeFileHandle", "episode_names"]
 
@@ -83,12 +84,9 @@ class _EpisodeLeafReader(LeafReader):
             pos = np.flatnonzero(mapped)
             out[pos] = self._gather(addr[pos] + local[pos] * self._row_bytes, out[pos])
         pos = np.flatnonzero(~mapped)
-        order = pos[np.argsort(episode[pos], kind="stable")]
-        eps = episode[order]
-        cuts = np.flatnonzero(np.r_[True, eps[1:] != eps[:-1]])
-        for a, b in zip(cuts, np.r_[cuts[1:], len(order)]):
-            sel = order[a:b]
-            out[sel] = h.rows(self._key, self._loc, int(eps[a]), local[sel], self._spec)
+        for ep, at in runs(episode[pos]):
+            sel = pos[at]
+            out[sel] = h.rows(self._key, self._loc, ep, local[sel], self._spec)
         return out
 
     def _gather(self, starts: np.ndarray, out: np.ndarray) -> np.ndarray:

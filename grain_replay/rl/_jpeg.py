@@ -8,23 +8,22 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError
+from grain_replay.errors import InvalidStoreError
+from grain_replay.formats import import_optional
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["JpegLeafReader", "decode_jpegs", "pack_blobs", "pil_image"]
 
 
 def pil_image() -> Any:
     """``PIL.Image``, the decoder Minari itself uses (bit-identical frames), or an install hint."""
-    try:
-        from PIL import Image
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Reading JPEG-encoded Minari image spaces needs Pillow. Fix: pip install "
-            "'grain-replay[rl]' (or pip install pillow)."
-        ) from e
-    return Image
+    return import_optional(
+        "PIL.Image",
+        "Reading JPEG-encoded Minari image spaces needs Pillow. Fix: pip install "
+        "'grain-replay[rl]' (or pip install pillow).",
+    )
 
 
 def decode_jpegs(blobs: Sequence[Any], shape: tuple[int, ...], where: str, key: str) -> np.ndarray:
@@ -99,12 +98,8 @@ class JpegLeafReader(LeafReader):
             return out
         episode = np.searchsorted(h.ends, indices, side="right")
         local = indices - h.starts[episode] + self._offset
-        order = np.argsort(episode, kind="stable")
-        eps = episode[order]
-        cuts = np.flatnonzero(np.r_[True, eps[1:] != eps[:-1]])
-        for a, b in zip(cuts, np.r_[cuts[1:], len(order)]):
-            sel = order[a:b]
-            packed = self._encoded(int(eps[a]))
+        for ep, sel in runs(episode):
+            packed = self._encoded(ep)
             rows, inverse = np.unique(local[sel], return_inverse=True)
             frames = decode_jpegs(
                 [unpack_blob(packed, int(r)) for r in rows], self._shape, h.path, self._key

@@ -17,6 +17,7 @@ __all__ = [
     "PAD_SUFFIX",
     "TOLERANCE_S",
     "offsets_in_steps",
+    "frame_offset",
     "offsets_from_seconds",
     "leaf_lists",
     "resolve_fps",
@@ -48,6 +49,14 @@ def offsets_in_steps(offsets: Any, where: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def frame_offset(seconds: float, fps: float) -> tuple[int, float]:
+    """``(k, miss)``: the nearest whole frame ``k = round(seconds * fps)`` (LeRobot's rule) and
+    how far it is from ``seconds``, in seconds (a caller refuses a miss over its tolerance)."""
+    frames = seconds * fps
+    k = round(frames)
+    return int(k), abs(frames - k) / fps
+
+
 def offsets_from_seconds(
     delta_timestamps: Any, fps: float, where: str
 ) -> dict[str, tuple[int, ...]]:
@@ -65,16 +74,15 @@ def offsets_from_seconds(
                 raise InvalidArgumentError(
                     f"{where}: delta_timestamps[{key!r}] holds {dt!r}. Fix: give finite seconds."
                 )
-            frames = float(dt) * fps
-            k = round(frames)
-            if abs(frames - k) / fps > TOLERANCE_S:
+            k, miss = frame_offset(float(dt), fps)
+            if miss > TOLERANCE_S:
                 raise InvalidArgumentError(
                     f"{where}: delta_timestamps[{key!r}] holds {dt!r} s, which is not a frame at "
                     f"fps={fps!r} (nearest: {k} steps = {k / fps!r} s; tolerance "
                     f"{TOLERANCE_S} s). Fix: use multiples of 1/fps = {1 / fps!r} s, or the "
                     "right fps=."
                 )
-            steps.append(int(k))
+            steps.append(k)
         out[key] = tuple(steps)
     return out
 

@@ -21,7 +21,13 @@ from grain_replay.errors import (
 )
 from grain_replay.rl._access import LeafAccess, local_path, save_cache
 
-__all__ = ["EpisodeIndex", "EpisodeFlags", "build_episode_index", "episode_cache_path"]
+__all__ = [
+    "EpisodeIndex",
+    "EpisodeFlags",
+    "build_episode_index",
+    "episode_cache_path",
+    "source_episodes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,8 @@ logger = logging.getLogger(__name__)
 _TERMINATED_NAMES = ("terminated", "terminations", "terminals", "terminal")
 _TRUNCATED_NAMES = ("truncated", "truncations", "timeouts", "timeout")
 _DONE_NAMES = ("done", "dones")
+# RLDS's step flags: is_last ends every episode, is_terminal the terminated ones.
+_RLDS_LAST, _RLDS_TERMINAL = "is_last", "is_terminal"
 # Rows of a flag leaf read at a time while building: bounds memory on huge stores.
 _BLOCK_ROWS = 1 << 20
 _CACHE_VERSION = 1
@@ -179,7 +187,7 @@ class EpisodeFlags:
     is set and ``truncated`` (if given) is not. With none given,
     :meth:`resolve` looks for ``terminated``/``truncated``,
     ``terminations``/``truncations`` (Minari), ``terminals``/``timeouts``
-    (D4RL), then ``done``/``dones``.
+    (D4RL), then ``done``/``dones``, then RLDS's ``is_last``/``is_terminal``.
 
     Example:
       >>> EpisodeFlags(done="is_last").resolve(src.spec, src.path).keys
@@ -214,6 +222,9 @@ class EpisodeFlags:
             term = next((k for k in _TERMINATED_NAMES if k in spec), None)
             trunc = next((k for k in _TRUNCATED_NAMES if k in spec), None)
             done = next((k for k in _DONE_NAMES if k in spec), None)
+            if term is None and trunc is None and done is None and _RLDS_LAST in spec:
+                terminal = _RLDS_TERMINAL if _RLDS_TERMINAL in spec else None
+                return EpisodeFlags(done=_RLDS_LAST, terminated=terminal).resolve(spec, where)
             if term is None and trunc is None and done is None:
                 raise InvalidStoreError(
                     f"{where}: no end-of-episode flag leaf found; the leaves are {leaves}. "
@@ -246,6 +257,25 @@ class EpisodeFlags:
 
     def tag(self) -> str:
         return json.dumps([self.done, self.terminated, self.truncated])
+
+
+def source_episodes(source: Any) -> EpisodeIndex | None:
+    """The episodes a step source knows itself, or None.
+
+    An ``episodes`` attribute that is an :class:`EpisodeIndex` (Minari,
+    LeRobot), or ``episode_ends``/``episode_terminated`` arrays, which stores
+    below this layer (RLDS) expose without depending on it.
+    """
+    own = getattr(source, "episodes", None)
+    if isinstance(own, EpisodeIndex) and own.num_steps == len(source):
+        return own
+    ends = getattr(source, "episode_ends", None)
+    if isinstance(ends, np.ndarray) and (ends[-1] if ends.size else 0) == len(source):
+        terminated = getattr(source, "episode_terminated", None)
+        if not isinstance(terminated, np.ndarray) or terminated.shape != ends.shape:
+            terminated = np.zeros(ends.shape, bool)
+        return EpisodeIndex(ends, terminated)
+    return None
 
 
 def episode_cache_path(path: str) -> str:
@@ -348,8 +378,13 @@ def build_episode_index(
     """
     if block_rows <= 0:
         raise InvalidArgumentError(f"block_rows must be positive, got {block_rows}")
+    given = EpisodeFlags(done_key, terminated_key, truncated_key)
+    if not given.keys and getattr(source, "episode_ends", None) is not None:
+        known = source_episodes(source)  # a store that indexed its episodes itself (RLDS)
+        if known is not None:
+            return known
     access = LeafAccess(source)
-    flags = EpisodeFlags(done_key, terminated_key, truncated_key).resolve(access.spec, access.where)
+    flags = given.resolve(access.spec, access.where)
     n = len(source)
     path = local_path(source) if cache else None
     cache_file = fingerprint = None

@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError
+from grain_replay.errors import InvalidStoreError
+from grain_replay.formats import import_optional
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._jpeg import decode_jpegs
 from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.readers import Handle, LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["ArrowEpisodeHandle", "arrow_layout", "episode_files"]
 
@@ -22,15 +24,13 @@ _LEAF = {"type": "leaf"}
 
 
 def pyarrow() -> Any:
-    try:
-        import pyarrow as pa
-        import pyarrow.ipc
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Reading Minari datasets in Arrow format needs pyarrow. Fix: pip install "
-            "'grain-replay[rl]' (or pip install pyarrow)."
-        ) from e
-    return pa
+    """``pyarrow`` with ``pyarrow.ipc`` loaded, or MissingDependencyError with the install hint."""
+    hint = (
+        "Reading Minari datasets in Arrow format needs pyarrow. Fix: pip install "
+        "'grain-replay[rl]' (or pip install pyarrow)."
+    )
+    import_optional("pyarrow.ipc", hint)
+    return import_optional("pyarrow", hint)
 
 
 def episode_files(data_dir: str) -> list[list[str]]:
@@ -289,13 +289,7 @@ class ArrowEpisodeHandle(Handle):
             return []
         episode = np.searchsorted(self.ends, indices, side="right")
         local = indices - self.starts[episode] + offset
-        order = np.argsort(episode, kind="stable")
-        eps = episode[order]
-        cuts = np.flatnonzero(np.r_[True, eps[1:] != eps[:-1]])
-        return [
-            (int(eps[a]), order[a:b], local[order[a:b]])
-            for a, b in zip(cuts, np.r_[cuts[1:], len(order)])
-        ]
+        return [(ep, pos, local[pos]) for ep, pos in runs(episode)]
 
     def _table(self, ep: int) -> Any:
         return self._tables[ep]

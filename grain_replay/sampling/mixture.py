@@ -19,7 +19,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.batches import CACHED_ORDER_MAX_RECORDS
-from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.replay import StoreLength
 
@@ -256,7 +256,7 @@ class MixtureSampler:
         order = self._orders.get((s, epoch))
         if order is None:
             n = self.sizes[s]
-            order = permute(np.arange(n), n, self._source_seed(s), epoch).astype(np.int32)
+            order = epoch_order(n, self._source_seed(s), epoch)
             # Keep this and the previous epoch of each source (a batch may span both).
             self._orders = {k: v for k, v in self._orders.items() if k[0] != s or k[1] >= epoch - 1}
             self._orders[(s, epoch)] = order

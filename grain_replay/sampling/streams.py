@@ -68,33 +68,30 @@ class _MixtureStream(_SelfStatedStream):
         }
 
 
-class _UniformStream(_SelfStatedStream):
-    kind = "uniform"
-    sampler: UniformSampler
+class _ReplayStream:
+    """A replay buffer's stream: its sampler, the reader of its rows, a fixed description."""
 
-    def __init__(self, sampler: UniformSampler, reader: RowReader, describe: dict[str, Any]):
+    def __init__(self, sampler: Any, reader: RowReader, describe: dict[str, Any]):
         self.sampler = sampler
         self.reader = reader
         self._describe = describe
 
     def describe(self) -> dict[str, Any]:
         return self._describe
+
+
+class _UniformStream(_ReplayStream, _SelfStatedStream):
+    kind = "uniform"
+    sampler: UniformSampler
 
     def draw(self, step: int) -> tuple[Any, Any]:
         rows = self.sampler.draw()
         return (rows, self.sampler.bound), None  # the reader's task: rows and their bound
 
 
-class _PriorityStream:
+class _PriorityStream(_ReplayStream):
     kind = "prioritized"
-
-    def __init__(self, sampler: PrioritySampler, reader: RowReader, describe: dict[str, Any]):
-        self.sampler = sampler
-        self.reader = reader
-        self._describe = describe
-
-    def describe(self) -> dict[str, Any]:
-        return self._describe
+    sampler: PrioritySampler
 
     def draw(self, step: int) -> tuple[Any, Any]:
         index, weight = self.sampler.draw(step)

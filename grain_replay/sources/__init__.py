@@ -10,6 +10,10 @@ from grain_replay.formats import detect_format
 from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
+from grain_replay.sources.npz import NpzDataSource
+from grain_replay.sources.rlds import RLDSDataSource
+from grain_replay.sources.torchrl import TorchRLDataSource
+from grain_replay.sources.vault import VaultDataSource
 from grain_replay.sources.zarr import ZarrDataSource
 
 __all__ = [
@@ -18,6 +22,10 @@ __all__ = [
     "SourceSurface",
     "HDF5DataSource",
     "NpyDataSource",
+    "RLDSDataSource",
+    "NpzDataSource",
+    "TorchRLDataSource",
+    "VaultDataSource",
     "ZarrDataSource",
     "detect_format",
     "open_source",
@@ -34,8 +42,9 @@ def open_source(
     """Opens ``path`` with the source class its contents call for.
 
     Args:
-      path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, or an URL
-        ending in ``.zarr`` / ``.h5``.
+      path: an HDF5 file, a ``.npy`` file or directory, a Zarr group, a TFDS-built
+        RLDS dataset folder, an ``.npz`` archive, a torchrl buffer dump, a flashbax
+        Vault, or an URL ending in ``.zarr`` / ``.h5``.
       keys: leaves (or groups) to read; default all.
       storage_options: fsspec options for URLs.
       **kwargs: passed to the source class (e.g. ``cache_bytes``).
@@ -47,7 +56,11 @@ def open_source(
     classes: dict[str, type[ReplaySource]] = {
         "hdf5": HDF5DataSource,
         "npy": NpyDataSource,
+        "npz": NpzDataSource,
+        "torchrl": TorchRLDataSource,
+        "vault": VaultDataSource,
         "zarr": ZarrDataSource,
+        "rlds": RLDSDataSource,
     }
     cls = classes[detect_format(path)]
     if storage_options is not None:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.layout import LeafSpec
+from grain_replay.rl._access import LeafAccess
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -273,22 +273,6 @@ def worker_threads() -> int:
     return max(1, min(_MAX_THREADS, cpus))
 
 
-def _flat_reader(source: Any, keys: Sequence[str]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
-    """rows -> ``{key: array}``: the source's ``read_flat`` if it has one, else ``read_batch``."""
-    read_flat = getattr(source, "read_flat", None)
-    if read_flat is not None and list(getattr(source, "keys", ())) == list(keys):
-        return read_flat
-    read_leaf = getattr(source, "read_leaf", None)
-    if read_leaf is not None:
-        return lambda rows: {k: read_leaf(k, rows) for k in keys}
-
-    def read(rows: np.ndarray) -> dict[str, np.ndarray]:
-        flat, _ = tree_lib.flatten(source.read_batch(rows))
-        return {k: np.asarray(flat[k]) for k in keys}
-
-    return read
-
-
 def scan(
     source: Any,
     spec: Mapping[str, LeafSpec],
@@ -319,11 +303,11 @@ def scan(
     # One accumulator per leaf and thread: each thread reduces its slice of every block.
     moments = [{key: _Moments(spec[key].dtype, sizes[key]) for key in keys} for _ in range(threads)]
     samples: dict[str, list[np.ndarray]] = {key: [] for key in keys}
-    read = _flat_reader(source, keys)
+    access = LeafAccess(source)
     blocks = [(a, min(a + block, stop)) for a in range(start, stop, block)]
 
     def load(a: int, b: int) -> dict[str, np.ndarray]:
-        got = read(np.arange(a, b, dtype=np.int64))
+        got = access.take(dict.fromkeys(keys, np.arange(a, b, dtype=np.int64)))
         return {key: np.asarray(got[key]).reshape(b - a, sizes[key]) for key in keys}
 
     def reduce(t: int, got: dict[str, np.ndarray], a: int, b: int) -> None:

@@ -73,6 +73,11 @@ class ReplayWriter:
             raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
             on_disk = detect_format(self._path)
+            if on_disk not in FORMATS:  # e.g. an RLDS dataset: read-only here
+                raise InvalidStoreError(
+                    f"{self._path} is a {on_disk} dataset, which grain_replay reads but does "
+                    f"not append to (it writes {list(FORMATS)}). Fix: write to another path."
+                )
             if format is not None and format != on_disk:
                 raise InvalidStoreError(
                     f"{self._path} is a {on_disk} store but format={format!r} was given. "

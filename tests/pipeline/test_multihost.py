@@ -114,3 +114,24 @@ def test_two_processes_read_every_record_once_per_epoch(tmp_path: Path, n: int) 
         np.testing.assert_array_equal(np.sort(global_ids), np.sort(halves))
     # A shuffled epoch, not the records in order.
     assert not np.array_equal(seen, np.arange(len(seen)))
+
+
+def test_two_processes_read_an_rlds_dataset_once_per_epoch(tmp_path: Path) -> None:
+    from rlds_fixture import write_rlds_columns
+
+    n, b = 96, 8
+    store = write_rlds_columns(
+        tmp_path / "rlds",
+        {
+            "id": np.arange(n, dtype=np.int32),
+            "obs": np.random.default_rng(0).standard_normal((n, 3)).astype(np.float32),
+            "reward": (np.arange(n) * 0.5).astype(np.float32),
+        },
+        lengths=[10, 30, 7, 25, 24],
+        shards=3,
+    )
+    assert isinstance(gr.open_source(store), gr.RLDSDataSource)
+    results = _run_job(store, b, tmp_path)
+    seen = np.concatenate([np.array(r["local_ids"]).ravel() for r in results])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+    np.testing.assert_array_equal(results[0]["global_ids"], results[1]["global_ids"])

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grain_replay.pipeline.shuffle import permute
+from grain_replay.pipeline import shuffle
+from grain_replay.pipeline.shuffle import epoch_order, permute
 
 LARGE_N = [2**16, 2**16 + 1, 1_000_003, 2**21 - 1]
 
@@ -142,3 +143,93 @@ def test_permute_pairs_are_not_correlated_over_seeds() -> None:
         a, b = permute(np.arange(2), n, seed, 0)
         hits += int(b == a + 1)
     assert hits < 4 * trials / n, hits
+
+
+# -- the fast evaluation: the same permutation as its definition --------------------------
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _finalizer(x: int) -> int:
+    """splitmix64's output function."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _splitmix(x: int) -> int:
+    return _finalizer((x + _GOLDEN) & _M64)
+
+
+def _definition(position: int, n: int, seed: int, epoch: int) -> int:
+    """The permutation as the module docstring defines it, one Python int at a time.
+
+    Six Feistel rounds over the next even power of two, round ``r`` keyed by
+    splitmix64 of (splitmix64 of (splitmix64 of the seed, xor the epoch) + r), its
+    function the splitmix64 finalizer of (half xor key); cycle-walked into [0, n).
+    """
+    if n <= 1:
+        return position
+    bits = max(2, (n - 1).bit_length())
+    bits += bits & 1
+    half = bits // 2
+    mask = (1 << half) - 1
+    base = _splitmix(_splitmix(seed & _M64) ^ (epoch & _M64))
+    keys = [_splitmix(base + r) for r in range(6)]
+    x = position
+    while True:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_finalizer(right ^ k) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+@pytest.mark.parametrize(
+    "n, seed, epoch",
+    [(2, 0, 0), (3, 1, 2), (37, 5, 0), (300, 7, 3), (1000, 2**63 + 11, 2**40), (4097, 2, 9)],
+)
+def test_permute_and_epoch_order_follow_the_definition(n: int, seed: int, epoch: int) -> None:
+    want = [_definition(i, n, seed, epoch) for i in range(n)]
+    np.testing.assert_array_equal(permute(np.arange(n), n, seed, epoch), want)
+    order = epoch_order(n, seed, epoch)
+    assert order.dtype == np.int32
+    np.testing.assert_array_equal(order, want)
+
+
+@pytest.mark.parametrize("n", [2**20 + 3, 2**33 + 5, 2**40 + 7])
+def test_permute_follows_the_definition_for_large_n(n: int) -> None:
+    # 2**33 and 2**40 have halves too wide for lookup tables: the direct network runs.
+    pos = np.random.default_rng(n).integers(0, n, 64)
+    want = [_definition(int(p), n, 3, 4) for p in pos]
+    np.testing.assert_array_equal(permute(pos, n, 3, 4), want)
+    np.testing.assert_array_equal(permute(pos.reshape(8, 8), n, 3, 4), np.reshape(want, (8, 8)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 255, 256, 257, 20_000, 65_537])
+def test_epoch_order_equals_permute_of_every_position(n: int) -> None:
+    order = epoch_order(n, 11, 2)
+    assert order.dtype == np.int32
+    np.testing.assert_array_equal(order, permute(np.arange(n), n, 11, 2))
+
+
+def test_epoch_order_without_the_grid_and_permute_without_tables_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = 3000
+    want = permute(np.arange(n), n, 8, 1)
+    monkeypatch.setattr(shuffle, "_GRID_MAX", 16)  # epoch_order falls back to permute
+    np.testing.assert_array_equal(epoch_order(n, 8, 1), want)
+    monkeypatch.setattr(shuffle, "_TABLE_BITS", 0)  # every round computed, not looked up
+    np.testing.assert_array_equal(permute(np.arange(n), n, 8, 1), want)
+    np.testing.assert_array_equal(epoch_order(n, 8, 1), want)
+
+
+def test_permute_in_several_blocks_equals_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 5000
+    want = epoch_order(n, 4, 4)
+    monkeypatch.setattr(shuffle, "_BLOCK", 64)  # rows of the grid and blocks of positions
+    np.testing.assert_array_equal(epoch_order(n, 4, 4), want)
+    np.testing.assert_array_equal(permute(np.arange(n), n, 4, 4), want)

@@ -329,6 +329,21 @@ def test_delta_timestamps_off_the_frame_grid_or_unknown_are_refused(dataset: Any
         gr.LeRobotDataSource(dataset[0], delta_timestamps={CAM: [0.0]}, keys=["action"])
 
 
+def test_delta_timestamps_become_whole_frames_within_tolerance_s(dataset: Any) -> None:
+    """Seconds become frames once, by this source's tolerance_s (not the view's 1e-4 s)."""
+    root, expected = dataset
+    near = {"action": [-0.1 + 3e-3, 0.0, 0.2 - 4e-3]}
+    src = gr.LeRobotDataSource(root, delta_timestamps=near, tolerance_s=5e-3)
+    assert src.delta_timestamps == near  # as given
+    idx = np.array([0, 5, 13])
+    got = src.read_batch(idx)["action"]
+    for j, i in enumerate(idx):
+        rows, _ = _lerobot_rows(int(i), [-1, 0, 2])
+        np.testing.assert_array_equal(got[j], expected["columns"]["action"][rows])
+    with pytest.raises(InvalidArgumentError, match=r"tolerance_s=0\.001.*multiples of 1/fps"):
+        gr.LeRobotDataSource(root, delta_timestamps=near, tolerance_s=1e-3)
+
+
 # -- the source contract ----------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.rl.lerobot.meta import DataFile, pyarrow_parquet
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["ParquetFiles", "Segments", "ColumnReader", "column_to_numpy"]
 
@@ -194,11 +195,6 @@ class ColumnReader(LeafReader):
         if lo == hi:
             return np.take(self._block(lo), indices - starts[lo], axis=0)
         out = np.empty((len(indices), *self._shape), dtype=self._dtype)
-        order = np.argsort(seg, kind="stable")
-        sorted_seg = seg[order]
-        cuts = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
-        for a, b in zip(cuts, np.r_[cuts[1:], len(indices)]):
-            s = int(sorted_seg[a])
-            pos = order[a:b]
+        for s, pos in runs(seg):
             out[pos] = np.take(self._block(s), indices[pos] - starts[s], axis=0)
         return out

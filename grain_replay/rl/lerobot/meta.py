@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
+from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.formats import import_optional
 
 __all__ = ["Camera", "DataFile", "LeRobotMeta", "camera_shape", "read_meta", "pyarrow_parquet"]
 
@@ -24,14 +25,11 @@ VIDEO, IMAGE, STRING = "video", "image", "string"
 
 def pyarrow_parquet() -> Any:
     """``pyarrow.parquet``, or MissingDependencyError with the install hint."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Reading LeRobot datasets needs pyarrow. Fix: pip install pyarrow av "
-            "(or grain_replay[rl])."
-        ) from e
-    return pq
+    return import_optional(
+        "pyarrow.parquet",
+        "Reading LeRobot datasets needs pyarrow. Fix: pip install pyarrow av "
+        "(or grain_replay[rl]).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

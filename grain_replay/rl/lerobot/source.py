@@ -11,6 +11,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidStoreError
 from grain_replay.layout import LeafSpec
+from grain_replay.rl._sequence_spec import frame_offset
 from grain_replay.rl.episodes import EpisodeIndex
 from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
 from grain_replay.rl.lerobot.images import EncodedCache, ImageReader
@@ -246,15 +247,11 @@ class LeRobotDataSource(ReplaySource):
             self._path, keys=self._requested_keys, tolerance_s=self._tolerance_s,
             cache_bytes=self._cache_bytes, frame_cache_bytes=self._frame_cache_bytes,
         )  # fmt: skip
-        self._check_delta(delta, frames)
+        offsets = self._offsets(delta, frames)
         self._meta = frames._meta
         self._frames = frames
-        fps = frames.fps
-        # Whole frames in seconds (LeRobot's round(dt * fps)), so that the view's own
-        # 0.1 ms check agrees with this source's tolerance_s.
-        exact = {k: [round(d * fps) / fps for d in v] for k, v in delta.items()}
         self._seq = SequenceDataSource(
-            frames, delta_timestamps=exact, fps=fps, pad="edge", episodes=frames.episodes
+            frames, offsets, fps=frames.fps, pad="edge", episodes=frames.episodes
         )
         # LeRobot's record: every feature, the delta keys with a time axis and a mask.
         seq_spec = self._seq.spec
@@ -268,7 +265,11 @@ class LeRobotDataSource(ReplaySource):
         treedef = {"type": "dict", "keys": list(spec), "children": [{"type": "leaf"} for _ in spec]}
         return Layout(len(frames), spec, treedef, {k: k for k in spec})
 
-    def _check_delta(self, delta: Mapping[str, list[float]], frames: LeRobotDataSource) -> None:
+    def _offsets(
+        self, delta: Mapping[str, list[float]], frames: LeRobotDataSource
+    ) -> dict[str, list[int]]:
+        """``delta_timestamps`` in whole frames, converted once (LeRobot's ``round(dt * fps)``,
+        each within this source's ``tolerance_s`` of a frame)."""
         unknown = [k for k in delta if k not in frames.spec]
         if unknown:
             raise InvalidArgumentError(
@@ -276,10 +277,8 @@ class LeRobotDataSource(ReplaySource):
                 f"from the dataset. Features: {frames.keys}. Fix: pick keys from that list."
             )
         fps = frames.fps
-        off = {
-            k: [d for d in v if abs(d * fps - round(d * fps)) / fps > self._tolerance_s]
-            for k, v in delta.items()
-        }
+        got = {k: [(d, *frame_offset(d, fps)) for d in v] for k, v in delta.items()}
+        off = {k: [d for d, _, miss in v if miss > self._tolerance_s] for k, v in got.items()}
         off = {k: v for k, v in off.items() if v}
         if off:
             raise InvalidArgumentError(
@@ -287,6 +286,7 @@ class LeRobotDataSource(ReplaySource):
                 f"tolerance_s={self._tolerance_s}). Fix: use multiples of 1/fps, e.g. "
                 f"{[round(i / fps, 6) for i in range(-2, 1)]}."
             )
+        return {k: [steps for _, steps, _ in v] for k, v in got.items()}
 
     def _set_layout(self, full: Layout) -> None:
         if self._delta is None:

@@ -14,26 +14,24 @@ import numpy as np
 from grain_replay.errors import (
     FrameTimestampError,
     InvalidStoreError,
-    MissingDependencyError,
     StoreNotFoundError,
 )
+from grain_replay.formats import import_optional
 from grain_replay.rl.lerobot.meta import Camera
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.runs import runs
 
 __all__ = ["VideoFiles", "VideoReader", "decode_at", "import_av"]
 
 
 def import_av() -> Any:
     """The ``av`` module (PyAV), or MissingDependencyError with the install hint."""
-    try:
-        import av
-    except ImportError as e:
-        raise MissingDependencyError(
-            "Decoding LeRobot camera videos needs PyAV. Fix: pip install av (or "
-            "grain_replay[rl]), or leave the cameras out with keys=[...]."
-        ) from e
-    return av
+    return import_optional(
+        "av",
+        "Decoding LeRobot camera videos needs PyAV. Fix: pip install av (or "
+        "grain_replay[rl]), or leave the cameras out with keys=[...].",
+    )
 
 
 class _Frame:
@@ -224,11 +222,9 @@ class VideoReader(LeafReader):
         ep = np.searchsorted(self._ends, indices, side="right")
         times = self._cam.from_timestamp[ep] + self._timestamps.take(indices).astype(np.float64)
         fid = self._file_of_episode[ep]
-        # One stable sort cuts the batch into its files (positions kept in batch order).
-        order = np.argsort(fid, kind="stable")
-        cuts = np.flatnonzero(np.diff(fid[order])) + 1
-        for pos in np.split(order, cuts):
-            self._fill(int(fid[pos[0]]), times[pos], ep[pos], indices[pos], pos, out)
+        # The batch cut into its files (positions kept in batch order).
+        for f, pos in runs(fid):
+            self._fill(f, times[pos], ep[pos], indices[pos], pos, out)
         return out
 
     def _key(self, f: int, t: float) -> tuple[str, int]:

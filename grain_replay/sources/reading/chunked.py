@@ -11,33 +11,15 @@ import numpy as np
 from grain_replay.sources.reading import readahead
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import ArrayReader, LeafReader, advise_random
+from grain_replay.sources.reading.runs import group_runs, runs
 from grain_replay.sources.reading.stitch import Stitched, stitch
 
-__all__ = ["ChunkedLeafReader", "SegmentedReader", "group_by_chunk", "mapped_reader"]
+__all__ = ["ChunkedLeafReader", "SegmentedReader", "mapped_reader"]
 
 
 # A batch's missing blocks are decoded in groups of at most this many bytes, or
 # the cache bound if larger (the blocks of a group decode in parallel).
 _MIN_GROUP_BYTES = 64 * 2**20
-
-
-def group_by_chunk(
-    indices: np.ndarray, chunk_rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Groups row indices by chunk.
-
-    Returns:
-      ``(chunk_ids, order, bounds)``: the sorted unique chunk ids, a permutation
-      of positions in ``indices`` sorted by chunk, and the split points so that
-      ``order[bounds[j]:bounds[j+1]]`` are the positions falling in
-      ``chunk_ids[j]``.
-    """
-    cid = indices // chunk_rows
-    order = np.argsort(cid, kind="stable")
-    sorted_cid = cid[order]
-    starts = np.flatnonzero(np.r_[True, sorted_cid[1:] != sorted_cid[:-1]])
-    bounds = np.r_[starts, len(indices)]
-    return sorted_cid[starts], order, bounds
 
 
 class ChunkedLeafReader(LeafReader):
@@ -93,7 +75,7 @@ class ChunkedLeafReader(LeafReader):
         if dense is not None:
             return self._take_dense(indices, *dense)
         out = np.empty((len(indices), *self._row_shape), dtype=self._dtype)
-        chunk_ids, order, bounds = group_by_chunk(indices, self._chunk_rows)
+        chunk_ids, order, bounds = group_runs(indices // self._chunk_rows)
         rows = self._chunk_rows
         missing = []
         for j, c in enumerate(chunk_ids):
@@ -172,16 +154,11 @@ class SegmentedReader(LeafReader):
         if len(indices) == 0:
             return self._segments[0][:0].copy()
         seg = np.searchsorted(self._starts, indices, side="right") - 1
-        order = np.argsort(seg, kind="stable")
-        sorted_seg = seg[order]
-        cuts = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
         first = self._segments[0]
         out = np.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
         groups = []
         timed = True
-        for lo, hi in zip(cuts, np.r_[cuts[1:], len(indices)]):
-            j = int(sorted_seg[lo])
-            pos = order[lo:hi]
+        for j, pos in runs(seg):
             groups.append((j, pos, indices[pos] - self._starts[j]))
             # Every segment's cold rows are asked for before any is gathered.
             ahead = self._aheads[j]

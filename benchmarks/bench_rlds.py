@@ -1,0 +1,174 @@
+"""RLDSDataSource (no TensorFlow) vs TFDS's own readers on one RLDS dataset, ratios in one run.
+
+Two 128x128 JPEG cameras per step, random steps, batches of 256: our reader through
+``make_data_loader`` (``--workers`` processes) against the ``tf.data`` pipeline octo and
+openpi use (``as_dataset`` + flat_map to steps + shuffle buffer + batch, images decoded by
+TF's own thread pool) and against ``as_data_source()`` random access (ArrayRecord shards of
+the same dataset). Also with 16-step action chunks (``SequenceDataSource`` vs octo's
+trajectory transform), the index build against a sequential read of the shards, and the
+reader's peak RSS. The datasets are written by TFDS itself in the rlds venv.
+
+Usage: python benchmarks/bench_rlds.py --peer-python .venv-rlds/bin/python
+       [--episodes 40] [--length 50] [--batches 8] [--workers 2] [--keep DIR]
+Targets (issue 25): >= 5x tf.data, >= 20x as_data_source, >= 5x with action chunks,
+index build >= 0.5x sequential read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+import grain_replay as gr  # noqa: E402
+from grain_replay.sources.rlds import index as index_lib  # noqa: E402
+from grain_replay.sources.rlds.images import jpeg_decoder  # noqa: E402
+
+BATCH = 256
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rlds_peer.py")
+KEYS = ["observation/image", "observation/wrist_image", "observation/state", "action"]
+
+
+def _peer(python: str, *args: str) -> str:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([python, PEER, *args], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _rate(loader: Any, batches: int) -> float:
+    it = iter(loader)
+    for _ in range(2):  # warm-up: workers started, handles open
+        next(it)
+    t = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return batches * BATCH / (time.perf_counter() - t)
+
+
+def ours(path: str, batches: int, workers: int, chunk: int = 0) -> float:
+    src: Any = gr.RLDSDataSource(path, keys=KEYS, progress=False)
+    if chunk:
+        offsets = {k: [0] for k in KEYS if k != "action"}
+        offsets["action"] = list(range(chunk))
+        src = gr.SequenceDataSource(src, offsets=offsets, pad="edge")
+    loader = gr.make_data_loader(
+        src, batch_size=BATCH, shuffle=True, seed=0, num_epochs=None, worker_count=workers
+    )
+    return _rate(loader, batches)
+
+
+def index_build(path: str) -> tuple[float, float]:
+    """MB/s of building the index (CRCs checked) and of reading the shards sequentially."""
+    src = gr.RLDSDataSource(path, progress=False)
+    shards, feats = src.shards, src.features
+    total = sum(os.path.getsize(p) for p in shards)
+    t = time.perf_counter()
+    for p in shards:
+        with open(p, "rb") as f:
+            while f.read(1 << 22):
+                pass
+    read = total / (time.perf_counter() - t) / 1e6
+    t = time.perf_counter()
+    index_lib.build_index(path, shards, feats, use_cache=False, progress=False, threads=1)
+    build = total / (time.perf_counter() - t) / 1e6
+    return build, read
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer-python", required=True)
+    p.add_argument("--episodes", type=int, default=40)
+    p.add_argument("--length", type=int, default=50)
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--keep", default=None)
+    a = p.parse_args(argv)
+    root = a.keep or tempfile.mkdtemp(prefix="bench_rlds_")
+    try:
+        common = ["--episodes", str(a.episodes), "--length", str(a.length)]
+        paths = {}
+        for fmt in ("tfrecord", "array_record"):
+            target = os.path.join(root, fmt)
+            found = os.path.join(target, "bench_rlds", "1.0.0")
+            if not os.path.exists(os.path.join(found, "features.json")):
+                found = _peer(a.peer_python, "write", target, *common, "--format", fmt)
+            paths[fmt] = found
+        tfr = paths["tfrecord"]
+        gr.RLDSDataSource(tfr, progress=False)  # the index, built once and cached
+        b = str(a.batches)
+        rows: dict[str, list[float]] = {}
+        for _ in range(a.repeats):
+            for name, fn in (
+                ("ours", lambda: ours(tfr, a.batches, a.workers)),
+                ("ours, 0 workers", lambda: ours(tfr, a.batches, 0)),
+                ("ours, 16-step chunks", lambda: ours(tfr, a.batches, a.workers, 16)),
+                (
+                    "tf.data",
+                    lambda: json.loads(_peer(a.peer_python, "tfdata", tfr, "--batches", b)),
+                ),
+                (
+                    "tf.data, 16-step chunks",
+                    lambda: json.loads(
+                        _peer(a.peer_python, "tfdata", tfr, "--batches", b, "--chunk", "16")
+                    ),
+                ),
+                (
+                    "as_data_source",
+                    lambda: json.loads(
+                        _peer(a.peer_python, "datasource", paths["array_record"], "--batches", "1")
+                    ),
+                ),
+            ):
+                got = fn()
+                rows.setdefault(name, []).append(
+                    got["steps_per_s"] if isinstance(got, dict) else got
+                )
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        build, read = index_build(tfr)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        n = a.episodes * a.length
+        print(
+            f"RLDS, {a.episodes} episodes x {a.length} steps ({n} steps), two 128x128 JPEG "
+            f"cameras, batch {BATCH}, {a.workers} workers (ours), medians of {a.repeats}; "
+            f"JPEG decoder: {'simplejpeg' if jpeg_decoder() else 'Pillow'}"
+        )
+        print(f"{'reader':<26}{'steps/s':>10}")
+        for k, v in med.items():
+            print(f"{k:<26}{v:>10.0f}")
+        print(
+            f"ratio ours / tf.data:                 {med['ours'] / med['tf.data']:.2f}x (target 5x)"
+        )
+        print(
+            f"ratio ours / as_data_source:          {med['ours'] / med['as_data_source']:.1f}x "
+            "(target 20x)"
+        )
+        chunks = med["ours, 16-step chunks"] / med["tf.data, 16-step chunks"]
+        print(f"ratio with 16-step chunks:            {chunks:.2f}x (target 5x)")
+        print(
+            f"index build {build:.0f} MB/s vs sequential read {read:.0f} MB/s: "
+            f"{build / read:.2f}x (target 0.5x)"
+        )
+        print(f"peak RSS of this process (main side, workers excluded): {rss:.0f} MiB")
+    finally:
+        if a.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

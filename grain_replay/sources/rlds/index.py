@@ -1,0 +1,299 @@
+"""The step index of an RLDS dataset: where each episode and each step's values sit in the shards.
+
+Built once per shard (in threads, with a progress bar) and cached: beside the
+dataset in ``.grain_replay_rlds/`` when the folder is writable, else in
+``$XDG_CACHE_HOME/grain_replay/rlds/<hash>/`` (default ``~/.cache``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
+from grain_replay.sources.rlds.example import FeatureValues, WireError, parse_example
+from grain_replay.sources.rlds.features import STEPS, Feature
+from grain_replay.sources.rlds.tfrecord import iter_records
+
+__all__ = ["Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+CACHE_FOLDER = ".grain_replay_rlds"
+
+
+def cache_dirs(root: str) -> list[str]:
+    """Where the index of the dataset at ``root`` is cached, first choice first."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
+    return [os.path.join(root, CACHE_FOLDER), os.path.join(base, "grain_replay", "rlds", digest)]
+
+
+def _per_record(f: Feature) -> int:
+    """Values of ``f`` per record (step or episode) in the Example."""
+    return 1 if f.kind in ("image", "raw") else f.size
+
+
+def _as_dtype(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if dtype == np.bool_:
+        return values != 0
+    if dtype == np.uint64:
+        return values.view(np.uint64)
+    return values.astype(dtype)
+
+
+@dataclasses.dataclass
+class ShardIndex:
+    """One shard's index: ``arrays`` keyed ``"n_steps"`` and ``"<leaf>#<what>"``."""
+
+    arrays: dict[str, np.ndarray]
+
+
+def index_shard(
+    path: str, features: Sequence[Feature], *, check_crc: bool = True, fmt: str = "tfrecord"
+) -> ShardIndex:
+    """Reads the shard ``path`` once and records where every value sits.
+
+    Per episode: the step count, and for each float leaf the file offset of its
+    first value and the stride (4 packed, 5 unpacked); for each bytes leaf
+    (images, text, encoded tensors) the offset and length of every element;
+    int64 leaves (flags, ids) are decoded here, in their declared dtype.
+
+    Raises:
+      InvalidStoreError: a bad CRC, a truncated record, a record that is not a
+        ``tf.train.Example``, or a feature missing or of the wrong size, naming
+        the file, the record's offset and the feature.
+    """
+    wanted = {f.name for f in features}
+    step_feats = [f for f in features if f.level == STEPS]
+    n_steps: list[int] = []
+    parts: dict[str, list[np.ndarray]] = {}
+
+    def add(name: str, value: Any) -> None:
+        parts.setdefault(name, []).append(np.asarray(value).reshape(-1))
+
+    records = (
+        iter_array_records(path)
+        if fmt == "array_record"
+        else iter_records(path, check_crc=check_crc)
+    )
+    for data_off, data in records:
+        where = (
+            f"{path}: record {data_off >> RECORD_SHIFT}"
+            if fmt == "array_record"
+            else f"{path}: the episode at byte offset {data_off - 12}"
+        )
+        try:
+            parsed = parse_example(data, wanted)
+        except WireError as e:
+            raise InvalidStoreError(
+                f"{where} is not a tf.train.Example ({e}). Fix: the shard is corrupt; copy it "
+                "again or rebuild the dataset with TFDS."
+            ) from e
+        n = _episode_length(parsed, step_feats, where)
+        if n == 0:
+            continue  # an empty episode holds no step; its metadata has no record to ride on
+        n_steps.append(n)
+        for f in features:
+            count = n * _per_record(f) if f.level == STEPS else _per_record(f)
+            v = parsed.get(f.name)
+            _check(v, f, count, where)
+            assert v is not None
+            if f.wire == "float":
+                add(f"{f.key}#off", data_off + v.offset)
+                add(f"{f.key}#stride", np.uint8(v.stride))
+            elif f.wire == "int64":
+                assert v.values is not None
+                add(f"{f.key}#val", _as_dtype(v.values, f.dtype))
+            else:
+                assert v.offsets is not None and v.lengths is not None
+                add(f"{f.key}#off", data_off + v.offsets)
+                add(f"{f.key}#len", v.lengths.astype(np.uint32))
+    arrays = {"n_steps": np.asarray(n_steps, np.int64)}
+    empty = {"#off": np.int64, "#stride": np.uint8, "#len": np.uint32}
+    for f in features:
+        suffixes = {"float": ["#off", "#stride"], "int64": ["#val"]}.get(f.wire, ["#off", "#len"])
+        for s in suffixes:
+            got = parts.get(f.key + s)
+            dtype = f.dtype if s == "#val" else empty[s]
+            arrays[f.key + s] = np.concatenate(got) if got else np.zeros(0, dtype)
+    return ShardIndex(arrays)
+
+
+def _episode_length(parsed: dict[str, FeatureValues], steps: Sequence[Feature], where: str) -> int:
+    for f in steps:
+        v = parsed.get(f.name)
+        per = _per_record(f)
+        if v is not None and per > 0:
+            if v.count % per:
+                raise InvalidStoreError(
+                    f"{where}: feature {f.name!r} holds {v.count} values, not a whole number of "
+                    f"steps of {per}. Fix: the dataset does not match its features.json; "
+                    "rebuild it with TFDS."
+                )
+            return v.count // per
+    raise InvalidStoreError(
+        f"{where}: none of the step features {[f.name for f in steps]} is in the record. Fix: "
+        "the dataset does not match its features.json; rebuild it with TFDS."
+    )
+
+
+def _check(v: FeatureValues | None, f: Feature, count: int, where: str) -> None:
+    if v is None or (v.kind == "none" and count == 0):
+        if count == 0:
+            return
+        raise InvalidStoreError(
+            f"{where}: feature {f.name!r} is missing from the record. Fix: leave it out with "
+            f"keys=[...] (the other features), or rebuild the dataset with TFDS."
+        )
+    if v.kind not in (f.wire, "none") or v.count != count:
+        raise InvalidStoreError(
+            f"{where}: feature {f.name!r} holds {v.count} {v.kind} values, but features.json "
+            f"declares {count} {f.wire} values ({f.kind} {f.dtype}{list(f.shape)}). Fix: the "
+            "dataset does not match its features.json; rebuild it with TFDS."
+        )
+
+
+# -- the cache --------------------------------------------------------------------------
+
+
+def _signature(path: str, features: Sequence[Feature]) -> str:
+    st = os.stat(path)
+    feats = [[f.key, f.name, f.level, f.kind, f.dtype.str, list(f.shape)] for f in features]
+    return json.dumps(
+        {"v": _VERSION, "size": st.st_size, "mtime": st.st_mtime_ns, "features": feats}
+    )
+
+
+def _load_cached(file: str, signature: str) -> ShardIndex | None:
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            if str(z["__signature__"]) != signature:
+                return None
+            return ShardIndex({k: z[k] for k in z.files if k != "__signature__"})
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError) as e:
+        logger.info("%s: unreadable RLDS index cache (%s); rebuilding it", file, e)
+        return None
+
+
+def _save_cached(dirs: Sequence[str], name: str, index: ShardIndex, signature: str) -> None:
+    for d in dirs:
+        file = os.path.join(d, name + ".npz")
+        tmp = f"{file}.{os.getpid()}.{id(index)}.partial"
+        try:
+            os.makedirs(d, exist_ok=True)
+            with open(tmp, "wb") as f:
+                arrays: dict[str, Any] = {"__signature__": np.str_(signature), **index.arrays}
+                np.savez(f, **arrays)
+            os.replace(tmp, file)
+            return
+        except OSError as e:
+            logger.info("%s: cannot write the RLDS index cache here (%s)", d, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _load_cached_any(dirs: Sequence[str], name: str, signature: str) -> ShardIndex | None:
+    for d in dirs:
+        got = _load_cached(os.path.join(d, name + ".npz"), signature)
+        if got is not None:
+            return got
+    return None
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="indexing RLDS shards", unit="shard", leave=False)
+
+
+@dataclasses.dataclass
+class Index:
+    """The whole dataset's index: the shards' indexes, concatenated.
+
+    Memory: per episode 8 bytes for the step count plus 9 bytes per float leaf;
+    per step 12 bytes per element of an image, text or encoded leaf, and the
+    decoded int64 leaves (flags) in their own dtype. Float values and encoded
+    bytes stay on disk.
+    """
+
+    shards: list[str]
+    arrays: dict[str, np.ndarray]
+    # Episode e's shard, and its first step; ends[e] its exclusive end.
+    episode_shard: np.ndarray
+    ends: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.ends[-1]) if self.ends.size else 0
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.ends - self.arrays["n_steps"]
+
+
+def build_index(
+    root: str,
+    shards: Sequence[str],
+    features: Sequence[Feature],
+    *,
+    use_cache: bool = True,
+    check_crc: bool = True,
+    progress: bool = True,
+    threads: int | None = None,
+    fmt: str = "tfrecord",
+) -> Index:
+    """The index of ``shards`` (paths, in read order), from the cache or built in threads."""
+    dirs = cache_dirs(root)
+    workers = threads or max(1, min(8, len(os.sched_getaffinity(0)), len(shards)))
+    signatures = [_signature(p, features) for p in shards]
+    results: list[ShardIndex | None] = [
+        _load_cached_any(dirs, os.path.basename(p), sig) if use_cache else None
+        for p, sig in zip(shards, signatures)
+    ]
+    missing = [i for i, r in enumerate(results) if r is None]
+    bar = _progress(len(missing), progress and len(missing) > 1)
+
+    def build(i: int) -> ShardIndex:
+        index = index_shard(shards[i], features, check_crc=check_crc, fmt=fmt)
+        if use_cache:
+            _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
+        return index
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(build, i): i for i in missing}
+            for fut in concurrent.futures.as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    done = [r for r in results if r is not None]
+    keys = list(done[0].arrays) if done else ["n_steps"]
+    arrays = {k: np.concatenate([r.arrays[k] for r in done]) for k in keys} if done else {
+        "n_steps": np.zeros(0, np.int64)
+    }  # fmt: skip
+    shard_of = np.concatenate(
+        [np.full(len(r.arrays["n_steps"]), i, np.int32) for i, r in enumerate(done)]
+    ) if done else np.zeros(0, np.int32)  # fmt: skip
+    return Index(list(shards), arrays, shard_of, np.cumsum(arrays["n_steps"]))

@@ -1,0 +1,213 @@
+"""Leaf readers over the indexed shards: each batch reads only the bytes of its steps."""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from grain_replay.errors import InvalidStoreError, MissingDependencyError
+from grain_replay.sources.reading.pool import run_grouped
+from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.rlds.arrayrecord import RecordCache
+from grain_replay.sources.rlds.features import STEPS, Feature
+from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
+from grain_replay.sources.rlds.index import Index
+
+__all__ = ["Shards", "make_reader"]
+
+
+class Shards:
+    """The shard files of one process, opened on first use (thread-safe), read with pread."""
+
+    def __init__(self, paths: Sequence[str], sizes: Sequence[int]):
+        self.paths = list(paths)
+        self.sizes = list(sizes)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                path = self.paths[shard]
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                size = os.fstat(fd).st_size
+                if size != self.sizes[shard]:
+                    os.close(fd)
+                    raise InvalidStoreError(
+                        f"{path}: the shard has {size} bytes, but {self.sizes[shard]} when it "
+                        "was indexed: it changed under the source. Fix: create the source "
+                        "again (the index is rebuilt)."
+                    )
+                self._fds[shard] = fd
+            return fd
+
+    def read(self, shard: int, offset: int, n: int) -> bytes:
+        data = os.pread(self.fd(shard), n, offset)
+        if len(data) != n:
+            raise InvalidStoreError(
+                f"{self.paths[shard]}: truncated at byte offset {offset} (wanted {n} bytes, "
+                f"got {len(data)}): the shard shrank since it was indexed. Fix: copy it again "
+                "and create the source again."
+            )
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+class _Base(LeafReader):
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
+        self.f = f
+        self.index = index
+        self.shards = shards
+        self.step_level = f.level == STEPS
+
+    def _records(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(episode, step_in_episode, record)``: record is the step (step leaves) or the
+        episode (episode leaves) whose values are read."""
+        ends = self.index.ends
+        episode = np.searchsorted(ends, steps, side="right")
+        j = steps - (ends[episode] - self.index.arrays["n_steps"][episode])
+        return episode, j, steps if self.step_level else episode
+
+    def where(self, episode: int, j: int) -> str:
+        shard = int(self.index.episode_shard[episode])
+        first = int(np.searchsorted(self.index.episode_shard, shard, side="left"))
+        return (
+            f"{self.shards.paths[shard]}: episode {episode - first} of the shard (episode "
+            f"{episode} of the dataset), step {j}, feature {self.f.key!r}"
+        )
+
+
+class _IntReader(_Base):
+    """Int64-list leaves (flags, ids): decoded when indexed, gathered from memory."""
+
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
+        super().__init__(f, index, shards)
+        self.values = index.arrays[f.key + "#val"].reshape(-1, *f.shape)
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        _, _, rec = self._records(np.asarray(indices, np.int64))
+        return self.values[rec]
+
+
+class _FloatReader(_Base):
+    """Float-list leaves: ``prod(shape)`` float32 values per step, read with one pread each."""
+
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
+        super().__init__(f, index, shards)
+        self.off = index.arrays[f.key + "#off"]
+        self.stride = index.arrays[f.key + "#stride"]
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        episode, j, _ = self._records(idx)
+        size = self.f.size
+        shard = self.index.episode_shard[episode]
+        stride = self.stride[episode].astype(np.int64)
+        first = self.off[episode] + (j * size * stride if self.step_level else 0)
+        read = self.shards.read
+        if size == 0:
+            return np.zeros((len(idx), *self.f.shape), self.f.dtype)
+        if np.all(stride == 4):
+            raw = b"".join(
+                read(int(s), int(o), 4 * size) for s, o in zip(shard.tolist(), first.tolist())
+            )
+            vals = np.frombuffer(raw, "<f4")
+        else:
+            rows = []
+            for s, o, st in zip(shard.tolist(), first.tolist(), stride.tolist()):
+                b = np.frombuffer(read(int(s), int(o), st * size), np.uint8)
+                rows.append(b.reshape(size, st)[:, st - 4 :].copy().view("<f4").reshape(-1))
+            vals = np.concatenate(rows)
+        return vals.reshape(len(idx), *self.f.shape).astype(self.f.dtype)
+
+
+class _BytesReader(_Base):
+    """Bytes-list leaves: text, encoded tensors and images, one pread per element."""
+
+    def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
+        super().__init__(f, index, shards)
+        self.off = index.arrays[f.key + "#off"]
+        self.len = index.arrays[f.key + "#len"]
+        self.per = 1 if f.kind in ("image", "raw") else f.size
+
+    def _blobs(self, idx: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        episode, j, rec = self._records(idx)
+        per = self.per
+        elem = (rec[:, None] * per + np.arange(per)).reshape(-1)
+        shard = np.repeat(self.index.episode_shard[episode], per)
+        read = self.shards.read
+        blobs = [
+            read(s, o, n)
+            for s, o, n in zip(shard.tolist(), self.off[elem].tolist(), self.len[elem].tolist())
+        ]
+        return blobs, episode, j
+
+    @property
+    def dtype(self) -> np.dtype:
+        if self.f.kind == "text":
+            width = int(self.len.max()) if self.len.size else 1
+            return np.dtype(f"S{max(1, width)}")
+        return self.f.dtype
+
+    def take(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        blobs, episode, j = self._blobs(idx)
+        f = self.f
+        if f.kind == "text":
+            return np.array(blobs, dtype=self.dtype).reshape(len(idx), *f.shape)
+        if f.kind == "raw":
+            out = np.empty((len(idx), *f.shape), f.dtype)
+            for k, blob in enumerate(blobs):
+                try:
+                    data = zlib.decompress(blob) if f.compressed else blob
+                    out[k] = np.frombuffer(data, f.dtype.newbyteorder("<")).reshape(f.shape)
+                except (zlib.error, ValueError) as e:
+                    raise InvalidStoreError(
+                        f"{self.where(int(episode[k]), int(j[k]))}: the encoded tensor does "
+                        f"not decode to {f.dtype}{list(f.shape)} ({e}). Fix: the shard is "
+                        "corrupt; copy it again, or leave the feature out with keys=[...]."
+                    ) from e
+            return out
+        return self._images(blobs, episode, j)
+
+    def _images(self, blobs: list[bytes], episode: np.ndarray, j: np.ndarray) -> np.ndarray:
+        f = self.f
+        out = np.empty((len(blobs), *f.shape), f.dtype)
+        fast = jpeg_decoder()
+
+        def decode(k: int) -> None:
+            try:
+                out[k] = decode_image(blobs[k], f.shape, f.dtype, fast)
+            except MissingDependencyError:
+                raise
+            except Exception as e:  # the decoders raise many kinds for bad bytes
+                raise InvalidStoreError(
+                    f"{self.where(int(episode[k]), int(j[k]))}: the encoded image does not "
+                    f"decode to {f.dtype}{list(f.shape)} ({type(e).__name__}: {e}). Fix: the "
+                    "shard is corrupt; copy it again, or leave the feature out with keys=[...]."
+                ) from e
+
+        run_grouped(list(range(len(blobs))), decode)
+        return out
+
+
+def make_reader(f: Feature, index: Index, shards: Shards | RecordCache) -> LeafReader:
+    """The reader of leaf ``f``."""
+    if f.wire == "int64":
+        return _IntReader(f, index, shards)
+    if f.wire == "float":
+        return _FloatReader(f, index, shards)
+    return _BytesReader(f, index, shards)
