@@ -380,3 +380,23 @@ def test_a_many_writer_source_records_each_writers_committed_rows(store: str) ->
     )
     fresh.set_state(it.get_state())  # restores (the rows check is per writer, the store's own)
     assert fresh.position == 1
+
+
+def test_replay_dataset_iterator_is_one_orbax_item_too(store: str, tmp_path: Path) -> None:
+    ds = gr.replay_dataset(
+        gr.NpyDataSource(store), batch_size=B, seed=3, sampling=gr.PrioritizedReplay(alpha=1.0)
+    )
+    it = gr.sharded_device_put(iter(ds))
+    assert isinstance(it, grain.DatasetIterator)  # grain's handler saves its dict state
+    for step in range(4):
+        _step(it, "prioritized", step)
+    _save(it, tmp_path / "ckpt", 4)
+    want = [_step(it, "prioritized", step) for step in range(4, 9)]
+    it.close()
+    fresh = gr.sharded_device_put(iter(ds))
+    _restore(fresh, tmp_path / "ckpt", 4)
+    for step, (index, weight) in zip(range(4, 9), want):
+        got, got_weight = _step(fresh, "prioritized", step)
+        np.testing.assert_array_equal(got, index)
+        np.testing.assert_array_equal(got_weight, weight)
+    fresh.close()
