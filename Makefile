@@ -1,6 +1,7 @@
-# Everything installs into a repo-local virtual environment on first use.
+# Everything installs into a repo-local virtual environment on first use, one per
+# interpreter: .venv for python3, .venv-python3.13 for `make test PYTHON=python3.13`.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
@@ -14,7 +15,9 @@ install: $(STAMP)
 # One line per step; pip shows its own progress for the big one.
 $(STAMP): pyproject.toml
 	@echo "==> [1/3] virtual environment in $(VENV)/"
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "==> $(PYTHON) does not run. \
+	A pyenv shim needs its version named: PYENV_VERSION=3.13.0 make ... PYTHON=$(PYTHON), \
+	or PYTHON=\$$(pyenv prefix 3.13.0)/bin/python3.13 (.ci/run finds it itself)"; exit 1; }
 	@echo "==> [2/3] upgrading pip"
 	@$(PY) -m pip install --quiet --upgrade pip
 	@echo "==> [3/3] installing grain_replay and ~1 GB of dependencies (jax, grain, zarr, h5py, ...): about 3 minutes on first use"
@@ -25,7 +28,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m grain_replay.cli demo
 
+# Which stack this run tests, first (CI runs one leg per interpreter).
+VERSIONS := import sys, importlib.metadata as m; print("==> versions: " + ", ".join( \
+	[f"python {sys.version.split()[0]}"] + [f"{p} {m.version(p)}" for p in \
+	("jax", "jaxlib", "numpy", "zarr", "grain")]))
+
 test: $(STAMP)
+	@$(PY) -c '$(VERSIONS)'
 	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: $(STAMP)

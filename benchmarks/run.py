@@ -30,9 +30,11 @@ SECTIONS = (
     "device",
     "memory",
     "startup",
+    "store",
 )
 # "memory" writes a store larger than half of RAM, "startup" spawns ~40 worker
-# processes (seconds to the first batch): run them only when asked for.
+# processes (seconds to the first batch), "store" (bounded, many-writer replay stores:
+# bench_replay_store.py) starts writer processes: run them only when asked for.
 DEFAULT_SECTIONS = ("formats", "formats_extra", "pipeline", "cold", "write", "sequences", "device")
 
 
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_formats_extra import run_formats_extra
     from bench_memory import run_memory
     from bench_pipeline import run_pipeline
+    from bench_replay_store import run_store
     from bench_sequences import run_sequences
     from bench_startup import run_startup
     from bench_write import run_write
@@ -143,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sampler.reset()
     # The memory and sequences sections write their own stores.
-    needs_stores = set(cfg.sections) - {"memory", "sequences", "startup", "formats_extra"}
+    needs_stores = set(cfg.sections) - {
+        "memory", "sequences", "startup", "formats_extra", "store",
+    }  # fmt: skip
     # The device section reads the .npy stores only.
     only = ("npy",) if needs_stores == {"device"} else None
     stores = bench_data.ensure_stores(datasets, data_dir, quick, log, only) if needs_stores else {}
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": run_device,
         "memory": functools.partial(run_memory, fmt=args.memory_format),
         "startup": run_startup,
+        "store": run_store,
     }
     results: list[common.SectionResult] = []
     json_path = os.path.join(out_dir, "results.json")

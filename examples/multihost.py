@@ -373,8 +373,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     multihost_utils.sync_global_devices("done")
-    if nproc > 1:
-        jax.distributed.shutdown()
+    # Not a bare jax.distributed.shutdown(): it can leave a peer's collective waiting
+    # at exit (~150 s); see docs/multihost.md, "Leaving the job".
+    gr.shutdown_distributed()
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     return result

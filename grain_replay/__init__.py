@@ -9,6 +9,7 @@ from grain_replay.errors import (
     ArgumentTypeError,
     BatchShardingError,
     CheckpointMismatchError,
+    EvictedRowError,
     FrameTimestampError,
     GrainReplayError,
     InvalidArgumentError,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.loading import make_data_loader, replay_dataset
     from grain_replay.pipeline.batches import LoaderOptions
     from grain_replay.pipeline.device_put import sharded_device_put
+    from grain_replay.pipeline.distributed import shutdown_distributed
     from grain_replay.remote import RetryOptions
     from grain_replay.rl import (
         D4RLDataSource,
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
         HDF5DataSource,
         NpyDataSource,
         NpzDataSource,
+        PartsDataSource,
         ReplaySource,
         RLDSDataSource,
         TorchRLDataSource,
@@ -84,6 +87,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "NpzDataSource",
+    "PartsDataSource",
     "TorchRLDataSource",
     "VaultDataSource",
     "ZarrDataSource",
@@ -98,11 +102,13 @@ __all__ = [
     "write_zarr",
     "ReplayWriter",
     "WriterBusyError",
+    "EvictedRowError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",
     "LoaderOptions",
     "sharded_device_put",
+    "shutdown_distributed",
     # sampling: mixtures and replay (grain_replay.sampling)
     "UniformReplay",
     "PrioritizedReplay",
@@ -164,6 +170,7 @@ _LAZY = {
             "NpyDataSource",
             "RLDSDataSource",
             "NpzDataSource",
+            "PartsDataSource",
             "TorchRLDataSource",
             "VaultDataSource",
             "ZarrDataSource",
@@ -180,6 +187,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.batches",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.pipeline.device_put",
+    "shutdown_distributed": "grain_replay.pipeline.distributed",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",

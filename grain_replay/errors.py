@@ -32,6 +32,7 @@ __all__ = [
     "LeafMismatchError",
     "InvalidPriorityError",
     "PriorityIndexError",
+    "EvictedRowError",
 ]
 
 
@@ -153,3 +154,7 @@ class InvalidPriorityError(GrainReplayError, ValueError):
 
 class PriorityIndexError(GrainReplayError, IndexError):
     """A priority update names a row this iterator never handed out."""
+
+
+class EvictedRowError(GrainReplayError, LookupError):
+    """A row of a bounded store asked for by id was evicted before this reader opened it."""

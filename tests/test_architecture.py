@@ -34,6 +34,7 @@ LAYERS = {
     "grain_replay.errors": 0,
     "grain_replay.tree": 0,
     "grain_replay.layout": 0,
+    "grain_replay.parts": 0,
     "grain_replay.formats": 0,
     "grain_replay.remote": 0,
     "grain_replay.integrity": 0,

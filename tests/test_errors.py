@@ -226,6 +226,20 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
         "is not a replay source",
         lambda s, t: gr.build_episode_index([1, 2, 3]),
     ),
+    (
+        "capacity not a positive int",
+        ValueError,
+        gr.InvalidArgumentError,
+        "capacity must be a positive int",
+        lambda s, t: gr.ReplayWriter(t / "buffer", capacity=0, writer_id="a"),
+    ),
+    (
+        "writer id not a safe file name",
+        ValueError,
+        gr.InvalidArgumentError,
+        "writer_id must be a safe file name",
+        lambda s, t: gr.ReplayWriter(t / "buffer", capacity=10, writer_id="../a"),
+    ),
 ]
 
 

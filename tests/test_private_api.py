@@ -1,7 +1,7 @@
-"""No module of grain_replay touches a private name of grain or jax.
+"""No module of grain_replay touches a private name of grain, jax or zarr.
 
-grain and jax promise nothing about names that start with one underscore: any
-release may rename them. So grain_replay uses their public API only, and this
+grain, jax and zarr promise nothing about names that start with one underscore:
+any release may rename them. So grain_replay uses their public API only, and this
 test fails when a module of ``grain_replay/`` does any of the following:
 
 1. imports a private module or name of theirs (``grain._src``, ``from jax._src
@@ -15,6 +15,26 @@ test fails when a module of ``grain_replay/`` does any of the following:
    that one of their classes in its MRO defines or assigns (overriding or
    clobbering their internals, e.g. a ``grain.DataLoaderIterator`` subclass
    setting ``self._data_loader``).
+
+For zarr, "private" also covers the modules its API reference does not
+document. The rule: zarr's public modules are ``ZARR_PUBLIC`` (``zarr`` and what
+zarr 3's API reference lists: ``zarr.abc.*``, ``zarr.api.*``, ``zarr.buffer``,
+``zarr.codecs``, ``zarr.dtype``, ``zarr.errors``, ``zarr.metadata``,
+``zarr.registry``, ``zarr.storage``); everything else is zarr's implementation,
+``zarr.core.*`` first of all, even where its names carry no underscore
+(``zarr.core.sync.sync``, ``zarr.core.chunk_grids.RegularChunkGrid``: the latter
+is gone in zarr 3.4). A class of ``zarr.core`` is public only through a public
+re-export (``zarr.AsyncArray`` is ``zarr.core.array.AsyncArray``), and then only
+its public attributes. So, beyond 1-3:
+
+4. importing a zarr module outside ``ZARR_PUBLIC``, or naming one in an
+   attribute chain (``zarr.core.sync``), fails;
+5. ``x._name``, ``getattr(x, "_name")`` or ``hasattr(x, "_name")`` fails
+   wherever ``_name`` is a private name that zarr's sources define (as a
+   method, class attribute or ``self._name``) and grain_replay does not: zarr's
+   objects reach grain_replay as ``Any`` (``import_zarr()``, untyped
+   parameters), so their private names are recognised by name, e.g.
+   ``group._async_group`` or ``hasattr(codec, "_decode_sync")``.
 
 ``ALLOWED`` lists the exceptions, each with the reason; dunder names are public.
 """
@@ -34,8 +54,23 @@ import pytest
 import grain_replay
 
 PACKAGE = Path(grain_replay.__file__).parent
-THEIRS = ("grain", "jax", "jaxlib")
+THEIRS = ("grain", "jax", "jaxlib", "zarr")
 LOADER_NAMES = {"loader", "data_loader", "_data_loader"}
+# zarr's modules that its API reference documents (and their submodules); the rest,
+# zarr.core.* above all, is its implementation.
+ZARR_PUBLIC = (
+    "zarr.abc",
+    "zarr.api",
+    "zarr.buffer",
+    "zarr.codecs",
+    "zarr.dtype",
+    "zarr.errors",
+    "zarr.metadata",
+    "zarr.registry",
+    "zarr.storage",
+)
+# Subpackages of zarr outside ZARR_PUBLIC, seen as attributes (``zarr.core.sync``).
+ZARR_INTERNAL = {"core", "testing"}
 
 # (module, private name) -> why it is allowed.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -53,6 +88,44 @@ def _private(name: str) -> bool:
 
 def _is_theirs(module: str | None) -> bool:
     return module is not None and module.split(".")[0] in THEIRS
+
+
+def _zarr_private_module(module: str) -> bool:
+    """True for a zarr module outside ``ZARR_PUBLIC`` (``zarr`` itself is public)."""
+    if module.split(".")[0] != "zarr" or module == "zarr":
+        return False
+    return not any(module == p or module.startswith(p + ".") for p in ZARR_PUBLIC)
+
+
+def _defined_private_names(files: list[Path]) -> set[str]:
+    """Private names the sources define: functions, class attributes, ``self._x``, module names."""
+    names: set[str] = set()
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text())
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.arg):
+                continue
+    return {n for n in names if _private(n)}
+
+
+def _zarr_private_names() -> set[str]:
+    """Private names zarr defines that grain_replay does not (so ``x._name`` is zarr's)."""
+    try:
+        import zarr
+    except ImportError:
+        return set()
+    theirs = _defined_private_names(sorted(Path(zarr.__file__).parent.rglob("*.py")))
+    ours = _defined_private_names([path for _, path in _module_files()])
+    return theirs - ours
 
 
 def _root(node: ast.AST) -> str | None:
@@ -90,25 +163,56 @@ def _module_files() -> Iterator[tuple[str, Path]]:
         yield ".".join(parts), path
 
 
-def _static_violations(module: str, source: str) -> list[str]:
+def _static_violations(
+    module: str, source: str, zarr_private: set[str] | frozenset[str] = frozenset()
+) -> list[str]:
     tree = ast.parse(source)
     out: list[str] = []
-    bound: set[str] = set()  # module-level names that are grain/jax modules or objects
+    bound: set[str] = set()  # module-level names that are grain/jax/zarr modules or objects
+    zarr_names = {"zarr"}  # names bound to the zarr module (also by import_zarr())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if _is_theirs(alias.name):
                     if any(_private(p) for p in alias.name.split(".")):
                         out.append(f"{module}:{node.lineno}: imports private {alias.name}")
+                    elif _zarr_private_module(alias.name):
+                        out.append(f"{module}:{node.lineno}: imports zarr's internal {alias.name}")
                     bound.add(alias.asname or alias.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom) and _is_theirs(node.module):
             assert node.module is not None
             if any(_private(p) for p in node.module.split(".")):
                 out.append(f"{module}:{node.lineno}: imports from private {node.module}")
+            elif _zarr_private_module(node.module):
+                out.append(f"{module}:{node.lineno}: imports from zarr's internal {node.module}")
             for alias in node.names:
                 if _private(alias.name):
                     out.append(f"{module}:{node.lineno}: imports private {alias.name}")
+                elif node.module == "zarr" and alias.name in ZARR_INTERNAL:
+                    out.append(f"{module}:{node.lineno}: imports zarr's internal zarr.{alias.name}")
                 bound.add(alias.asname or alias.name)
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "import_zarr"
+        ):
+            zarr_names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in zarr_names and node.attr in ZARR_INTERNAL:
+                out.append(f"{module}:{node.lineno}: {ast.unparse(node)} is zarr's internal module")
+        if isinstance(node, ast.Attribute) and node.attr in zarr_private:
+            out.append(f"{module}:{node.lineno}: {ast.unparse(node)} is a private name of zarr")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in zarr_private
+        ):
+            out.append(f"{module}:{node.lineno}: {ast.unparse(node)} reads a private name of zarr")
 
     def theirs(expr: ast.AST, local: set[str]) -> bool:
         root = _root(expr)
@@ -197,10 +301,11 @@ def _subclass_violations() -> list[str]:
     return sorted(set(out))
 
 
-def test_no_module_touches_a_private_grain_or_jax_name() -> None:
+def test_no_module_touches_a_private_grain_jax_or_zarr_name() -> None:
     violations: list[str] = []
+    zarr_private = _zarr_private_names()
     for module, path in _module_files():
-        violations += _static_violations(module, path.read_text())
+        violations += _static_violations(module, path.read_text(), zarr_private)
     violations += _subclass_violations()
     assert not violations, "\n".join(violations)
 
@@ -228,6 +333,12 @@ def test_allowed_exceptions_are_still_needed() -> None:
         ("import grain\ndef f(ds: grain.MapDataset):\n    return ds._parents", "ds._parents"),
         ("import grain\ndef f():\n    d = grain.MapDataset.range(3)\n    d._x = 1", "d._x"),
         ("from jax.sharding import Mesh\nMesh._cache", "Mesh._cache"),
+        ("from zarr.core.sync import sync", "zarr's internal zarr.core.sync"),
+        ("import zarr.core.buffer", "zarr's internal zarr.core.buffer"),
+        ("from zarr import core", "zarr's internal zarr.core"),
+        ("from grain_replay.formats import import_zarr\nz = import_zarr()\nz.core.sync", "z.core"),
+        ("import zarr\ndef f(a):\n    return zarr.core.array.AsyncArray", "zarr.core"),
+        ("import zarr\ndef f(g: zarr.Group):\n    return g._async_group", "g._async_group"),
     ],
 )
 def test_scan_finds_private_access(source: str, expected: str) -> None:
@@ -246,6 +357,39 @@ def test_scan_finds_private_access(source: str, expected: str) -> None:
 )
 def test_scan_leaves_our_own_names_alone(source: str) -> None:
     assert _static_violations("m", source) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import zarr\nfrom zarr.codecs import BytesCodec\nfrom zarr.storage import LocalStore",
+        "import zarr.api.asynchronous\nfrom zarr.abc.codec import BytesBytesCodec",
+        "import zarr\nzarr.AsyncArray, zarr.AsyncGroup, zarr.open_group",
+    ],
+)
+def test_scan_lets_zarrs_public_api_pass(source: str) -> None:
+    assert _static_violations("m", source, _zarr_private_names()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(group):\n    return group._async_group", "group._async_group"),
+        ('def f(codec):\n    return hasattr(codec, "_decode_sync")', "_decode_sync"),
+        ("def f(arr):\n    return arr._async_array.getitem(0)", "arr._async_array"),
+    ],
+)
+def test_scan_finds_zarrs_private_names_on_untyped_objects(source: str, expected: str) -> None:
+    pytest.importorskip("zarr")
+    found = _static_violations("m", source, _zarr_private_names())
+    assert any(expected in v for v in found), found
+
+
+def test_zarr_private_names_leave_ours_out() -> None:
+    pytest.importorskip("zarr")
+    names = _zarr_private_names()
+    assert {"_async_group", "_decode_sync", "_async_array"} <= names
+    assert "_path" not in names  # ours too (ZarrDataSource._path): not recognisable by name
 
 
 def test_subclass_check_finds_clobbered_internals() -> None:

@@ -1,8 +1,7 @@
-"""Remote file objects whose reads retry (RetryingFile), and the per-loop request Limiter."""
+"""Remote file objects whose reads retry (RetryingFile)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -11,7 +10,7 @@ from grain_replay.errors import GrainReplayError
 from grain_replay.formats import import_fsspec
 from grain_replay.remote.retry import Remote
 
-__all__ = ["FILE_BLOCK_SIZE", "FILE_CACHE_BLOCKS", "Limiter", "RetryingFile"]
+__all__ = ["FILE_BLOCK_SIZE", "FILE_CACHE_BLOCKS", "RetryingFile"]
 
 T = TypeVar("T")
 
@@ -101,16 +100,3 @@ class RetryingFile:
     @property
     def closed(self) -> bool:
         return bool(self._f.closed)
-
-
-class Limiter:
-    """Bounds the requests in flight on one event loop (the semaphore is created there, lazily)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._sem: asyncio.Semaphore | None = None
-
-    def get(self) -> asyncio.Semaphore:
-        if self._sem is None:  # only ever called on the one loop thread
-            self._sem = asyncio.Semaphore(self.limit)
-        return self._sem

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from grain_replay.errors import (
@@ -252,17 +251,6 @@ class Remote:
                 raise
             except Exception as e:
                 time.sleep(self._retry_wait(e, what, attempt))
-        raise AssertionError("unreachable")
-
-    async def call_async(self, make: Callable[[], Awaitable[T]], what: str) -> T:
-        """Like :meth:`call` for a coroutine factory."""
-        for attempt in range(self.retry.retries + 1):
-            try:
-                return await make()
-            except GrainReplayError:
-                raise
-            except Exception as e:
-                await asyncio.sleep(self._retry_wait(e, what, attempt))
         raise AssertionError("unreachable")
 
     def error(self, exc: BaseException, what: str, *, attempts: int = 1) -> GrainReplayError:

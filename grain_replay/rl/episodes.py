@@ -386,7 +386,9 @@ def build_episode_index(
     access = LeafAccess(source)
     flags = given.resolve(access.spec, access.where)
     n = len(source)
-    path = local_path(source) if cache else None
+    # A bounded store's steps are not a growing prefix (old ones are evicted): no cache.
+    writer_starts = getattr(source, "writer_starts", None)
+    path = local_path(source) if cache and not callable(writer_starts) else None
     cache_file = fingerprint = None
     if path is not None:
         cache_file = episode_cache_path(path)
@@ -395,6 +397,15 @@ def build_episode_index(
         if index is not None:
             return index
     ends, term = _read_flags(access, flags, n, block_rows)
+    if callable(writer_starts):
+        # Many writers: an episode never runs from one writer's rows into the next's
+        # (the last, unfinished one of each writer ends, truncated, at its newest row).
+        # The first episode of each writer starts at its oldest live row.
+        cuts = np.asarray(writer_starts(), dtype=np.int64)
+        cuts = np.setdiff1d(cuts[(cuts > 0) & (cuts < n)], ends)
+        order = np.argsort(np.concatenate([ends, cuts]), kind="stable")
+        ends = np.concatenate([ends, cuts])[order]
+        term = np.concatenate([term, np.zeros(len(cuts), dtype=bool)])[order]
     index = EpisodeIndex._from_ends(ends, term, n)
     if cache_file is not None and fingerprint is not None:
         _save(cache_file, index, flags.tag(), n, fingerprint)

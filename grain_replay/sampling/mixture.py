@@ -229,7 +229,9 @@ class MixtureSampler:
                 )
             assert self._draws is not None
             # The first `count` numbers of a full batch's are integers(..., count, n).
-            return self._draws[s].integers(self._step, n)[:count]
+            rows = self._draws[s].integers(self._step, n)[:count]
+            # A bounded store's positions move between snapshots: its rows travel by id.
+            return self._lengths[s].ids(rows) if self._lengths[s].by_id else rows
         n = self.sizes[s]
         start = given * self._shard_count + self._shard_index * count
         first, at = divmod(start, n)

@@ -172,6 +172,13 @@ class MixtureReader:
             if got is None or not len(got):
                 continue
             rows = got
+            if name in self._by_id:  # a bounded store: ids, read against any snapshot
+                stop = start + len(rows)
+                leaves = self._by_id[name](rows, evicted="replace")
+                for k, a in out.items():
+                    a[start:stop] = leaves[k]
+                start = stop
+                continue
             if self.growing:  # rows drawn from what the consumer saw committed
                 past_end = not reaches(source, int(rows.max()) + 1)
             else:  # epochs: rows < the size at construction (a store only grows)
@@ -194,7 +201,10 @@ class MixtureReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_plan"]  # bound methods of the sources: made again after unpickling
+        del (
+            state["_plan"],
+            state["_by_id"],
+        )  # bound methods of the sources: made again after unpickling
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -205,7 +215,12 @@ class MixtureReader:
         self._shapes: dict[int, list[tuple[str, tuple[int, ...], np.dtype]]] = {}
         # (name, source, its read_into or None), in mixture order: the read loop's plan.
         self._plan: list[tuple[str, Any, Callable[..., None] | None]] = []
+        # name -> read of rows by id, for bounded stores under replay (see PartsDataSource).
+        self._by_id: dict[str, Callable[..., dict[str, np.ndarray]]] = {}
         for name, source in self.sources.items():
+            read_ids = getattr(source, "read_ids_flat", None)
+            if self.growing and callable(read_ids):
+                self._by_id[name] = read_ids
             read_into = getattr(source, "read_into", None)  # grain_replay's sources
             self._plan.append((name, source, read_into if callable(read_into) else None))
 

@@ -23,6 +23,7 @@ __all__ = [
     "StoreLength",
     "check_refresh_every",
     "reaches",
+    "IdTask",
 ]
 
 
@@ -118,8 +119,21 @@ class StoreLength:
             except Exception:
                 self._probe = source
 
+    @property
+    def by_id(self) -> bool:
+        """Whether rows travel as ids: a bounded or many-writer store, whose positions
+        move as writers evict (see :class:`grain_replay.sources.PartsDataSource`)."""
+        return callable(getattr(self._probe, "read_ids", None))
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        """The row ids of ``positions`` in the snapshot the length was read from."""
+        ids: np.ndarray = self._probe.ids(positions, check=False)
+        return ids
+
     def _changed(self) -> bool:
         """False only when the local store's stat is what it was at the last look."""
+        if self.by_id:
+            return True  # its refresh() is the listing of what changed
         path = getattr(self._probe, "path", None)
         if not isinstance(path, str) or "://" in path:
             return True
@@ -150,8 +164,10 @@ class StoreLength:
         if due:
             self._forced = False
             refresh = getattr(self._probe, "refresh", None)
-            # A reader never goes back: a store is only appended to.
-            self.n = max(self.n, int(refresh()) if callable(refresh) else len(self._probe))
+            n = int(refresh()) if callable(refresh) else len(self._probe)
+            # A reader never goes back: a store is only appended to (a bounded
+            # store's positions are its snapshot's, whatever their count).
+            self.n = n if self.by_id else max(self.n, n)
         return self.n
 
 
@@ -197,12 +213,34 @@ class UniformSampler:
         self._step += 1
         return ids
 
+    def task(self, rows: np.ndarray) -> Any:
+        """What the reader is sent for ``rows`` drawn now: ``(rows, bound)``, or the rows'
+        ids (``IdTask``) for a bounded store, whose positions move between snapshots."""
+        if self._length.by_id:
+            return IdTask(self._length.ids(rows))
+        return rows, self.bound
+
     def state(self) -> dict[str, Any]:
         return {"step": self._step, "n": self._length.n}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         self._step = int(state["step"])
         self._length.n = int(state["n"])
+
+
+class IdTask:
+    """Rows by id (``PartsDataSource.ids``): read against whatever snapshot the reader holds."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+    def __getstate__(self) -> np.ndarray:
+        return self.ids
+
+    def __setstate__(self, ids: np.ndarray) -> None:
+        self.ids = ids
 
 
 def reaches(source: Any, bound: int) -> bool:
@@ -233,6 +271,10 @@ class RowReader:
         self._trusted = isinstance(source, ReplaySource)
 
     def __call__(self, task: Any) -> Any:
+        if isinstance(task, IdTask):
+            # A row evicted before this process opened it: another live row of its
+            # writer, as good a uniform draw (never a torn or mislabeled row).
+            return self.source.read_ids(task.ids, evicted="replace")
         if isinstance(task, tuple):
             rows, bound = task
         else:

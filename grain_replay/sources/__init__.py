@@ -7,10 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grain_replay.formats import detect_format
+from grain_replay.parts import is_parts_store
 from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.npz import NpzDataSource
+from grain_replay.sources.parts import PartsDataSource
 from grain_replay.sources.rlds import RLDSDataSource
 from grain_replay.sources.torchrl import TorchRLDataSource
 from grain_replay.sources.vault import VaultDataSource
@@ -24,6 +26,7 @@ __all__ = [
     "NpyDataSource",
     "RLDSDataSource",
     "NpzDataSource",
+    "PartsDataSource",
     "TorchRLDataSource",
     "VaultDataSource",
     "ZarrDataSource",
@@ -49,10 +52,15 @@ def open_source(
       storage_options: fsspec options for URLs.
       **kwargs: passed to the source class (e.g. ``cache_bytes``).
 
+    A bounded, many-writer store (``ReplayWriter(path, capacity=..., writer_id=...)``)
+    opens as a :class:`PartsDataSource`: the union of every writer's live rows.
+
     Raises:
       StoreNotFoundError: nothing is at ``path``.
       InvalidStoreError: the format cannot be recognized.
     """
+    if is_parts_store(os.fspath(path)):
+        return PartsDataSource(path, keys, **kwargs)  # type: ignore[return-value]
     classes: dict[str, type[ReplaySource]] = {
         "hdf5": HDF5DataSource,
         "npy": NpyDataSource,

@@ -197,6 +197,12 @@ class ReplaySource(SourceSurface):
         self._opens += 1
         return handle
 
+    def open(self) -> None:
+        """Opens (maps) this process's handle now, so that a later unlink of the files
+        does not affect reads until :meth:`close` or a reopening :meth:`refresh`."""
+        if len(self):
+            self._get_handle().check_mapped(self._keys)
+
     def close(self) -> None:
         """Releases the handle of this process; reading again reopens it."""
         with self._lock:

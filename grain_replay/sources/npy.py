@@ -14,7 +14,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.formats import GROWING_NPY_HEADER, read_npy_header, read_npy_metadata
+from grain_replay.formats import GROWING_NPY_HEADER, PAGE, read_npy_header, read_npy_metadata
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.files import MappedFile, check_inside
 from grain_replay.sources.reading.growing import GrowingMap, map_file
@@ -42,7 +42,8 @@ class _NpyHandle(Handle):
                 needed = offset + math.prod(shape) * spec.dtype.itemsize
                 # Only a ReplayWriter's files grow in place (others are replaced):
                 # only they get address space reserved ahead.
-                growable = not fortran and offset == GROWING_NPY_HEADER
+                # (or a segment of a many-writer store: page-sized headers)
+                growable = not fortran and (offset == GROWING_NPY_HEADER or offset == PAGE)
                 grows = map_file(file, needed) if growable else None
                 if grows is not None:
                     array = grows.array(offset, shape, spec.dtype)

@@ -53,7 +53,9 @@ def store_state(
     n = len(source)
     row_bytes = sum(s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in spec.values())
     sample_rows = max(1, min(sample_rows, SAMPLE_BYTES // max(1, row_bytes)))
-    path = local_path(source) if cache else None
+    # A bounded store's rows are not a growing prefix (old ones are evicted): no cache.
+    bounded = callable(getattr(source, "read_ids", None))
+    path = local_path(source) if cache and not bounded else None
     cache_file = stats_cache_path(path) if path is not None else None
     opts = {"sample_rows": sample_rows, "block_bytes": block_bytes, "seed": _SEED}
     state, cached = None, list(spec)

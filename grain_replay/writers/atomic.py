@@ -104,11 +104,16 @@ def _commit(partial: str, path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, *, overwrite: bool, suffix: str = ".partial") -> Iterator[str]:
+def atomic_path(
+    path: str, *, overwrite: bool, suffix: str = ".partial", sync: bool = True
+) -> Iterator[str]:
     """Yields a ``.partial`` path to write; on success it replaces ``path`` atomically.
 
     A crash or an exception leaves ``path`` untouched (the old store or nothing)
     and removes the partial write.
+
+    ``sync=False`` skips the fsyncs, for a store whose durability a later commit
+    provides (a segment of a many-writer store, named only by a later manifest).
 
     Raises:
       StoreExistsError: ``path`` exists and ``overwrite`` is False.
@@ -124,9 +129,11 @@ def atomic_path(path: str, *, overwrite: bool, suffix: str = ".partial") -> Iter
     partial = f"{path}.{uuid.uuid4().hex[:8]}{suffix}"
     try:
         yield partial
-        fsync_tree(partial)
+        if sync:
+            fsync_tree(partial)
         _commit(partial, path)
-        fsync_path(parent)
+        if sync:
+            fsync_path(parent)
     except BaseException:
         remove_path(partial)
         raise

@@ -30,7 +30,7 @@ from grain_replay.integrity import as_bytes
 from grain_replay.writers.atomic import atomic_path, fsync_path
 from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
-__all__ = ["Backend", "NpyBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
+__all__ = ["Backend", "NpyBackend", "NpySegmentBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
 
 # Chunks of growing HDF5/Zarr stores: ~1 MiB, whole pages, so readers map them.
 APPEND_CHUNK_BYTES = 1 << 20
@@ -55,8 +55,10 @@ class Backend(abc.ABC):
         meta: layout_lib.StoreMetadata,
         chunk_rows: int | None,
         compression: str | None,
+        *,
+        sync: bool = True,
     ) -> None:
-        """Creates an empty store (N = 0) atomically."""
+        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``)."""
 
     @classmethod
     @abc.abstractmethod
@@ -88,22 +90,22 @@ class Backend(abc.ABC):
 _NPY_HEADER = GROWING_NPY_HEADER  # fixed, so the shape can be rewritten in place as N grows
 
 
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int = _NPY_HEADER) -> bytes:
     text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (  # noqa: UP031
         np.lib.format.dtype_to_descr(dtype),
         tuple(shape),
     )
     body = text.encode("latin1")
-    pad = _NPY_HEADER - 10 - len(body) - 1
+    pad = size - 10 - len(body) - 1
     if pad < 0:
-        raise InvalidStoreError(f"npy header for shape {shape} exceeds {_NPY_HEADER} bytes")
-    return (
-        b"\x93NUMPY\x01\x00" + (_NPY_HEADER - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
-    )
+        raise InvalidStoreError(f"npy header for shape {shape} exceeds {size} bytes")
+    return b"\x93NUMPY\x01\x00" + (size - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
 class NpyBackend(Backend):
     """A directory of ``.npy`` files grown in place; headers and metadata follow the data."""
+
+    HEADER = _NPY_HEADER  # bytes before the rows: fixed, so it is rewritten in place
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         super().__init__(path, meta)
@@ -112,42 +114,42 @@ class NpyBackend(Backend):
         self._fds: dict[str, int] = {}
         for key, file in self._files.items():
             spec = meta.leaves[key]
-            if read_npy_header(file, key, check_size=False)[3] != _NPY_HEADER:
+            if read_npy_header(file, key, check_size=False)[3] != self.HEADER:
                 self._rewrite_with_fixed_header(file, spec, n)
             fd = os.open(file, os.O_RDWR)
             # Header first: a crash between the two steps leaves a header of n
             # rows over a file of at least n rows, which every reader accepts.
-            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
+            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
             os.fsync(fd)
-            os.truncate(fd, _NPY_HEADER + n * _row_bytes(spec))  # drop uncommitted rows
+            os.truncate(fd, self.HEADER + n * _row_bytes(spec))  # drop uncommitted rows
             self._fds[key] = fd
 
-    @staticmethod
-    def _rewrite_with_fixed_header(file: str, spec: layout_lib.LeafSpec, n: int) -> None:
+    @classmethod
+    def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
         """One-time copy of a file written by np.save into the growable layout."""
         data = np.load(file, mmap_mode="r", allow_pickle=False)[:n]
         tmp = file + ".partial"
         with open(tmp, "wb") as f:
-            f.write(_npy_header(spec.dtype, (n, *spec.shape)))
+            f.write(_npy_header(spec.dtype, (n, *spec.shape), cls.HEADER))
             f.write(np.ascontiguousarray(data).tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, file)
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         if chunk_rows is not None or compression is not None:
             raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
                 "chunk_rows/compression, or use format='zarr'."
             )
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             os.makedirs(partial)
             for key, spec in meta.leaves.items():
                 file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
                 os.makedirs(os.path.dirname(file), exist_ok=True)
                 with open(file, "wb") as f:
-                    f.write(_npy_header(spec.dtype, (0, *spec.shape)))
+                    f.write(_npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
             with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
                 f.write(meta.to_json())
 
@@ -157,7 +159,7 @@ class NpyBackend(Backend):
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
-            offset = _NPY_HEADER + start * _row_bytes(self.meta.leaves[key])
+            offset = self.HEADER + start * _row_bytes(self.meta.leaves[key])
             view = as_bytes(arr)
             while view:
                 written = os.pwrite(self._fds[key], view, offset)
@@ -174,7 +176,7 @@ class NpyBackend(Backend):
             os.fsync(fd)
         for key, fd in self._fds.items():
             spec = self.meta.leaves[key]
-            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape)), 0)
+            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
             os.fsync(fd)
         self.meta = self._meta_with(n, checksums)
         meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
@@ -190,6 +192,13 @@ class NpyBackend(Backend):
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+
+
+class NpySegmentBackend(NpyBackend):
+    """A segment of a many-writer ``.npy`` store: rows start at a page boundary, so a
+    reader maps the segments of a writer back to back into one array per leaf."""
+
+    HEADER = max(PAGE, _NPY_HEADER)
 
 
 # -- Zarr -----------------------------------------------------------------------
@@ -214,10 +223,10 @@ class ZarrBackend(Backend):
                 arr.resize((n, *arr.shape[1:]))
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         zarr = import_zarr()
         compressors = zarr_compressors(compression, path)
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             group = zarr.open_group(partial, mode="w", zarr_format=3)
             for key, spec in meta.leaves.items():
                 shape = (1, *spec.shape)
@@ -333,7 +342,7 @@ class HDF5Backend(Backend):
                 )
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression):  # type: ignore[no-untyped-def]
+    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         h5py = import_h5py()
         if compression is not None:
             raise InvalidArgumentError(
@@ -341,7 +350,7 @@ class HDF5Backend(Backend):
                 "on disk when rewritten, which a crash could leave half done). Fix: drop "
                 "compression, or use format='zarr' with compression."
             )
-        with atomic_path(path, overwrite=False) as partial:
+        with atomic_path(path, overwrite=False, sync=sync) as partial:
             with h5py.File(
                 partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
             ) as f:

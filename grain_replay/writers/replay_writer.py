@@ -20,8 +20,10 @@ from grain_replay.errors import (
 )
 from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
+from grain_replay.parts import is_parts_store
 from grain_replay.watermark import Watermark
 from grain_replay.writers.backends import BACKENDS, Backend
+from grain_replay.writers.parts_writer import PartWriter
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
@@ -45,6 +47,15 @@ class ReplayWriter:
       chunk_rows: rows per chunk of a new HDF5/Zarr store (default ~1 MiB).
       compression: Zarr codec of a new store (``"zstd"``, ``"gzip"``, ``"blosc"``).
       flush_every: commit automatically once this many rows are pending.
+      capacity: keep only this writer's newest ``capacity`` committed rows
+        (evicting older ones and giving their disk space back); None keeps all.
+      writer_id: this writer's part of a many-writer store (a safe file name
+        such as ``"actor-3"``); any number of writers with distinct ids append
+        to one ``path`` at once. Default ``"default"`` when ``capacity`` is set.
+        With ``capacity`` or ``writer_id`` the store is a directory of writer
+        parts (see docs/replay_store.md); without both, today's single store.
+      segment_rows: rows per segment file of a writer part (default
+        ``ceil(capacity / 16)``, or 2**20 rows unbounded).
       resume_from: restart at a replay checkpoint: the :class:`~grain_replay.Watermark`
         of :func:`grain_replay.read_watermark` (or a row count). Rows committed after
         it are dropped (at once, durably) before appending again, so a run restarted
@@ -66,9 +77,49 @@ class ReplayWriter:
         chunk_rows: int | None = None,
         compression: str | None = None,
         flush_every: int | None = None,
+        capacity: int | None = None,
+        writer_id: str | None = None,
+        segment_rows: int | None = None,
         resume_from: int | Watermark | None = None,
     ):
         self._path = os.path.abspath(os.fspath(path))
+        self._part: PartWriter | None = None
+        if capacity is not None or writer_id is not None or segment_rows is not None:
+            if resume_from is not None:
+                # The hook: a part would be cut at mark.rows_for(writer_id), its manifest's
+                # committed sequence number (segments past it dropped).
+                raise InvalidArgumentError(
+                    f"{self._path}: resume_from= of a many-writer store (writer_id="
+                    f"{writer_id!r}) is not supported yet. Fix: resume a single-writer store, "
+                    "or restart the writers without resume_from (rows written after the "
+                    "checkpoint stay in the store)."
+                )
+            if flush_every is not None and flush_every <= 0:
+                raise InvalidArgumentError(
+                    f"flush_every must be positive or None, got {flush_every}"
+                )
+            self._flush_every = flush_every
+            self._format = format or ""
+            self._lock_fd: int | None = None
+            self._backend: Backend | None = None
+            self._summer: Checksummer | None = None
+            self._pending = 0
+            self._part = PartWriter(
+                self._path,
+                format,
+                writer_id="default" if writer_id is None else writer_id,
+                capacity=capacity,
+                segment_rows=segment_rows,
+                chunk_rows=chunk_rows,
+                compression=compression,
+            )
+            self._format = self._part.format
+            return
+        if is_parts_store(self._path):
+            raise InvalidStoreError(
+                f"{self._path} is a many-writer store (made with capacity= or writer_id=). "
+                "Fix: pass writer_id=... (and the capacity it was made with)."
+            )
         if format is not None and format not in FORMATS:
             raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
         if os.path.exists(self._path):
@@ -90,9 +141,9 @@ class ReplayWriter:
         if flush_every is not None and flush_every <= 0:
             raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
         self._flush_every = flush_every
-        self._lock_fd: int | None = self._acquire_lock()
-        self._backend: Backend | None = None
-        self._summer: Checksummer | None = None
+        self._lock_fd = self._acquire_lock()
+        self._backend = None
+        self._summer = None
         self._pending = 0
         try:
             resume = None if resume_from is None else self._resume_rows(resume_from)
@@ -203,6 +254,9 @@ class ReplayWriter:
 
     def close(self) -> None:
         """Commits pending rows and releases the store."""
+        if self._part is not None:
+            self._part.close()
+            return
         if self._lock_fd is None:
             return
         try:
@@ -215,6 +269,10 @@ class ReplayWriter:
 
     def __del__(self) -> None:
         # Like a file object: commit and unlock if the caller forgot to close.
+        part = getattr(self, "_part", None)
+        if part is not None and not part.closed:
+            with contextlib.suppress(Exception):
+                part.close()
         if getattr(self, "_lock_fd", None) is not None:
             with contextlib.suppress(Exception):
                 self.close()
@@ -233,12 +291,30 @@ class ReplayWriter:
 
     @property
     def committed(self) -> int:
-        """Rows readers can see."""
+        """Rows readers can see (for a bounded writer: rows ever committed; see ``live``)."""
+        if self._part is not None:
+            return self._part.committed
         return 0 if self._backend is None else self._backend.meta.num_records
 
     def __len__(self) -> int:
         """Rows appended so far, committed or not."""
+        if self._part is not None:
+            return self._part.committed + self._part.pending
         return self.committed + self._pending
+
+    @property
+    def writer_id(self) -> str | None:
+        """This writer's id in a many-writer store (None for a single-writer store)."""
+        return None if self._part is None else self._part.manifest.writer_id
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self._part is None else self._part.manifest.capacity
+
+    @property
+    def live(self) -> int:
+        """Committed rows readers see: the newest ``min(committed, capacity)``."""
+        return self.committed if self._part is None else self._part.manifest.live
 
     def append(self, tree: Any) -> None:
         """Appends a block of rows (every leaf has a leading rows axis).
@@ -247,6 +323,11 @@ class ReplayWriter:
           InvalidTreeError: the tree's structure, dtypes or per-row shapes
             differ from the store's (every differing leaf is named).
         """
+        if self._part is not None:
+            self._part.append(tree)
+            if self._flush_every is not None and self._part.pending >= self._flush_every:
+                self._part.flush()
+            return
         if self._lock_fd is None:
             raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
         arrays, treedef, n = layout_lib.prepare_leaves(tree, where=self._path)
@@ -291,6 +372,8 @@ class ReplayWriter:
 
     def flush(self) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N."""
+        if self._part is not None:
+            return self._part.flush()
         if self._backend is not None and self._pending:
             checksums = self._summer.state() if self._summer is not None else None
             self._backend.commit(self.committed + self._pending, checksums)
@@ -298,6 +381,13 @@ class ReplayWriter:
         return self.committed
 
     def __repr__(self) -> str:
+        if self._part is not None:
+            m = self._part.manifest
+            return (
+                f"ReplayWriter(path={self._path!r}, format={self._format!r}, "
+                f"writer_id={m.writer_id!r}, capacity={m.capacity}, committed={m.committed}, "
+                f"pending={self._part.pending})"
+            )
         return (
             f"ReplayWriter(path={self._path!r}, format={self._format!r}, "
             f"committed={self.committed}, pending={self._pending})"

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # globally sharded arrays back: each process gives its own rows
             batches.update_priorities(batch.index, (batch.index % 4 + 1).astype("float32"))
     multihost_utils.sync_global_devices("multihost_sampling_done")
-    jax.distributed.shutdown()
+    gr.shutdown_distributed()  # not a bare jax.distributed.shutdown(): see its docstring
     return {"process_index": args.process_id, "mixture": mixture, "drawn": drawn, "w": weights}
 
 

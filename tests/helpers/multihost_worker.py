@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "local_ids": local_ids,
         "global_ids": global_ids,
     }
-    jax.distributed.shutdown()
+    gr.shutdown_distributed()  # not a bare jax.distributed.shutdown(): see its docstring
     return result
 
 

@@ -2,82 +2,41 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from procs import free_port, run_job
 
 import grain_replay as gr
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_worker.py"
-# A job normally takes seconds; under load a gloo job has been seen to stall ~150 s
-# before finishing correctly, so the limits leave room for that rather than fail.
-TIMEOUT_S = 420
-pytestmark = pytest.mark.timeout(1500)
 NUM_PROCESSES = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(store: str, batch_size: int, out_dir: Path) -> list[dict[str, Any]]:
-    """Runs the two processes to completion; kills both and reports stderr on any failure."""
+    """Runs the two processes to completion; kills both and reports their output on any failure."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
-    procs: list[subprocess.Popen[str]] = []
-    logs = [out_dir / f"stderr{i}.txt" for i in range(NUM_PROCESSES)]
+    port = free_port()
     outs = [out_dir / f"out{i}.json" for i in range(NUM_PROCESSES)]
-    try:
-        for i in range(NUM_PROCESSES):
-            cmd = [
-                sys.executable,
-                str(WORKER),
-                f"--port={port}",
-                f"--process-id={i}",
-                f"--store={store}",
-                f"--batch-size={batch_size}",
-                f"--out={outs[i]}",
-            ]
-            with open(logs[i], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out_dir
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        codes: list[int | None] = [None] * NUM_PROCESSES
-        while any(c is None for c in codes):
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                break  # one failed: the other would wait on it until the timeout
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * NUM_PROCESSES:
-        report = "\n".join(
-            f"--- process {i} (exit {codes[i]}) ---\n{logs[i].read_text()[-6000:]}"
-            for i in range(NUM_PROCESSES)
-        )
-        pytest.fail(f"multihost job failed or timed out after {TIMEOUT_S}s:\n{report}")
-    return [json.loads(o.read_text()) for o in outs]
+    cmds = [
+        [
+            sys.executable,
+            str(WORKER),
+            f"--port={port}",
+            f"--process-id={i}",
+            f"--store={store}",
+            f"--batch-size={batch_size}",
+            f"--out={outs[i]}",
+        ]
+        for i in range(NUM_PROCESSES)
+    ]
+    return run_job(cmds, env, out_dir, outs)
 
 
 @pytest.mark.parametrize("n", [96, 100], ids=["divisible", "remainder"])

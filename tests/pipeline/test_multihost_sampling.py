@@ -2,67 +2,37 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from procs import free_port, run_job
 
 import grain_replay as gr
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_sampling_worker.py"
-# A job normally takes seconds; under load a gloo job has been seen to stall ~150 s
-# before finishing correctly, so the limits leave room for that rather than fail.
-TIMEOUT_S = 420
-pytestmark = pytest.mark.timeout(1500)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_job(args: list[str], out_dir: Path) -> list[dict[str, Any]]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
-    logs = [out_dir / f"stderr{i}.txt" for i in range(2)]
+    port = free_port()
     outs = [out_dir / f"out{i}.json" for i in range(2)]
-    procs = []
-    try:
-        for i in range(2):
-            cmd = [sys.executable, str(WORKER), f"--port={port}", f"--process-id={i}"]
-            with open(logs[i], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [*cmd, *args, f"--out={outs[i]}"],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        cwd=out_dir,
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if [p.returncode for p in procs] != [0, 0]:
-        report = "\n".join(f"--- {i} ---\n{logs[i].read_text()[-5000:]}" for i in range(2))
-        pytest.fail(f"multihost sampling job failed:\n{report}")
-    return [json.loads(o.read_text()) for o in outs]
+    cmds = [
+        [
+            sys.executable,
+            str(WORKER),
+            f"--port={port}",
+            f"--process-id={i}",
+            *args,
+            f"--out={outs[i]}",
+        ]
+        for i in range(2)
+    ]
+    return run_job(cmds, env, out_dir, outs)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -6,81 +6,43 @@ checkpoint on 4 again, each continuing the same global stream.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from procs import free_port, run_job
 
 import grain_replay as gr
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_resume_worker.py"
-# A job normally takes seconds; under load a gloo job has been seen to stall ~150 s
-# before finishing correctly, so the limits leave room for that rather than fail.
-TIMEOUT_S = 420
-pytestmark = pytest.mark.timeout(1500)
 BATCH = 4  # per process
 STEPS_PER_EPOCH = 3  # global batches per epoch
 SAVE_AT = 2  # the resumed run starts at global step 2 and crosses into epoch 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(num_processes: int, out_dir: Path, *extra: str) -> list[dict[str, Any]]:
     """Runs the processes to completion; kills all and reports their output on any failure."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
-    logs = [out_dir / f"log{i}.txt" for i in range(num_processes)]
+    port = free_port()
     outs = [out_dir / f"out{i}.json" for i in range(num_processes)]
-    procs: list[subprocess.Popen[str]] = []
-    timed_out = False
-    try:
-        for i in range(num_processes):
-            cmd = [
-                sys.executable, str(WORKER), f"--port={port}", f"--process-id={i}",
-                f"--num-processes={num_processes}", f"--out={outs[i]}", *extra,
-            ]  # fmt: skip
-            with open(logs[i], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out_dir
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break  # one failed: the others would wait on it until the timeout
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * num_processes:
-        report = "\n".join(
-            f"--- process {i} (exit {codes[i]}) ---\n{logs[i].read_text()[-6000:]}"
-            for i in range(num_processes)
-        )
-        why = f"timed out after {TIMEOUT_S}s" if timed_out else "failed"
-        pytest.fail(f"{num_processes}-process job {why}:\n{report}")
-    return [json.loads(o.read_text()) for o in outs]
+    cmds = [
+        [
+            sys.executable,
+            str(WORKER),
+            f"--port={port}",
+            f"--process-id={i}",
+            f"--num-processes={num_processes}",
+            f"--out={outs[i]}",
+            *extra,
+        ]
+        for i in range(num_processes)
+    ]
+    return run_job(cmds, env, out_dir, outs)
 
 
 def _write_store(path: Path, n: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,51 +108,173 @@ def _zstd_store(tmp_path: Any) -> tuple[str, str]:
     return path, os.path.join(path, "split", "c", "1", "0", "0")
 
 
-def test_corrupt_chunk_raises_invalid_store_error_naming_file_and_leaf(tmp_path: Any) -> None:
+@pytest.fixture(params=["fast", "zarr"])
+def read_path(request: Any, monkeypatch: Any) -> str:
+    """Which reader decodes the chunks: ours (the fast path), or zarr (the fast path turned off).
+
+    The refusals must hold on both: zarr opens a FIFO and follows a symlink as
+    readily as any file.
+    """
+    if request.param == "zarr":
+        from grain_replay.sources.zarr import decode
+
+        monkeypatch.setattr(decode, "local_chunk_reader", lambda *args, **kwargs: None)
+    return str(request.param)
+
+
+def _assert_read_path(src: gr.ZarrDataSource, key: str, read_path: str) -> None:
+    reader = src._get_handle().readers[key]
+    fast = isinstance(getattr(reader._read_blocks, "__self__", None), LocalChunkReader)
+    assert fast == (read_path == "fast"), (key, read_path)
+
+
+def test_corrupt_chunk_raises_invalid_store_error_naming_file_and_leaf(
+    tmp_path: Any, read_path: str
+) -> None:
     path, chunk = _zstd_store(tmp_path)
     with open(chunk, "r+b") as f:
         f.seek(8)
         f.write(b"\xff" * 16)
     with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
         with pytest.raises(gr.InvalidStoreError) as e:
             src.read_batch([12])
     assert chunk in str(e.value) and "'split'" in str(e.value)
 
 
-def test_truncated_chunk_raises_invalid_store_error(tmp_path: Any) -> None:
+def test_truncated_chunk_raises_invalid_store_error(tmp_path: Any, read_path: str) -> None:
     path, chunk = _zstd_store(tmp_path)
     with open(chunk, "r+b") as f:
         f.truncate(os.path.getsize(chunk) // 2)
-    with gr.ZarrDataSource(path) as src, pytest.raises(gr.InvalidStoreError, match="split"):
-        src.read_batch([12])
+    with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
+        with pytest.raises(gr.InvalidStoreError) as e:
+            src.read_batch([12])
+    assert chunk in str(e.value) and "'split'" in str(e.value)
 
 
-def test_fifo_chunk_refused_without_blocking(tmp_path: Any) -> None:
+@pytest.mark.timeout(60)
+def test_fifo_chunk_refused_without_blocking(tmp_path: Any, read_path: str) -> None:
     path, chunk = _zstd_store(tmp_path)
     os.remove(chunk)
     os.mkfifo(chunk)
-    with gr.ZarrDataSource(path) as src, pytest.raises(gr.InvalidStoreError, match="regular"):
-        src.read_batch([12])
+    with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
+        with pytest.raises(gr.InvalidStoreError, match="regular"):
+            src.read_batch([12])
 
 
-def test_symlinked_chunk_outside_store_refused(tmp_path: Any) -> None:
+def test_symlinked_chunk_outside_store_refused(tmp_path: Any, read_path: str) -> None:
     path, chunk = _zstd_store(tmp_path)
     _, other_chunk = _zstd_store(tmp_path / "elsewhere")
     os.remove(chunk)
     os.symlink(other_chunk, chunk)
-    with gr.ZarrDataSource(path) as src, pytest.raises(gr.InvalidStoreError, match="outside"):
-        src.read_batch([12])
+    with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
+        with pytest.raises(gr.InvalidStoreError, match="outside"):
+            src.read_batch([12])
 
 
-def test_symlinked_chunk_inside_store_reads(tmp_path: Any) -> None:
+def test_symlinked_chunk_folder_outside_store_refused(tmp_path: Any, read_path: str) -> None:
+    path, chunk = _zstd_store(tmp_path)
+    _, other_chunk = _zstd_store(tmp_path / "elsewhere")
+    folder = os.path.dirname(os.path.dirname(chunk))  # split/c/1
+    shutil.rmtree(folder)
+    os.symlink(os.path.dirname(os.path.dirname(other_chunk)), folder)
+    with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
+        with pytest.raises(gr.InvalidStoreError, match="outside"):
+            src.read_batch([12])
+
+
+def test_symlinked_chunk_outside_store_reads_with_allow_external(
+    tmp_path: Any, read_path: str
+) -> None:
+    path, chunk = _zstd_store(tmp_path)
+    _, other_chunk = _zstd_store(tmp_path / "elsewhere")
+    os.remove(chunk)
+    os.symlink(other_chunk, chunk)
+    with gr.ZarrDataSource(path, allow_external=True) as src:
+        _assert_read_path(src, "split", read_path)
+        got = src.read_flat([12])["split"]
+    np.testing.assert_array_equal(got, zarr.open_group(path, mode="r")["split"][12:13])
+
+
+def test_symlinked_chunk_inside_store_reads(tmp_path: Any, read_path: str) -> None:
     path, chunk = _zstd_store(tmp_path)
     twin = os.path.join(path, "split", "c", "0", "0", "0")
     os.remove(chunk)
     os.symlink(twin, chunk)
     with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "split", read_path)
         got = src.read_flat([12])["split"]
     want = zarr.open_group(path, mode="r")["split"][12:13]
     np.testing.assert_array_equal(got, want)
+
+
+# -- arrays only zarr decodes: sharded (the files are shards) -----------------------------
+
+
+def _sharded_store(tmp_path: Any) -> tuple[str, str, np.ndarray]:
+    path = str(tmp_path / "s.zarr")
+    data = np.arange(N * 4, dtype="i4").reshape(N, 4)
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    arr = group.create_array(
+        "x", shape=data.shape, dtype=data.dtype, chunks=(8, 4), shards=(32, 4),
+        compressors=(codecs.ZstdCodec(),),
+    )  # fmt: skip
+    arr[...] = data
+    return path, os.path.join(path, "x", "c", "1", "0"), data  # rows 32..63
+
+
+def test_sharded_corrupt_shard_named_by_file(tmp_path: Any) -> None:
+    path, shard, _ = _sharded_store(tmp_path)
+    index = 4 * 16 + 4  # at the end: (offset, length) per inner chunk, then its crc32c
+    with open(shard, "r+b") as f:
+        f.write(b"\xff" * (os.path.getsize(shard) - index))
+    with gr.ZarrDataSource(path) as src, pytest.raises(gr.InvalidStoreError) as e:
+        src.read_batch([40])
+    assert shard in str(e.value) and "'x'" in str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_sharded_fifo_shard_refused_without_blocking(tmp_path: Any) -> None:
+    path, shard, data = _sharded_store(tmp_path)
+    os.remove(shard)
+    os.mkfifo(shard)
+    with gr.ZarrDataSource(path) as src:
+        np.testing.assert_array_equal(src.read_flat([5])["x"], data[[5]])  # another shard
+        with pytest.raises(gr.InvalidStoreError, match="regular") as e:
+            src.read_batch([40])
+    assert shard in str(e.value)
+
+
+def test_sharded_symlinked_shard_outside_store_refused(tmp_path: Any) -> None:
+    path, shard, _ = _sharded_store(tmp_path)
+    _, other, _ = _sharded_store(tmp_path / "elsewhere")
+    os.remove(shard)
+    os.symlink(other, shard)
+    with gr.ZarrDataSource(path) as src, pytest.raises(gr.InvalidStoreError, match="outside"):
+        src.read_batch([40])
+
+
+# -- codecs our decoder covers beyond the group above ---------------------------------------
+
+
+def test_transposed_chunks_take_the_fast_path_bit_exact(tmp_path: Any) -> None:
+    path = str(tmp_path / "t.zarr")
+    data = np.random.default_rng(1).standard_normal((N, 6, 5)).astype("f4")
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    arr = group.create_array(
+        "obs", shape=data.shape, dtype=data.dtype, chunks=(16, 3, 5),
+        filters=(codecs.TransposeCodec(order=(2, 0, 1)),), compressors=(codecs.ZstdCodec(),),
+    )  # fmt: skip
+    arr[: N - 30] = data[: N - 30]
+    want = group["obs"][...]
+    with gr.ZarrDataSource(path) as src:
+        _assert_read_path(src, "obs", "fast")
+        idx = np.array([0, 17, N - 31, N - 1, 100])
+        np.testing.assert_array_equal(_bits(src.read_flat(idx)["obs"]), _bits(want[idx]))
 
 
 # -- ChunkedLeafReader: what a batch holds -----------------------------------------------------

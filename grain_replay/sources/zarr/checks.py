@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -14,6 +15,7 @@ from grain_replay.sources.reading.files import check_inside
 
 __all__ = [
     "MAX_CHUNK_BYTES",
+    "ChunkGuard",
     "check_array",
     "check_chunk_files",
     "check_foreign_tree",
@@ -181,3 +183,130 @@ def check_chunk_files(
                 "chunk shape lies. Fix: re-create the store."
             )
     return True
+
+
+class ChunkGuard:
+    """Refuses a chunk file that leads out of the store or is not a regular file, before a read.
+
+    Every read path of a local array goes through it, ours and zarr's: a FIFO
+    would block a read forever, and a symlink out of the store would read any
+    file on the machine. The array folder is checked once; below it, one
+    ``lstat`` per folder not seen before (a full ``realpath`` only for a link).
+
+    Args:
+      store: the store's root folder.
+      root: the array's folder.
+      key: the leaf (named in errors).
+      allow_external: follow symlinks out of the store.
+    """
+
+    def __init__(self, store: str, root: str, key: str, allow_external: bool):
+        self.store = store
+        self.root = root
+        self.key = key
+        self.allow_external = allow_external
+        self._checked_dirs: set[str] = set()
+
+    def _check_folder(self, folder: str) -> None:
+        if not self._checked_dirs:
+            check_inside(self.store, self.root, self.key, self.allow_external)
+            self._checked_dirs.add(self.root)
+        rel = os.path.relpath(folder, self.root)
+        prefix = self.root
+        for part in rel.split(os.sep) if rel != os.curdir else ():
+            prefix = os.path.join(prefix, part)
+            if prefix in self._checked_dirs:
+                continue
+            try:
+                mode = os.lstat(prefix).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return  # no chunk below: read as unwritten, nothing to remember
+            if stat.S_ISLNK(mode):
+                check_inside(self.store, prefix, self.key, self.allow_external)
+            self._checked_dirs.add(prefix)
+
+    def check(self, path: str) -> bool:
+        """Checks chunk file ``path`` before zarr reads it; False when it does not exist.
+
+        Raises:
+          InvalidStoreError: the file (or a folder above it) leads out of the
+            store, or it is not a regular file.
+        """
+        folder = os.path.dirname(path)
+        if folder not in self._checked_dirs:
+            self._check_folder(folder)
+        try:
+            lst = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        st = lst
+        if stat.S_ISLNK(lst.st_mode):
+            check_inside(self.store, path, self.key, self.allow_external)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:  # a dangling link: zarr reads it as unwritten
+                return False
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, self.key)
+        return True
+
+    def read(self, path: str) -> bytes | None:
+        """The bytes of chunk file ``path``, checked as it is opened; None when never written."""
+        folder = os.path.dirname(path)
+        if folder not in self._checked_dirs:
+            self._check_folder(folder)
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # ELOOP: the chunk file is a symlink
+                raise
+            check_inside(self.store, path, self.key, self.allow_external)
+            try:
+                fd = os.open(path, flags)
+            except FileNotFoundError:  # a dangling link: zarr reads it as unwritten too
+                return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(path, self.key)
+            parts = []
+            left = st.st_size
+            while left > 0:
+                part = os.read(fd, left)
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            return b"".join(parts) if len(parts) != 1 else parts[0]
+        finally:
+            os.close(fd)
+
+    def check_tree(self) -> None:
+        """Checks every file below the array's folder (a grid whose chunk keys are not computed).
+
+        Raises:
+          InvalidStoreError: as :meth:`check`, for the first such file found.
+        """
+        check_inside(self.store, self.root, self.key, self.allow_external)
+        seen: set[str] = set()
+        todo = [self.root]
+        while todo:
+            folder = todo.pop()
+            real = os.path.realpath(folder)
+            if real in seen:
+                continue
+            seen.add(real)
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue  # zarr reports what it cannot list
+            for entry in entries:
+                if entry.is_symlink():
+                    check_inside(self.store, entry.path, self.key, self.allow_external)
+                if entry.is_dir(follow_symlinks=True):
+                    todo.append(entry.path)
+                elif os.path.exists(entry.path) and not entry.is_file(follow_symlinks=True):
+                    raise _not_regular(entry.path, self.key)

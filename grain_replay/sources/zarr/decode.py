@@ -1,66 +1,135 @@
-"""Local Zarr v3 chunks read straight from their files and decoded on the decode pool."""
+"""Local Zarr v3 chunks read straight from their files and decoded on the decode pool.
+
+The codecs are decoded by our own steps (numcodecs, zlib's gzip, google-crc32c:
+the libraries zarr itself calls), driven by the array's ``zarr.json``
+(:mod:`grain_replay.sources.zarr.meta`), so the path holds on every zarr 3.x.
+"""
 
 from __future__ import annotations
 
-import errno
+import gzip
 import itertools
-import os
-import stat
-from collections.abc import Sequence
+import math
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.sources.reading.files import check_inside
 from grain_replay.sources.reading.pool import run_grouped
+from grain_replay.sources.zarr.checks import ChunkGuard
+from grain_replay.sources.zarr.meta import ArrayFiles
 
-__all__ = ["LocalChunkReader", "local_chunk_reader"]
+__all__ = ["LocalChunkReader", "chunk_decoder", "local_chunk_reader"]
+
+# What a corrupt chunk makes a decoder raise (gzip: BadGzipFile is an OSError).
+DECODE_ERRORS = (ValueError, RuntimeError, TypeError, OSError, EOFError, zlib.error)
+
+Decode = Callable[[bytes], np.ndarray]
+
+
+def _bytes_step(name: str) -> Callable[[bytes], bytes] | None:
+    """The decoder of one bytes-to-bytes codec, or None for one we do not decode."""
+    if name == "gzip":
+        return gzip.decompress
+    if name == "zstd":
+        import numcodecs
+
+        return numcodecs.Zstd().decode
+    if name == "blosc":
+        import numcodecs
+
+        return numcodecs.Blosc().decode
+    if name == "crc32c":
+        import google_crc32c
+
+        def crc32c(raw: bytes) -> bytes:
+            data = np.frombuffer(raw, np.uint8)
+            if len(data) < 4:
+                raise ValueError(f"{len(data)} bytes cannot hold a crc32c checksum")
+            body, stored = data[:-4], data[-4:].tobytes()
+            computed = int(google_crc32c.value(body)).to_bytes(4, "little")
+            if computed != stored:
+                raise ValueError(
+                    f"crc32c checksum mismatch: stored {stored!r}, computed {computed!r}"
+                )
+            return body  # type: ignore[return-value]
+
+        return crc32c
+    return None
+
+
+def chunk_decoder(files: ArrayFiles, dtype: np.dtype) -> Decode | None:
+    """``raw chunk file bytes -> chunk array`` (the grid cell's shape), or None.
+
+    Decodes what zarr's v3 codec pipelines of plain arrays hold: transposes,
+    then the ``bytes`` codec (either byte order), then any of gzip, zstd,
+    blosc and crc32c. Anything else (sharding, other codecs, storage
+    transformers) returns None and is read through zarr.
+    """
+    if files.zarr_format != 3 or files.grid is None or not files.plain:
+        return None
+    codecs = list(files.codecs)
+    shapes = [files.grid]  # the chunk's shape after each transpose
+    orders: list[tuple[int, ...]] = []
+    while codecs and codecs[0]["name"] == "transpose":
+        order = codecs.pop(0)["configuration"].get("order")
+        if not isinstance(order, list) or sorted(order) != list(range(len(files.grid))):
+            return None
+        orders.append(tuple(order))
+        shapes.append(tuple(shapes[-1][o] for o in order))
+    if not codecs or codecs[0]["name"] != "bytes":
+        return None
+    endian = codecs.pop(0)["configuration"].get("endian")
+    stored = dtype
+    if dtype.itemsize > 1 or dtype.kind == "U":
+        if endian not in ("little", "big"):
+            return None
+        stored = dtype.newbyteorder("<" if endian == "little" else ">")
+    steps = [_bytes_step(c["name"]) for c in reversed(codecs)]
+    if any(s is None for s in steps):
+        return None
+    encoded_shape = shapes[-1]
+    size = math.prod(encoded_shape) * stored.itemsize
+    inverses = [tuple(int(i) for i in np.argsort(o)) for o in reversed(orders)]
+
+    def decode(raw: bytes) -> np.ndarray:
+        for step in steps:
+            assert step is not None
+            raw = step(raw)
+        if len(raw) != size:
+            raise ValueError(f"the chunk decodes to {len(raw)} bytes, expected {size}")
+        chunk = np.frombuffer(raw, stored).reshape(encoded_shape)
+        for inverse in inverses:
+            chunk = chunk.transpose(inverse)
+        return chunk
+
+    return decode
 
 
 def local_chunk_reader(
-    arr: Any, n: int, key: str, store_root: str, allow_external: bool
+    arr: Any, files: ArrayFiles | None, n: int, guard: ChunkGuard
 ) -> LocalChunkReader | None:
-    """A reader of ``arr``'s chunks that bypasses zarr's async machinery, or None.
+    """A reader of ``arr``'s chunks that bypasses zarr, or None (zarr reads it then).
 
-    Taken for local Zarr v3 arrays whose codecs are a bytes-like array-to-bytes
-    codec followed by bytes-to-bytes codecs (zstd, gzip, blosc, crc32c, ...),
-    each with zarr's synchronous decoder. Anything else (sharding, transposes,
-    Zarr v2, remote stores) returns None and is read through zarr.
+    Taken for local Zarr v3 arrays on a regular chunk grid whose codecs
+    :func:`chunk_decoder` decodes.
     """
-    try:
-        from zarr.abc.codec import ArrayBytesCodec, BytesBytesCodec
-        from zarr.codecs import ShardingCodec
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.chunk_grids import RegularChunkGrid
-        from zarr.storage import LocalStore
-    except ImportError:  # another zarr 3 layout: zarr's own path still works
-        return None
-    meta = arr.metadata
-    if n == 0 or getattr(meta, "zarr_format", 2) != 3 or not isinstance(arr.store, LocalStore):
-        return None
-    if not isinstance(meta.chunk_grid, RegularChunkGrid) or 0 in tuple(arr.chunks):
+    if files is None or n == 0 or files.grid is None or files.shape != tuple(arr.shape):
         return None
     dtype = np.dtype(arr.dtype)
     if dtype.hasobject or dtype.kind == "V" or arr.ndim == 0:
         return None
-    codecs = list(meta.codecs)
-    a2b, b2b = codecs[0], codecs[1:]
-    if not isinstance(a2b, ArrayBytesCodec) or isinstance(a2b, ShardingCodec):
+    decode = chunk_decoder(files, dtype)
+    if decode is None:
         return None
-    if not all(isinstance(c, BytesBytesCodec) for c in b2b):
-        return None
-    if not all(hasattr(c, "_decode_sync") for c in codecs):
-        return None
-    prototype = default_buffer_prototype()
-    spec = meta.get_chunk_spec((0,) * arr.ndim, arr.async_array.config, prototype)
-    return LocalChunkReader(
-        arr, n, key, store_root, allow_external, a2b, b2b[::-1], spec, prototype, dtype
-    )
+    fill = np.asarray(arr.fill_value).astype(dtype)
+    return LocalChunkReader(files, n, guard, decode, dtype, fill)
 
 
 class LocalChunkReader:
-    """Decodes the chunks of one local Zarr v3 array with zarr's codec objects, in threads.
+    """Decodes the chunks of one local Zarr v3 array with our own codec steps, in threads.
 
     A block is ``rows [c * chunk_rows, ...)`` of every column: the chunks along
     the record axes (zarr's automatic chunking splits them) are stitched.
@@ -68,32 +137,24 @@ class LocalChunkReader:
 
     def __init__(
         self,
-        arr: Any,
+        files: ArrayFiles,
         n: int,
-        key: str,
-        store_root: str,
-        allow_external: bool,
-        a2b: Any,
-        b2b_reversed: Sequence[Any],
-        spec: Any,
-        prototype: Any,
+        guard: ChunkGuard,
+        decode: Decode,
         dtype: np.dtype,
+        fill: np.ndarray,
     ):
-        self._meta = arr.metadata
-        self._root = os.path.join(str(arr.store.root), arr.path)
-        self._store_root = store_root
-        self._allow_external = allow_external
-        self._key = key
+        assert files.grid is not None
+        self._files = files
+        self._guard = guard
+        self._decode_raw = decode
+        self._key = guard.key
         self._n = n
-        self._chunks = tuple(int(c) for c in arr.chunks)
+        self._chunks = files.grid
         self.chunk_rows = self._chunks[0]
-        self._shape = tuple(int(s) for s in arr.shape[1:])
-        self._a2b = a2b
-        self._b2b = list(b2b_reversed)
-        self._spec = spec
-        self._prototype = prototype
+        self._shape = files.shape[1:]
         self._dtype = dtype
-        self._fill = np.asarray(spec.fill_value).astype(dtype)
+        self._fill = fill
         # One (chunk coordinates, destination slices) per chunk along the record axes.
         grids = [range(-(-s // c)) for s, c in zip(self._shape, self._chunks[1:])]
         self._inner = [
@@ -106,94 +167,22 @@ class LocalChunkReader:
             )
             for coords in itertools.product(*grids)
         ]
-        self._checked_dirs: set[str] = set()
 
     # -- one chunk ------------------------------------------------------------
 
-    def _path(self, coords: tuple[int, ...]) -> str:
-        return os.path.join(self._root, self._meta.encode_chunk_key(coords))
-
-    def _check_folder(self, folder: str) -> None:
-        """Refuses a chunk folder that leads out of the store through a symlink.
-
-        The array folder itself is checked once; below it, one ``lstat`` per
-        folder not seen before (a full ``realpath`` only when one is a link).
-        """
-        if not self._checked_dirs:
-            check_inside(self._store_root, self._root, self._key, self._allow_external)
-            self._checked_dirs.add(self._root)
-        rel = os.path.relpath(folder, self._root)
-        prefix = self._root
-        for part in rel.split(os.sep) if rel != os.curdir else ():
-            prefix = os.path.join(prefix, part)
-            if prefix in self._checked_dirs:
-                continue
-            try:
-                mode = os.lstat(prefix).st_mode
-            except FileNotFoundError:
-                return  # no chunk below: read as unwritten, nothing to remember
-            if stat.S_ISLNK(mode):
-                check_inside(self._store_root, prefix, self._key, self._allow_external)
-            self._checked_dirs.add(prefix)
-
-    def _read_file(self, path: str) -> bytes | None:
-        """The chunk file's bytes, None when it was never written (the fill value)."""
-        folder = os.path.dirname(path)
-        if folder not in self._checked_dirs:
-            self._check_folder(folder)
-        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno != errno.ELOOP:  # ELOOP: the chunk file is a symlink
-                raise
-            check_inside(self._store_root, path, self._key, self._allow_external)
-            try:
-                fd = os.open(path, flags)
-            except FileNotFoundError:  # a dangling link: zarr reads it as unwritten too
-                return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidStoreError(
-                    f"{path} (leaf {self._key!r}) is not a regular file (a FIFO, device or "
-                    "socket). Fix: re-create the store with regular chunk files."
-                )
-            parts = []
-            left = st.st_size
-            while left > 0:
-                part = os.read(fd, left)
-                if not part:
-                    break
-                parts.append(part)
-                left -= len(part)
-            return b"".join(parts) if len(parts) != 1 else parts[0]
-        finally:
-            os.close(fd)
-
     def _decode(self, coords: tuple[int, ...]) -> np.ndarray | None:
         """Chunk ``coords`` decoded to its full chunk shape, or None when unwritten."""
-        path = self._path(coords)
-        raw = self._read_file(path)
+        path = self._files.path(coords)
+        raw = self._guard.read(path)
         if raw is None:
             return None
         try:
-            buf = self._prototype.buffer.from_bytes(raw)
-            for codec in self._b2b:
-                buf = codec._decode_sync(buf, self._spec)
-            chunk = self._a2b._decode_sync(buf, self._spec).as_numpy_array()
-        except (ValueError, RuntimeError, TypeError, OSError) as e:
+            chunk = self._decode_raw(raw)
+        except DECODE_ERRORS as e:
             raise InvalidStoreError(
                 f"{path} (leaf {self._key!r}): the chunk cannot be decoded "
                 f"({type(e).__name__}: {e}). The store is corrupt; re-create it."
             ) from e
-        if chunk.shape != self._chunks:
-            raise InvalidStoreError(
-                f"{path} (leaf {self._key!r}): the chunk decodes to shape {chunk.shape}, "
-                f"expected {self._chunks}. The store is corrupt; re-create it."
-            )
         return chunk
 
     # -- blocks of rows ----------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import math
 import os
@@ -11,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.formats import import_zarr, is_url
@@ -23,10 +21,12 @@ from grain_replay.sources.reading.chunked import (
     mapped_reader,
     stitched_map,
 )
+from grain_replay.sources.reading.pool import run_grouped
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.stitch import headroom_for
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
+from grain_replay.sources.zarr import meta as zarr_meta
 from grain_replay.sources.zarr import remote as zarr_remote
 
 __all__ = ["ZarrHandle", "lookup", "open_local"]
@@ -74,6 +74,7 @@ class ZarrHandle(Handle):
         # Leaves of a remote store are read in parallel threads, so that the chunk
         # GETs of every leaf of a batch are in flight together.
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self.readers = {}
@@ -90,14 +91,19 @@ class ZarrHandle(Handle):
                 )
             else:
                 self.group, arrays = opened
-            limiter = remote_lib.Limiter(source._max_concurrency)
+            # One pool of chunk GETs for every leaf: at most max_concurrency in flight.
+            self.fetch_pool = concurrent.futures.ThreadPoolExecutor(
+                source._max_concurrency, thread_name_prefix="grain_replay_zarr_get"
+            )
             for key, loc in source._layout.locations.items():
                 arr = lookup(arrays, loc)
                 spec = source._layout.spec[key]
                 chunk_rows = int(arr.chunks[0])
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype,
-                    zarr_remote.remote_block_reader(arr, chunk_rows, n, remote, limiter, key),
+                    zarr_remote.remote_block_reader(
+                        arr, chunk_rows, n, remote, self.fetch_pool, key
+                    ),
                     self.cache,
                 )  # fmt: skip
             if len(self.readers) > 1:
@@ -114,21 +120,26 @@ class ZarrHandle(Handle):
             arr = self.group[loc]
             spec = source._layout.spec[key]
             chunk_rows = int(arr.chunks[0])
-            files = _raw_chunk_files(arr, n, key, spec.dtype, source)
-            if files is not None:
+            root = os.path.join(str(arr.store.root), arr.path)
+            files = zarr_meta.read_array_files(root)
+            guard = zarr_checks.ChunkGuard(source.path, root, key, source._allow_external)
+            mapped = _raw_chunk_files(arr, files, n, key, spec.dtype, source)
+            if mapped is not None:
                 used = n * spec.dtype.itemsize * math.prod(spec.shape)
                 self.readers[key] = mapped_reader(
-                    [(f, 0) for f in files], chunk_rows, spec.dtype, spec.shape, n,
+                    [(f, 0) for f in mapped], chunk_rows, spec.dtype, spec.shape, n,
                     headroom=headroom_for(used),
                 )  # fmt: skip
                 continue
             # Local chunks with plain codecs: read the files and decode on a pool.
-            fast = zarr_decode.local_chunk_reader(arr, n, key, source.path, source._allow_external)
+            fast = zarr_decode.local_chunk_reader(arr, files, n, guard)
+            if fast is None:  # zarr decodes, after the same checks of every file it reads
+                blocks, rows = _block_reader(arr, files, guard, chunk_rows, n), None
+            else:
+                blocks, rows = fast.read_blocks, fast.read_rows
             self.readers[key] = ChunkedLeafReader(
-                key, n, chunk_rows, spec.shape, spec.dtype,
-                _block_reader(arr, chunk_rows, n, key) if fast is None else fast.read_blocks,
-                self.cache, None if fast is None else fast.read_rows,
-            )  # fmt: skip
+                key, n, chunk_rows, spec.shape, spec.dtype, blocks, self.cache, rows
+            )
 
     def grow(self, source: Any, layout: Layout) -> bool:
         """Maps the chunks a growing store added (or rewrote) in place; False: reopen.
@@ -155,10 +166,12 @@ class ZarrHandle(Handle):
             arr = group[loc]
             spec = layout.spec[key]
             first = self._n // int(arr.chunks[0])  # the chunk that held the old end
-            files = _raw_chunk_files(arr, n, key, spec.dtype, source, first)
-            if files is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
+            root = os.path.join(str(arr.store.root), arr.path)
+            files = zarr_meta.read_array_files(root)
+            mapped = _raw_chunk_files(arr, files, n, key, spec.dtype, source, first)
+            if mapped is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
                 return False
-            plans.append((reader, [(f, 0) for f in files], first, spec))
+            plans.append((reader, [(f, 0) for f in mapped], first, spec))
         for reader, parts, first, spec in plans:
             if not grow_stitched(reader, parts, first, spec.dtype, spec.shape, n):
                 return False
@@ -166,9 +179,10 @@ class ZarrHandle(Handle):
         return True
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
-            self.pool = None
+        for pool in (self.pool, self.fetch_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self.pool = self.fetch_pool = None
 
 
 # Beyond this many chunk files, decoding through zarr beats holding the maps.
@@ -180,7 +194,13 @@ def _chunk_bytes(arr: Any, dtype: np.dtype) -> int:
 
 
 def _raw_chunk_files(
-    arr: Any, n: int, key: str, want: np.dtype, source: Any, first: int = 0
+    arr: Any,
+    files: zarr_meta.ArrayFiles | None,
+    n: int,
+    key: str,
+    want: np.dtype,
+    source: Any,
+    first: int = 0,
 ) -> list[str] | None:
     """Chunk files of a local, uncompressed, row-chunked array, or None.
 
@@ -193,67 +213,78 @@ def _raw_chunk_files(
       InvalidStoreError: a chunk file that is not a regular file, leads out of
         the store, or is not the size of one chunk.
     """
-    from zarr.codecs import BytesCodec
-    from zarr.storage import LocalStore
-
-    meta = arr.metadata
-    if n == 0 or getattr(meta, "zarr_format", 2) != 3 or not isinstance(arr.store, LocalStore):
+    if n == 0 or files is None or files.zarr_format != 3 or files.grid is None or not files.plain:
         return None
-    codecs = meta.codecs
-    if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
+    if len(files.codecs) != 1 or files.codecs[0]["name"] != "bytes":
         return None
     dtype = np.dtype(arr.dtype)
     if dtype.hasobject or dtype.kind == "V":
         return None
-    endian = getattr(codecs[0], "endian", None)
     if dtype.itemsize > 1:
         # Zarr 3 keeps the byte order in the bytes codec, not in data_type.
-        order = getattr(endian, "value", endian)
+        order = files.codecs[0]["configuration"].get("endian")
         if order not in ("little", "big"):
             return None
         dtype = dtype.newbyteorder("<" if order == "little" else ">")
     if dtype != want:  # e.g. '>f4' leaves stored little-endian: read through zarr
         return None
-    if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or arr.chunks[0] == 0:
+    grid = files.grid
+    if grid[1:] != files.shape[1:] or files.shape != tuple(arr.shape):
         return None
-    needed = -(-n // arr.chunks[0])
+    needed = -(-n // grid[0])
     if needed > _MAX_MAPPED_CHUNKS:
         return None
-    root = os.path.join(str(arr.store.root), arr.path)
-    files = [
-        os.path.join(root, meta.chunk_key_encoding.encode_chunk_key((c,) + (0,) * (arr.ndim - 1)))
-        for c in range(needed)
-    ]
-    chunk_bytes = _chunk_bytes(arr, dtype)
-    store = source.path
+    paths = [files.path((c,) + (0,) * (len(grid) - 1)) for c in range(needed)]
+    chunk_bytes = dtype.itemsize * math.prod(grid)
     # Chunks before ``first`` were checked when they were mapped (a growing store).
     if not zarr_checks.check_chunk_files(
-        files[first:], root, key, chunk_bytes, store, source._allow_external
+        paths[first:], files.folder, key, chunk_bytes, source.path, source._allow_external
     ):
         return None  # an unwritten chunk reads as the fill value
-    return files
+    return paths
 
 
-def _block_reader(arr: Any, chunk_rows: int, n: int, key: str) -> Any:
-    from zarr.core.sync import sync
+def _block_reader(
+    arr: Any,
+    files: zarr_meta.ArrayFiles | None,
+    guard: zarr_checks.ChunkGuard,
+    chunk_rows: int,
+    n: int,
+) -> Any:
+    """Reads whole row-chunks through zarr (sharded arrays, other codecs, Zarr v2).
 
-    async_arr = arr.async_array
+    zarr reads the chunk files itself, so each file a block needs is checked
+    first (regular, inside the store), as the other read paths do; a chunk
+    zarr cannot decode is named by its file.
+    """
+    if files is None or files.grid is None:
+        guard.check_tree()  # keys we cannot compute: every file below the array, once
 
-    async def fetch(chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        coros = [
-            async_arr.getitem(slice(c * chunk_rows, min((c + 1) * chunk_rows, n)))
-            for c in chunk_ids
-        ]
-        return [np.asarray(b) for b in await asyncio.gather(*coros)]
+    def paths(c: int) -> list[str]:
+        if files is None or files.grid is None:
+            return []
+        return list(files.paths_of_rows(c * chunk_rows, min((c + 1) * chunk_rows, n)))
 
-    def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
+    def one(c: int) -> np.ndarray:
+        present = [p for p in paths(c) if guard.check(p)]
         try:
-            return sync(fetch(chunk_ids))
-        except (ValueError, RuntimeError, TypeError, OSError) as e:
-            where = os.path.join(str(getattr(arr.store, "root", arr.store)), arr.path)
+            return np.asarray(arr[c * chunk_rows : min((c + 1) * chunk_rows, n)])
+        except zarr_decode.DECODE_ERRORS as e:
+            if isinstance(e, InvalidStoreError):
+                raise
+            where = (
+                present[0]
+                if len(present) == 1
+                else f"one of {present}"
+                if present
+                else f"{guard.root} (chunk {c})"
+            )
             raise InvalidStoreError(
-                f"{where}: leaf {key!r} chunks {list(chunk_ids)} cannot be decoded "
+                f"{where} (leaf {guard.key!r}): zarr cannot decode the chunk "
                 f"({type(e).__name__}: {e}). The store is corrupt; re-create it."
             ) from e
+
+    def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
+        return run_grouped(list(chunk_ids), one)
 
     return read_blocks

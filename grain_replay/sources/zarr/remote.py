@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,18 +45,23 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
 
     A missing array (KeyError) or metadata zarr cannot parse (ValueError,
     TypeError) is kept per location, so that the caller names the leaf; other
-    errors (network, credentials) are raised for the retry logic.
+    errors (network, credentials) are raised for the retry logic. zarr's public
+    synchronous API runs each fetch on zarr's own event loop; our threads keep
+    several in flight.
     """
-    zarr = import_zarr()
-    from zarr.core.array import AsyncArray
-    from zarr.core.sync import sync
 
-    async def fetch_all() -> list[Any]:
-        coros = (group._async_group.getitem(loc) for loc in locations)
-        return await asyncio.gather(*coros, return_exceptions=True)
+    def fetch(loc: str) -> Any:
+        try:
+            return group[loc]
+        except Exception as e:
+            return e
 
+    if not locations:
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(min(len(locations), 16)) as pool:
+        nodes = list(pool.map(fetch, locations))
     out: dict[str, Any] = {}
-    for loc, node in zip(locations, sync(fetch_all())):
+    for loc, node in zip(locations, nodes):
         if isinstance(node, KeyError) or (
             isinstance(node, (ValueError, TypeError)) and remote_lib.classify(node) == "other"
         ):
@@ -64,7 +69,7 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
         elif isinstance(node, BaseException):
             raise node
         else:
-            out[loc] = zarr.Array(node) if isinstance(node, AsyncArray) else zarr.Group(node)
+            out[loc] = node
     return out
 
 
@@ -73,35 +78,24 @@ def remote_block_reader(
     chunk_rows: int,
     n: int,
     remote: remote_lib.Remote,
-    limiter: remote_lib.Limiter,
+    fetch_pool: concurrent.futures.ThreadPoolExecutor,
     key: str,
 ) -> Any:
     """Reads whole row-chunks of a remote array: requests in flight bounded, each retried.
 
-    Each chunk is one ``getitem`` of exactly its rows: one GET of one object,
-    decoded once.
+    Each chunk is one read of exactly its rows (one GET of one object, decoded
+    once) through zarr's public API, on ``fetch_pool``, whose threads bound the
+    requests in flight of every leaf of the source together.
     """
-    from zarr.core.sync import sync
 
-    async_arr = arr.async_array
-
-    async def one(c: int) -> np.ndarray:
+    def one(c: int) -> np.ndarray:
         rows = slice(c * chunk_rows, min((c + 1) * chunk_rows, n))
-        async with limiter.get():
-            block = await remote.call_async(
-                lambda: async_arr.getitem(rows), f"chunk {c} of leaf {key!r}"
-            )
-        return np.asarray(block)
-
-    async def fetch(chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        # Wait for every request before raising, so no task outlives the read.
-        results = await asyncio.gather(*(one(c) for c in chunk_ids), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results  # type: ignore[return-value]
+        return remote.call(lambda: np.asarray(arr[rows]), f"chunk {c} of leaf {key!r}")
 
     def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        return sync(fetch(chunk_ids))
+        futures = [fetch_pool.submit(one, c) for c in chunk_ids]
+        # Wait for every request before raising, so no fetch outlives the read.
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
 
     return read_blocks

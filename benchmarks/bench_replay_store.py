@@ -1,0 +1,283 @@
+"""Bounded, many-writer replay stores: reads after eviction, disk use, writers, refresh.
+
+Every number is a ratio measured in this run:
+
+- uniform ``sample + read`` (batch 256) over a bounded store of C live rows of
+  525 B after 10 x C rows were inserted, against the same sampler over a plain
+  store holding the same C rows (target >= 0.9);
+- disk use of the bounded store over its live bytes (target <= 1.1 plus the
+  stated slack: two segments per writer, 2/16 of the capacity);
+- committed rows/s of two writer processes (flush every 1,000 rows) over one
+  (target >= 1.6; needs 2 free cores);
+- ``refresh()`` after one writer's commit with 1, 8 and 64 writer parts (time,
+  reader memory, uniform ``sample + read``; target: 64 parts <= 10 x 1 part).
+
+Usage::
+
+    python benchmarks/bench_replay_store.py [--quick] [--live C] [--out DIR]
+    python benchmarks/run.py --quick --sections store
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BATCH = 256
+
+
+def transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:
+    """``n`` rows of 525 B: obs and next_obs (64 float32), action, reward, done."""
+    rng = np.random.default_rng(start)
+    return {
+        "obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "action": rng.integers(0, 18, n).astype(np.int64),
+        "reward": rng.standard_normal(n, dtype=np.float32),
+        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "done": rng.random(n) < 0.01,
+    }
+
+
+ROW_BYTES = 64 * 4 * 2 + 8 + 4 + 1
+
+
+def _disk(path: str) -> int:
+    return sum(os.stat(os.path.join(r, f)).st_size for r, _, fs in os.walk(path) for f in fs)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _batches_per_s(source: Any, batches: int, repeats: int) -> float:
+    import grain_replay as gr
+
+    it = iter(
+        gr.make_data_loader(
+            source, batch_size=BATCH, sampling=gr.UniformReplay(refresh_every=None), seed=0
+        )
+    )
+    for _ in range(3):
+        next(it)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        times.append((time.perf_counter() - t) / batches)
+    return 1.0 / statistics.median(times)
+
+
+def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any]:
+    import grain_replay as gr
+
+    bounded, plain = os.path.join(tmp, "bounded"), os.path.join(tmp, "plain")
+    block = max(1000, live // 50)
+    with gr.ReplayWriter(bounded, capacity=live, writer_id="actor-0") as w:
+        inserted = 0
+        while inserted < 10 * live:
+            n = min(block, 10 * live - inserted)
+            w.append(transitions(n, inserted))
+            inserted += n
+            w.flush()
+        segment_rows = w._part.manifest.segment_rows
+    with gr.ReplayWriter(plain) as w:
+        for start in range(0, live, block):
+            w.append(transitions(min(block, live - start), start))
+        w.flush()
+    b_src, p_src = gr.open_source(bounded), gr.open_source(plain)
+    assert len(b_src) == len(p_src) == live
+    batches = 50 if live <= 50_000 else 200
+    rate_b = _batches_per_s(b_src, batches, repeats)
+    rate_p = _batches_per_s(p_src, batches, repeats)
+    disk = _disk(bounded)
+    out = {
+        "live_rows": live,
+        "inserted_rows": 10 * live,
+        "segment_rows": segment_rows,
+        "bounded_batches_per_s": rate_b,
+        "plain_batches_per_s": rate_p,
+        "uniform_ratio": rate_b / rate_p,
+        "disk_bytes": disk,
+        "live_bytes": live * ROW_BYTES,
+        "disk_ratio": disk / (live * ROW_BYTES),
+        "stated_slack": 2 * segment_rows / live,
+    }
+    log(
+        f"  uniform sample+read after 10x capacity: bounded {rate_b:,.0f} / plain "
+        f"{rate_p:,.0f} batches/s = {out['uniform_ratio']:.2f}; disk {out['disk_ratio']:.3f}"
+        f" x live (slack allowed {out['stated_slack']:.3f})"
+    )
+    return out
+
+
+_WRITER = r"""
+import sys, time, numpy as np
+sys.path.insert(0, {here!r})
+from bench_replay_store import transitions
+import grain_replay as gr
+path, wid, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+data = transitions(1000, 0)
+w = gr.ReplayWriter(path, capacity=rows, writer_id=wid)
+w.append(data); w.flush()  # warm: the store, the first segment
+print("ready", flush=True)
+while not __import__("os").path.exists(go):
+    time.sleep(0.001)
+t = time.perf_counter()
+for _ in range(rows // 1000):
+    w.append(data)
+    w.flush()
+print(time.perf_counter() - t, flush=True)
+w.close()
+"""
+
+
+def bench_writers(tmp: str, rows: int, log: Any) -> dict[str, Any]:
+    def run(k: int) -> float:
+        path = os.path.join(tmp, f"writers{k}")
+        go = path + ".go"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE]))
+        code = _WRITER.format(here=HERE)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, path, f"w{i}", str(rows), go],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for i in range(k)
+        ]
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        t = time.perf_counter()
+        open(go, "w").close()
+        for p in procs:
+            assert p.stdout is not None
+            p.stdout.readline()
+            p.wait()
+        return k * rows / (time.perf_counter() - t)
+
+    one, two = run(1), run(2)
+    log(f"  writers (flush every 1,000 rows): 1 {one:,.0f} rows/s, 2 {two:,.0f} rows/s")
+    return {"one_rows_per_s": one, "two_rows_per_s": two, "ratio": two / one}
+
+
+def bench_refresh(tmp: str, parts: int, rows: int, repeats: int, log: Any) -> dict[str, Any]:
+    import grain_replay as gr
+
+    path = os.path.join(tmp, f"parts{parts}")
+    writers = [gr.ReplayWriter(path, capacity=rows, writer_id=f"a{i:03d}") for i in range(parts)]
+    for i, w in enumerate(writers):
+        w.append(transitions(rows, i))
+        w.flush()
+    gc.collect()
+    before = _rss_mb()
+    src = gr.open_source(path)
+    src.read_batch(np.arange(len(src)))  # touch every page once
+    memory = _rss_mb() - before
+    times, idle = [], []
+    for r in range(repeats * 4):
+        w = writers[r % parts]
+        w.append(transitions(10, r))
+        w.flush()
+        t = time.perf_counter()
+        src.refresh()
+        times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        src.refresh()
+        idle.append(time.perf_counter() - t)
+    rate = _batches_per_s(src, 50, repeats)
+    for w in writers:
+        w.close()
+    out = {
+        "parts": parts,
+        "rows_per_part": rows,
+        "refresh_ms": 1e3 * statistics.median(times),
+        "refresh_unchanged_ms": 1e3 * statistics.median(idle),
+        "reader_memory_mb": memory,
+        "batches_per_s": rate,
+    }
+    log(
+        f"  {parts:3d} parts: refresh {out['refresh_ms']:.2f} ms (nothing new "
+        f"{out['refresh_unchanged_ms']:.2f} ms), reader memory {memory:.1f} MB, "
+        f"{rate:,.0f} batches/s"
+    )
+    return out
+
+
+def run_all(quick: bool, live: int | None, log: Any) -> dict[str, Any]:
+    live = live or (20_000 if quick else 1_000_000)
+    repeats = 3 if quick else 5
+    tmp = tempfile.mkdtemp(prefix="bench_replay_store_")
+    try:
+        out: dict[str, Any] = {"eviction": bench_eviction(tmp, live, repeats, log)}
+        out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
+        out["refresh"] = [
+            bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
+        ]
+        r = out["refresh"]
+        out["refresh_64_over_1"] = r[-1]["refresh_ms"] / r[0]["refresh_ms"]
+        log(f"  refresh at 64 parts / at 1 part: {out['refresh_64_over_1']:.1f}x")
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_store(cfg: Any, stores: Any, res: Any, log: Any) -> None:
+    """The ``store`` section of benchmarks/run.py."""
+    from bench_common import Ratio
+
+    out = run_all(cfg.quick, None, log)
+    res.extra["replay_store"] = out
+    ev = out["eviction"]
+    res.ratios.append(
+        Ratio("store: uniform bounded / plain", "bounded", "plain", ev["uniform_ratio"], 0.9)
+    )
+    res.ratios.append(
+        Ratio(
+            "store: 1.1 x (live + slack) / disk",
+            "live",
+            "disk",
+            1.1 * (1 + ev["stated_slack"]) / ev["disk_ratio"],
+            1.0,
+        )
+    )
+    res.ratios.append(Ratio("store: 2 writers / 1 writer", "2", "1", out["writers"]["ratio"], 1.6))
+    res.ratios.append(
+        Ratio("store: 10 x refresh@1 / refresh@64", "1", "64", 10 / out["refresh_64_over_1"], 1.0)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--live", type=int, default=None, help="live rows of the eviction case")
+    p.add_argument("--out", default=None, help="write results.json here")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = run_all(args.quick, args.live, lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}"))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "replay_store.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""One writer's part of a bounded, many-writer store: segments, a manifest, eviction.
+
+Rows go into fixed-size segments, each a plain single-writer store written by
+the format's backend. ``flush()`` commits the segments written to, then
+replaces the writer's manifest (the commit point), then unlinks segments the
+new manifest no longer names. A crash at any point leaves the last manifest
+and every segment it names intact; reopening drops the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from grain_replay import layout as layout_lib
+from grain_replay import parts as parts_lib
+from grain_replay.errors import (
+    GrainReplayError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    InvalidTreeError,
+)
+from grain_replay.formats import FORMATS, PAGE, format_from_path
+from grain_replay.integrity import Checksummer
+from grain_replay.writers.atomic import remove_path
+from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend
+
+__all__ = ["PartWriter", "default_segment_rows"]
+
+logger = logging.getLogger(__name__)
+
+# Segments of an unbounded writer.
+UNBOUNDED_SEGMENT_ROWS = 1 << 20
+# A bounded writer's segment: capacity / SEGMENTS_PER_CAPACITY rows, so the disk
+# holds at most capacity + (1 + RETAIN_SEGMENTS) segments of rows.
+SEGMENTS_PER_CAPACITY = 16
+
+
+def default_segment_rows(
+    capacity: int | None, fmt: str = "", leaves: dict[str, layout_lib.LeafSpec] | None = None
+) -> int:
+    """``ceil(capacity / 16)`` rows; for ``.npy``, rounded up to whole pages of every leaf
+    (so readers map a writer's segments back to back) when that at most doubles it or
+    stays within a quarter of the capacity."""
+    rows = (
+        UNBOUNDED_SEGMENT_ROWS
+        if capacity is None
+        else max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
+    )
+    if fmt == "npy" and leaves:
+        unit = 1
+        for spec in leaves.values():
+            b = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
+            if b:
+                unit = math.lcm(unit, PAGE // math.gcd(PAGE, b))
+        rounded = -(-rows // unit) * unit
+        if rounded <= max(2 * rows, (capacity or 0) // 4):
+            return rounded
+    return rows
+
+
+def _segment_backend(fmt: str) -> type[Backend]:
+    return NpySegmentBackend if fmt == "npy" else BACKENDS[fmt]
+
+
+def _being_made(path: str) -> bool:
+    """Whether ``path`` is a store another writer is creating right now (no store file yet)."""
+    if not os.path.isdir(path):
+        return False
+    made = {parts_lib.WRITERS_DIR, parts_lib.ORDINALS_DIR}
+    return all(n in made or n.startswith(parts_lib.STORE_FILE) for n in os.listdir(path))
+
+
+class _Open:
+    """The segment being appended to."""
+
+    def __init__(self, first: int, rows: int, backend: Backend, summer: Checksummer | None):
+        self.first, self.rows, self.backend, self.summer = first, rows, backend, summer
+        self.dirty = False
+
+
+class PartWriter:
+    """Appends one writer's rows to its part of a bounded, many-writer store."""
+
+    def __init__(
+        self,
+        path: str,
+        format: str | None,
+        *,
+        writer_id: str,
+        capacity: int | None,
+        segment_rows: int | None,
+        chunk_rows: int | None,
+        compression: str | None,
+    ) -> None:
+        self._path = path
+        self._id = parts_lib.check_writer_id(writer_id, path)
+        self._where = f"{path} (writer {self._id!r})"
+        capacity = parts_lib.check_capacity(capacity, path, self._id)
+        if segment_rows is not None and (
+            isinstance(segment_rows, bool) or not isinstance(segment_rows, int) or segment_rows <= 0
+        ):
+            raise InvalidArgumentError(
+                f"{self._where}: segment_rows must be a positive int or None, got "
+                f"{segment_rows!r}. Fix: leave it None (capacity / 16)."
+            )
+        if format is not None and format not in FORMATS:
+            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
+        if os.path.exists(path) and not parts_lib.is_parts_store(path) and not _being_made(path):
+            raise InvalidStoreError(
+                f"{path} is a single-writer store (or another file); capacity= and writer_id= "
+                "need a store directory made by them. Fix: pass another path, or drop "
+                "capacity/writer_id to append to it."
+            )
+        if not parts_lib.is_parts_store(path):
+            parts_lib.create_store_file(path, format or format_from_path(path))
+        on_disk = parts_lib.read_store_file(path)
+        if format is not None and format != on_disk:
+            raise InvalidStoreError(
+                f"{path} is a {on_disk} store but format={format!r} was given. "
+                f"Fix: pass format={on_disk!r} or another path."
+            )
+        self._format = on_disk
+        self._chunk_rows, self._compression = chunk_rows, compression
+        self._dir = parts_lib.writer_dir(path, self._id)
+        self._lock_fd: int | None = parts_lib.acquire_writer_lock(path, self._id)
+        self._open: _Open | None = None
+        self._full: list[_Open] = []  # filled since the last flush, not yet committed
+        self._default_rows = segment_rows is None
+        self._pending = 0
+        try:
+            manifest = parts_lib.read_manifest(self._dir)
+            if manifest is None:
+                ordinal = parts_lib.claim_ordinal(path, self._id)
+                manifest = parts_lib.Manifest(
+                    self._id,
+                    ordinal,
+                    self._format,
+                    capacity,
+                    segment_rows or default_segment_rows(capacity),
+                    0,
+                    (),
+                )
+            else:
+                self._check_reopen(manifest, capacity, segment_rows)
+            self._manifest = manifest
+            self._meta = (
+                None
+                if manifest.schema is None
+                else layout_lib.StoreMetadata.from_json(manifest.schema, where=self._where)
+            )
+            self._drop_orphans()
+            self._reopen_tail()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- reopening -----------------------------------------------------------------
+
+    def _check_reopen(
+        self, m: parts_lib.Manifest, capacity: int | None, segment_rows: int | None
+    ) -> None:
+        if m.capacity != capacity:
+            raise InvalidArgumentError(
+                f"{self._where}: capacity={capacity!r} but this writer was created with "
+                f"capacity={m.capacity!r}, which cannot change on reopen. Fix: pass "
+                f"capacity={m.capacity!r}, or write under a new writer_id."
+            )
+        if segment_rows is not None and segment_rows != m.segment_rows:
+            raise InvalidArgumentError(
+                f"{self._where}: segment_rows={segment_rows} but this writer's segments hold "
+                f"{m.segment_rows} rows. Fix: pass segment_rows={m.segment_rows} or None."
+            )
+        if m.format != self._format:
+            raise InvalidStoreError(
+                f"{self._where}: manifest says {m.format}, store {self._format}."
+            )
+
+    def _segment_path(self, first: int) -> str:
+        return os.path.join(self._dir, parts_lib.segment_name(first, self._format))
+
+    def _drop_orphans(self) -> None:
+        """Removes what the manifest does not name: uncommitted segments, unfinished evictions."""
+        keep = {parts_lib.LOCK_FILE, parts_lib.OWNER_FILE, parts_lib.MANIFEST_FILE}
+        m = self._manifest
+        keep |= {parts_lib.segment_name(s.first, self._format) for s in m.segments + m.retired}
+        for name in os.listdir(self._dir):
+            if name not in keep:
+                logger.info("%s: removing %s (not committed)", self._where, name)
+                remove_path(os.path.join(self._dir, name))
+
+    def _reopen_tail(self) -> None:
+        """Continues in the newest segment after its last committed row."""
+        m = self._manifest
+        if not m.segments or self._meta is None:
+            return
+        tail = m.segments[-1]
+        if tail.rows >= m.segment_rows:
+            return
+        meta = self._segment_meta(tail.rows)
+        cls = _segment_backend(self._format)
+        backend = cls(self._segment_path(tail.first), meta)
+        on_disk = cls.read_metadata(self._segment_path(tail.first))
+        summer = None
+        if on_disk is not None and on_disk.num_records == tail.rows:
+            try:
+                summer = Checksummer.resume(meta.leaves, on_disk.checksums, tail.rows)
+            except ValueError:
+                summer = None
+        else:
+            # Committed past the manifest (a crash between the two commits): the segment
+            # says the manifest's rows again, so readers map what they will read. Its
+            # checksums covered the dropped rows too: they are not recorded any more.
+            logger.warning(
+                "%s: segment %s held rows the manifest never committed; dropped them "
+                "(and its checksums)", self._where, tail.first,
+            )  # fmt: skip
+            backend.commit(tail.rows, None)
+        self._open = _Open(tail.first, tail.rows, backend, summer)
+
+    def _segment_meta(self, n: int) -> layout_lib.StoreMetadata:
+        assert self._meta is not None
+        return layout_lib.StoreMetadata(n, self._meta.leaves, self._meta.treedef)
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        return self._manifest.committed
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def manifest(self) -> parts_lib.Manifest:
+        return self._manifest
+
+    @property
+    def format(self) -> str:
+        return self._format
+
+    # -- appending ---------------------------------------------------------------------
+
+    def append(self, tree: Any) -> int:
+        """Writes a block of rows (not yet committed); returns the rows appended."""
+        if self._lock_fd is None:
+            raise GrainReplayError(f"{self._where}: the ReplayWriter is closed.")
+        arrays, treedef, n = layout_lib.prepare_leaves(tree, where=self._where)
+        leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
+        if self._meta is None:
+            self._meta = self._schema_of_store(layout_lib.StoreMetadata(0, leaves, treedef))
+            m = self._manifest
+            if self._default_rows and m.committed == 0 and not m.segments:
+                rows = default_segment_rows(m.capacity, self._format, self._meta.leaves)
+                self._manifest = dataclasses.replace(m, segment_rows=rows)
+        self._check_matches(arrays, leaves, treedef)
+        done = 0
+        while done < n:
+            seg = self._segment_for_next()
+            take = min(n - done, self._manifest.segment_rows - seg.rows)
+            block = {k: a[done : done + take] for k, a in arrays.items()}
+            seg.backend.write(block, seg.rows)
+            if seg.summer is not None:
+                seg.summer.update(block)
+            seg.rows += take
+            seg.dirty = True
+            done += take
+        self._pending += n
+        return n
+
+    def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
+        """The first writer's leaves bind the store: a later writer must match them."""
+        for other in parts_lib.list_writers(self._path):
+            if other == self._id:
+                continue
+            m = parts_lib.read_manifest(parts_lib.writer_dir(self._path, other))
+            if m is None or m.schema is None:
+                continue
+            theirs = layout_lib.StoreMetadata.from_json(m.schema, where=self._path)
+            if theirs.leaves != mine.leaves or theirs.treedef != mine.treedef:
+                raise InvalidTreeError(
+                    f"{self._where}: the appended tree has leaves "
+                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in mine.leaves.items()} } but "
+                    f"writer {other!r} of this store wrote "
+                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in theirs.leaves.items()} }. "
+                    "Fix: append trees with the store's structure, dtypes and shapes, or use "
+                    "another store path."
+                )
+            return theirs
+        return mine
+
+    def _check_matches(
+        self,
+        arrays: dict[str, np.ndarray],
+        leaves: dict[str, layout_lib.LeafSpec],
+        treedef: dict[str, Any],
+    ) -> None:
+        want = self._meta
+        assert want is not None
+        if treedef != want.treedef:
+            raise InvalidTreeError(
+                f"{self._where}: the appended tree has leaves {list(arrays)} but the store has "
+                f"{list(want.leaves)} (or a different container structure). Fix: append trees "
+                "with the store's structure."
+            )
+        bad = [
+            f"leaf {k!r} is {s.dtype}{list(s.shape)} per row, the store holds "
+            f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
+            for k, s in leaves.items()
+            if s != want.leaves[k]
+        ]
+        if bad:
+            raise InvalidTreeError(
+                f"{self._where}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape "
+                "to the store's per-row shape."
+            )
+
+    def _segment_for_next(self) -> _Open:
+        seg = self._open
+        if seg is not None and seg.rows < self._manifest.segment_rows:
+            return seg
+        if seg is not None:
+            self._full.append(seg)
+        first = self._manifest.committed if seg is None else seg.first + seg.rows
+        assert first % self._manifest.segment_rows == 0
+        path = self._segment_path(first)
+        remove_path(path)  # a leftover of a crash before this segment's first commit
+        meta = self._segment_meta(0)
+        cls = _segment_backend(self._format)
+        cls.create(path, meta, self._chunk_rows, self._compression, sync=False)
+        self._open = _Open(first, 0, cls(path, meta), Checksummer(meta.leaves))
+        return self._open
+
+    def flush(self) -> int:
+        """Commits the segments, then the manifest (the commit point), then evicts."""
+        if self._lock_fd is None or not self._pending:
+            return self.committed
+        m = self._manifest
+        for seg in [*self._full, self._open]:
+            if seg is not None and seg.dirty:
+                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
+                seg.dirty = False
+        committed = m.committed + self._pending
+        rows = {s.first: s.rows for s in m.segments}
+        for seg in [*self._full, self._open]:
+            if seg is not None:
+                rows[seg.first] = seg.rows
+        live_start = 0 if m.capacity is None else max(0, committed - m.capacity)
+        segments = [parts_lib.Segment(f, r) for f, r in sorted(rows.items())]
+        evicted = [s for s in segments if s.first + s.rows <= live_start]
+        segments = [s for s in segments if s.first + s.rows > live_start]
+        retired_all = [*m.retired, *evicted]
+        cut = max(0, len(retired_all) - parts_lib.RETAIN_SEGMENTS)
+        retired, dropped = retired_all[cut:], retired_all[:cut]
+        assert self._meta is not None
+        self._manifest = parts_lib.Manifest(
+            m.writer_id,
+            m.ordinal,
+            m.format,
+            m.capacity,
+            m.segment_rows,
+            committed,
+            tuple(segments),
+            tuple(retired),
+            self._meta.to_json(),
+        )
+        parts_lib.write_manifest(self._dir, self._manifest)
+        self._pending = 0
+        for seg in self._full:
+            seg.backend.close()
+        self._full = []
+        # After the commit point: a crash here leaves files reopening removes.
+        for s in dropped:
+            remove_path(self._segment_path(s.first))
+        return committed
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock file stays (see ReplayWriter._release_lock)
+            self._lock_fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._lock_fd is None
+
+    def close(self) -> None:
+        if self._lock_fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            for seg in [*self._full, self._open]:
+                if seg is not None:
+                    seg.backend.close()
+            self._full, self._open = [], None
+            self._release()
+
+    def abandon(self) -> None:
+        """Releases the id without committing (the rows since the last flush are lost)."""
+        for seg in [*self._full, self._open]:
+            if seg is not None:
+                seg.backend.close()
+        self._full, self._open = [], None
+        self._release()
