@@ -168,7 +168,7 @@ class NpyBackend(Backend):
     def read(self, key: str, start: int, stop: int) -> np.ndarray:
         spec = self.meta.leaves[key]
         size = _row_bytes(spec)
-        raw = os.pread(self._fds[key], (stop - start) * size, _NPY_HEADER + start * size)
+        raw = os.pread(self._fds[key], (stop - start) * size, self.HEADER + start * size)
         return np.frombuffer(raw, dtype=spec.dtype).reshape(stop - start, *spec.shape)
 
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
