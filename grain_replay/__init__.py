@@ -24,6 +24,7 @@ from grain_replay.errors import (
     PriorityIndexError,
     RecordIndexError,
     ReferenceRefusedError,
+    ReplayCheckpointError,
     ResidentBudgetError,
     ResidentUnsupportedError,
     StoreAccessError,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
         open_source,
     )
     from grain_replay.stats import compute_stats
+    from grain_replay.watermark import Watermark, read_watermark
     from grain_replay.writers import (
         ReplayWriter,
         write,
@@ -152,6 +154,9 @@ __all__ = [
     "LeafMismatchError",
     "InvalidPriorityError",
     "PriorityIndexError",
+    "ReplayCheckpointError",
+    "Watermark",
+    "read_watermark",
 ]
 
 # Public name -> the module that defines it, imported on first use: a spawned
@@ -187,6 +192,8 @@ _LAZY = {
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
     "compute_stats": "grain_replay.stats",
+    "Watermark": "grain_replay.watermark",
+    "read_watermark": "grain_replay.watermark",
     **{
         name: "grain_replay.rl"
         for name in (

@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedStateError",
     "FrameTimestampError",
     "InvalidSamplingError",
+    "ReplayCheckpointError",
     "LeafMismatchError",
     "InvalidPriorityError",
     "PriorityIndexError",
@@ -136,6 +137,11 @@ class UnsupportedStateError(GrainReplayError, TypeError):
 
 class InvalidSamplingError(GrainReplayError, ValueError):
     """A sampling option (mixture weights, replay settings) is not valid."""
+
+
+class ReplayCheckpointError(CheckpointMismatchError, InvalidSamplingError):
+    """A replay iterator's checkpoint does not fit this iterator: another store, other
+    sampling settings, or a store that lost rows the checkpoint drew from."""
 
 
 class LeafMismatchError(GrainReplayError, ValueError):

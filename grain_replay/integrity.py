@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,33 @@ class Checksummer:
                 raise ValueError(
                     f"leaf {key!r} has {len(st['blocks'])} checksum blocks, expected {expected}"
                 )
+            out._rows[key] = n
+        return out
+
+    @classmethod
+    def truncated(
+        cls,
+        specs: Mapping[str, LeafSpec],
+        checksums: Mapping[str, Any] | None,
+        n: int,
+        read: Callable[[str, int, int], np.ndarray],
+    ) -> Checksummer:
+        """The checksums of the first ``n`` rows of a store whose checksums cover more.
+
+        Whole blocks are kept; the last, partial block is recomputed from its rows,
+        ``read(key, start, stop)`` (under one block per leaf: ~1 MiB).
+        """
+        if checksums is None or set(checksums) != set(specs):
+            raise ValueError("no checksums to truncate")
+        out = cls(specs, checksums)
+        for key, st in out._state.items():
+            r = st["block_rows"]
+            whole, rest = divmod(n, r)
+            if len(st["blocks"]) < whole + (rest > 0):
+                raise ValueError(f"leaf {key!r} has checksums of fewer than {n} rows")
+            st["blocks"] = st["blocks"][:whole]
+            if rest:
+                st["blocks"].append(zlib.crc32(as_bytes(read(key, whole * r, n))))
             out._rows[key] = n
         return out
 

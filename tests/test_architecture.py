@@ -38,6 +38,7 @@ LAYERS = {
     "grain_replay.formats": 0,
     "grain_replay.remote": 0,
     "grain_replay.integrity": 0,
+    "grain_replay.watermark": 0,
     "grain_replay._flags": 0,
     "grain_replay.sources.reading": 1,
     "grain_replay.sources.checks": 1,

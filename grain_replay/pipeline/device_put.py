@@ -137,7 +137,14 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._stateful = callable(getattr(inner, "get_state", None)) and callable(
             getattr(inner, "set_state", None)
         )
-        self._state = copy.deepcopy(inner.get_state()) if self._stateful else None
+        # An inner iterator that can give the state of an earlier position (a replay
+        # iterator, whose state holds the priorities) is asked only at a checkpoint.
+        at = getattr(inner, "get_state_at", None)
+        self._state_at: Callable[[int], Any] | None = (
+            at if self._stateful and callable(at) else None
+        )
+        self._capture = self._stateful and self._state_at is None
+        self._state = copy.deepcopy(inner.get_state()) if self._capture else None
         self._finished = False
         self._handed = getattr(inner, "position", 0)  # batches the caller received
 
@@ -150,7 +157,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         if self._prefetch == 0:
             try:
                 batch = next(self._inner)
-                state = copy.deepcopy(self._inner.get_state()) if self._stateful else None
+                state = copy.deepcopy(self._inner.get_state()) if self._capture else None
                 arrays = self._convert(batch)
             except BaseException:
                 self._finished = True
@@ -178,7 +185,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._slots = threading.Semaphore(self._prefetch)
         self._thread = threading.Thread(
             target=_produce,
-            args=(self._inner, self._convert, self._queue, self._slots, self._stop, self._stateful),
+            args=(self._inner, self._convert, self._queue, self._slots, self._stop, self._capture),
             name="sharded_device_put",
             daemon=True,
         )
@@ -200,6 +207,8 @@ class ShardedDevicePutIterator(Iterator[Any]):
             UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
         """
         self._require_state("get_state")
+        if self._state_at is not None:
+            return self._state_at(self._handed)
         return copy.deepcopy(self._state)
 
     def set_state(self, state: Any) -> None:
@@ -214,7 +223,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._require_state("set_state")
         self._halt()  # no timeout: the producer must be out of the wrapped iterator
         self._inner.set_state(copy.deepcopy(state))
-        self._state = copy.deepcopy(state)
+        self._state = copy.deepcopy(state) if self._capture else None
         self._finished = False
         self._handed = getattr(self._inner, "position", 0)
 
@@ -274,7 +283,10 @@ class ShardedDevicePutIterator(Iterator[Any]):
             UnsupportedStateError: The wrapped iterator has no ``get_state``/``set_state``.
         """
         self._require_state("load")
-        loader_state = isinstance(self._state, bytes)  # else a grain dataset's dict
+        # else a grain dataset's dict
+        loader_state = isinstance(self._state, bytes) or (
+            self._state_at is not None and not isinstance(self, grain.DatasetIterator)
+        )
 
         async def read() -> None:
             text = await load_text(directory, elastic=loader_state)

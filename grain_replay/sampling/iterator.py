@@ -11,13 +11,15 @@ from typing import Any, Self
 
 import numpy as np
 
-from grain_replay.errors import InvalidSamplingError
+from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
+from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
-from grain_replay.sampling.replay import UniformSampler
+from grain_replay.sampling.replay import UniformSampler, reaches
 from grain_replay.sampling.streams import Stream
+from grain_replay.watermark import Watermark
 
 __all__ = ["ENDLESS", "SamplingIterator"]
 
@@ -25,7 +27,9 @@ __all__ = ["ENDLESS", "SamplingIterator"]
 logger = logging.getLogger("grain_replay.sampling.loader")
 
 ENDLESS = sys.maxsize // 4  # the length an endless stream reports to grain
-_STATE_VERSION = 1
+# 2: the state also holds the store's watermark and, with priorities, the priority state.
+_STATE_VERSION = 2
+_READS_VERSIONS = (1, 2)
 # Draws kept after their batch is handed out: a consumer reading ahead (such as
 # sharded_device_put) checkpoints a position up to its read-ahead behind ours.
 _KEEP_DRAWN = 64
@@ -57,10 +61,12 @@ class SamplingIterator:
     ``worker_count * worker_buffer_size`` steps; a draw is kept until its batch is
     handed out, so a seek or a restarted worker reads the same rows.
 
-    ``get_state()`` returns small JSON bytes (the position and the sampler's state
-    before the next batch); with prioritized replay the priorities are saved apart,
-    by :meth:`priority_state` (a dict of numpy arrays: an Orbax item, or
-    ``np.savez``), so a checkpoint every step costs no copy of N priorities.
+    ``get_state()`` returns JSON bytes that hold the whole replay state: the
+    position, the sampler's state before the next batch, the commit watermark of
+    the store (the rows the sampler draws from; see :mod:`grain_replay.watermark`)
+    and, with prioritized replay, the priorities and the draws ahead (numpy arrays
+    as base64, ~11 bytes a row of this process). The rows themselves are never
+    copied. :meth:`priority_state` still returns the priorities alone.
     """
 
     def __init__(
@@ -153,44 +159,115 @@ class SamplingIterator:
     def _describe(self) -> dict[str, Any]:
         return {"kind": self._stream.kind, **self._stream.describe()}
 
-    def get_state(self) -> bytes:
-        """Small JSON bytes: resume at the identical next batch (schedule included)."""
-        with self._lock:
-            entry = self._drawn.get(self._position)
-            state = entry[2] if entry is not None else self._stream.state()
-            return json.dumps(
-                {
-                    "version": _STATE_VERSION,
-                    "sampling": self._describe(),
-                    "position": self._position,
-                    "sampler": state,
-                }
-            ).encode()
+    def _source(self) -> Any:
+        """The one store a uniform or prioritized stream replays (None for mixtures)."""
+        sampler = getattr(self._stream, "sampler", None)
+        if isinstance(sampler, (UniformSampler, PrioritySampler)):
+            return sampler.source
+        return None
 
-    def set_state(self, state: bytes) -> None:
-        """Resumes right after the batch at which ``state`` was taken.
+    def _watermark(self) -> Watermark | None:
+        """The rows the sampler draws from, as the store's writers count them."""
+        source = self._source()
+        if source is None:
+            return None
+        sampler: Any = self._stream.sampler  # type: ignore[attr-defined]
+        store = str(getattr(source, "path", None) or repr(source))
+        # A bounded many-writer store names each writer's committed rows in the view:
+        # through commit_watermark(), or the writers' manifests of its snapshot.
+        per_writer = getattr(source, "commit_watermark", None)
+        if callable(per_writer):
+            return Watermark(store, writers=dict(per_writer()))
+        manifests = getattr(source, "writers", None)
+        if isinstance(manifests, list) and all(
+            hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
+        ):
+            return Watermark(store, writers={m.writer_id: int(m.committed) for m in manifests})
+        return Watermark(store, rows=int(sampler.bound))
+
+    def get_state(self) -> bytes:
+        """JSON bytes: resume at the identical next batch (schedule and priorities included)."""
+        return self.get_state_at(self._position)
+
+    def get_state_at(self, position: int) -> bytes:
+        """:meth:`get_state` as it was when ``position`` batches had been handed out.
+
+        A consumer that reads ahead (``sharded_device_put``) asks for the state of the
+        last batch it handed on, only when a checkpoint is taken: the priorities are
+        encoded then, not after every batch.
 
         Raises:
-          InvalidSamplingError: ``state`` is from another mode, sources, batch size or seed.
+          InvalidSamplingError: ``position`` is ahead of this iterator, or so far behind
+            that its draw is no longer kept.
+        """
+        with self._lock:
+            if position > self._position or (
+                position < self._position and position not in self._drawn
+            ):
+                raise InvalidSamplingError(
+                    f"No state at batch {position}: this iterator has handed out "
+                    f"{self._position} batches and keeps the draws of the last {_KEEP_DRAWN}. "
+                    f"Fix: read ahead by fewer than {_KEEP_DRAWN} batches."
+                )
+            entry = self._drawn.get(position)
+            state = entry[2] if entry is not None else self._stream.state()
+            out: dict[str, Any] = {
+                "version": _STATE_VERSION,
+                "sampling": self._describe(),
+                "position": position,
+                "sampler": state,
+            }
+            mark = self._watermark()
+            if mark is not None:
+                out["watermark"] = mark.to_json()
+            text = json.dumps(out).encode()
+            if self._stream.kind != "prioritized":
+                return text
+            pieces = json_pieces(self._priority_state_locked(copy=False))
+            return b"".join([text[:-1], b', "priorities": ', *pieces, b"}"])
+
+    def set_state(self, state: bytes) -> None:
+        """Resumes right after the batch at which ``state`` was taken, priorities included.
+
+        A state of an older version (without priorities) resumes the position only,
+        with the priorities in memory, as before: restore :meth:`set_priority_state`
+        too, then.
+
+        Raises:
+          ReplayCheckpointError: (a ``CheckpointMismatchError`` and an
+            ``InvalidSamplingError``) ``state`` is from another mode, store, batch
+            size, seed or priority settings, or the store holds fewer rows than the
+            checkpoint's watermark; nothing changes.
         """
         try:
             decoded = json.loads(bytes(state).decode())
             version, described = decoded["version"], decoded["sampling"]
             position, sampler = int(decoded["position"]), decoded["sampler"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InvalidSamplingError(
+            priorities = decoded.get("priorities")
+            if priorities is not None:
+                priorities = decode_arrays(priorities)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ReplayCheckpointError(
                 f"Not a state of a mixture or replay loader ({type(e).__name__}: {e}). "
                 "Fix: pass bytes from get_state() of a loader made with the same arguments."
             ) from e
-        if version != _STATE_VERSION or described != self._describe():
-            raise InvalidSamplingError(
+        if version not in _READS_VERSIONS or described != self._describe():
+            raise ReplayCheckpointError(
                 f"The state was saved by a loader with {described}; this one has "
                 f"{self._describe()}. Fix: resume with the same sources, sampling, "
                 "batch_size and seed."
             )
+        if "watermark" in decoded:
+            self._check_store(Watermark.from_json(decoded["watermark"]))
+        if priorities is not None:
+            self._priority().check_state(priorities)
         with self._lock:
+            if priorities is not None:
+                self._set_priority_state_locked(priorities)
             self._position = position
-            if self._stream.kind == "prioritized":
+            if priorities is not None:
+                self._drawn = {s: e for s, e in self._drawn.items() if s >= position}
+            elif self._stream.kind == "prioritized":
                 if position not in self._drawn and position != self._next_draw:
                     self._drawn.clear()
                     self._next_draw = position
@@ -208,6 +285,25 @@ class SamplingIterator:
                 self._next_draw = position
         if self._inner is not None:
             self._inner.seek(position)
+
+    def _check_store(self, saved: Watermark) -> None:
+        """The checkpoint's store is this iterator's, and holds the rows it covers."""
+        ours = self._watermark()
+        if ours is None:
+            return
+        source = self._source()
+        if saved.store != ours.store:
+            raise ReplayCheckpointError(
+                f"The checkpoint was saved replaying {saved.store}; this iterator replays "
+                f"{ours.store}. Fix: restore into a loader over the store it was saved with."
+            )
+        if saved.rows is not None and not reaches(source, saved.rows):
+            raise ReplayCheckpointError(
+                f"The checkpoint drew from the first {saved.rows} rows of {saved.store}, which "
+                f"holds {len(source)} committed rows now: rows it replayed are gone. Fix: "
+                "restore with the store as it was saved (a writer reopened with resume_from= "
+                "drops only rows after the checkpoint)."
+            )
 
     # -- replay ---------------------------------------------------------------
 
@@ -249,50 +345,59 @@ class SamplingIterator:
         sampler.update(np.asarray(index), np.asarray(priorities), stamp)
 
     def priority_state(self) -> dict[str, np.ndarray]:
-        """The priorities and the draws ahead, as numpy arrays (~12 bytes a row).
+        """The priorities and the draws ahead, as numpy arrays (~11 bytes a row).
 
-        Save it beside the checkpoint (``np.savez``, or an Orbax ``StandardSave`` item),
-        together with :meth:`get_state`; restore with :meth:`set_priority_state`
-        after ``set_state``.
+        :meth:`get_state` holds them too (so one Orbax item restores everything);
+        this is for saving them apart, as before (``np.savez``, or an Orbax
+        ``StandardSave`` item); restore with :meth:`set_priority_state` after
+        ``set_state``.
         """
-        sampler = self._priority()
+        self._priority()
         with self._lock:
-            state = sampler.state()
-            steps = sorted(self._drawn)
-            b = len(self._drawn[steps[0]][1][0]) if steps else 0
-            state["next_draw"] = np.array(self._next_draw, dtype=np.int64)
-            state["drawn_step"] = np.array(steps, dtype=np.int64)
-            state["drawn_index"] = np.array(
-                [self._drawn[s][1][0] for s in steps], dtype=np.int64
-            ).reshape(len(steps), b)
-            state["drawn_weight"] = np.array(
-                [self._drawn[s][1][1] for s in steps], dtype=np.float32
-            ).reshape(len(steps), b)
-            return state
+            return self._priority_state_locked()
+
+    def _priority_state_locked(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        # copy=False: encoded at once, under this iterator's lock (no draw changes the tree).
+        state = self._priority().state(copy=copy)
+        steps = sorted(self._drawn)
+        b = len(self._drawn[steps[0]][1][0]) if steps else 0
+        state["next_draw"] = np.array(self._next_draw, dtype=np.int64)
+        state["drawn_step"] = np.array(steps, dtype=np.int64)
+        state["drawn_index"] = np.array(
+            [self._drawn[s][1][0] for s in steps], dtype=np.int64
+        ).reshape(len(steps), b)
+        state["drawn_weight"] = np.array(
+            [self._drawn[s][1][1] for s in steps], dtype=np.float32
+        ).reshape(len(steps), b)
+        return state
 
     def set_priority_state(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`priority_state` (call after ``set_state``, before ``next``).
 
         Raises:
-          InvalidSamplingError: ``state`` is from another process, settings or store.
+          InvalidSamplingError: ``state`` is from another process, settings or store
+            (a :class:`~grain_replay.errors.ReplayCheckpointError`).
         """
-        sampler = self._priority()
+        self._priority().check_state(state)
+        with self._lock:
+            self._set_priority_state_locked(state)
+        if self._inner is not None:
+            self._inner.seek(self._position)
+
+    def _set_priority_state_locked(self, state: Mapping[str, Any]) -> None:
         try:
             next_draw = int(state["next_draw"])
             steps = np.asarray(state["drawn_step"], dtype=np.int64)
             index = np.asarray(state["drawn_index"], dtype=np.int64)
             weight = np.asarray(state["drawn_weight"], dtype=np.float32)
         except (KeyError, TypeError, ValueError) as e:
-            raise InvalidSamplingError(
+            raise ReplayCheckpointError(
                 f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
                 "priority_state() returned."
             ) from e
-        with self._lock:
-            sampler.set_state(state)
-            self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
-            self._next_draw = next_draw
-        if self._inner is not None:
-            self._inner.seek(self._position)
+        self._priority().set_state(state)
+        self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
+        self._next_draw = next_draw
 
     def refresh(self) -> None:
         """Looks for newly committed rows before the next draw (replay modes)."""

@@ -117,6 +117,11 @@ class _DatasetIterator(grain.DatasetIterator):
         state: dict[str, Any] = json.loads(self._inner.get_state())
         return state
 
+    def get_state_at(self, position: int) -> dict[str, Any]:
+        """See :meth:`SamplingIterator.get_state_at`."""
+        state: dict[str, Any] = json.loads(self._inner.get_state_at(position))
+        return state
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._inner.set_state(json.dumps(state).encode())
 

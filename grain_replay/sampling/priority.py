@@ -10,7 +10,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from grain_replay.errors import InvalidPriorityError, InvalidSamplingError, PriorityIndexError
+from grain_replay.errors import (
+    InvalidPriorityError,
+    InvalidSamplingError,
+    PriorityIndexError,
+    ReplayCheckpointError,
+)
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.sumtree import SumTree
@@ -132,6 +137,11 @@ class PrioritySampler:
         self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()
 
+    @property
+    def source(self) -> Any:
+        """The store the rows are drawn from."""
+        return self._source
+
     def _local_count(self, n: int) -> int:
         return max(0, -(-(n - self._p) // self._count))
 
@@ -245,8 +255,13 @@ class PrioritySampler:
 
     # -- checkpointing -------------------------------------------------------
 
-    def state(self) -> dict[str, np.ndarray]:
-        """Arrays that restore the priorities exactly: tree values, pending updates, ..."""
+    def state(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        """Arrays that restore the priorities exactly: tree values, pending updates, ...
+
+        Args:
+          copy: False returns a read-only view of the tree's values, valid until the
+            next draw (for a caller that encodes them at once, holding off draws).
+        """
         with self._lock:
             counts = [len(x) for _, x, _ in self._pending]
             return {
@@ -256,7 +271,7 @@ class PrioritySampler:
                     [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
                 ),
                 "n": np.array(self._length.n, dtype=np.int64),
-                "values": self._tree.values.copy(),
+                "values": self._tree.values.copy() if copy else self._tree.values,
                 "max_priority": np.array(self._max, dtype=np.float64),
                 "seen": np.packbits(self._seen),
                 "pending_stamp": np.array([s for s, _, _ in self._pending], dtype=np.int64),
@@ -269,8 +284,8 @@ class PrioritySampler:
                 ),
             }
 
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Restores :meth:`state` (checked against this sampler's settings first)."""
+    def _parse(self, state: Mapping[str, Any]) -> tuple[Any, ...]:
+        """:meth:`state`'s arrays, checked against this sampler's settings (nothing changes)."""
         try:
             version = int(state["version"])
             shard = np.asarray(state["shard"]).tolist()
@@ -284,23 +299,38 @@ class PrioritySampler:
             prio = np.asarray(state["pending_priority"], dtype=np.float64)
             max_priority = float(state["max_priority"])
         except (KeyError, TypeError, ValueError) as e:
-            raise InvalidSamplingError(
+            raise ReplayCheckpointError(
                 f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
                 "priority_state() returned."
             ) from e
         want = [self.options.alpha, self.options.eps, self.lag]
         if version != _STATE_VERSION or shard != [self._p, self._count] or options != want:
-            raise InvalidSamplingError(
+            raise ReplayCheckpointError(
                 f"The priority state was saved by process {shard[0]} of {shard[1]} with "
                 f"(alpha, eps, lag)={tuple(options)}; this is process {self._p} of "
                 f"{self._count} with {tuple(want)}. Fix: restore each process's own state "
                 "with the same PrioritizedReplay, worker_count and worker_buffer_size."
             )
         if len(values) != self._local_count(n) or len(seen) != len(values):
-            raise InvalidSamplingError(
+            raise ReplayCheckpointError(
                 f"The priority state holds {len(values)} rows, but {n} committed rows give "
                 f"process {self._p} {self._local_count(n)}. Fix: pass it unchanged."
             )
+        if int(counts.sum()) != len(index) or len(index) != len(prio) or len(stamps) != len(counts):
+            raise ReplayCheckpointError(
+                f"The priority state's pending updates are inconsistent ({len(stamps)} stamps, "
+                f"{len(counts)} counts summing to {int(counts.sum())}, {len(index)} rows, "
+                f"{len(prio)} priorities). Fix: pass it unchanged."
+            )
+        return n, values, seen, counts, stamps, index, prio, max_priority
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raises what :meth:`set_state` would raise, changing nothing."""
+        self._parse(state)
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state` (checked against this sampler's settings first)."""
+        n, values, seen, counts, stamps, index, prio, max_priority = self._parse(state)
         pending = []
         for stamp, end, count in zip(stamps, np.cumsum(counts), counts):
             pending.append((int(stamp), index[end - count : end], prio[end - count : end]))

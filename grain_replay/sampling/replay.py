@@ -193,6 +193,11 @@ class UniformSampler:
         self._length.request()
 
     @property
+    def source(self) -> Any:
+        """The store the rows are drawn from."""
+        return self._source
+
+    @property
     def bound(self) -> int:
         """The length the last draw drew below."""
         return self._length.n

@@ -174,6 +174,14 @@ def make_stream(
         uniform = UniformSampler(source, sampling, batch_size, seed=seed, shard_index=shard_index)
         return _UniformStream(uniform, RowReader(source), {**describe, "sampling": "uniform"})
     if isinstance(sampling, PrioritizedReplay):
+        if callable(getattr(source, "read_ids", None)):
+            raise InvalidSamplingError(
+                f"{source!r}: sampling=gr.PrioritizedReplay() over a bounded or many-writer "
+                "store is not supported yet (its rows move as writers evict, so priorities "
+                "kept by position would follow other rows). Fix: sample it with "
+                "gr.UniformReplay(), or write a single-writer store (gr.ReplayWriter without "
+                "capacity= and writer_id=)."
+            )
         prioritized = PrioritySampler(
             source,
             sampling,

@@ -70,6 +70,10 @@ class Backend(abc.ABC):
         """Writes rows ``[start, start + len)`` of every leaf (not yet committed)."""
 
     @abc.abstractmethod
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of leaf ``key`` as written (to recompute a checksum)."""
+
+    @abc.abstractmethod
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         """Makes rows ``[0, n)`` durable, then records ``n`` (and checksums) in the metadata."""
 
@@ -161,6 +165,12 @@ class NpyBackend(Backend):
                 written = os.pwrite(self._fds[key], view, offset)
                 view, offset = view[written:], offset + written
 
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        spec = self.meta.leaves[key]
+        size = _row_bytes(spec)
+        raw = os.pread(self._fds[key], (stop - start) * size, self.HEADER + start * size)
+        return np.frombuffer(raw, dtype=spec.dtype).reshape(stop - start, *spec.shape)
+
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         for fd in self._fds.values():
             os.fsync(fd)
@@ -237,6 +247,9 @@ class ZarrBackend(Backend):
             if z.shape[0] < stop:
                 z.resize((stop, *z.shape[1:]))
             z[start:stop] = arr
+
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self._arrays[key][start:stop])
 
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         self.meta = self._meta_with(n, checksums)
@@ -377,6 +390,9 @@ class HDF5Backend(Backend):
             self._file.flush()
         for key, arr in arrays.items():
             self._dsets[key][start:stop] = arr
+
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self._dsets[key][start:stop])
 
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         self._file.flush()

@@ -21,6 +21,7 @@ from grain_replay.errors import (
 from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.parts import is_parts_store
+from grain_replay.watermark import Watermark
 from grain_replay.writers.backends import BACKENDS, Backend
 from grain_replay.writers.parts_writer import PartWriter
 
@@ -55,6 +56,11 @@ class ReplayWriter:
         parts (see docs/replay_store.md); without both, today's single store.
       segment_rows: rows per segment file of a writer part (default
         ``ceil(capacity / 16)``, or 2**20 rows unbounded).
+      resume_from: restart at a replay checkpoint: the :class:`~grain_replay.Watermark`
+        of :func:`grain_replay.read_watermark` (or a row count). Rows committed after
+        it are dropped (at once, durably) before appending again, so a run restarted
+        from one checkpoint never mixes in rows written after it. Reopen before the
+        restored learner's first batch, while no reader holds the dropped rows.
 
     Example:
       >>> with gr.ReplayWriter("replay.zarr") as w:
@@ -74,10 +80,20 @@ class ReplayWriter:
         capacity: int | None = None,
         writer_id: str | None = None,
         segment_rows: int | None = None,
+        resume_from: int | Watermark | None = None,
     ):
         self._path = os.path.abspath(os.fspath(path))
         self._part: PartWriter | None = None
         if capacity is not None or writer_id is not None or segment_rows is not None:
+            if resume_from is not None:
+                # The hook: a part would be cut at mark.rows_for(writer_id), its manifest's
+                # committed sequence number (segments past it dropped).
+                raise InvalidArgumentError(
+                    f"{self._path}: resume_from= of a many-writer store (writer_id="
+                    f"{writer_id!r}) is not supported yet. Fix: resume a single-writer store, "
+                    "or restart the writers without resume_from (rows written after the "
+                    "checkpoint stay in the store)."
+                )
             if flush_every is not None and flush_every <= 0:
                 raise InvalidArgumentError(
                     f"flush_every must be positive or None, got {flush_every}"
@@ -130,8 +146,11 @@ class ReplayWriter:
         self._summer = None
         self._pending = 0
         try:
+            resume = None if resume_from is None else self._resume_rows(resume_from)
             if os.path.exists(self._path):
                 self._backend = self._open_existing()
+            if resume is not None:
+                self._truncate(resume)
         except BaseException:
             self._release_lock()
             raise
@@ -175,6 +194,63 @@ class ReplayWriter:
             self._summer = None
         logger.info("appending to %s after %d committed rows", self._path, meta.num_records)
         return backend
+
+    def _resume_rows(self, mark: Any) -> int:
+        """The committed rows ``resume_from`` keeps."""
+        if isinstance(mark, Watermark):
+            if mark.writers is not None:
+                raise InvalidArgumentError(
+                    f"resume_from names the writers {sorted(mark.writers)} of a bounded "
+                    f"many-writer store, but {self._path} is opened as a plain store. Fix: "
+                    "reopen each writer with its writer_id= and the same resume_from."
+                )
+            if "://" not in mark.store and os.path.abspath(mark.store) != self._path:
+                raise InvalidArgumentError(
+                    f"resume_from is the watermark of {mark.store}, not of {self._path}. Fix: "
+                    "reopen the store the checkpoint replayed, or pass resume_from="
+                    "mark.rows_for() to cut this one at the same row count."
+                )
+            return mark.rows_for()
+        if isinstance(mark, (bool, np.bool_)) or not isinstance(mark, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"resume_from must be a gr.Watermark (gr.read_watermark(checkpoint)) or a row "
+                f"count, got {mark!r}."
+            )
+        if mark < 0:
+            raise InvalidArgumentError(f"resume_from must be >= 0 rows, got {mark}.")
+        return int(mark)
+
+    def _truncate(self, rows: int) -> None:
+        """Drops the committed rows past ``rows`` (the checkpoint's watermark), durably."""
+        committed = self.committed
+        if rows > committed:
+            raise InvalidStoreError(
+                f"{self._path} holds {committed} committed rows, but the checkpoint to resume "
+                f"from covers {rows}: rows it replayed are gone, or this is another store. Fix: "
+                "resume from a checkpoint of this store (an older one), or restore the store."
+            )
+        if rows == committed:
+            return
+        assert self._backend is not None
+        backend = self._backend
+        meta = backend.meta
+        checksums = None
+        if meta.checksums is not None:
+            try:
+                self._summer = Checksummer.truncated(
+                    meta.leaves, meta.checksums, rows, backend.read
+                )
+                checksums = self._summer.state()
+            except ValueError as e:
+                logger.warning("%s: not recording checksums for appended rows (%s)", self._path, e)
+                self._summer = None
+        backend.commit(rows, checksums)
+        logger.warning(
+            "%s: dropped rows [%d, %d), committed after the checkpoint resumed from",
+            self._path,
+            rows,
+            committed,
+        )
 
     def close(self) -> None:
         """Commits pending rows and releases the store."""

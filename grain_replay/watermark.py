@@ -1,0 +1,161 @@
+"""Commit watermarks: how far each writer of a store had committed at a replay checkpoint.
+
+A replay iterator's checkpoint (``get_state()``, saved by grain's Orbax handler)
+records the rows its sampler drew from: for a plain store the committed length
+it had seen, for a bounded many-writer store each writer's committed sequence
+number. A whole run (actors and learner) restarts from one checkpoint without
+mixing in rows written after it: the learner restores the checkpoint (it draws
+below the watermark), and each actor reopens its writer with
+``gr.ReplayWriter(path, resume_from=gr.read_watermark(checkpoint))``, which drops
+the rows committed after the watermark before appending again.
+
+Writers and readers both import this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from grain_replay.errors import CheckpointMismatchError
+
+__all__ = ["Watermark", "read_watermark"]
+
+_PROCESS_FILE_RE = re.compile(r"process_\d+-of-\d+\.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Watermark:
+    """The rows of a store that a replay checkpoint covers.
+
+    Attributes:
+      store: the store's absolute path (or URL) as its source names it.
+      rows: a plain (single-writer) store's committed length; None for a bounded one.
+      writers: a bounded many-writer store's committed sequence number per writer id
+        (rows ever committed by that writer); None for a plain store.
+    """
+
+    store: str
+    rows: int | None = None
+    writers: Mapping[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"store": self.store}
+        if self.rows is not None:
+            out["rows"] = self.rows
+        if self.writers is not None:
+            out["writers"] = dict(self.writers)
+        return out
+
+    @classmethod
+    def from_json(cls, value: Any, where: str = "the checkpoint") -> Watermark:
+        try:
+            store = value["store"]
+            rows = value.get("rows")
+            writers = value.get("writers")
+            if not isinstance(store, str):
+                raise TypeError(f"store {store!r}")
+            if rows is not None and (not isinstance(rows, int) or rows < 0):
+                raise ValueError(f"rows {rows!r}")
+            if writers is not None:
+                writers = {str(k): int(v) for k, v in dict(writers).items()}
+            if (rows is None) == (writers is None):
+                raise ValueError("exactly one of rows and writers")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointMismatchError(
+                f"{where} holds no valid commit watermark ({type(e).__name__}: {e}). Fix: pass "
+                "the state of a replay iterator (sampling=gr.UniformReplay() or "
+                "gr.PrioritizedReplay()), or the Orbax item directory it was saved to."
+            ) from None
+        return cls(store, rows, writers)
+
+    def rows_for(self, writer_id: str | None = None) -> int:
+        """The committed rows of ``writer_id`` (None: a plain store) the checkpoint covers.
+
+        A writer the watermark does not name started after the checkpoint: 0.
+        """
+        if self.writers is None:
+            assert self.rows is not None
+            return self.rows
+        return int(self.writers.get("" if writer_id is None else writer_id, 0))
+
+    def merge(self, other: Watermark) -> Watermark:
+        """The rows either covers (processes of one learner each record their own view)."""
+        if other.store != self.store or (other.rows is None) != (self.rows is None):
+            raise CheckpointMismatchError(
+                f"The checkpoint's processes name different stores ({self.store} and "
+                f"{other.store}). Fix: pass the checkpoint of one replay iterator."
+            )
+        if self.rows is not None and other.rows is not None:
+            return Watermark(self.store, rows=max(self.rows, other.rows))
+        assert self.writers is not None and other.writers is not None
+        ids = set(self.writers) | set(other.writers)
+        merged = {i: max(self.writers.get(i, 0), other.writers.get(i, 0)) for i in ids}
+        return Watermark(self.store, writers=merged)
+
+
+def _from_state(state: Any, where: str) -> Watermark:
+    if hasattr(state, "get_state") and callable(state.get_state):
+        state = state.get_state()
+    if isinstance(state, (bytes, bytearray, str)):
+        try:
+            state = json.loads(state)
+        except ValueError as e:
+            raise CheckpointMismatchError(
+                f"{where} is not a replay iterator's state ({e}). Fix: pass what get_state() "
+                "returned, or the Orbax item directory it was saved to."
+            ) from None
+    if not isinstance(state, Mapping) or "watermark" not in state:
+        raise CheckpointMismatchError(
+            f"{where} records no commit watermark: it is not the state of a replay iterator "
+            "(sampling=gr.UniformReplay() or gr.PrioritizedReplay()) saved by this version. "
+            "Fix: checkpoint the iterator of a replay loader."
+        )
+    return Watermark.from_json(state["watermark"], where)
+
+
+def read_watermark(checkpoint: Any) -> Watermark:
+    """The commit watermark a replay checkpoint records, for restarting the writers there.
+
+    Args:
+      checkpoint: the Orbax item directory grain's ``CheckpointSave`` wrote (e.g.
+        ``ckpt/1000/data``; with several learner processes the rows any of them
+        drew from are covered), one of its ``process_<i>-of-<n>.json`` files, the
+        bytes or dict ``get_state()`` returned, or the iterator itself.
+
+    Returns:
+      A :class:`Watermark`; pass it to ``gr.ReplayWriter(path, resume_from=...)``.
+
+    Raises:
+      CheckpointMismatchError: (a ``ValueError``) the checkpoint holds no replay state.
+      FileNotFoundError: the path does not exist.
+
+    Example:
+      >>> mark = gr.read_watermark("ckpt/1000/data")  # doctest: +SKIP
+      >>> writer = gr.ReplayWriter("replay.npy", resume_from=mark)  # doctest: +SKIP
+    """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return _from_state(checkpoint, "the state")
+    path = os.fspath(checkpoint)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return _from_state(f.read(), path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"No checkpoint at {path}. Fix: pass the Orbax item directory.")
+    files = sorted(n for n in os.listdir(path) if _PROCESS_FILE_RE.fullmatch(n))
+    if not files:
+        raise CheckpointMismatchError(
+            f"{path} holds no process_<i>-of-<n>.json file of grain's checkpoint handler. Fix: "
+            "pass the item directory (the step directory joined with the item's name)."
+        )
+    mark = None
+    for name in files:
+        with open(os.path.join(path, name)) as f:
+            one = _from_state(f.read(), os.path.join(path, name))
+        mark = one if mark is None else mark.merge(one)
+    assert mark is not None
+    return mark
