@@ -79,6 +79,16 @@ class _Mapped:
     arrays: dict[str, np.ndarray]
 
 
+def _evicted(wdir: str, m: parts_lib.Manifest, first: int) -> bool:
+    """Whether segment ``first`` of ``m`` was evicted since ``m`` was read: its files are
+    gone, or being deleted (a newer manifest no longer lists it: the writer commits the
+    manifest before it unlinks the segments it dropped)."""
+    if not os.path.exists(os.path.join(wdir, parts_lib.segment_name(first, m.format))):
+        return True
+    now = parts_lib.read_manifest(wdir)
+    return now is not None and all(t.first != first for t in now.segments)
+
+
 def _map_segments(wdir: str, m: parts_lib.Manifest, spec: Mapping[str, LeafSpec]) -> _Mapped | None:
     """Maps the live segments of a ``.npy`` writer part back to back, or None where it
     cannot (another format, rows that are not whole pages per segment, old headers)."""
@@ -252,10 +262,7 @@ class PartsDataSource(SourceSurface):
                 if len(src) < s.rows:
                     src.refresh()
             except (OSError, GrainReplayError):
-                gone = not os.path.exists(
-                    os.path.join(wdir, parts_lib.segment_name(s.first, m.format))
-                )
-                if strict or not gone:
+                if strict or not _evicted(wdir, m, s.first):
                     raise  # a damaged segment, not an evicted one
                 continue  # evicted since the manifest was read: retried by the caller
             segments[s.first], rows[s.first] = src, s.rows
