@@ -2,21 +2,49 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grain_replay.formats import detect_format
 from grain_replay.parts import is_parts_store
 from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
-from grain_replay.sources.hdf5 import HDF5DataSource
-from grain_replay.sources.npy import NpyDataSource
-from grain_replay.sources.npz import NpzDataSource
-from grain_replay.sources.parts import PartsDataSource
-from grain_replay.sources.rlds import RLDSDataSource
-from grain_replay.sources.torchrl import TorchRLDataSource
-from grain_replay.sources.vault import VaultDataSource
-from grain_replay.sources.zarr import ZarrDataSource
+
+if TYPE_CHECKING:  # loaded on first use: a loader worker imports only the room it reads
+    from grain_replay.sources.hdf5 import HDF5DataSource
+    from grain_replay.sources.npy import NpyDataSource
+    from grain_replay.sources.npz import NpzDataSource
+    from grain_replay.sources.parts import PartsDataSource
+    from grain_replay.sources.rlds import RLDSDataSource
+    from grain_replay.sources.torchrl import TorchRLDataSource
+    from grain_replay.sources.vault import VaultDataSource
+    from grain_replay.sources.zarr import ZarrDataSource
+
+# Class name -> (module, the detect_format name it opens).
+_ROOMS = {
+    "HDF5DataSource": ("grain_replay.sources.hdf5", "hdf5"),
+    "NpyDataSource": ("grain_replay.sources.npy", "npy"),
+    "NpzDataSource": ("grain_replay.sources.npz", "npz"),
+    "PartsDataSource": ("grain_replay.sources.parts", None),
+    "RLDSDataSource": ("grain_replay.sources.rlds", "rlds"),
+    "TorchRLDataSource": ("grain_replay.sources.torchrl", "torchrl"),
+    "VaultDataSource": ("grain_replay.sources.vault", "vault"),
+    "ZarrDataSource": ("grain_replay.sources.zarr", "zarr"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ROOMS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ROOMS[name][0]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ROOMS))
+
 
 __all__ = [
     "BatchSource",
@@ -60,17 +88,11 @@ def open_source(
       InvalidStoreError: the format cannot be recognized.
     """
     if is_parts_store(os.fspath(path)):
-        return PartsDataSource(path, keys, **kwargs)  # type: ignore[return-value]
-    classes: dict[str, type[ReplaySource]] = {
-        "hdf5": HDF5DataSource,
-        "npy": NpyDataSource,
-        "npz": NpzDataSource,
-        "torchrl": TorchRLDataSource,
-        "vault": VaultDataSource,
-        "zarr": ZarrDataSource,
-        "rlds": RLDSDataSource,
-    }
-    cls = classes[detect_format(path)]
+        return __getattr__("PartsDataSource")(path, keys, **kwargs)
+    fmt = detect_format(path)
+    cls: type[ReplaySource] = next(
+        __getattr__(name) for name, (_, opens) in _ROOMS.items() if opens == fmt
+    )
     if storage_options is not None:
         kwargs["storage_options"] = storage_options
     return cls(path, keys, **kwargs)
