@@ -11,7 +11,6 @@ of a snapshot is one writer's row ``seq``, whose id is ``ordinal << 40 | seq``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -29,124 +28,15 @@ from grain_replay.errors import (
     RecordIndexError,
     UnknownLeafError,
 )
-from grain_replay.formats import PAGE
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import Layout, ReplaySource, select_keys
+from grain_replay.sources import parts_snapshot as snapshots
+from grain_replay.sources.base import Layout, select_keys
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
-from grain_replay.sources.hdf5 import HDF5DataSource
-from grain_replay.sources.npy import NpyDataSource
-from grain_replay.sources.reading.stitch import place, reserve
+from grain_replay.sources.parts_snapshot import WRITER_KEY, Part, Snapshot
+from grain_replay.sources.reading.runs import runs
 from grain_replay.sources.surface import SourceSurface
-from grain_replay.sources.zarr import ZarrDataSource
-from grain_replay.writers.backends import NpySegmentBackend
 
 __all__ = ["WRITER_KEY", "PartsDataSource"]
-
-WRITER_KEY = "_writer"
-_CLASSES: dict[str, type[ReplaySource]] = {
-    "npy": NpyDataSource,
-    "hdf5": HDF5DataSource,
-    "zarr": ZarrDataSource,
-}
-
-
-def _stamp(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
-
-
-@dataclasses.dataclass
-class _Part:
-    """One writer in one snapshot: its manifest and the segment stores it names."""
-
-    manifest: parts_lib.Manifest
-    stamp: tuple[int, int, int] | None
-    # first row of a segment -> its opened store (live segments, then kept retired ones)
-    segments: dict[int, ReplaySource]
-    rows: dict[int, int]  # first -> committed rows readable in it
-    mapped: _Mapped | None = None  # the live segments back to back (.npy), or None
-
-
-@dataclasses.dataclass
-class _Mapped:
-    """A writer's live ``.npy`` segments mapped back to back: one array per leaf."""
-
-    base: int  # the sequence number of row 0 of the arrays
-    stop: int  # one past the last committed row
-    arrays: dict[str, np.ndarray]
-
-
-def _evicted(wdir: str, m: parts_lib.Manifest, first: int) -> bool:
-    """Whether segment ``first`` of ``m`` was evicted since ``m`` was read: its files are
-    gone, or being deleted (a newer manifest no longer lists it: the writer commits the
-    manifest before it unlinks the segments it dropped)."""
-    if not os.path.exists(os.path.join(wdir, parts_lib.segment_name(first, m.format))):
-        return True
-    now = parts_lib.read_manifest(wdir)
-    return now is not None and all(t.first != first for t in now.segments)
-
-
-def _map_segments(wdir: str, m: parts_lib.Manifest, spec: Mapping[str, LeafSpec]) -> _Mapped | None:
-    """Maps the live segments of a ``.npy`` writer part back to back, or None where it
-    cannot (another format, rows that are not whole pages per segment, old headers)."""
-    if m.format != "npy" or not m.segments or not spec:
-        return None
-    header = NpySegmentBackend.HEADER
-    base = m.segments[0].first
-    stop = m.segments[-1].first + m.segments[-1].rows
-    arrays = {}
-    for key, leaf in spec.items():
-        row = leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
-        if row == 0 or (m.segment_rows * row) % PAGE or header % PAGE:
-            return None
-        total = (stop - base) * row
-        reservation = reserve(-(-total // PAGE) * PAGE)
-        if reservation is None:
-            return None
-        name = layout_lib.disk_name(key) + ".npy"
-        for seg in m.segments:
-            file = os.path.join(wdir, parts_lib.segment_name(seg.first, m.format), name)
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except OSError:
-                return None
-            try:
-                length = seg.rows * row
-                if os.fstat(fd).st_size < header + length:
-                    return None
-                at = reservation.addr + (seg.first - base) * row
-                if not place(at, -(-length // PAGE) * PAGE, fd, header):
-                    return None
-            finally:
-                os.close(fd)
-        array = np.asarray(reservation.window(total)).view(leaf.dtype)
-        array = array.reshape((stop - base, *leaf.shape))
-        array.flags.writeable = False
-        arrays[key] = array
-    return _Mapped(base, stop, arrays)
-
-
-class _Snapshot:
-    def __init__(self, parts: list[_Part]) -> None:
-        self.parts = parts
-        live = np.array([p.manifest.live for p in parts], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(live)]).astype(np.int64)
-        self.n = int(self.starts[-1])
-        self.live_start = np.array([p.manifest.live_start for p in parts], dtype=np.int64)
-        self.committed = np.array([p.manifest.committed for p in parts], dtype=np.int64)
-        self.seg_rows = np.array([p.manifest.segment_rows for p in parts], dtype=np.int64)
-        self.ordinals = np.array([p.manifest.ordinal for p in parts], dtype=np.int64)
-        size = int(self.ordinals.max()) + 1 if len(parts) else 0
-        self.part_of_ordinal = np.full(size, -1, dtype=np.int64)
-        self.part_of_ordinal[self.ordinals] = np.arange(len(parts))
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Positions (int64 in ``[0, n)``) -> (part index, sequence number)."""
-        p = np.searchsorted(self.starts, positions, side="right") - 1
-        return p, self.live_start[p] + positions - self.starts[p]
 
 
 class PartsDataSource(SourceSurface):
@@ -180,7 +70,7 @@ class PartsDataSource(SourceSurface):
         self._only_writer = requested == [WRITER_KEY]
         self._kwargs = dict(kwargs)
         self._lock = threading.Lock()
-        self._snap: _Snapshot | None = None
+        self._snap: Snapshot | None = None
         self._pid: int | None = None
         # What a pickle carries: the manifests of the snapshot (no open files).
         self._manifests: list[tuple[parts_lib.Manifest, tuple[int, int, int] | None]] = []
@@ -238,59 +128,14 @@ class PartsDataSource(SourceSurface):
         self._build = tree_lib.compile_unflatten(treedef)
         self._seg_keys = [k for k in spec if k != WRITER_KEY]
 
-    def _open_segment(self, m: parts_lib.Manifest, first: int) -> ReplaySource:
-        path = os.path.join(
-            parts_lib.writer_dir(self._path, m.writer_id), parts_lib.segment_name(first, m.format)
-        )
-        src = _CLASSES[m.format](path, self._seg_keys or None, **self._kwargs)
-        src.open()
-        return src
-
-    def _build_part(
-        self, m: parts_lib.Manifest, stamp: Any, old: _Part | None, strict: bool
-    ) -> _Part:
-        segments: dict[int, ReplaySource] = {}
-        rows: dict[int, int] = {}
-        wdir = parts_lib.writer_dir(self._path, m.writer_id)
-        for s in m.segments:
-            src = None if old is None else old.segments.get(s.first)
-            try:
-                if src is not None and old is not None and old.rows.get(s.first, 0) < s.rows:
-                    src.refresh()  # the tail grew: new pages mapped behind the old ones
-                if src is None:
-                    src = self._open_segment(m, s.first)
-                if len(src) < s.rows:
-                    src.refresh()
-            except (OSError, GrainReplayError):
-                if strict or not _evicted(wdir, m, s.first):
-                    raise  # a damaged segment, not an evicted one
-                continue  # evicted since the manifest was read: retried by the caller
-            segments[s.first], rows[s.first] = src, s.rows
-        # Segments evicted since the last snapshot stay open one more generation, so
-        # that rows drawn against it are still found by id.
-        keep = (
-            []
-            if old is None
-            else [s.first for s in old.manifest.segments if s.first not in segments]
-        )
-        mapped = None
-        if all(s.first in segments for s in m.segments):
-            wdir = parts_lib.writer_dir(self._path, m.writer_id)
-            spec = {k: self._spec[k] for k in self._seg_keys}
-            mapped = _map_segments(wdir, m, spec)
-        for f in keep:
-            assert old is not None
-            segments[f], rows[f] = old.segments[f], old.rows[f]
-        return _Part(m, stamp, segments, rows, mapped)
-
-    def _take(self, previous: _Snapshot | None) -> _Snapshot:
+    def _take(self, previous: Snapshot | None) -> Snapshot:
         """A snapshot of the store now, reusing what did not change since ``previous``."""
         old = {} if previous is None else {p.manifest.writer_id: p for p in previous.parts}
         for _ in range(20):
-            found: list[tuple[parts_lib.Manifest, Any, _Part | None, bool]] = []
+            found: list[tuple[parts_lib.Manifest, Any, Part | None, bool]] = []
             for wid in parts_lib.list_writers(self._path):
                 wdir = parts_lib.writer_dir(self._path, wid)
-                stamp = _stamp(os.path.join(wdir, parts_lib.MANIFEST_FILE))
+                stamp = snapshots.stamp(os.path.join(wdir, parts_lib.MANIFEST_FILE))
                 if stamp is None:
                     continue  # no commit yet
                 prev = old.get(wid)
@@ -307,25 +152,29 @@ class PartsDataSource(SourceSurface):
                     assert prev is not None
                     parts.append(prev)
                     continue
-                part = self._build_part(m, stamp, prev, strict=False)
+                part = snapshots.build_part(
+                    self._path, m, stamp, prev, False, self._spec, self._kwargs
+                )
                 if any(s.first not in part.segments for s in m.segments):
                     ok = False  # a segment went between reading the manifest and opening it
                     break
                 parts.append(part)
             if ok:
                 self._manifests = [(p.manifest, p.stamp) for p in parts]
-                return _Snapshot(parts)
+                return Snapshot(parts)
         raise InvalidStoreError(
             f"{self._path}: the writers evict faster than this reader can open their "
             "segments. Fix: raise capacity (more rows per segment)."
         )
 
-    def _restore(self) -> _Snapshot:
+    def _restore(self) -> Snapshot:
         """This process's snapshot of the manifests a pickle carried (same positions)."""
         parts = []
         for m, stamp in self._manifests:
             try:
-                parts.append(self._build_part(m, stamp, None, strict=True))
+                parts.append(
+                    snapshots.build_part(self._path, m, stamp, None, True, self._spec, self._kwargs)
+                )
             except (OSError, GrainReplayError) as e:
                 raise EvictedRowError(
                     f"{self._path}: writer {m.writer_id!r}: a segment of the snapshot this "
@@ -333,9 +182,9 @@ class PartsDataSource(SourceSurface):
                     "evicted. Fix: read bounded stores with sampling=gr.UniformReplay() "
                     "(rows travel by id), or refresh() the source."
                 ) from e
-        return _Snapshot(parts)
+        return Snapshot(parts)
 
-    def _snapshot(self) -> _Snapshot:
+    def _snapshot(self) -> Snapshot:
         return self._per_process("_snap", self._restore)
 
     def refresh(self) -> int:
@@ -424,7 +273,7 @@ class PartsDataSource(SourceSurface):
 
     def _gather(
         self,
-        snap: _Snapshot,
+        snap: Snapshot,
         p: np.ndarray,
         seq: np.ndarray,
         keys: Sequence[str] | None = None,
@@ -438,20 +287,17 @@ class PartsDataSource(SourceSurface):
         seg_keys = [k for k in names if k != WRITER_KEY]
         if not seg_keys or b == 0:
             return out
-        rest = self._gather_mapped(snap, p, seq, seg_keys, out)
+        rest = snap.gather_mapped(p, seq, seg_keys, out)
         if rest is None:
             return out
         p, seq = p[rest], seq[rest]
         seg_rows = snap.seg_rows[p]
         first = seq // seg_rows * seg_rows
         offset = seq - first
-        key = p * (1 << parts_lib.ID_SHIFT) + first
-        groups, inverse = np.unique(key, return_inverse=True)
-        for g, k in enumerate(groups):
-            part = snap.parts[int(k >> parts_lib.ID_SHIFT)]
-            seg_first = int(k & parts_lib.SEQ_MASK)
+        for k, sel in runs(p * (1 << parts_lib.ID_SHIFT) + first):
+            part = snap.parts[k >> parts_lib.ID_SHIFT]
+            seg_first = k & parts_lib.SEQ_MASK
             src = part.segments.get(seg_first)
-            sel = np.flatnonzero(inverse == g) if len(groups) > 1 else slice(None)
             offs = offset[sel]
             at = rest[sel]
             if src is None or int(offs.max()) >= part.rows.get(seg_first, 0):
@@ -468,40 +314,6 @@ class PartsDataSource(SourceSurface):
             for name in seg_keys:
                 out[name][at] = flat[name]
         return out
-
-    @staticmethod
-    def _gather_mapped(
-        snap: _Snapshot,
-        p: np.ndarray,
-        seq: np.ndarray,
-        keys: list[str],
-        out: dict[str, np.ndarray],
-    ) -> np.ndarray | None:
-        """Reads the rows a part's back-to-back map holds (one gather per leaf per part);
-        returns the positions in the batch of the other rows, or None if none is left."""
-        if len(snap.parts) == 1:
-            m = snap.parts[0].mapped
-            if m is None:
-                return np.arange(len(p))
-            if int(seq.min()) >= m.base and int(seq.max()) < m.stop:
-                idx = seq - m.base
-                for k in keys:
-                    np.take(m.arrays[k], idx, axis=0, out=out[k])
-                return None
-        mapped = np.zeros(len(p), dtype=bool)
-        for pi in np.unique(p):
-            m = snap.parts[int(pi)].mapped
-            if m is None:
-                continue
-            sel = (p == pi) & (seq >= m.base) & (seq < m.stop)
-            if not sel.any():
-                continue
-            mapped |= sel
-            idx = seq[sel] - m.base
-            for k in keys:
-                out[k][sel] = m.arrays[k][idx]
-        rest = np.flatnonzero(~mapped)
-        return rest if len(rest) else None
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
@@ -609,7 +421,7 @@ class PartsDataSource(SourceSurface):
                 f"{self._path}: no writer with ordinal {int(ordinal[p < 0][0])} in the store. "
                 "Fix: pass ids returned by src.ids() of this store."
             )
-        ok = self._readable(snap, p, seq)
+        ok = snap.readable(p, seq)
         if not ok.all():
             bad = int(np.argmin(ok))
             part = snap.parts[int(p[bad])]
@@ -623,29 +435,6 @@ class PartsDataSource(SourceSurface):
             seq = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
             self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq)
-
-    def _readable(self, snap: _Snapshot, p: np.ndarray, seq: np.ndarray) -> np.ndarray:
-        """Whether each row ``seq`` of part ``p`` is in a segment this snapshot holds open."""
-        ok = np.ones(len(p), dtype=bool)
-        if not len(p):
-            return ok
-        if len(snap.parts) == 1:  # the common case: one writer, its live rows mapped
-            m = snap.parts[0].mapped
-            if m is not None and int(seq.min()) >= m.base and int(seq.max()) < m.stop:
-                return ok
-        seg_rows = snap.seg_rows[p]
-        first = seq // seg_rows * seg_rows
-        key = p * (1 << parts_lib.ID_SHIFT) + first
-        groups, inverse = np.unique(key, return_inverse=True)
-        for g, k in enumerate(groups):
-            part = snap.parts[int(k >> parts_lib.ID_SHIFT)]
-            f = int(k & parts_lib.SEQ_MASK)
-            if f not in part.segments:
-                ok[inverse == g] = False
-            else:
-                sel = inverse == g
-                ok[sel] = (seq[sel] - f) < part.rows[f]
-        return ok
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)
