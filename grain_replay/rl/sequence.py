@@ -12,6 +12,14 @@ from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._derived import DerivedSource, Spans
+from grain_replay.rl._sequence_plan import (
+    WINDOW_ROW_BYTES,
+    Anchors,
+    OffsetGroup,
+    read_windowed,
+    row_bytes,
+    rows_plan,
+)
 from grain_replay.rl._sequence_spec import (
     PAD_SUFFIX,
     TOLERANCE_S,
@@ -28,80 +36,6 @@ from grain_replay.sources import ReplaySource
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 
 PAD_MODES = ("edge", "zero", "drop")
-# Longest run of offsets read as windows (its lookup tables are K x K).
-MAX_WINDOW = 256
-# Largest row of a leaf read as windows.
-WINDOW_ROW_BYTES = 1024
-
-
-def _row_bytes(leaf: LeafSpec) -> int:
-    return int(np.dtype(leaf.dtype).itemsize * np.prod(leaf.shape, dtype=np.int64))
-
-
-class _Group:
-    """One distinct offset list and the leaves that read at it."""
-
-    def __init__(self, offsets: np.ndarray, keys: tuple[str, ...]):
-        self.offsets = offsets
-        self.keys = keys
-        self.before = bool(offsets.min() < 0)  # clip to the episode's first step
-        self.after = bool(offsets.max() > 0)  # clip to its last step
-        self._tiled = offsets[:0]
-        # Consecutive ascending offsets: each anchor's steps are one window of rows.
-        self.run = bool(np.all(np.diff(offsets) == 1)) and len(offsets) <= MAX_WINDOW
-        self.windowed = False  # set by the view: read as windows (see SequenceDataSource._read)
-        self._tables: tuple[np.ndarray, ...] | None = None
-
-    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per window position ``p`` (0..K-1), ``(K, K)`` rows over the window's j:
-
-        ``pad_before[p] = j < p`` and ``at_least[p] = max(j, p)`` (an episode that
-        starts at window position p), ``pad_after[p] = j > p`` and ``at_most[p] =
-        min(j, p)`` (one that ends there). Read-only, made once.
-        """
-        tables = self._tables
-        if tables is None:
-            k = len(self.offsets)
-            j = np.arange(k, dtype=np.int64)
-            p = j[:, None]
-            tables = (j < p, np.maximum(j, p), j > p, np.minimum(j, p))
-            for t in tables:
-                t.flags.writeable = False
-            self._tables = tables  # a race only recomputes it
-        return cast(tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tables)
-
-    def tiled(self, b: int) -> np.ndarray:
-        """The offsets repeated for ``b`` anchors, ``(b * K,)`` (read-only, kept per size)."""
-        tiled = self._tiled
-        if len(tiled) != b * len(self.offsets):
-            tiled = np.tile(self.offsets, b)
-            tiled.flags.writeable = False
-            self._tiled = tiled  # a race only recomputes it
-        return tiled
-
-
-class _Anchors(Spans):
-    """The records (anchor steps) per episode, with the episode bounds a batch clips to."""
-
-    def __init__(self, first: np.ndarray, count: np.ndarray, index: EpisodeIndex):
-        super().__init__(first, count)
-        self.ends = index.ends
-        self.starts = index.starts
-        self.lasts = index.ends - 1
-        # Every step anchors one record, in order: a record id is its step id.
-        self.every_step = self.total == index.num_steps
-        self.num_steps = index.num_steps
-
-    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(episode, anchor step)`` of each record id (ids in range)."""
-        # Unsorted needles: sorting a batch of 256 first (so that each search narrows from
-        # the last) cost more than it saved, from 73 to 730,000 episodes (numpy 2.4).
-        bounds = self.ends if self.every_step else self.cum_end
-        episode = bounds.searchsorted(ids, side="right")
-        if self.every_step:
-            return episode, ids
-        k = ids - (self.cum_end[episode] - self.count[episode])
-        return episode, self.first[episode] + k
 
 
 class SequenceDataSource(DerivedSource):
@@ -240,7 +174,7 @@ class SequenceDataSource(DerivedSource):
         groups: dict[bytes, tuple[np.ndarray, list[str]]] = {}
         for key, off in self._offsets.items():
             groups.setdefault(off.tobytes(), (off, []))[1].append(key)
-        self._groups = [_Group(off, tuple(keys)) for off, keys in groups.values()]
+        self._groups = [OffsetGroup(off, tuple(keys)) for off, keys in groups.values()]
         # Leaf (in the step source's order, the output's) -> (its group, first leaf of it).
         self._group_of = {
             key: (g, key == group.keys[0])
@@ -266,7 +200,7 @@ class SequenceDataSource(DerivedSource):
         # one (per-row cost dominates); 7 KiB frames measured no faster as windows.
         for group in self._groups:
             off = group.offsets
-            small = all(_row_bytes(access.spec[key]) <= WINDOW_ROW_BYTES for key in group.keys)
+            small = all(row_bytes(access.spec[key]) <= WINDOW_ROW_BYTES for key in group.keys)
             group.windowed = (
                 self._per_leaf and small and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
             )
@@ -317,7 +251,7 @@ class SequenceDataSource(DerivedSource):
             if index.open_last and count.size:
                 # The unfinished episode: no anchor reaches past the committed rows.
                 count[-1] = max(int(count[-1]) - self._hi, 0)
-        return _Anchors(first, count, index)
+        return Anchors(first, count, index)
 
     def anchor_steps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """The step id of each record's anchor (negative indices count from the end)."""
@@ -349,7 +283,7 @@ class SequenceDataSource(DerivedSource):
                 out[key] = (rows, is_pad)
         return out
 
-    def _group_plans(self, ids: np.ndarray) -> list[tuple[_Group, np.ndarray, np.ndarray]]:
+    def _group_plans(self, ids: np.ndarray) -> list[tuple[OffsetGroup, np.ndarray, np.ndarray]]:
         """Per distinct offset list: ``(group, rows, is_pad)``, both ``(B, K)`` and C-ordered.
 
         A handful of vectorized operations per batch (no loop over anchors or
@@ -360,31 +294,15 @@ class SequenceDataSource(DerivedSource):
         broadcast of a ``(B, 1)`` against a ``(K,)`` array runs its inner loop B
         times over K elements, three times slower at B=256, K=16.
         """
-        spans = cast(_Anchors, self._derived()[1])
+        spans = cast(Anchors, self._derived()[1])
         episode, t = spans.locate(ids)
-        return [(group, *self._rows_plan(group, t, episode, spans)) for group in self._groups]
-
-    def _rows_plan(
-        self, group: _Group, t: np.ndarray, episode: np.ndarray, spans: _Anchors
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``(rows, is_pad)`` of one group, as :meth:`_group_plans` builds them."""
-        b, k = len(t), len(group.offsets)
-        pos = np.repeat(t, k)
-        pos += group.tiled(b)
-        if self._pad == "drop":
-            return pos.reshape(b, k), np.zeros((b, k), bool)
-        rows = pos
-        if group.before:
-            rows = np.maximum(pos, np.repeat(spans.starts[episode], k))
-        if group.after:
-            rows = np.minimum(
-                rows, np.repeat(spans.lasts[episode], k), out=None if rows is pos else rows
-            )
-        return rows.reshape(b, k), (rows != pos).reshape(b, k)
+        return [(group, *rows_plan(group, t, episode, spans, self._pad)) for group in self._groups]
 
     def _read(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         if self._windowed:
-            return self._read_windows(ids)
+            spans = cast(Anchors, self._derived()[1])
+            got, masks = read_windowed(self._groups, self._access, spans, ids, self._pad)
+            return self._finish(got, masks)
         plans = self._group_plans(ids)
         if self._per_leaf:
             # The B x K positions in one read per leaf: the readers fetch and decode each
@@ -404,93 +322,6 @@ class SequenceDataSource(DerivedSource):
                 for k in group.keys:
                     got[k] = np.take(read[k], where, axis=0)
         return self._finish(got, [is_pad for _, _, is_pad in plans])
-
-    def _read_windows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The read of a grain_replay source with a windowed group (see ``_group_plans``).
-
-        A windowed group's anchors read the window of its offsets' steps,
-        ``read_windows(key, t + offsets[0], K)`` per leaf, one copy per window
-        on a memory-mapped leaf. Only the anchors whose window crosses their
-        episode's bounds (or the store's) are fixed up afterwards, in memory:
-        each of their positions takes the window's row of its clipped step
-        (which lies inside the window, as the offsets hold the anchor), and
-        their masks are filled. Other groups read their rows as before.
-        """
-        spans = cast(_Anchors, self._derived()[1])
-        episode, t = spans.locate(ids)
-        b = len(t)
-        n = spans.num_steps
-        access = self._access
-        drop = self._pad == "drop"
-        first = last = None
-        got: dict[str, np.ndarray] = {}
-        masks = []
-        for group in self._groups:
-            k = len(group.offsets)
-            if not group.windowed or n < k:
-                rows, is_pad = self._rows_plan(group, t, episode, spans)
-                masks.append(is_pad)
-                got.update(access.take(dict.fromkeys(group.keys, rows)))
-                continue
-            off = int(group.offsets[0])
-            start = t + off if off else t
-            if drop or not (group.before or group.after):
-                # Every window lies inside its episode.
-                for key in group.keys:
-                    got[key] = access.take_windows(key, start, k)
-                masks.append(np.zeros((b, k), bool))
-                continue
-            # The window position where the episode starts (clipped to 0) and where it
-            # ends (clipped to K-1); an anchor with neither inside its window reads it as is.
-            pad_before, at_least, pad_after, at_most = group.tables()
-            if group.before:
-                if first is None:
-                    first = spans.starts[episode]
-                lo = first - start
-                np.maximum(lo, 0, out=lo)
-            if group.after:
-                if last is None:
-                    last = spans.lasts[episode]
-                hi = last - start
-                np.minimum(hi, k - 1, out=hi)
-            if group.before and group.after:
-                mask = pad_before.take(lo, axis=0)
-                mask |= pad_after.take(hi, axis=0)
-                near = ((lo > 0) | (hi < k - 1)).nonzero()[0]
-            elif group.before:
-                mask = pad_before.take(lo, axis=0)
-                near = lo.nonzero()[0]
-            else:
-                mask = pad_after.take(hi, axis=0)
-                near = (hi < k - 1).nonzero()[0]
-            if not near.size:
-                for key in group.keys:
-                    got[key] = access.take_windows(key, start, k)
-                masks.append(mask)
-                continue
-            # Each position of those anchors reads the window's row of its clipped step.
-            if group.before:
-                at = at_least.take(lo[near], axis=0)
-                if group.after:
-                    np.minimum(at, hi[near, None], out=at)
-            else:
-                at = at_most.take(hi[near], axis=0)
-            # A window that would leave the store (first or last episode) starts inside it.
-            inside = start
-            wanted = start[near]
-            if np.minimum.reduce(wanted) < 0 or np.maximum.reduce(wanted) > n - k:
-                moved = np.maximum(wanted, 0)
-                np.minimum(moved, n - k, out=moved)
-                inside = start.copy()
-                inside[near] = moved
-                at += (wanted - moved)[:, None]
-            rows = near[:, None]
-            for key in group.keys:
-                values = access.take_windows(key, inside, k)
-                values[near] = values[rows, at]
-                got[key] = values
-            masks.append(mask)
-        return self._finish(got, masks)
 
     def _finish(self, got: dict[str, np.ndarray], masks: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The output of the leaves read (``got``) and their groups' masks, zeros padded."""
