@@ -228,9 +228,11 @@ def build_part(
         segments[s.first], rows[s.first] = src, s.rows
     # Segments evicted since the last snapshot stay open one more generation, so
     # that rows drawn against it are still found by id.
-    keep = (
-        [] if old is None else [s.first for s in old.manifest.segments if s.first not in segments]
-    )
+    # Only segments the new manifest dropped: a listed one that could not be opened must
+    # stay missing (the caller takes the snapshot again), not be stood in for by its
+    # older, shorter self, whose rows past its old length this snapshot would call live.
+    listed = {s.first for s in m.segments}
+    keep = [] if old is None else [s.first for s in old.manifest.segments if s.first not in listed]
     mapped = None
     if all(s.first in segments for s in m.segments):
         mapped = map_segments(wdir, m, {k: spec[k] for k in keys})
