@@ -1,0 +1,138 @@
+"""examples/actor_learner.py at toy size: the last line, the plot, the store, --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import grain_replay as gr
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("orbax.checkpoint")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "actor_learner.py"
+LAST = re.compile(r"final mean return \(last 20 episodes\): (\S+)")
+TOY = "--actors 2 --hidden 32 --min-size 200 --flush-every 16 --publish-every 8".split()
+
+
+def _cmd(store: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), *TOY, "--store", str(store), *extra]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(SCRIPT.parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _final(stdout: str) -> float:
+    last = stdout.strip().splitlines()[-1]
+    match = LAST.fullmatch(last)
+    assert match, f"last line is {last!r}"
+    return float(match.group(1))
+
+
+def _result(stdout: str) -> dict[str, object]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _episodes(store: Path) -> list[dict[str, float]]:
+    out = []
+    for path in sorted((store / "episodes").glob("actor-*.jsonl")):
+        out.extend(json.loads(line) for line in path.read_text().splitlines())
+    return out
+
+
+def test_actor_learner_runs_plots_and_prints_the_last_line(tmp_path: Path) -> None:
+    store, png = tmp_path / "run", tmp_path / "returns.png"
+    done = _run(_cmd(store, "--env-steps", "2000", "--seed", "3", "--plot", str(png)))
+    final = _final(done.stdout)
+    episodes = _episodes(store)
+    assert len({e["actor"] for e in episodes}) == 2  # both actors played and logged
+    last20 = sorted(episodes, key=lambda e: (e["env_step"], e["actor"]))[-20:]
+    assert final == pytest.approx(np.mean([e["return"] for e in last20]))
+    assert all(8 <= e["return"] <= 500 for e in episodes)  # CartPole-v1's range
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    replay = gr.open_source(store / "replay")
+    assert sorted(m.writer_id for m in replay.writers) == ["actor-0", "actor-1"]
+    assert [m.committed for m in replay.writers] == [1000, 1000]  # every env step committed
+    result = _result(done.stdout)
+    assert result["updates"] == (2000 - 200) * 32 // 64
+    assert (store / "ckpt" / str(result["updates"])).is_dir()  # the last checkpoint
+
+
+def test_actor_learner_refuses_an_existing_run_without_resume(tmp_path: Path) -> None:
+    store = tmp_path / "run"
+    (store / "replay").mkdir(parents=True)
+    done = subprocess.run(
+        _cmd(store, "--env-steps", "2000"), capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert done.returncode != 0
+    assert "--resume" in done.stderr and str(store) in done.stderr
+
+
+def test_actor_learner_resumes_after_the_learner_is_killed(tmp_path: Path) -> None:
+    store = tmp_path / "run"
+    cmd = _cmd(store, "--env-steps", "4000", "--ckpt-every", "150", "--seed", "1")
+    learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.name.isdigit() for p in (store / "ckpt").glob("*")):
+            assert learner.poll() is None, learner.stdout.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.2)
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=30)
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+        learner.wait()
+    # The actors notice that their learner is gone and stop; their ids are free again.
+    deadline = time.monotonic() + 60
+    replay = store / "replay"
+    while _held(replay):
+        assert time.monotonic() < deadline, "the actors outlived their learner"
+        time.sleep(0.2)
+    killed_at = sum(m.committed for m in gr.open_source(replay).writers)
+    assert killed_at < 4000
+
+    done = _run([*cmd, "--resume"])
+    match = re.search(r"resumed from the checkpoint at update (\d+)", done.stdout)
+    assert match and int(match.group(1)) >= 150, done.stdout[-2000:]
+    result = _result(done.stdout)
+    assert result["resumed_from"] == int(match.group(1))
+    assert result["updates"] == (4000 - 200) * 32 // 64  # the same run, finished
+    assert [m.committed for m in gr.open_source(replay).writers] == [2000, 2000]
+    _final(done.stdout)
+
+
+def _held(replay: Path) -> bool:
+    """Whether any actor still holds its writer id (a live process has its lock)."""
+    import fcntl
+
+    for lock in replay.glob("writers/*/lock"):
+        with open(lock, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    return False
