@@ -173,31 +173,10 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 finished.clear()
                 if os.getppid() != parent:  # the learner died: stop (its rows are safe)
                     return
-                _wait_for_learner(cfg, params_path, writer.committed, parent)
     finally:
         log.close()
         writer.close()
         env.close()
-
-
-def _wait_for_learner(cfg: dict[str, Any], params_path: Path, committed: int, parent: int) -> None:
-    """Waits while this actor is ahead of the learner's samples per insert."""
-    # TODO(ratelimit): replaced by PrioritizedReplay(samples_per_insert=...) once
-    # writers wait in flush().
-    spi_updates = cfg["samples_per_insert"] / cfg["batch_size"]
-    slack = cfg["pacing_slack"]
-    while True:
-        try:
-            with np.load(params_path) as npz:
-                updates = int(npz["updates"])
-        except (FileNotFoundError, OSError, ValueError, KeyError):
-            updates = 0
-        inserted = committed * cfg["actors"]
-        if (inserted - cfg["min_size"]) * spi_updates <= updates + slack * spi_updates:
-            return
-        if os.getppid() != parent:
-            return
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------
@@ -249,12 +228,6 @@ def make_train_step(
         return params, {"count": count, "mu": mu, "nu": nu}, delta
 
     return step
-
-
-def inserted_rows(source: Any) -> int:
-    """Rows every actor ever committed (evicted ones included), as of a refresh."""
-    source.refresh()
-    return sum(m.committed for m in source.writers)
 
 
 def read_episodes(episodes: Path) -> list[dict[str, Any]]:
@@ -353,7 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dqn.add_argument("--exploration-fraction", type=float, default=0.16)
     dqn.add_argument("--final-epsilon", type=float, default=0.04)
     dqn.add_argument("--max-grad-norm", type=float, default=10.0)
-    dqn.add_argument("--pacing-slack", type=int, default=256, help="inserted rows ahead allowed")
+    dqn.add_argument("--alpha", type=float, default=0.6, help="how much priorities count")
+    dqn.add_argument("--beta", type=float, default=0.4, help="annealed to 1 over the run")
+    run.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds the learner may wait for rows"
+    )
     args = parser.parse_args(argv)
     for name in ("actors", "env_steps", "capacity", "batch_size", "flush_every", "ckpt_every"):
         if getattr(args, name) <= 0:
@@ -420,9 +397,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"resumed from the checkpoint at update {int(model['updates'])}")
     publish_params(params_path, model["params"], int(model["updates"]))
 
-    counter = mp.get_context("spawn").Value("q", 0)
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("q", 0)  # env steps of all actors, for the episode log
     if replay.exists():  # --resume: every actor continues after its committed rows
-        counter.value = inserted_rows(gr.open_source(replay))
+        counter.value = sum(m.committed for m in gr.open_source(replay).writers)
     cfg = {
         "store": str(store),
         "params": str(params_path),
@@ -433,12 +411,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "flush_every": args.flush_every,
         "exploration_fraction": args.exploration_fraction,
         "final_epsilon": args.final_epsilon,
-        "samples_per_insert": args.samples_per_insert,
-        "batch_size": batch,
-        "min_size": args.min_size,
-        "pacing_slack": args.pacing_slack,
     }
-    ctx = mp.get_context("spawn")
+    train_step = make_train_step(
+        args.learning_rate, args.lr_end, total_updates, args.gamma, args.max_grad_norm
+    )
+    blend = jax.jit(
+        lambda t, o: jax.tree_util.tree_map(lambda a, b: args.tau * b + (1.0 - args.tau) * a, t, o)
+    )
+    state = jax.device_put(model)
+    _compile(train_step, state, batch)  # before the actors start: they wait on no compile
     procs = [
         ctx.Process(target=actor_main, args=(k, cfg, counter, os.getpid()), daemon=True)
         for k in range(args.actors)
@@ -447,32 +428,23 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     for p in procs:
         p.start()
 
-    train_step = make_train_step(
-        args.learning_rate, args.lr_end, total_updates, args.gamma, args.max_grad_norm
-    )
-    blend = jax.jit(
-        lambda t, o: jax.tree_util.tree_map(lambda a, b: args.tau * b + (1.0 - args.tau) * a, t, o)
-    )
-    state = jax.device_put(model)
     updates = int(model["updates"])
+    beta0 = args.beta
+    sampling = gr.PrioritizedReplay(
+        alpha=args.alpha,
+        beta=lambda step: min(1.0, beta0 + (1.0 - beta0) * step / total_updates),
+        min_size=args.min_size,  # no batch before this many rows are live
+        samples_per_insert=args.samples_per_insert,  # the learner waits, and so do the actors
+        timeout=args.timeout,
+    )
     td: list[float] = []
     batches = None
-    probe = None
     try:
-        # TODO(ratelimit): min_size and samples_per_insert of the sampler replace this.
-        while probe is None or inserted_rows(probe) < args.min_size:
-            if replay.joinpath("replay_store.json").exists() and any(
-                replay.joinpath("writers").glob("*/manifest.json")
-            ):
-                probe = gr.open_source(replay)
-                continue
+        while not any(replay.glob("writers/*/manifest.json")):  # no actor committed yet
             _check_actors(procs)
             time.sleep(0.05)
         loader = gr.make_data_loader(
-            gr.open_source(replay),
-            batch_size=batch,
-            seed=args.seed,
-            sampling=gr.UniformReplay(refresh_every=8),
+            gr.open_source(replay), batch_size=batch, seed=args.seed, sampling=sampling
         )
         batches = gr.sharded_device_put(loader, prefetch=1)
         if resume_step is not None:
@@ -480,26 +452,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 resume_step,
                 args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(batches)),
             )
-        inserted = inserted_rows(probe)
         while updates < total_updates:
-            allowed = (inserted - args.min_size) * args.samples_per_insert / batch
-            if updates >= allowed:  # ahead of the actors: wait for rows
-                _check_actors(procs)
-                time.sleep(0.002)
-                inserted = inserted_rows(probe)
-                continue
-            data = next(batches)
-            weight = jnp.ones((batch,), jnp.float32)
-            p, opt, delta = train_step(
-                state["params"], state["opt"], state["target"], data, weight
+            sampled = next(batches)  # gr.Sampled(data, index, weight)
+            new, opt, delta = train_step(
+                state["params"], state["opt"], state["target"], sampled.data, sampled.weight
             )
+            batches.update_priorities(sampled.index, jnp.abs(delta))
             updates += 1
-            state = {**state, "params": p, "opt": opt, "updates": jnp.asarray(updates)}
+            state = {**state, "params": new, "opt": opt, "updates": jnp.asarray(updates)}
             if updates % args.target_every == 0:
-                state["target"] = blend(state["target"], p)
+                state["target"] = blend(state["target"], new)
             if updates % args.publish_every == 0:
                 publish_params(params_path, jax.device_get(state["params"]), updates)
-                inserted = inserted_rows(probe)
             if updates % 1000 == 0:
                 td.append(float(jnp.mean(jnp.abs(delta))))
                 recent = read_episodes(episodes)
@@ -512,6 +476,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             if updates % args.ckpt_every == 0 or updates == total_updates:
                 _save(mgr, updates, state, batches)
         publish_params(params_path, jax.device_get(state["params"]), updates)
+        batches.close()  # withdraws the learner's progress: no actor waits on it any more
+        batches = None
         for p in procs:
             p.join()
     finally:
@@ -539,6 +505,24 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     print(json.dumps(result))
     print(f"final mean return (last 20 episodes): {final}")
     return result
+
+
+def _compile(train_step: Any, state: Any, batch: int) -> None:
+    """Compiles the step for the batches ``sharded_device_put`` will hand out."""
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    obs = np.zeros((batch, OBS_DIM), np.float32)
+    data = {
+        "action": np.zeros(batch, np.int64),
+        "next_obs": obs,
+        "obs": obs,
+        "reward": np.zeros(batch, np.float32),
+        "terminated": np.zeros(batch, np.bool_),
+    }
+    data, weight = jax.device_put((data, np.ones(batch, np.float32)), rows)
+    train_step(state["params"], state["opt"], state["target"], data, weight)
 
 
 def _check_actors(procs: list[Any]) -> None:
