@@ -35,7 +35,7 @@ __all__ = ["IdPriorityReader", "SlotPrioritySampler"]
 
 CHUNK = 4096  # slots added to a writer's ring at a time
 _UNBOUNDED = 1 << 62  # the ring of a writer without capacity: never wraps
-_STATE_KIND = "slots"
+_STATE_VERSION = 2  # a plain store's PrioritySampler state is version 1
 
 
 def owned_seqs(lo: int, hi: int, residue: int, count: int) -> np.ndarray:
@@ -80,18 +80,21 @@ class SlotPrioritySampler(PrioritySampler):
         self._lo: list[int] = []  # the live rows [lo, hi) as last looked at
         self._hi: list[int] = []
         self._index_of: dict[int, int] = {}  # ordinal -> writer index
+        self._writer_ids: list[str] = []
         self._tables: tuple[np.ndarray, ...] | None = None
         self._looked = -1  # the StoreLength look the slots follow
 
     # -- the slot table ---------------------------------------------------------
 
-    def _writer(self, ordinal: int, capacity: int | None) -> int:
+    def _writer(self, ordinal: int, capacity: int | None, writer_id: str) -> int:
         w = self._index_of.get(ordinal)
         if w is not None:
+            self._writer_ids[w] = writer_id
             return w
         ring = _UNBOUNDED if capacity is None else -(-int(capacity) // self._count)
         self._index_of[ordinal] = w = len(self._ordinal)
         self._ordinal.append(ordinal)
+        self._writer_ids.append(writer_id)
         self._ring.append(ring)
         self._chunk.append(min(ring, CHUNK))
         self._bases.append([])
@@ -166,7 +169,7 @@ class SlotPrioritySampler(PrioritySampler):
         new: list[np.ndarray] = []
         new_ids: list[np.ndarray] = []
         for m in manifests:
-            w = self._writer(int(m.ordinal), m.capacity)
+            w = self._writer(int(m.ordinal), m.capacity, m.writer_id)
             listed.add(w)
             gone.append(self._move(w, int(m.live_start), int(m.committed), new, new_ids))
         for w in range(len(self._ordinal)):
@@ -298,18 +301,183 @@ class SlotPrioritySampler(PrioritySampler):
             self._check_index(index)
             self._pending.append((int(stamp), index, priorities))
 
+    # -- watermark and checkpointing -------------------------------------------------
+
+    def commit_watermark(self) -> dict[str, int]:
+        """Each writer's committed sequence number in the snapshot the draws come from."""
+        with self._lock:
+            return dict(zip(self._writer_ids, self._hi))
+
     def state(self, *, copy: bool = True) -> dict[str, np.ndarray]:
-        raise ReplayCheckpointError(
-            f"{self._source!r}: the priorities of prioritized replay over a bounded or "
-            "many-writer store are not checkpointed yet. Fix: checkpoint with "
-            "gr.UniformReplay(), or restart the replay's priorities fresh."
-        )
+        """Arrays that restore the slots and priorities exactly (by slot, with each
+        writer's live rows ``[lo, hi)`` as the draws saw them; the rows' ids follow).
+
+        Args:
+          copy: False returns a read-only view of the tree's values, valid until the
+            next draw.
+        """
+        with self._lock:
+            counts = [len(x) for _, x, _ in self._pending]
+            return {
+                "version": np.array(_STATE_VERSION, dtype=np.int64),
+                "shard": np.array([self._p, self._count], dtype=np.int64),
+                "options": np.array(
+                    [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
+                ),
+                "n": np.array(self._length.n, dtype=np.int64),
+                "writer_ordinal": np.array(self._ordinal, dtype=np.int64),
+                "writer_ring": np.array(self._ring, dtype=np.int64),
+                "writer_live": np.array([self._lo, self._hi], dtype=np.int64).reshape(2, -1),
+                "writer_chunks": np.array([len(b) for b in self._bases], dtype=np.int64),
+                "chunk_base": np.array([x for b in self._bases for x in b], dtype=np.int64),
+                "values": self._tree.values.copy() if copy else self._tree.values,
+                "max_priority": np.array(self._max, dtype=np.float64),
+                "seen": np.packbits(self._seen),
+                "pending_stamp": np.array([t for t, _, _ in self._pending], dtype=np.int64),
+                "pending_count": np.array(counts, dtype=np.int64),
+                "pending_index": np.concatenate(
+                    [np.zeros(0, np.int64)] + [x for _, x, _ in self._pending]
+                ),
+                "pending_priority": np.concatenate(
+                    [np.zeros(0)] + [q for _, _, q in self._pending]
+                ),
+            }
+
+    def _parse_slots(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`state`'s arrays, checked against this sampler (nothing changes)."""
+        fix = "Fix: pass the state unchanged, to a loader made with the same arguments."
+        try:
+            version = int(state["version"])
+            shard = np.asarray(state["shard"]).tolist()
+            options = np.asarray(state["options"]).tolist()
+            out: dict[str, Any] = {
+                "n": int(state["n"]),
+                "ordinal": np.asarray(state["writer_ordinal"], dtype=np.int64).reshape(-1),
+                "ring": np.asarray(state["writer_ring"], dtype=np.int64).reshape(-1),
+                "live": np.asarray(state["writer_live"], dtype=np.int64).reshape(2, -1),
+                "chunks": np.asarray(state["writer_chunks"], dtype=np.int64).reshape(-1),
+                "bases": np.asarray(state["chunk_base"], dtype=np.int64).reshape(-1),
+                "values": np.asarray(state["values"], dtype=np.float64).reshape(-1),
+                "max": float(state["max_priority"]),
+                "seen": np.asarray(state["seen"], dtype=np.uint8),
+                "stamps": np.asarray(state["pending_stamp"], dtype=np.int64),
+                "counts": np.asarray(state["pending_count"], dtype=np.int64),
+                "index": np.asarray(state["pending_index"], dtype=np.int64),
+                "prio": np.asarray(state["pending_priority"], dtype=np.float64),
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            kind = "a state of prioritized replay over a plain store" if "seen" in state else ""
+            raise ReplayCheckpointError(
+                f"{self._source!r}: not a state of prioritized replay over a bounded or "
+                f"many-writer store ({type(e).__name__}: {e}{'; ' + kind if kind else ''}). " + fix
+            ) from e
+        want = [self.options.alpha, self.options.eps, self.lag]
+        if version != _STATE_VERSION or shard != [self._p, self._count] or options != want:
+            raise ReplayCheckpointError(
+                f"The priority state was saved by process {shard[0]} of {shard[1]} with "
+                f"(alpha, eps, lag)={tuple(options)}; this is process {self._p} of "
+                f"{self._count} with {tuple(want)}. Fix: restore each process's own state "
+                "with the same PrioritizedReplay, worker_count and worker_buffer_size."
+            )
+        k = len(out["ordinal"])
+        slots = len(out["values"])
+        chunk = np.minimum(out["ring"], CHUNK)
+        bases = out["bases"]
+        problems = []
+        if len(out["ring"]) != k or out["live"].shape[1] != k or len(out["chunks"]) != k:
+            problems.append(f"{k} writers but tables of other lengths")
+            sizes = ends = bases
+        elif (out["chunks"] < 0).any() or len(bases) != int(out["chunks"].sum()):
+            problems.append(f"{len(bases)} chunks but {int(out['chunks'].sum())} counted")
+            sizes = ends = bases
+        else:
+            sizes = np.repeat(chunk, out["chunks"])
+            ends = bases + sizes
+        if problems:
+            pass
+        elif int(sizes.sum()) != slots:
+            problems.append(f"{slots} slots but chunks covering {int(sizes.sum())}")
+        elif len(bases) and (
+            int(bases.min()) < 0 or int(ends.max()) > slots or len(np.unique(bases)) != len(bases)
+        ):
+            problems.append("chunks outside the slots")
+        elif (out["ring"] <= 0).any() or (out["live"][0] > out["live"][1]).any():
+            problems.append("a writer's ring or live rows out of range")
+        elif len(np.unique(out["ordinal"])) != k or (out["ordinal"] < 0).any():
+            problems.append("repeated writers")
+        elif (
+            len(np.unpackbits(out["seen"])) < slots
+            or not np.isfinite(out["values"]).all()
+            or (out["values"] < 0).any()
+        ):
+            problems.append("bad priorities or handed-out bits")
+        c = out["counts"]
+        if int(c.sum()) != len(out["index"]) or len(out["index"]) != len(out["prio"]):
+            problems.append("inconsistent pending updates")
+        elif len(out["stamps"]) != len(c):
+            problems.append("inconsistent pending updates")
+        if not problems:
+            out["ids"] = self._held(out, chunk, problems)
+        if problems:
+            raise ReplayCheckpointError(
+                f"{self._source!r}: the priority state is damaged ({problems[0]}). " + fix
+            )
+        return out
+
+    def _held(self, out: dict[str, Any], chunk: np.ndarray, problems: list[str]) -> np.ndarray:
+        """The id each slot of a parsed state holds: each writer's owned live rows."""
+        ids = np.full(len(out["values"]), -1, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(out["chunks"])]).astype(np.int64)
+        for w, o in enumerate(out["ordinal"].tolist()):
+            lo, hi = (int(x) for x in out["live"][:, w])
+            seqs = owned_seqs(lo, hi, (self._p - o) % self._count, self._count)
+            r = (seqs // self._count) % int(out["ring"][w])
+            c = r // int(chunk[w])
+            if len(seqs) > int(out["ring"][w]) or (len(c) and int(c.max()) >= out["chunks"][w]):
+                problems.append(f"writer ordinal {o}: live rows outside its slots")
+                return ids
+            slot = out["bases"][starts[w] + c] + r % int(chunk[w])
+            if (ids[slot] != -1).any():
+                problems.append(f"writer ordinal {o}: two rows in one slot")
+                return ids
+            ids[slot] = (o << parts_lib.ID_SHIFT) + seqs
+        if (out["values"][ids < 0] != 0).any():
+            problems.append("a priority on an empty slot")
+        return ids
 
     def check_state(self, state: Mapping[str, Any]) -> None:
-        self.state()
+        """Raises what :meth:`set_state` would raise, changing nothing."""
+        self._parse_slots(state)
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        self.state()
+        """Restores :meth:`state`; the slots' ids follow from each writer's live rows."""
+        out = self._parse_slots(state)
+        k = len(out["ordinal"])
+        chunks = np.concatenate([[0], np.cumsum(out["chunks"])]).astype(np.int64)
+        slots = len(out["values"])
+        pending = []
+        for stamp, end, count in zip(out["stamps"], np.cumsum(out["counts"]), out["counts"]):
+            pending.append(
+                (int(stamp), out["index"][end - count : end], out["prio"][end - count : end])
+            )
+        with self._lock:
+            self._ordinal = [int(o) for o in out["ordinal"]]
+            self._ring = [int(r) for r in out["ring"]]
+            self._chunk = [min(r, CHUNK) for r in self._ring]
+            self._bases = [out["bases"][chunks[w] : chunks[w + 1]].tolist() for w in range(k)]
+            self._lo = [int(x) for x in out["live"][0]]
+            self._hi = [int(x) for x in out["live"][1]]
+            self._index_of = {o: w for w, o in enumerate(self._ordinal)}
+            names = {int(m.ordinal): m.writer_id for m in self._length.writers}
+            self._writer_ids = [names.get(o, f"ordinal-{o}") for o in self._ordinal]
+            self._tables = None
+            self._ids = out["ids"]
+            self._seen = np.unpackbits(out["seen"])[:slots].astype(bool)
+            self._tree = SumTree.from_values(out["values"], skip_zeros=True)
+            self._max = out["max"]
+            self._pending = pending
+            self._length.n = out["n"]
+            self._looked = self._length.looks  # the next look follows the store again
 
 
 class IdPriorityReader:
