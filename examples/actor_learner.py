@@ -123,7 +123,7 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
     log = open(store / "episodes" / f"actor-{k}.jsonl", "a", encoding="utf-8")
-    params, stamp, updates = None, None, 0
+    params, stamp = None, None
     eps_steps = max(1, int(cfg["exploration_fraction"] * quota))
     rows: list[tuple[np.ndarray, int, float, np.ndarray, bool]] = []
     finished: list[dict[str, Any]] = []
@@ -136,9 +136,11 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 except FileNotFoundError:
                     now = None
                 if now is not None and now != stamp:
-                    params, updates = load_params(params_path)
+                    params, _ = load_params(params_path)
                     stamp = now
-            epsilon = max(cfg["final_epsilon"], 1.0 - (1.0 - cfg["final_epsilon"]) * step / eps_steps)
+            epsilon = max(
+                cfg["final_epsilon"], 1.0 - (1.0 - cfg["final_epsilon"]) * step / eps_steps
+            )
             if params is None or rng.random() < epsilon:
                 action = int(rng.integers(ACTIONS))
             else:
@@ -186,7 +188,7 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
 def make_train_step(
     learning_rate: float, lr_end: float, total_updates: int, gamma: float, max_grad_norm: float
 ) -> Any:
-    """One Adam step on the importance-weighted double-Q Huber loss; returns the TD errors.
+    """One Adam step on the importance-weighted double-Q Huber loss; returns ``|TD error|``.
 
     The learning rate falls linearly from ``learning_rate`` to ``lr_end * learning_rate``
     over ``total_updates``: the policy the actors play at the end settles.
@@ -225,7 +227,7 @@ def make_train_step(
         params = jax.tree_util.tree_map(
             lambda p, m, v: p - lr * m / (jnp.sqrt(v) + 1e-8), params, mu, nu
         )
-        return params, {"count": count, "mu": mu, "nu": nu}, delta
+        return params, {"count": count, "mu": mu, "nu": nu}, jnp.abs(delta)
 
     return step
 
@@ -419,7 +421,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         lambda t, o: jax.tree_util.tree_map(lambda a, b: args.tau * b + (1.0 - args.tau) * a, t, o)
     )
     state = jax.device_put(model)
-    _compile(train_step, state, batch)  # before the actors start: they wait on no compile
+    _compile(train_step, blend, state, batch)  # before the actors start: they wait on no compile
     procs = [
         ctx.Process(target=actor_main, args=(k, cfg, counter, os.getpid()), daemon=True)
         for k in range(args.actors)
@@ -454,10 +456,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
         while updates < total_updates:
             sampled = next(batches)  # gr.Sampled(data, index, weight)
-            new, opt, delta = train_step(
+            new, opt, td_abs = train_step(
                 state["params"], state["opt"], state["target"], sampled.data, sampled.weight
             )
-            batches.update_priorities(sampled.index, jnp.abs(delta))
+            batches.update_priorities(sampled.index, td_abs)
             updates += 1
             state = {**state, "params": new, "opt": opt, "updates": jnp.asarray(updates)}
             if updates % args.target_every == 0:
@@ -465,7 +467,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             if updates % args.publish_every == 0:
                 publish_params(params_path, jax.device_get(state["params"]), updates)
             if updates % 1000 == 0:
-                td.append(float(jnp.mean(jnp.abs(delta))))
+                td.append(float(jnp.mean(td_abs)))
                 recent = read_episodes(episodes)
                 print(
                     f"update {updates}/{total_updates} env steps {counter.value} "
@@ -507,8 +509,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _compile(train_step: Any, state: Any, batch: int) -> None:
-    """Compiles the step for the batches ``sharded_device_put`` will hand out."""
+def _compile(train_step: Any, blend: Any, state: Any, batch: int) -> None:
+    """Compiles the steps for the batches ``sharded_device_put`` will hand out."""
     import jax
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -522,7 +524,8 @@ def _compile(train_step: Any, state: Any, batch: int) -> None:
         "terminated": np.zeros(batch, np.bool_),
     }
     data, weight = jax.device_put((data, np.ones(batch, np.float32)), rows)
-    train_step(state["params"], state["opt"], state["target"], data, weight)
+    jax.block_until_ready(train_step(state["params"], state["opt"], state["target"], data, weight))
+    jax.block_until_ready(blend(state["target"], state["params"]))
 
 
 def _check_actors(procs: list[Any]) -> None:
