@@ -11,18 +11,27 @@ committed.
 
 The learner (this process) trains a double-Q DQN (two 256-unit layers, Adam in
 pure JAX, Huber loss weighted by the importance weights) on batches of
-``gr.make_data_loader(gr.open_source(store), sampling=gr.UniformReplay())``
-through ``gr.sharded_device_put``, publishes its parameters every
-``--publish-every`` updates and checkpoints the model and the whole replay state
+``gr.make_data_loader(gr.open_source(store), sampling=gr.PrioritizedReplay(...,
+min_size=, samples_per_insert=))`` through ``gr.sharded_device_put``, giving
+``|TD error|`` back as the new priorities. The rate limit is the library's: no
+batch before ``--min-size`` rows are live, then the learner waits when it is
+ahead of ``--samples-per-insert`` and the actors wait in ``flush()`` when they
+are ahead of it (the example paces nothing itself). The learner publishes its
+parameters every ``--publish-every`` updates and checkpoints the model and the
+whole replay state (priorities, rate-limit counters, every writer's watermark)
 as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
 updates and at the end. ``--resume`` continues from the newest checkpoint: the
 model, the optimizer and the replay iterator are restored, and the actors reopen
 their writer ids, continuing after their last committed row.
 
-The settings are rl-baselines3-zoo's for DQN on CartPole-v1: lr 2.3e-3, batch 64,
-learning from 1,000 rows, 128 gradient steps per 256 env steps (32 sampled rows
-per inserted row at batch 64), epsilon to 0.04 over the first 16 % of the run,
-gamma 0.99, 100k rows of replay.
+The settings start from rl-baselines3-zoo's for DQN on CartPole-v1: lr 2.3e-3,
+batch 64, learning from 1,000 rows, 128 gradient steps per 256 env steps (32
+sampled rows per inserted row at batch 64), epsilon to 0.04 over the first 16 %
+of the run, gamma 0.99, 100k rows of replay, a hard target copy every 128
+updates (what the zoo's "every 10 env steps" amounts to between its bursts of
+128 gradient steps). Two changes for a run twice the zoo's 5e4 steps: the
+learning rate falls linearly to 0 over the run (``--lr-end``), and prioritized
+replay (alpha 0.6, beta 0.4 annealed to 1).
 
 Run it::
 

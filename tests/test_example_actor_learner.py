@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -136,3 +138,45 @@ def _held(replay: Path) -> bool:
                 return True
             fcntl.flock(f, fcntl.LOCK_UN)
     return False
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("example_actor_learner", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EPISODES = [
+    {"env_step": 40 * i, "return": float(10 + i % 7 * 60), "actor": i % 2} for i in range(60)
+]
+
+
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["matplotlib", "pillow"])
+def test_actor_learner_plot_is_a_png_with_or_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, matplotlib: bool
+) -> None:
+    if matplotlib:
+        pytest.importorskip("matplotlib")
+    else:
+        pytest.importorskip("PIL")
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    png = tmp_path / "returns.png"
+    _example().plot_returns(str(png), EPISODES, "toy")
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.format == "PNG"
+        assert image.size == (700, 400)
+        pixels = np.asarray(image.convert("L"))
+    assert (pixels < 128).mean() > 0.002  # something was drawn on the white page
+
+
+def test_actor_learner_mean_of_the_last_20_episodes() -> None:
+    module = _example()
+    assert module.mean_last(EPISODES) == pytest.approx(
+        np.mean([e["return"] for e in EPISODES[-20:]])
+    )
+    assert module.mean_last([]) == 0.0
+    assert [module.actor_quota(10, 3, k) for k in range(3)] == [4, 3, 3]
