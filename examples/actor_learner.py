@@ -370,11 +370,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    import grain
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
     store = Path(args.store).absolute()
     replay, ckpt_dir, episodes = store / "replay", store / "ckpt", store / "episodes"
     params_path = store / "params.npz"
@@ -383,6 +378,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             f"{store} already holds a run (replay/ or ckpt/): pass --resume to continue it, "
             "or another --store"
         )
+    import grain
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
     episodes.mkdir(parents=True, exist_ok=True)
     batch = args.batch_size
     total_updates = math.floor((args.env_steps - args.min_size) * args.samples_per_insert / batch)

@@ -91,6 +91,7 @@ def test_actor_learner_refuses_an_existing_run_without_resume(tmp_path: Path) ->
     assert "--resume" in done.stderr and str(store) in done.stderr
 
 
+@pytest.mark.slow  # two runs of the example: 202 s here at a load average of ~23 on 2 cores
 def test_actor_learner_resumes_after_the_learner_is_killed(tmp_path: Path) -> None:
     store = tmp_path / "run"
     cmd = _cmd(store, "--env-steps", "4000", "--ckpt-every", "150", "--seed", "1")
