@@ -20,6 +20,7 @@ was evicted meanwhile) is dropped, never written onto the row that took the slot
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from grain_replay import parts as parts_lib
 from grain_replay.errors import InvalidSamplingError, PriorityIndexError, ReplayCheckpointError
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler
 from grain_replay.sampling.replay import IdTask
-from grain_replay.sampling.sumtree import SumTree
+from grain_replay.sampling.sumtree import SumTree, compiled
 
 __all__ = ["IdPriorityReader", "SlotPrioritySampler"]
 
@@ -44,6 +45,51 @@ def owned_seqs(lo: int, hi: int, residue: int, count: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     first = lo + (residue - lo) % count
     return np.arange(first, hi, count, dtype=np.int64)
+
+
+def _slot_walk(
+    ids: np.ndarray,
+    of: np.ndarray,
+    ring: np.ndarray,
+    chunk: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    flat: np.ndarray,
+    held: np.ndarray,
+    seen: np.ndarray,
+    count: int,
+    p: int,
+    slot_out: np.ndarray,
+) -> int:
+    """:meth:`SlotPrioritySampler._slots`, one id after the other (compiled)."""
+    good = 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        o = x >> 40
+        seq = x & 0xFFFFFFFFFF
+        slot_out[i] = -1
+        if x < 0 or o >= of.shape[0] or of[o] < 0 or (seq + o) % count != p:
+            continue
+        w = of[o]
+        r = (seq // count) % ring[w]
+        c = r // chunk[w]
+        if c >= lens[w]:
+            continue
+        slot = flat[starts[w] + c] + r % chunk[w]
+        slot_out[i] = slot
+        if held[slot] == x and seen[slot]:
+            good += 1
+    return good
+
+
+@functools.cache
+def _compiled() -> Any:
+    """The compiled :func:`_slot_walk`, or None without numba (as the sum tree's walks)."""
+    if compiled() is None:
+        return None
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(_slot_walk)
 
 
 class SlotPrioritySampler(PrioritySampler):
@@ -70,6 +116,10 @@ class SlotPrioritySampler(PrioritySampler):
             shard_count=shard_count,
         )
         self._tree = SumTree(skip_zeros=True)
+        # updates not applied yet: (stamp, ids, priorities, the slots found at the
+        # update, the sync they were found at if they all held their rows then, else -1)
+        self._queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        self._syncs = 0  # looks that moved rows in or out
         self._ids = np.zeros(0, dtype=np.int64)  # the row id each slot holds, -1: empty
         self._seen = np.zeros(0, dtype=bool)  # slots whose row this process handed out
         # per writer (in the order they were first seen)
@@ -139,9 +189,25 @@ class SlotPrioritySampler(PrioritySampler):
                 self._tables = None
         return np.asarray(bases, dtype=np.int64)[chunk] + r % k
 
+    def _slots(self, ids: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Each id's slot (-1: none), and whether every slot holds its row now and that
+        row was handed out (compiled when numba is installed: one pass instead of ~20
+        numpy calls on the batch)."""
+        kernel = _compiled()
+        if kernel is None:
+            _, _, slot, holds, *_ = self._locate(ids)
+            return slot, bool(holds.all() and self._seen[slot].all())
+        of, ring, chunk, starts, lens, flat, _, _ = self._table()
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        slot = np.empty(len(ids), dtype=np.int64)
+        good = kernel(ids, of, ring, chunk, starts, lens, flat, self._ids, self._seen,
+                      self._count, self._p, slot)  # fmt: skip
+        return slot, good == len(ids)
+
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
         """For each id: its writer (-1: unknown), whether this process owns it, its slot
-        (-1: none) and whether that slot holds it now."""
+        (-1: none) and whether that slot holds it now; then its sequence number and
+        every writer's live rows ``lo``, ``hi``."""
         of, ring, chunk, starts, lens, flat, lo, hi = self._table()
         ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
         known = (ordinal >= 0) & (ordinal < len(of))
@@ -179,6 +245,7 @@ class SlotPrioritySampler(PrioritySampler):
         add = np.concatenate([np.zeros(0, dtype=np.int64), *new])
         if not len(out) and not len(add):
             return
+        self._syncs += 1
         self._tables = None
         if len(self._tree) < len(self._ids):
             self._tree.extend(len(self._ids), 0.0)
@@ -265,15 +332,22 @@ class SlotPrioritySampler(PrioritySampler):
 
     def _apply(self, step: int) -> None:
         keep = []
-        for stamp, ids, priorities in self._pending:
+        for stamp, ids, priorities, slot, synced in self._queued:
             if stamp + self.lag <= step:
-                _, _, slot, holds, *_ = self._locate(ids)
-                if holds.any():  # rows evicted since the update leave it
+                if synced == self._syncs:  # no row moved since the update found its slot
+                    self._tree.set(slot, self._leaf(priorities))
+                    self._max = max(self._max, float(priorities.max(initial=0.0)))
+                    continue
+                # the slots found at the update, if they still hold the rows
+                holds = (slot >= 0) & (self._ids[np.maximum(slot, 0)] == ids)
+                if holds.all():
+                    self._tree.set(slot, self._leaf(priorities))
+                elif holds.any():  # rows evicted since the update leave it
                     self._tree.set(slot[holds], self._leaf(priorities[holds]))
                 self._max = max(self._max, float(priorities.max(initial=0.0)))
             else:
-                keep.append((stamp, ids, priorities))
-        self._pending = keep
+                keep.append((stamp, ids, priorities, slot, synced))
+        self._queued = keep
 
     def _check_index(self, index: np.ndarray) -> None:
         """Raises for rows this process never handed out; evicted rows pass (dropped later)."""
@@ -298,8 +372,12 @@ class SlotPrioritySampler(PrioritySampler):
         """Checks an update at once and queues it; rows evicted meanwhile are ignored."""
         index, priorities = self._checked(index, priorities)
         with self._lock:
-            self._check_index(index)
-            self._pending.append((int(stamp), index, priorities))
+            slot, handed_out = self._slots(index)
+            synced = self._syncs
+            if not handed_out:  # not all live rows handed out
+                self._check_index(index)
+                synced = -1
+            self._queued.append((int(stamp), index, priorities, slot, synced))
 
     # -- watermark and checkpointing -------------------------------------------------
 
@@ -317,7 +395,7 @@ class SlotPrioritySampler(PrioritySampler):
             next draw.
         """
         with self._lock:
-            counts = [len(x) for _, x, _ in self._pending]
+            counts = [len(x) for _, x, *_ in self._queued]
             return {
                 "version": np.array(_STATE_VERSION, dtype=np.int64),
                 "shard": np.array([self._p, self._count], dtype=np.int64),
@@ -333,13 +411,13 @@ class SlotPrioritySampler(PrioritySampler):
                 "values": self._tree.values.copy() if copy else self._tree.values,
                 "max_priority": np.array(self._max, dtype=np.float64),
                 "seen": np.packbits(self._seen),
-                "pending_stamp": np.array([t for t, _, _ in self._pending], dtype=np.int64),
+                "pending_stamp": np.array([t for t, *_ in self._queued], dtype=np.int64),
                 "pending_count": np.array(counts, dtype=np.int64),
                 "pending_index": np.concatenate(
-                    [np.zeros(0, np.int64)] + [x for _, x, _ in self._pending]
+                    [np.zeros(0, np.int64)] + [x for _, x, *_ in self._queued]
                 ),
                 "pending_priority": np.concatenate(
-                    [np.zeros(0)] + [q for _, _, q in self._pending]
+                    [np.zeros(0)] + [q for _, _, q, *_ in self._queued]
                 ),
             }
 
@@ -475,7 +553,7 @@ class SlotPrioritySampler(PrioritySampler):
             self._seen = np.unpackbits(out["seen"])[:slots].astype(bool)
             self._tree = SumTree.from_values(out["values"], skip_zeros=True)
             self._max = out["max"]
-            self._pending = pending
+            self._queued = [(t, x, q, self._slots(x)[0], -1) for t, x, q in pending]
             self._length.n = out["n"]
             self._looked = self._length.looks  # the next look follows the store again
 

@@ -495,19 +495,24 @@ def test_bounded_prioritized_item_restores_the_identical_draws(
     item = next((tmp_path / "ckpt" / "6" / "data").glob("process_*.json")).read_text()
     assert len(item) < 20_000  # priorities of 2 x 64 live rows, never the rows
     live_start = {k: w.committed - 64 for k, w in enumerate(writers)}
+    kept: list[float] = []
     with _bounded_prioritized(path, workers) as fresh:
         _restore(fresh, tmp_path / "ckpt", 6)
         for step, (index, weight) in enumerate(want, start=6):
             got_index, got_weight = _bounded_step(fresh, step)
             # The batches drawn ahead before the save (sharded_device_put's prefetch) may
             # name rows evicted since, which this fresh reader never opened: -1, weight 0.
+            # (The uninterrupted run's workers may have lost some too: -1 in index.)
             lost = got_index < 0
-            gone = index[lost]
+            gone = index[lost & (index >= 0)]
             assert ((gone & SEQ_MASK) < [live_start[int(o)] for o in gone >> 40]).all()
-            assert lost.sum() <= 4 and (got_weight[lost] == 0).all()
-            np.testing.assert_array_equal(got_index[~lost], index[~lost])
-            np.testing.assert_allclose(got_weight[~lost], weight[~lost], rtol=1e-6)
+            assert (got_weight[lost] == 0).all()
+            both = ~lost & (index >= 0)
+            np.testing.assert_array_equal(got_index[both], index[both])
+            np.testing.assert_allclose(got_weight[both], weight[both], rtol=1e-6)
             assert step < 9 or not lost.any()  # after the next look (step 9): the store as it is
+            kept.append(both.mean())
+    assert np.mean(kept) > 0.75
 
 
 def test_bounded_prioritized_state_is_checked_before_anything_changes(tmp_path: Path) -> None:
