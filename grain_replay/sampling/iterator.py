@@ -82,7 +82,11 @@ class SamplingIterator:
         read_threads: int = 0,
     ) -> None:
         self._stream = stream
-        self._read = _Maps(stream.reader, maps)
+        reader, maps = stream.reader, tuple(maps)
+        bind = getattr(stream, "bind_maps", None)
+        if callable(bind):  # a stream whose reader returns more than the data maps see
+            reader, maps = bind(maps), ()
+        self._read = _Maps(reader, maps)
         self._lock = threading.RLock()
         self._position = 0  # batches handed out
         self._next_draw = 0
@@ -106,7 +110,7 @@ class SamplingIterator:
             # must not import this module (grain, through the consumer's iterators).
             self._inner = WorkerLoaderIterator(
                 identity,
-                stream.reader,
+                reader,
                 length=ENDLESS,
                 maps=maps,
                 buffer_size=worker_buffer_size,

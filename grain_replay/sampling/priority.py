@@ -225,6 +225,32 @@ class PrioritySampler:
           InvalidPriorityError: wrong length, or a priority negative, NaN or infinite.
           PriorityIndexError: a row that this process never handed out.
         """
+        index, priorities = self._checked(index, priorities)
+        with self._lock:
+            n_local = len(self._seen)
+            if self._count == 1:
+                local = index
+                unknown = (index < 0) | (index >= n_local)
+            else:
+                local, rest = np.divmod(index, self._count)
+                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
+            if unknown.any():
+                unknown[~unknown] = ~self._seen[local[~unknown]]
+            else:  # the usual case: all in range, one gather
+                unknown = ~self._seen[local]
+            if unknown.any():
+                rows = index[unknown][:5].tolist()
+                raise PriorityIndexError(
+                    f"update_priorities: rows {rows} were never handed out by this iterator "
+                    f"(process {self._p} of {self._count} draws rows i with i % "
+                    f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
+                    "of batches from this iterator."
+                )
+            self._pending.append((int(stamp), local, priorities))
+
+    @staticmethod
+    def _checked(index: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(index, priorities)`` as flat int64 and float64, checked (nothing changes)."""
         index = np.asarray(index)
         priorities = np.asarray(priorities)
         if index.size != priorities.size:
@@ -248,27 +274,7 @@ class PrioritySampler:
                 f"{index[where].tolist()}). Nothing was updated. Fix: pass abs(td_error), "
                 "with NaNs removed."
             )
-        with self._lock:
-            n_local = len(self._seen)
-            if self._count == 1:
-                local = index
-                unknown = (index < 0) | (index >= n_local)
-            else:
-                local, rest = np.divmod(index, self._count)
-                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
-            if unknown.any():
-                unknown[~unknown] = ~self._seen[local[~unknown]]
-            else:  # the usual case: all in range, one gather
-                unknown = ~self._seen[local]
-            if unknown.any():
-                rows = index[unknown][:5].tolist()
-                raise PriorityIndexError(
-                    f"update_priorities: rows {rows} were never handed out by this iterator "
-                    f"(process {self._p} of {self._count} draws rows i with i % "
-                    f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
-                    "of batches from this iterator."
-                )
-            self._pending.append((int(stamp), local, priorities))
+        return index, priorities
 
     # -- checkpointing -------------------------------------------------------
 

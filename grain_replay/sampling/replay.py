@@ -126,6 +126,7 @@ class StoreLength:
     def __init__(self, source: Any, refresh_every: int | None) -> None:
         self._every = refresh_every
         self._forced = False
+        self.looks = 0  # times the length was re-read
         self.n = len(source)
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
@@ -141,6 +142,12 @@ class StoreLength:
         """Whether rows travel as ids: a bounded or many-writer store, whose positions
         move as writers evict (see :class:`grain_replay.sources.PartsDataSource`)."""
         return callable(getattr(self._probe, "read_ids", None))
+
+    @property
+    def writers(self) -> list[Any]:
+        """The writers' manifests of the snapshot the length was read from (by-id stores)."""
+        writers: list[Any] = self._probe.writers
+        return writers
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
@@ -180,6 +187,7 @@ class StoreLength:
         )
         if due:
             self._forced = False
+            self.looks += 1
             refresh = getattr(self._probe, "refresh", None)
             n = int(refresh()) if callable(refresh) else len(self._probe)
             # A reader never goes back: a store is only appended to (a bounded
