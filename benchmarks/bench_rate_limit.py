@@ -6,7 +6,7 @@ every 1,024 rows):
 
 - ``fast_writer``: writers insert as fast as they can; the learner spends 10 ms a
   batch (the writers are held back in ``flush()``);
-- ``fast_learner``: one writer sleeps 20 ms after each flush; the learner draws
+- ``fast_learner``: one writer sleeps 50 ms after each flush; the learner draws
   as fast as it can (it waits before drawing).
 
 Each reports the observed samples per insert, ``sampled / (inserted - min_size)``
@@ -168,7 +168,7 @@ def run(quick: bool, inserts: int | None = None) -> list[dict[str, Any]]:
     n = inserts or (100_000 if quick else 1_000_000)
     return [
         _scenario("fast_writer", n, writers=2, pause=0.0, work=0.01),
-        _scenario("fast_learner", n, writers=1, pause=0.02, work=0.0),
+        _scenario("fast_learner", n, writers=1, pause=0.05, work=0.0),
     ]
 
 
