@@ -86,7 +86,7 @@ def _writer(path: str, writer_id: str, rows: int, pause: float, report: str) -> 
 def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) -> dict[str, Any]:
     import grain_replay as gr
     from grain_replay.learners import InsertedCount
-    from grain_replay.sampling.rate_limit import default_tolerance
+    from grain_replay.sampling.rate_options import default_tolerance
 
     root = tempfile.mkdtemp(prefix="bench_rate_limit_")
     path = os.path.join(root, "store")
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['name']}: observed samples per insert {row['observed']:.4f} vs target "
             f"{row['samples_per_insert']:g} ({row['error_pct']:+.2f} %), over {row['inserts']} "
             f"inserts in {row['seconds']:.1f} s; band excursions {row['max_above_ceiling_rows']:g} "
-            f"/ {row['max_below_floor_rows']:g} rows; deadlock: {row['deadlock']}"
+            f"/ {row['max_below_floor_rows']:g} rows; writers waited {row['writer_wait_s']} s, "
+            f"learner in next() {row['learner_next_s']} s; deadlock: {row['deadlock']}"
         )
         ok = ok and row["within_5pct"] and not row["deadlock"]
     return 0 if ok else 1
