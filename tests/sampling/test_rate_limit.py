@@ -556,3 +556,18 @@ def test_prioritized_over_a_bounded_store_keeps_the_ratio(tmp_path: Path) -> Non
     p = learners_lib.read_progress(os.path.join(path, "learners"), "process-0-of-1.json")
     assert p is not None and p.sampled == 40 and p.drawn == 40
     it.close()
+
+
+def test_sharded_device_put_prefetch_counts_as_handed_out(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    _store(path, 24)
+    # ceiling 1 * 24 + 16 = 40 rows: 5 batches, wherever they are prefetched
+    loader = _loader(path, samples_per_insert=1.0, tolerance=16, timeout=0.3)
+    batches = gr.sharded_device_put(loader, prefetch=2)
+    try:
+        for _ in range(5):
+            check_rows({k: np.asarray(v) for k, v in next(batches).items()})
+        with pytest.raises(gr.RateLimitTimeoutError):
+            next(batches)
+    finally:
+        batches.close()
