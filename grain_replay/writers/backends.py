@@ -28,9 +28,18 @@ from grain_replay.formats import (
 )
 from grain_replay.integrity import as_bytes
 from grain_replay.writers.atomic import atomic_path, fsync_path
+from grain_replay.writers.background import LeafWriteError
 from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
-__all__ = ["Backend", "NpyBackend", "NpySegmentBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
+__all__ = [
+    "Backend",
+    "NpyBackend",
+    "NpySegmentBackend",
+    "ZarrBackend",
+    "HDF5Backend",
+    "BACKENDS",
+    "write_by_leaf",
+]
 
 # Chunks of growing HDF5/Zarr stores: ~1 MiB, whole pages, so readers map them.
 APPEND_CHUNK_BYTES = 1 << 20
@@ -83,6 +92,16 @@ class Backend(abc.ABC):
     def _meta_with(self, n: int, checksums: dict[str, Any] | None) -> layout_lib.StoreMetadata:
         m = self.meta
         return layout_lib.StoreMetadata(n, m.leaves, m.treedef, checksums, m.version)
+
+
+def write_by_leaf(backend: Backend, arrays: dict[str, np.ndarray], start: int) -> None:
+    """``backend.write`` one leaf at a time; a failure is raised as a
+    :class:`~grain_replay.writers.background.LeafWriteError` naming the leaf."""
+    for key, arr in arrays.items():
+        try:
+            backend.write({key: arr}, start)
+        except Exception as e:
+            raise LeafWriteError(key) from e
 
 
 # -- .npy directory -------------------------------------------------------------
