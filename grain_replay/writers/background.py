@@ -31,6 +31,7 @@ __all__ = [
     "LeafWriteError",
     "check_max_inflight_bytes",
     "device_leaf_test",
+    "to_host",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ def check_max_inflight_bytes(value: Any, where: str) -> int:
             "64 << 20."
         )
     return int(value)
+
+
+def to_host(leaf: Any) -> np.ndarray:
+    """A queued leaf on the host: waits for the copy that ``copy_to_host_async`` started."""
+    return np.asarray(leaf)
 
 
 def _leaf_nbytes(leaf: Any) -> int:
@@ -225,7 +231,7 @@ class BackgroundWriter:
         try:
             host: dict[str, np.ndarray] = {}
             for key, leaf in item.arrays.items():
-                host[key] = np.asarray(leaf)  # waits for the copy started by submit
+                host[key] = to_host(leaf)
             copying = False
             item.write(host, item.rows)
             return None
