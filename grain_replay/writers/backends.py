@@ -136,12 +136,18 @@ class NpyBackend(Backend):
             if read_npy_header(file, key, check_size=False)[3] != self.HEADER:
                 self._rewrite_with_fixed_header(file, spec, n)
             fd = os.open(file, os.O_RDWR)
-            # Header first: a crash between the two steps leaves a header of n
-            # rows over a file of at least n rows, which every reader accepts.
-            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
-            os.fsync(fd)
-            os.truncate(fd, self.HEADER + n * _row_bytes(spec))  # drop uncommitted rows
+            header = _npy_header(spec.dtype, (n, *spec.shape), self.HEADER)
+            size = self.HEADER + n * _row_bytes(spec)
+            # A file that is exactly this header and n rows (e.g. a segment just made
+            # empty) needs neither; else header first: a crash between the two steps
+            # leaves a header of n rows over a file of at least n rows, which every
+            # reader accepts.
+            if os.fstat(fd).st_size != size or os.pread(fd, self.HEADER, 0) != header:
+                os.pwrite(fd, header, 0)
+                os.fsync(fd)
+                os.truncate(fd, size)  # drop uncommitted rows
             self._fds[key] = fd
+        self._row_bytes = {k: _row_bytes(spec) for k, spec in meta.leaves.items()}
 
     @classmethod
     def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
@@ -178,7 +184,7 @@ class NpyBackend(Backend):
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
-            offset = self.HEADER + start * _row_bytes(self.meta.leaves[key])
+            offset = self.HEADER + start * self._row_bytes[key]
             view = as_bytes(arr)
             while view:
                 written = os.pwrite(self._fds[key], view, offset)
