@@ -65,26 +65,30 @@ def run(
     plain: list[float] = []
     saving: list[float] = []
     ratios: list[float] = []
+    overlap: list[float] = []  # flushed once, at the end: how well copy + write overlap
     writer_rates: list[float] = []
     flushes: list[float] = []
     try:
         for r in range(repeats):
             times = {}
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            modes = ("off", "on", "once")
+            for mode in modes if r % 2 == 0 else modes[::-1]:
                 writer = None
-                if mode == "on":
-                    writer = gr.ReplayWriter(
-                        os.path.join(root, f"actor-{r}"), format="npy", capacity=capacity
-                    )
+                if mode != "off":
+                    store = os.path.join(root, f"actor-{r}-{mode}")
+                    writer = gr.ReplayWriter(store, format="npy", capacity=capacity)
+                every = steps + 1 if mode == "once" else flush_every
                 try:
-                    _, seconds = da.run_loop(step, carry, steps, writer, flush_every)
+                    _, seconds = da.run_loop(step, carry, steps, writer, every)
                 finally:
                     if writer is not None:
                         writer.close()
+                        shutil.rmtree(store, ignore_errors=True)
                 times[mode] = seconds
             plain.append(steps / times["off"])
             saving.append(steps / times["on"])
             ratios.append(times["off"] / times["on"])
+            overlap.append(times["off"] / times["once"])
             # The writer alone on the same rows (host arrays, written in the call).
             path = os.path.join(root, f"host-{r}")
             with gr.ReplayWriter(path, format="npy", capacity=capacity) as w:
@@ -97,7 +101,6 @@ def run(
                         flushes.append(time.perf_counter() - t)
                 w.flush()
                 writer_rates.append(steps / (time.perf_counter() - start))
-            shutil.rmtree(os.path.join(root, f"actor-{r}"), ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -112,6 +115,8 @@ def run(
             "target": _target(platform),
             "unit": "x",
         },
+        {"name": "same, one flush at the end (copy + write overlap, no barrier)",
+         "value": med(overlap), "target": None, "unit": "x"},
         {"name": "device_actor loop without writing", "value": med(plain), "target": None,
          "unit": "steps/s"},
         {"name": "device_actor loop with writing", "value": med(saving), "target": None,

@@ -14,6 +14,7 @@ and the leaf is a ``jax.Array``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 # Bytes of appended rows waiting for their copy or write before append waits: a few
 # hundred steps of 1,024 envs' transitions, small next to a host's memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+# Queued trees written as one block when the thread is behind: up to this many bytes.
+COALESCE_BYTES = 8 << 20
 
 
 class LeafWriteError(Exception):
@@ -90,9 +93,30 @@ class _Item:
     write: Callable[[dict[str, np.ndarray], int], None]
 
 
+_ON_HOST: dict[Any, bool] = {}  # sharding -> whether all its devices are CPUs
+
+
+def _on_host(leaf: Any) -> bool:
+    sharding: Any = getattr(leaf, "sharding", None)
+    try:
+        return _ON_HOST[sharding]
+    except (KeyError, TypeError):
+        pass
+    try:
+        on_host = all(d.platform == "cpu" for d in sharding.device_set)
+    except Exception:  # an unusual array: copy it the documented way
+        return False
+    if len(_ON_HOST) > 256:
+        _ON_HOST.clear()
+    with contextlib.suppress(TypeError):
+        _ON_HOST[sharding] = on_host
+    return on_host
+
+
 def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where: str) -> None:
-    """Starts every device leaf's copy to host; host leaves are copied now (the caller may
-    reuse its buffers once ``append`` returns)."""
+    """Starts every device leaf's copy to host (none for a CPU device's array, which is
+    host memory already); host leaves are copied now (the caller may reuse its buffers
+    once ``append`` returns)."""
     for key, leaf in arrays.items():
         if not is_device(leaf):
             arrays[key] = np.array(leaf, copy=True)
@@ -106,6 +130,10 @@ def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where
                 "jax.experimental.multihost_utils.process_allgather."
             )
         try:
+            if leaf.is_deleted():
+                raise RuntimeError("Array has been deleted.")
+            if _on_host(leaf):
+                continue  # a CPU device's array is host memory: np.asarray in the thread reads it
             leaf.copy_to_host_async()
         except Exception as e:  # a deleted (donated) array, a broken device
             raise InvalidTreeError(
@@ -210,38 +238,60 @@ class BackgroundWriter:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                item = self._queue.popleft()
-            if item is None:
+                batch = self._take_locked()
+            if not batch:
                 return
-            error = self._write(item)
+            error = self._write(batch)
             with self._cond:
-                self._bytes -= item.nbytes
-                self._rows -= item.rows
-                self._items -= 1
+                for item in batch:
+                    self._bytes -= item.nbytes
+                    self._rows -= item.rows
+                    self._items -= 1
                 if error is not None:
-                    self._fail_locked(error, item)
+                    self._fail_locked(error)
                 self._cond.notify_all()
             # Dropped outside the lock: the last reference to the writer may go with it.
-            del item
+            del batch
             if error is not None:
                 return
 
-    def _write(self, item: _Item) -> BackgroundWriteError | None:
+    def _take_locked(self) -> list[_Item]:
+        """The next queued tree, with the ones behind it while they are small: a thread
+        that fell behind writes them as one block (one write per leaf, not per tree)."""
+        batch: list[_Item] = []
+        size = 0
+        while self._queue:
+            item = self._queue[0]
+            if item is None:
+                if not batch:
+                    self._queue.popleft()
+                break
+            if batch and (item.write != batch[0].write or size + item.nbytes > COALESCE_BYTES):
+                break
+            self._queue.popleft()
+            batch.append(item)
+            size += item.nbytes
+        return batch
+
+    def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
         key, copying = "", True
+        rows = sum(item.rows for item in batch)
         try:
             host: dict[str, np.ndarray] = {}
-            for key, leaf in item.arrays.items():
-                host[key] = to_host(leaf)
+            for key in batch[0].arrays:
+                parts = [to_host(item.arrays[key]) for item in batch]
+                host[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
             copying = False
-            item.write(host, item.rows)
+            batch[0].write(host, rows)
             return None
         except Exception as e:
             failed = e.leaf if isinstance(e, LeafWriteError) else key
             cause = e.__cause__ if isinstance(e, LeafWriteError) and e.__cause__ else e
             what = "copying it to host" if copying else "writing it"
+            first = batch[0].first
             error = BackgroundWriteError(
                 f"{self._where}: {what} failed for leaf {_name(failed)!r} of rows "
-                f"[{item.first}, {item.first + item.rows}) appended earlier: "
+                f"[{first}, {first + rows}) appended earlier: "
                 f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
                 "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
                 "remove the cause (disk space, permissions; arrays must not be donated or "
@@ -252,7 +302,7 @@ class BackgroundWriter:
             error.__cause__ = cause
             return error
 
-    def _fail_locked(self, error: BackgroundWriteError, item: _Item) -> None:
+    def _fail_locked(self, error: BackgroundWriteError) -> None:
         self._error = error
         dropped = [i for i in self._queue if i is not None]
         self._queue.clear()

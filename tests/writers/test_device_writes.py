@@ -112,6 +112,29 @@ def test_device_appends_round_trip_in_append_order(tmp_path: Any, fmt: str, boun
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_accelerator_path_starts_copy_to_host_async(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CPU device's array is host memory (no copy to start); on an accelerator every
+    # device leaf's copy starts at append. Take that path with CPU arrays.
+    monkeypatch.setattr(background, "_on_host", lambda leaf: False)
+    started: list[tuple[int, ...]] = []
+    array_type = type(_sharded(np.zeros((8, 1), np.float32)))
+    real = array_type.copy_to_host_async
+
+    def copy_to_host_async(self: Any) -> None:
+        started.append(self.shape)
+        real(self)
+
+    monkeypatch.setattr(array_type, "copy_to_host_async", copy_to_host_async)
+    path = _path(tmp_path, "hdf5")
+    with gr.ReplayWriter(path) as w:
+        for i in range(3):
+            w.append(_on_device(_block(i), i))
+    assert started == [(16, 3), (16,), (16,), (16, 3), (16, 3), (16,)]
+    np.testing.assert_array_equal(_read_all(path)["obs"], _expected(3)["obs"])
+
+
 def test_device_append_reopened_store_continues(tmp_path: Any) -> None:
     path = _path(tmp_path, "npy")
     with gr.ReplayWriter(path) as w:
@@ -141,6 +164,34 @@ def test_append_returns_before_the_copy_and_flush_waits(
     assert slow_copy["calls"] >= 3 and set(slow_copy["threads"]) == {THREAD}
     w.close()
     np.testing.assert_array_equal(_read_all(path)["obs"], _expected(2)["obs"])
+
+
+def test_queued_trees_written_as_one_block_in_order(
+    tmp_path: Any, slow_copy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[int] = []
+    real = NpyBackend.write
+
+    def write(self: Any, arrays: dict[str, np.ndarray], start: int) -> None:
+        if "action" in arrays:
+            writes.append(len(arrays["action"]))
+        real(self, arrays, start)
+
+    monkeypatch.setattr(NpyBackend, "write", write)
+    path = _path(tmp_path, "npy")
+    with gr.ReplayWriter(path) as w:
+        w.append(_on_device(_block(0), 0))
+        deadline = time.monotonic() + 30
+        while not slow_copy["calls"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the thread waits in this one's copy
+        for i in range(1, 6):  # queued behind it meanwhile: device, mixed and host trees
+            w.append(_on_device(_block(i), i) if i != 3 else _block(i))
+        slow_copy["release"].set()
+        assert w.flush() == 96
+    assert writes == [16, 80]  # the first alone, the five behind it as one block
+    got = _read_all(path)
+    for k, v in _expected(6).items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 def test_host_appends_to_an_idle_writer_stay_in_the_caller(tmp_path: Any) -> None:
