@@ -57,7 +57,7 @@ def run(
     repeats = repeats or (3 if quick else 5)
     flush_every = 100 if quick else 500
     capacity = 1 << 20
-    step, carry = da.make_actor(ENVS)
+    step, carry = da.make_actor(envs)
     carry, transition = step(carry)  # compile
     jax.block_until_ready(carry)
     host = jax.tree.map(np.asarray, transition)
@@ -109,7 +109,7 @@ def run(
     row_bytes = sum(a[0].nbytes for a in host.values())
     return [
         {
-            "name": f"device writes: loop with writing / without ({platform}, {ENVS} envs, "
+            "name": f"device writes: loop with writing / without ({platform}, {envs} envs, "
             f"flush every {flush_every} steps)",
             "value": med(ratios),
             "target": _target(platform),
@@ -121,7 +121,7 @@ def run(
          "unit": "steps/s"},
         {"name": "device_actor loop with writing", "value": med(saving), "target": None,
          "unit": "steps/s"},
-        {"name": f"ReplayWriter alone, host arrays ({ENVS} rows x {row_bytes} B an append)",
+        {"name": f"ReplayWriter alone, host arrays ({envs} rows x {row_bytes} B an append)",
          "value": med(writer_rates), "target": None, "unit": "appends/s"},
         {"name": f"one flush() ({flush_every} steps of rows)", "value": 1e3 * med(flushes)
          if flushes else float("nan"), "target": None, "unit": "ms"},
