@@ -47,7 +47,7 @@ def _target(platform: str) -> float:
 
 
 def run(
-    quick: bool, *, steps: int | None = None, repeats: int | None = None
+    quick: bool, *, steps: int | None = None, repeats: int | None = None, envs: int = ENVS
 ) -> list[dict[str, Any]]:
     """Rows of ``{"name", "value", "target", "unit"}``; ``target`` None for diagnostics."""
     import jax

@@ -23,6 +23,7 @@ from grain_replay.errors import (
     LeafMismatchError,
     MissingDependencyError,
     PriorityIndexError,
+    RateLimitTimeoutError,
     RecordIndexError,
     ReferenceRefusedError,
     ReplayCheckpointError,
@@ -105,6 +106,7 @@ __all__ = [
     "WriterBusyError",
     "EvictedRowError",
     "BackgroundWriteError",
+    "RateLimitTimeoutError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",

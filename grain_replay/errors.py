@@ -34,6 +34,7 @@ __all__ = [
     "PriorityIndexError",
     "EvictedRowError",
     "BackgroundWriteError",
+    "RateLimitTimeoutError",
 ]
 
 
@@ -171,3 +172,8 @@ class BackgroundWriteError(GrainReplayError, RuntimeError):
     def __init__(self, message: str, *, leaf: str = ""):
         super().__init__(message)
         self.leaf = leaf
+
+
+class RateLimitTimeoutError(GrainReplayError, TimeoutError):
+    """A rate-limited learner or writer waited past its timeout for the other side
+    (``samples_per_insert``: see docs/rate_limits.md)."""

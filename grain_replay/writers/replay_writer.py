@@ -27,6 +27,7 @@ from grain_replay.watermark import Watermark
 from grain_replay.writers import background
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 from grain_replay.writers.parts_writer import PartWriter
+from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
@@ -66,6 +67,10 @@ class ReplayWriter:
         restored learner's first batch, while no reader holds the dropped rows.
       max_inflight_bytes: bytes of device appends (``jax.Array`` leaves) still being
         copied to host or written before ``append`` waits (default 256 MiB).
+      rate_limit_timeout: seconds a ``flush()`` may wait for a rate-limited learner
+        of this store (``samples_per_insert``, docs/rate_limits.md) before raising
+        :class:`~grain_replay.RateLimitTimeoutError` (the rows stay pending); None
+        waits as long as it takes, logging why every 30 s. ``close()`` never waits.
 
     Device arrays: ``append`` of a tree with ``jax.Array`` leaves (sharded or not, on
     any device, mixed with numpy leaves or not) checks the tree at once, starts each
@@ -97,11 +102,15 @@ class ReplayWriter:
         segment_rows: int | None = None,
         resume_from: int | Watermark | None = None,
         max_inflight_bytes: int = background.DEFAULT_MAX_INFLIGHT_BYTES,
+        rate_limit_timeout: float | None = None,
     ):
         self._path = os.path.abspath(os.fspath(path))
         self._part: PartWriter | None = None
-        where = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
-        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, where)
+        timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
+        parts = capacity is not None or writer_id is not None or segment_rows is not None
+        who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
+        self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=who)
+        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, who)
         self._bg: background.BackgroundWriter | None = None
         if capacity is not None or writer_id is not None or segment_rows is not None:
             if resume_from is not None:
@@ -286,7 +295,7 @@ class ReplayWriter:
         if self._part is not None:
             try:
                 if bg is not None and not self._part.closed:
-                    self.flush()
+                    bg.drain()
             except BackgroundWriteError:
                 self._abandon()
                 raise
@@ -299,7 +308,9 @@ class ReplayWriter:
             return
         try:
             if self._backend is not None:
-                self.flush()
+                if bg is not None:
+                    bg.drain()
+                self._commit(wait=False)
                 self._backend.close()
         except BackgroundWriteError:
             self._abandon()
@@ -394,7 +405,7 @@ class ReplayWriter:
                 return
             self._part.write(arrays, n)
             if self._flush_every is not None and self._part.pending >= self._flush_every:
-                self._part.flush()
+                self.flush()
             return
         if self._lock_fd is None:
             raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
@@ -490,14 +501,26 @@ class ReplayWriter:
     def flush(self) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N.
 
-        Waits first for device appends still being copied or written.
+        First waits for device appends still being copied or written; then, with a
+        live rate-limited learner reading this store, waits while committing would put
+        the learner more than its tolerance behind (see ``rate_limit_timeout``).
+
+        Raises:
+          RateLimitTimeoutError: that wait passed ``rate_limit_timeout``.
+          BackgroundWriteError: a device append failed in the background.
         """
         if self._bg is not None:
             if self._bg.failed:
                 self._raise_failed()
             self._bg.drain()
         if self._part is not None:
+            self._gate.wait(self._part.committed, self._part.pending)
             return self._part.flush()
+        return self._commit(wait=True)
+
+    def _commit(self, *, wait: bool) -> int:
+        if wait and self._backend is not None:
+            self._gate.wait(self.committed, self._pending)
         if self._backend is not None and self._pending:
             checksums = self._summer.state() if self._summer is not None else None
             self._backend.commit(self.committed + self._pending, checksums)
