@@ -68,6 +68,8 @@ def run(
     overlap: list[float] = []  # flushed once, at the end: how well copy + write overlap
     writer_rates: list[float] = []
     flushes: list[float] = []
+    loop_cpu: list[float] = []  # CPU seconds (every thread) per step, not writing
+    writer_cpu: list[float] = []  # CPU seconds per append of the writer alone
     try:
         for r in range(repeats):
             times = {}
@@ -78,8 +80,11 @@ def run(
                     store = os.path.join(root, f"actor-{r}-{mode}")
                     writer = gr.ReplayWriter(store, format="npy", capacity=capacity)
                 every = steps + 1 if mode == "once" else flush_every
+                cpu = time.process_time()
                 try:
                     _, seconds = da.run_loop(step, carry, steps, writer, every)
+                    if mode == "off":
+                        loop_cpu.append((time.process_time() - cpu) / steps)
                 finally:
                     if writer is not None:
                         writer.close()
@@ -92,7 +97,7 @@ def run(
             # The writer alone on the same rows (host arrays, written in the call).
             path = os.path.join(root, f"host-{r}")
             with gr.ReplayWriter(path, format="npy", capacity=capacity) as w:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 for i in range(steps):
                     w.append(host)
                     if (i + 1) % flush_every == 0:
@@ -101,6 +106,7 @@ def run(
                         flushes.append(time.perf_counter() - t)
                 w.flush()
                 writer_rates.append(steps / (time.perf_counter() - start))
+                writer_cpu.append((time.process_time() - cpu) / steps)
             shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -123,6 +129,10 @@ def run(
          "unit": "steps/s"},
         {"name": f"ReplayWriter alone, host arrays ({envs} rows x {row_bytes} B an append)",
          "value": med(writer_rates), "target": None, "unit": "appends/s"},
+        {"name": "CPU time of a step, not writing (XLA threads included)",
+         "value": 1e6 * med(loop_cpu), "target": None, "unit": "us"},
+        {"name": "CPU time of an append, the writer alone (its flushes included)",
+         "value": 1e6 * med(writer_cpu), "target": None, "unit": "us"},
         {"name": f"one flush() ({flush_every} steps of rows)", "value": 1e3 * med(flushes)
          if flushes else float("nan"), "target": None, "unit": "ms"},
     ]  # fmt: skip
