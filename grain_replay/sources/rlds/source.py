@@ -161,6 +161,12 @@ class RLDSDataSource(ReplaySource):
         read with the array_record package): an ArrayRecord record is compressed whole,
         so each episode a batch touches is read once and kept in a per-process cache of
         this many bytes, shared by the leaves.
+      frame_cache_bytes: disk for decoded frames (see :mod:`~grain_replay.sources.rlds.
+        frames`): each step-level image leaf whose frames fit in what is left of this
+        budget gets a file beside the index; a step's images are decoded the first time
+        any process reads it and read back from there after. 0 turns it off (every read
+        decodes). The file is reserved when made and read with ``pread`` (no map: host
+        RSS does not grow with it).
 
     Raises:
       StoreNotFoundError: no dataset at ``path``, or a shard missing.
