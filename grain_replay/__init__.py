@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
+    BackgroundWriteError,
     BatchShardingError,
     CheckpointMismatchError,
     EvictedRowError,
@@ -22,6 +23,7 @@ from grain_replay.errors import (
     LeafMismatchError,
     MissingDependencyError,
     PriorityIndexError,
+    RateLimitTimeoutError,
     RecordIndexError,
     ReferenceRefusedError,
     ReplayCheckpointError,
@@ -103,6 +105,8 @@ __all__ = [
     "ReplayWriter",
     "WriterBusyError",
     "EvictedRowError",
+    "BackgroundWriteError",
+    "RateLimitTimeoutError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",

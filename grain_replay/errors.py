@@ -33,6 +33,8 @@ __all__ = [
     "InvalidPriorityError",
     "PriorityIndexError",
     "EvictedRowError",
+    "BackgroundWriteError",
+    "RateLimitTimeoutError",
 ]
 
 
@@ -158,3 +160,20 @@ class PriorityIndexError(GrainReplayError, IndexError):
 
 class EvictedRowError(GrainReplayError, LookupError):
     """A row of a bounded store asked for by id was evicted before this reader opened it."""
+
+
+class BackgroundWriteError(GrainReplayError, RuntimeError):
+    """A queued append (device arrays) failed in the writer's background thread.
+
+    Raised by the writer's next ``append``/``flush``/``close``; ``leaf`` names the
+    leaf, and the original error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, leaf: str = ""):
+        super().__init__(message)
+        self.leaf = leaf
+
+
+class RateLimitTimeoutError(GrainReplayError, TimeoutError):
+    """A rate-limited learner or writer waited past its timeout for the other side
+    (``samples_per_insert``: see docs/rate_limits.md)."""
