@@ -258,7 +258,8 @@ class SlotPrioritySampler(PrioritySampler):
         values = np.concatenate([np.zeros(len(out)), np.full(len(add), top)])
         if len(slots) > len(self._tree) // 4:  # many: rebuild in O(N), not O(B log N)
             leaves = np.array(self._tree.values)
-            leaves[slots] = values
+            leaves[out] = 0.0
+            leaves[add] = top  # after: a slot both left and taken holds the new row
             self._tree = SumTree.from_values(leaves, skip_zeros=True)
         else:
             self._tree.set(slots, values)
