@@ -83,7 +83,7 @@ class Params:
     def make(cls, quick: bool) -> Params:
         if quick:
             return cls(True, 4096, 2048, 4096, 1000.0, 3, 5, 15, (1,))
-        return cls(False, 200_704, 30_720, 100_352, 1500.0, 7, 40, 200, (1, 2))
+        return cls(False, 200_704, 20_480, 51_200, 1500.0, 7, 40, 200, (1, 2))
 
 
 # -- grain_replay's writers ----------------------------------------------------
@@ -463,7 +463,9 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, float | None, float | None, st
         f"{lat['reader_batches_per_s']:,.0f} batches/s, a look every "
         f"{lat['look_every_ms']:.1f} ms"
     )
-    out.append(("commit -> sampleable: 20 ms / median", 20 / max(lat["median_ms"], 1e-3), 1.0, note))
+    out.append(
+        ("commit -> sampleable: 20 ms / median", 20 / max(lat["median_ms"], 1e-3), 1.0, note)
+    )
     out.append(("commit -> sampleable: 200 ms / p99", 200 / max(lat["p99_ms"], 1e-3), 1.0, note))
     for name, rows in doc["others"].items():
         if isinstance(rows, dict):
@@ -501,7 +503,9 @@ def table(doc: dict[str, Any], judge: bool) -> str:
     lines.append(
         f"1-min load average {', '.join(f'{x:.1f}' for x in load)} (start, after ours, after "
         f"the peers) on {doc['cpu_count']} cores; peers: "
-        + "; ".join(f"{k} {v.get('version', v.get('skipped', '?'))}" for k, v in doc["peers"].items())
+        + "; ".join(
+            f"{k} {v.get('version', v.get('skipped', '?'))}" for k, v in doc["peers"].items()
+        )
     )
     return "\n".join(lines)
 
@@ -510,7 +514,10 @@ def run_online(cfg: Any, stores: Any, res: Any, log: Any) -> None:
     """The ``online`` section of benchmarks/run.py."""
     from bench_common import Ratio
 
-    pythons: dict[str, str | None] = {"reverb": str(DEFAULT_REVERB), "torchrl": str(DEFAULT_TORCHRL)}
+    pythons: dict[str, str | None] = {
+        "reverb": str(DEFAULT_REVERB),
+        "torchrl": str(DEFAULT_TORCHRL),
+    }
     if os.environ.get("BENCH_ONLINE_PEERS") == "0":  # the smoke test: ours only
         pythons = {k: None for k in pythons}
     doc = run_all(Params.make(cfg.quick), cfg.out_dir, pythons, log)
@@ -519,7 +526,8 @@ def run_online(cfg: Any, stores: Any, res: Any, log: Any) -> None:
         if ratio is None:
             res.notes.append(f"{name}: not measured ({note})")
             continue
-        res.ratios.append(Ratio(f"online: {name}", "ours", name.rsplit(" ", 1)[-1], ratio, target))
+        den = next((peer for peer in ("reverb", "torchrl") if f"/ {peer}" in name), "target")
+        res.ratios.append(Ratio(f"online: {name}", "ours", den, ratio, target))
         res.notes.append(f"{name}: {note}")
     res.notes.append(table(doc, judge=False).splitlines()[-1])
 

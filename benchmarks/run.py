@@ -1,7 +1,8 @@
 """Benchmarks of grain_replay: rates and same-run ratios against the limit and the baselines.
 
 Usage: ``python benchmarks/run.py [--quick] [--out DIR] [--data DIR] [--only SUBSTR]
-[--sections formats,pipeline,cold,write,sequences,device,startup,online]``. See benchmarks/README.md.
+[--sections formats,pipeline,cold,write,sequences,device,startup,online]``.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
