@@ -22,6 +22,7 @@ from grain_replay.errors import (
     LeafMismatchError,
     MissingDependencyError,
     PriorityIndexError,
+    RateLimitTimeoutError,
     RecordIndexError,
     ReferenceRefusedError,
     ReplayCheckpointError,
@@ -103,6 +104,7 @@ __all__ = [
     "ReplayWriter",
     "WriterBusyError",
     "EvictedRowError",
+    "RateLimitTimeoutError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",
     "replay_dataset",

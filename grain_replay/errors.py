@@ -33,6 +33,7 @@ __all__ = [
     "InvalidPriorityError",
     "PriorityIndexError",
     "EvictedRowError",
+    "RateLimitTimeoutError",
 ]
 
 
@@ -158,3 +159,8 @@ class PriorityIndexError(GrainReplayError, IndexError):
 
 class EvictedRowError(GrainReplayError, LookupError):
     """A row of a bounded store asked for by id was evicted before this reader opened it."""
+
+
+class RateLimitTimeoutError(GrainReplayError, TimeoutError):
+    """A rate-limited learner or writer waited past its timeout for the other side
+    (``samples_per_insert``: see docs/rate_limits.md)."""

@@ -31,6 +31,8 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
+
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
@@ -42,6 +44,7 @@ __all__ = [
     "SEQ_MASK",
     "STORE_FILE",
     "Manifest",
+    "RowIds",
     "Segment",
     "acquire_writer_lock",
     "check_capacity",
@@ -72,6 +75,15 @@ MAX_ORDINAL = (1 << (63 - ID_SHIFT)) - 1
 # Evicted segments kept on disk (and listed as retired) so that a reader whose
 # rows were drawn against a slightly older snapshot still finds them by id.
 RETAIN_SEGMENTS = 1
+
+
+class RowIds(np.ndarray):
+    """Row ids (int64, ``ordinal << ID_SHIFT | seq``) as a prioritized batch's ``index``.
+
+    ``sharded_device_put`` keeps them on the host: they need 64 bits, and jax keeps
+    32 without ``jax_enable_x64``. Otherwise a plain numpy array.
+    """
+
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SUFFIX = {"npy": "", "hdf5": ".h5", "zarr": ".zarr"}

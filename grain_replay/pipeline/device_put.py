@@ -20,6 +20,7 @@ from grain_replay.errors import (
     InvalidShardingError,
     UnsupportedStateError,
 )
+from grain_replay.parts import RowIds
 from grain_replay.pipeline.converter import Converter
 from grain_replay.pipeline.state import load_text, save_text
 
@@ -70,6 +71,25 @@ def _local_rows(x: Any) -> np.ndarray:
         shards = {s.index[0].indices(x.shape[0])[0]: s.data for s in x.addressable_shards}
         return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
     return np.asarray(x)
+
+
+def _keep_row_ids(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``convert``, but the row ids of a prioritized batch over a bounded or many-writer
+    store (``index``, :class:`grain_replay.parts.RowIds`) stay on the host.
+
+    They need 64 bits (``ordinal << 40 | seq``) and jax keeps 32 without
+    ``jax_enable_x64``; the index only goes back to ``update_priorities``.
+    """
+
+    def put(batch: Any) -> Any:
+        index = getattr(batch, "index", None)
+        if isinstance(index, RowIds) and jax.dtypes.canonicalize_dtype(np.int64) != np.int64:
+            # the tree as given (a pytree of shardings still matches), the ids put back
+            put_batch = convert(batch._replace(index=np.asarray(index, dtype=np.int32)))
+            return put_batch._replace(index=index)
+        return convert(batch)
+
+    return put
 
 
 def _produce(
@@ -130,7 +150,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._convert = Converter(sharding, _pinned_if_available(pinned))
+        self._convert = _keep_row_ids(Converter(sharding, _pinned_if_available(pinned)))
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner

@@ -44,7 +44,10 @@ from grain_replay.pipeline.worker_main import (
     _worker_main,
 )
 
-__all__ = ["WorkerLoaderIterator"]
+__all__ = ["TASK_NOT_READY", "WorkerLoaderIterator"]
+
+# What a task function returns for an element it cannot give yet (see WorkerLoaderIterator).
+TASK_NOT_READY: object = object()
 
 _JOIN_S = 5.0  # how long close() waits for a worker before killing it
 
@@ -221,6 +224,8 @@ class WorkerLoaderIterator(GrainStateIterator):
     elements ahead of the element handed out (``task(j)`` for ``j < handed out +
     worker_count * buffer_size``); a seek or a restart asks for the tasks of the
     elements not handed out again, so ``task`` must return the same for the same ``j``.
+    ``task`` may return :data:`TASK_NOT_READY` for an element ahead of the one handed
+    out next (sending stops there until the next element is asked for).
     """
 
     def __init__(
@@ -277,6 +282,8 @@ class WorkerLoaderIterator(GrainStateIterator):
             while pool.sent < limit:
                 j = pool.sent
                 payload = self._task(j)
+                if payload is TASK_NOT_READY:
+                    break  # not drawn yet (a rate limit); asked again at the next element
                 pool.workers[j % self._worker_count].conn.send(
                     (_TASK, j // self._worker_count, payload)
                 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,7 @@ import numpy as np
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
 from grain_replay.pipeline.defaults import default_shard_options
 from grain_replay.sampling.mixture import Weights
+from grain_replay.sampling.rate_limit import is_rate_limited, make_limiter
 from grain_replay.sampling.streams import Stream, make_stream
 
 __all__ = ["check_int", "stream_factory"]
@@ -77,6 +78,13 @@ def stream_factory(
             lag=lag,
         )
 
+    if isinstance(source, Mapping) and is_rate_limited(sampling):
+        raise InvalidSamplingError(
+            f"{sampling!r}: min_size and samples_per_insert limit the replay of one store; "
+            f"got a mixture of {list(source)}. Fix: replay the online store alone with the "
+            "rate limit, or mix without one."
+        )
     stream = make(0)  # fail here on bad input, not in iter()
+    make_limiter(stream)  # refuses rate limits that cannot make progress, before any batch
     text = f"{stream.kind}({json.dumps(stream.describe())}, {stream.reader!r})"
     return make, text

@@ -13,10 +13,11 @@ import numpy as np
 
 from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.pipeline.state import LoaderIdentity
-from grain_replay.pipeline.workers import WorkerLoaderIterator
+from grain_replay.pipeline.workers import TASK_NOT_READY, WorkerLoaderIterator
 from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
+from grain_replay.sampling.rate_limit import make_limiter
 from grain_replay.sampling.replay import UniformSampler, reaches
 from grain_replay.sampling.streams import Stream
 from grain_replay.watermark import Watermark
@@ -28,8 +29,10 @@ logger = logging.getLogger("grain_replay.sampling.loader")
 
 ENDLESS = sys.maxsize // 4  # the length an endless stream reports to grain
 # 2: the state also holds the store's watermark and, with priorities, the priority state.
-_STATE_VERSION = 2
-_READS_VERSIONS = (1, 2)
+# 3: and, with a rate limit, its counters (a state without them: rows handed out are
+# the position's batches).
+_STATE_VERSION = 3
+_READS_VERSIONS = (1, 2, 3)
 # Draws kept after their batch is handed out: a consumer reading ahead (such as
 # sharded_device_put) checkpoints a position up to its read-ahead behind ours.
 _KEEP_DRAWN = 64
@@ -79,12 +82,19 @@ class SamplingIterator:
         read_threads: int = 0,
     ) -> None:
         self._stream = stream
-        self._read = _Maps(stream.reader, maps)
+        reader, maps = stream.reader, tuple(maps)
+        bind = getattr(stream, "bind_maps", None)
+        if callable(bind):  # a stream whose reader returns more than the data maps see
+            reader, maps = bind(maps), ()
+        self._read = _Maps(reader, maps)
         self._lock = threading.RLock()
         self._position = 0  # batches handed out
         self._next_draw = 0
         self._drawn: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
         self._warned = False
+        # samples_per_insert / min_size: draws wait here, in the consuming process.
+        self._limiter = make_limiter(stream)
+        self._prefetching = False
         self._inner: WorkerLoaderIterator | None = None
         if worker_count > 0:
             # The workers read what they are sent; the identity only names the stream
@@ -100,7 +110,7 @@ class SamplingIterator:
             # must not import this module (grain, through the consumer's iterators).
             self._inner = WorkerLoaderIterator(
                 identity,
-                stream.reader,
+                reader,
                 length=ENDLESS,
                 maps=maps,
                 buffer_size=worker_buffer_size,
@@ -116,7 +126,15 @@ class SamplingIterator:
     def __iter__(self) -> Self:
         return self
 
-    def _entry(self, step: int) -> tuple[Any, Any, dict[str, Any]]:
+    def _entry(self, step: int, *, block: bool = True) -> tuple[Any, Any, dict[str, Any]] | None:
+        if self._limiter is not None:
+            with self._lock:
+                entry = self._drawn.get(step)
+                if entry is not None:
+                    return entry
+            # Outside the lock: a checkpoint may be taken while the draw waits.
+            if not self._limiter.wait_for(step, block=block):
+                return None
         with self._lock:
             entry = self._drawn.get(step)
             if entry is not None:
@@ -131,28 +149,44 @@ class SamplingIterator:
             task, extra = self._stream.draw(step)
             entry = self._drawn[step] = (task, extra, before)
             self._next_draw = step + 1
+            if self._limiter is not None:
+                self._limiter.drew(self._next_draw)
             return entry
 
     def _task(self, step: int) -> Any:
-        return self._entry(step)[0]
+        # Only the batch handed out next waits for the rate limit; one read ahead for
+        # the workers is drawn when it may be, else later (never past the ceiling).
+        block = step <= self._position and not self._prefetching
+        entry = self._entry(step, block=block)
+        return TASK_NOT_READY if entry is None else entry[0]
 
     def __next__(self) -> Any:
         step = self._position
         if self._inner is not None:
             data = next(self._inner)
-            _, extra, _ = self._entry(step)
+            entry = self._entry(step)
+            assert entry is not None
+            _, extra, _ = entry
         else:
-            task, extra, _ = self._entry(step)
+            entry = self._entry(step)
+            assert entry is not None
+            task, extra, _ = entry
             data = self._read(task)
         with self._lock:
             self._drawn.pop(step - _KEEP_DRAWN, None)
             self._position = step + 1
+        if self._limiter is not None:
+            self._limiter.handed(step + 1)
         return self._stream.finish(data, extra)
 
     def start_prefetch(self) -> None:
         """Starts the workers (and their first draws); no-op with ``worker_count=0``."""
         if self._inner is not None:
-            self._inner.start_prefetch()
+            self._prefetching = True  # no wait for a rate limit here
+            try:
+                self._inner.start_prefetch()
+            finally:
+                self._prefetching = False
 
     # -- checkpoints ----------------------------------------------------------
 
@@ -220,6 +254,8 @@ class SamplingIterator:
             mark = self._watermark()
             if mark is not None:
                 out["watermark"] = mark.to_json()
+            if self._limiter is not None:
+                out["rate_limit"] = self._limiter.state(position)
             text = json.dumps(out).encode()
             if self._stream.kind != "prioritized":
                 return text
@@ -259,6 +295,8 @@ class SamplingIterator:
             )
         if "watermark" in decoded:
             self._check_store(Watermark.from_json(decoded["watermark"]))
+        if self._limiter is not None and "rate_limit" in decoded:
+            self._limiter.check_state(decoded["rate_limit"], position)
         if priorities is not None:
             self._priority().check_state(priorities)
         with self._lock:
@@ -283,6 +321,8 @@ class SamplingIterator:
                 self._stream.set_state(sampler)
                 self._drawn.clear()
                 self._next_draw = position
+            if self._limiter is not None:
+                self._limiter.restore(position, self._next_draw)
         if self._inner is not None:
             self._inner.seek(position)
 
@@ -398,6 +438,8 @@ class SamplingIterator:
         self._priority().set_state(state)
         self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
         self._next_draw = next_draw
+        if self._limiter is not None:
+            self._limiter.restore(self._position, next_draw)
 
     def refresh(self) -> None:
         """Looks for newly committed rows before the next draw (replay modes)."""
@@ -413,9 +455,11 @@ class SamplingIterator:
         sampler.refresh()
 
     def close(self) -> None:
-        """Stops the workers; the position is kept."""
+        """Stops the workers (and a rate limit's publishing); the position is kept."""
         if self._inner is not None:
             self._inner.close()
+        if self._limiter is not None:
+            self._limiter.close()
 
     def __enter__(self) -> Self:
         return self

@@ -17,6 +17,7 @@ from grain_replay.errors import (
     ReplayCheckpointError,
 )
 from grain_replay.sampling.draws import Draws
+from grain_replay.sampling.rate_limit import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.sumtree import SumTree
 
@@ -66,6 +67,17 @@ class PrioritizedReplay:
       eps: added to every priority, so no row is never drawn.
       refresh_every: batches between looks for newly committed rows; None looks
         only when the iterator's ``refresh()`` is called.
+      min_size: no batch until this many rows are live (committed and not evicted).
+      samples_per_insert: ``r``: rows handed out per row inserted. The rows handed
+        out stay within ``r * (inserted - min_size) +- tolerance``, ``inserted``
+        counting every row every writer committed (evicted ones included): the
+        learner waits when ahead, and the store's writers wait in ``flush()`` when
+        ahead, from the learner's first batch on. None: no ratio.
+      tolerance: ``e`` in rows; default ``max(0.1 * min_size * r, 2 * B, B + r)``
+        (Acme's 10 %, at least what progress needs; ``B`` the global batch).
+      timeout: seconds the learner may wait for inserts before raising
+        :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
+        every 30 s. See docs/rate_limits.md.
 
     Example:
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None,
@@ -78,6 +90,10 @@ class PrioritizedReplay:
     beta: float | Callable[[int], float] = 0.4
     eps: float = 1e-6
     refresh_every: int | None = 16
+    min_size: int = 0
+    samples_per_insert: float | None = None
+    tolerance: float | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", _check_float("alpha", self.alpha, 0.0, 1e3))
@@ -89,6 +105,7 @@ class PrioritizedReplay:
             "refresh_every",
             check_refresh_every(self.refresh_every, "PrioritizedReplay"),
         )
+        set_rate_limit(self)
 
     def beta_at(self, step: int) -> float:
         """``beta`` at ``step`` (checked when it comes from a schedule)."""
@@ -208,6 +225,32 @@ class PrioritySampler:
           InvalidPriorityError: wrong length, or a priority negative, NaN or infinite.
           PriorityIndexError: a row that this process never handed out.
         """
+        index, priorities = self._checked(index, priorities)
+        with self._lock:
+            n_local = len(self._seen)
+            if self._count == 1:
+                local = index
+                unknown = (index < 0) | (index >= n_local)
+            else:
+                local, rest = np.divmod(index, self._count)
+                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
+            if unknown.any():
+                unknown[~unknown] = ~self._seen[local[~unknown]]
+            else:  # the usual case: all in range, one gather
+                unknown = ~self._seen[local]
+            if unknown.any():
+                rows = index[unknown][:5].tolist()
+                raise PriorityIndexError(
+                    f"update_priorities: rows {rows} were never handed out by this iterator "
+                    f"(process {self._p} of {self._count} draws rows i with i % "
+                    f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
+                    "of batches from this iterator."
+                )
+            self._pending.append((int(stamp), local, priorities))
+
+    @staticmethod
+    def _checked(index: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(index, priorities)`` as flat int64 and float64, checked (nothing changes)."""
         index = np.asarray(index)
         priorities = np.asarray(priorities)
         if index.size != priorities.size:
@@ -231,27 +274,7 @@ class PrioritySampler:
                 f"{index[where].tolist()}). Nothing was updated. Fix: pass abs(td_error), "
                 "with NaNs removed."
             )
-        with self._lock:
-            n_local = len(self._seen)
-            if self._count == 1:
-                local = index
-                unknown = (index < 0) | (index >= n_local)
-            else:
-                local, rest = np.divmod(index, self._count)
-                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
-            if unknown.any():
-                unknown[~unknown] = ~self._seen[local[~unknown]]
-            else:  # the usual case: all in range, one gather
-                unknown = ~self._seen[local]
-            if unknown.any():
-                rows = index[unknown][:5].tolist()
-                raise PriorityIndexError(
-                    f"update_priorities: rows {rows} were never handed out by this iterator "
-                    f"(process {self._p} of {self._count} draws rows i with i % "
-                    f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
-                    "of batches from this iterator."
-                )
-            self._pending.append((int(stamp), local, priorities))
+        return index, priorities
 
     # -- checkpointing -------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.draws import Draws
+from grain_replay.sampling.rate_limit import set_rate_limit
 from grain_replay.sources.base import ReplaySource
 
 __all__ = [
@@ -60,17 +61,33 @@ class UniformReplay:
     Args:
       refresh_every: batches between looks for new rows (re-reading the store's
         metadata, ~a file read); None looks only when ``refresh()`` is called.
+      min_size: no batch until this many rows are live (committed and not evicted).
+      samples_per_insert: ``r``: rows handed out per row inserted. The rows handed
+        out stay within ``r * (inserted - min_size) +- tolerance``, ``inserted``
+        counting every row every writer committed (evicted ones included): the
+        learner waits when ahead, and the store's writers wait in ``flush()`` when
+        ahead, from the learner's first batch on. None: no ratio.
+      tolerance: ``e`` in rows; default ``max(0.1 * min_size * r, 2 * B, B + r)``
+        (Acme's 10 %, at least what progress needs; ``B`` the global batch).
+      timeout: seconds the learner may wait for inserts before raising
+        :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
+        every 30 s. See docs/rate_limits.md.
 
     Example:
       >>> loader = gr.make_data_loader(src, batch_size=256, sampling=gr.UniformReplay())
     """
 
     refresh_every: int | None = 16
+    min_size: int = 0
+    samples_per_insert: float | None = None
+    tolerance: float | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "refresh_every", check_refresh_every(self.refresh_every, "UniformReplay")
         )
+        set_rate_limit(self)
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:
@@ -109,6 +126,7 @@ class StoreLength:
     def __init__(self, source: Any, refresh_every: int | None) -> None:
         self._every = refresh_every
         self._forced = False
+        self.looks = 0  # times the length was re-read
         self.n = len(source)
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
@@ -124,6 +142,12 @@ class StoreLength:
         """Whether rows travel as ids: a bounded or many-writer store, whose positions
         move as writers evict (see :class:`grain_replay.sources.PartsDataSource`)."""
         return callable(getattr(self._probe, "read_ids", None))
+
+    @property
+    def writers(self) -> list[Any]:
+        """The writers' manifests of the snapshot the length was read from (by-id stores)."""
+        writers: list[Any] = self._probe.writers
+        return writers
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
@@ -163,6 +187,7 @@ class StoreLength:
         )
         if due:
             self._forced = False
+            self.looks += 1
             refresh = getattr(self._probe, "refresh", None)
             n = int(refresh()) if callable(refresh) else len(self._probe)
             # A reader never goes back: a store is only appended to (a bounded
@@ -183,6 +208,7 @@ class UniformSampler:
         seed: int,
         shard_index: int = 0,
     ) -> None:
+        self.options = options
         self._length = StoreLength(source, options.refresh_every)
         self._batch_size = batch_size
         self._draws = Draws(seed, shard_index, batch_size)

@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from grain_replay.errors import InvalidSamplingError
+from grain_replay.parts import RowIds
 from grain_replay.sampling.mixture import MixtureSampler, Weights
 from grain_replay.sampling.mixture_reader import MixtureReader
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
-from grain_replay.sampling.replay import RowReader, StoreLength, UniformReplay, UniformSampler
+from grain_replay.sampling.priority_slots import IdPriorityReader, SlotPrioritySampler
+from grain_replay.sampling.replay import (
+    IdTask,
+    RowReader,
+    StoreLength,
+    UniformReplay,
+    UniformSampler,
+)
 
 __all__ = ["Stream", "make_stream"]
 
@@ -71,7 +81,9 @@ class _MixtureStream(_SelfStatedStream):
 class _ReplayStream:
     """A replay buffer's stream: its sampler, the reader of its rows, a fixed description."""
 
-    def __init__(self, sampler: Any, reader: RowReader, describe: dict[str, Any]):
+    def __init__(
+        self, sampler: Any, reader: RowReader | IdPriorityReader, describe: dict[str, Any]
+    ):
         self.sampler = sampler
         self.reader = reader
         self._describe = describe
@@ -106,6 +118,28 @@ class _PriorityStream(_ReplayStream):
     def finish(self, data: Any, extra: Any) -> Any:
         index, weight = extra
         return Sampled(data, index, weight)
+
+
+class _IdPriorityStream(_PriorityStream):
+    """Prioritized replay over a bounded or many-writer store: rows travel as ids, and a
+    row that could not be read any more comes back named -1 with weight 0."""
+
+    def draw(self, step: int) -> tuple[Any, Any]:
+        ids, weight = self.sampler.draw(step)
+        return IdTask(ids), (ids, weight)
+
+    def bind_maps(self, maps: Sequence[Any]) -> IdPriorityReader:
+        """The reader that applies ``maps`` itself (to the data, not to its mask)."""
+        return IdPriorityReader(self.reader.source, maps)
+
+    def finish(self, data: Any, extra: Any) -> Any:
+        rows, ok = data
+        index, weight = extra
+        ok = np.asarray(ok, dtype=bool)
+        if not ok.all():
+            index = np.where(ok, index, -1)
+            weight = np.where(ok, weight, np.float32(0))
+        return Sampled(rows, np.asarray(index, dtype=np.int64).view(RowIds), weight)
 
 
 def make_stream(
@@ -174,15 +208,8 @@ def make_stream(
         uniform = UniformSampler(source, sampling, batch_size, seed=seed, shard_index=shard_index)
         return _UniformStream(uniform, RowReader(source), {**describe, "sampling": "uniform"})
     if isinstance(sampling, PrioritizedReplay):
-        if callable(getattr(source, "read_ids", None)):
-            raise InvalidSamplingError(
-                f"{source!r}: sampling=gr.PrioritizedReplay() over a bounded or many-writer "
-                "store is not supported yet (its rows move as writers evict, so priorities "
-                "kept by position would follow other rows). Fix: sample it with "
-                "gr.UniformReplay(), or write a single-writer store (gr.ReplayWriter without "
-                "capacity= and writer_id=)."
-            )
-        prioritized = PrioritySampler(
+        by_id = callable(getattr(source, "read_ids_checked", None))
+        prioritized = (SlotPrioritySampler if by_id else PrioritySampler)(
             source,
             sampling,
             batch_size,
@@ -191,9 +218,9 @@ def make_stream(
             shard_index=shard_index,
             shard_count=shard_count,
         )
-        return _PriorityStream(
+        return (_IdPriorityStream if by_id else _PriorityStream)(
             prioritized,
-            RowReader(source),
+            IdPriorityReader(source) if by_id else RowReader(source),
             {**describe, "sampling": "prioritized", "alpha": sampling.alpha, "eps": sampling.eps},
         )
     raise InvalidSamplingError(

@@ -29,12 +29,18 @@ logger = logging.getLogger(__name__)
 
 
 def _set_walk(
-    sums: np.ndarray, mins: np.ndarray, cap: int, depth: int, index: np.ndarray, values: np.ndarray
+    sums: np.ndarray,
+    mins: np.ndarray,
+    cap: int,
+    depth: int,
+    index: np.ndarray,
+    values: np.ndarray,
+    minima: np.ndarray,
 ) -> None:
     for i in range(index.shape[0]):
         node = index[i] + cap
         sums[node] = values[i]
-        mins[node] = values[i]
+        mins[node] = minima[i]
         for _ in range(depth):
             node >>= 1
             left = node << 1
@@ -74,17 +80,23 @@ def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
 
 
 class SumTree:
-    """Sums and minima of ``values[:n]``; ``n`` grows, values change in batches."""
+    """Sums and minima of ``values[:n]``; ``n`` grows, values change in batches.
 
-    def __init__(self) -> None:
+    Args:
+      skip_zeros: the minimum is over the nonzero values only (``inf`` when none is):
+        a tree whose zeros are empty slots (rows evicted or not yet written).
+    """
+
+    def __init__(self, *, skip_zeros: bool = False) -> None:
         self._n = 0
+        self._skip_zeros = skip_zeros
         self._walks: Any = compiled()
         self._alloc(np.zeros(0))
 
     @classmethod
-    def from_values(cls, values: np.ndarray) -> SumTree:
+    def from_values(cls, values: np.ndarray, *, skip_zeros: bool = False) -> SumTree:
         """A tree over ``values`` (built bottom-up in O(N))."""
-        tree = cls()
+        tree = cls(skip_zeros=skip_zeros)
         tree._n = len(values)
         tree._alloc(np.asarray(values, dtype=np.float64))
         return tree
@@ -98,8 +110,15 @@ class SumTree:
         self._sums = np.zeros(2 * cap)
         self._mins = np.full(2 * cap, np.inf)
         self._sums[cap : cap + len(values)] = values
-        self._mins[cap : cap + len(values)] = values
+        self._mins[cap : cap + len(values)] = self._minima(values)
         self._rebuild(cap, 2 * cap)
+
+    def _minima(self, values: Any) -> Any:
+        """What the minima see of ``values``: zeros as ``inf`` with ``skip_zeros``."""
+        if not self._skip_zeros:
+            return values
+        values = np.asarray(values, dtype=np.float64)
+        return np.where(values > 0, values, np.inf)
 
     def _rebuild(self, lo: int, hi: int) -> None:
         """Recomputes the ancestors of nodes ``[lo, hi)`` (one level), level by level."""
@@ -146,7 +165,7 @@ class SumTree:
             self._alloc(grown)
             return
         self._sums[self._cap + old : self._cap + n] = value
-        self._mins[self._cap + old : self._cap + n] = value
+        self._mins[self._cap + old : self._cap + n] = self._minima(value)
         self._n = n
         self._rebuild(self._cap + old, self._cap + n)
 
@@ -155,11 +174,12 @@ class SumTree:
         if self._walks is not None:
             index = np.ascontiguousarray(index, dtype=np.int64)
             values = np.broadcast_to(np.asarray(values, dtype=np.float64), index.shape)
-            self._walks[0](self._sums, self._mins, self._cap, self._depth, index, values)
+            minima = self._minima(values) if self._skip_zeros else values
+            self._walks[0](self._sums, self._mins, self._cap, self._depth, index, values, minima)
             return
         node = np.asarray(index, dtype=np.int64) + self._cap
         self._sums[node] = values
-        self._mins[node] = values
+        self._mins[node] = self._minima(values)
         sums, mins = self._sums, self._mins
         for _ in range(self._depth):  # duplicates write the same sums
             node >>= 1

@@ -392,6 +392,21 @@ class PartsDataSource(SourceSurface):
         Raises:
           EvictedRowError: with ``evicted="raise"``, a row that cannot be read any more.
         """
+        return self._read_ids(ids, evicted)[0]
+
+    def read_ids_checked(self, ids: Sequence[int] | np.ndarray) -> tuple[Any, np.ndarray]:
+        """Records by row id, and which of them are the rows asked for.
+
+        As ``read_ids(ids, evicted="replace")``, with a bool mask that is False where
+        a row could not be read any more and another live row of its writer stands in
+        (a caller that names rows by id, such as prioritized replay, drops those).
+        """
+        flat, ok = self._read_ids(ids, "replace")
+        return self._build(flat), ok
+
+    def _read_ids(
+        self, ids: Sequence[int] | np.ndarray, evicted: str
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         try:
             snap = self._snapshot()
@@ -406,7 +421,7 @@ class PartsDataSource(SourceSurface):
                 out = {k: np.take(m.arrays[k], rows, axis=0) for k in self._seg_keys}
                 if WRITER_KEY in self._spec:
                     out[WRITER_KEY] = np.full(len(ids), snap.ordinals[0], dtype=np.int64)
-                return {k: out[k] for k in self._spec}
+                return {k: out[k] for k in self._spec}, np.ones(len(ids), dtype=bool)
         ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
         for attempt in range(2):
             known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
@@ -434,7 +449,7 @@ class PartsDataSource(SourceSurface):
             start, live = snap.live_start[p], snap.committed[p] - snap.live_start[p]
             seq = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
             self.replaced += int((~ok).sum())
-        return self._gather(snap, p, seq)
+        return self._gather(snap, p, seq), ok
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)

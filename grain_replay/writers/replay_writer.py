@@ -24,6 +24,7 @@ from grain_replay.parts import is_parts_store
 from grain_replay.watermark import Watermark
 from grain_replay.writers.backends import BACKENDS, Backend
 from grain_replay.writers.parts_writer import PartWriter
+from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
@@ -61,6 +62,10 @@ class ReplayWriter:
         it are dropped (at once, durably) before appending again, so a run restarted
         from one checkpoint never mixes in rows written after it. Reopen before the
         restored learner's first batch, while no reader holds the dropped rows.
+      rate_limit_timeout: seconds a ``flush()`` may wait for a rate-limited learner
+        of this store (``samples_per_insert``, docs/rate_limits.md) before raising
+        :class:`~grain_replay.RateLimitTimeoutError` (the rows stay pending); None
+        waits as long as it takes, logging why every 30 s. ``close()`` never waits.
 
     Example:
       >>> with gr.ReplayWriter("replay.zarr") as w:
@@ -81,9 +86,18 @@ class ReplayWriter:
         writer_id: str | None = None,
         segment_rows: int | None = None,
         resume_from: int | Watermark | None = None,
+        rate_limit_timeout: float | None = None,
     ):
         self._path = os.path.abspath(os.fspath(path))
         self._part: PartWriter | None = None
+        timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
+        parts = capacity is not None or writer_id is not None or segment_rows is not None
+        self._gate = WriterGate(
+            self._path,
+            parts=parts,
+            timeout=timeout,
+            who=self._path if writer_id is None else f"{self._path} (writer {writer_id!r})",
+        )
         if capacity is not None or writer_id is not None or segment_rows is not None:
             if resume_from is not None:
                 # The hook: a part would be cut at mark.rows_for(writer_id), its manifest's
@@ -261,7 +275,7 @@ class ReplayWriter:
             return
         try:
             if self._backend is not None:
-                self.flush()
+                self._commit(wait=False)
                 self._backend.close()
         finally:
             self._backend = None
@@ -326,7 +340,7 @@ class ReplayWriter:
         if self._part is not None:
             self._part.append(tree)
             if self._flush_every is not None and self._part.pending >= self._flush_every:
-                self._part.flush()
+                self.flush()
             return
         if self._lock_fd is None:
             raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
@@ -371,9 +385,23 @@ class ReplayWriter:
             )
 
     def flush(self) -> int:
-        """Makes every appended row durable and visible to readers; returns the committed N."""
+        """Makes every appended row durable and visible to readers; returns the committed N.
+
+        With a live rate-limited learner reading this store, first waits while
+        committing would put the learner more than its tolerance behind (see
+        ``rate_limit_timeout``).
+
+        Raises:
+          RateLimitTimeoutError: that wait passed ``rate_limit_timeout``.
+        """
         if self._part is not None:
+            self._gate.wait(self._part.committed, self._part.pending)
             return self._part.flush()
+        return self._commit(wait=True)
+
+    def _commit(self, *, wait: bool) -> int:
+        if wait and self._backend is not None:
+            self._gate.wait(self.committed, self._pending)
         if self._backend is not None and self._pending:
             checksums = self._summer.state() if self._summer is not None else None
             self._backend.commit(self.committed + self._pending, checksums)

@@ -441,8 +441,6 @@ def test_bounded_store_checkpoint_records_each_writer_and_resumes(tmp_path: Path
 
 def test_bounded_store_refuses_what_is_not_supported_yet(tmp_path: Path) -> None:
     path = _bounded(tmp_path)
-    with pytest.raises(gr.InvalidSamplingError, match=r"bounded or many-writer.*UniformReplay"):
-        gr.make_data_loader(gr.open_source(path), batch_size=B, sampling=gr.PrioritizedReplay())
     with pytest.raises(gr.InvalidArgumentError, match=r"resume_from.*many-writer"):
         gr.ReplayWriter(path, "npy", capacity=64, writer_id="actor-0", resume_from=10)
     assert len(gr.open_source(path)) == 128  # nothing changed

@@ -1,0 +1,544 @@
+"""Samples-per-insert rate limits: the learner's side (options, refusals, waits, progress).
+
+The rule (Reverb's ``SampleToInsertRatio``): rows handed out stay within
+``r * (inserted - min_size) +- e``. The learner gates its *draws* (a batch is
+drawn in the consuming process, before any worker reads it): batch ``t`` is
+drawn only once ``(t + 1) * B <= r * (inserted - min_size) + e`` (``B`` the
+global batch) and ``min_size`` rows are live, so neither a batch handed out nor
+one drawn ahead for the loader's workers is ever past the ceiling. Writers wait
+for the floor (``grain_replay.writers.rate_wait``), reading the progress this
+module publishes into the store (:mod:`grain_replay.learners`). See
+docs/rate_limits.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from grain_replay import learners as learners_lib
+from grain_replay.errors import (
+    InvalidSamplingError,
+    RateLimitTimeoutError,
+    ReplayCheckpointError,
+)
+from grain_replay.parts import is_parts_store
+
+__all__ = [
+    "LOG_EVERY_S",
+    "RateLimiter",
+    "check_rate_limit",
+    "default_tolerance",
+    "is_rate_limited",
+    "make_limiter",
+    "set_rate_limit",
+]
+
+logger = logging.getLogger(__name__)
+
+# A waiting learner says why every this many seconds (timeout=None).
+LOG_EVERY_S = 30.0
+# Progress is published at most this often (hand-outs in between are coalesced) ...
+PUBLISH_EVERY_S = 0.005
+# ... and at least this often (the heartbeat), while the iterator lives.
+HEARTBEAT_S = 2.0
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.01
+# Acme's default error buffer: 10 % of min_size * samples_per_insert.
+TOLERANCE_FRACTION = 0.1
+
+
+def _number(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.number) and not isinstance(value, np.bool_):
+                return float(value)
+        except ImportError:  # pragma: no cover - numpy is a dependency
+            pass
+        raise InvalidSamplingError(f"{owner}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def check_rate_limit(
+    owner: str,
+    min_size: Any,
+    samples_per_insert: Any,
+    tolerance: Any,
+    timeout: Any,
+) -> tuple[int, float | None, float | None, float | None]:
+    """The four rate-limit options, checked; the error names the option and the fix."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int):
+        try:
+            import operator
+
+            min_size = operator.index(min_size)
+        except TypeError:
+            raise InvalidSamplingError(
+                f"{owner}: min_size must be an int (rows live before the first batch), got "
+                f"{min_size!r}"
+            ) from None
+    if min_size < 0:
+        raise InvalidSamplingError(f"{owner}: min_size must be >= 0 rows, got {min_size}")
+    r = None
+    if samples_per_insert is not None:
+        r = _number(owner, "samples_per_insert", samples_per_insert)
+        if not (math.isfinite(r) and r > 0):
+            raise InvalidSamplingError(
+                f"{owner}: samples_per_insert must be a positive finite number (rows handed "
+                f"out per row inserted), got {samples_per_insert!r}. Fix: e.g. "
+                "samples_per_insert=8.0, or None for no ratio."
+            )
+    e = None
+    if tolerance is not None:
+        if r is None:
+            raise InvalidSamplingError(
+                f"{owner}: tolerance={tolerance!r} bounds the samples_per_insert ratio, but "
+                "samples_per_insert is None. Fix: pass samples_per_insert= too, or drop "
+                "tolerance."
+            )
+        e = _number(owner, "tolerance", tolerance)
+        if not (math.isfinite(e) and e >= 0):
+            raise InvalidSamplingError(
+                f"{owner}: tolerance must be a finite number of rows >= 0, got {tolerance!r}"
+            )
+    t = None
+    if timeout is not None:
+        t = _number(owner, "timeout", timeout)
+        if not (math.isfinite(t) and t > 0):
+            raise InvalidSamplingError(
+                f"{owner}: timeout must be positive seconds, or None (wait as long as it "
+                f"takes), got {timeout!r}"
+            )
+    return int(min_size), r, e, t
+
+
+def set_rate_limit(options: Any) -> None:
+    """Checks and normalizes the four rate-limit fields of a frozen sampling dataclass."""
+    values = check_rate_limit(
+        type(options).__name__,
+        options.min_size,
+        options.samples_per_insert,
+        options.tolerance,
+        options.timeout,
+    )
+    for name, value in zip(("min_size", "samples_per_insert", "tolerance", "timeout"), values):
+        object.__setattr__(options, name, value)
+
+
+def is_rate_limited(options: Any) -> bool:
+    """Whether a sampling option asks for ``min_size`` or ``samples_per_insert``."""
+    return bool(getattr(options, "min_size", 0)) or (
+        getattr(options, "samples_per_insert", None) is not None
+    )
+
+
+def least_tolerance(batch: int, r: float) -> float:
+    """The smallest tolerance that can make progress: a band of ``2e`` rows must hold a
+    whole batch and one row's samples, ``2e >= B + r``, and ``e >= B``."""
+    return max(float(batch), (batch + r) / 2)
+
+
+def default_tolerance(batch: int, r: float, min_size: int) -> float:
+    """Acme's 10 % of ``min_size * r``, but at least two batches and ``B + r`` rows."""
+    return max(TOLERANCE_FRACTION * min_size * r, 2.0 * batch, batch + r)
+
+
+class _Counts:
+    """Rows inserted (ever committed, evicted ones included) and live in the store."""
+
+    def __init__(self, source: Any) -> None:
+        self.parts = callable(getattr(source, "read_ids", None)) and isinstance(
+            getattr(source, "path", None), str
+        )
+        self._inserted: learners_lib.InsertedCount | None = None
+        self._probe: Any = None
+        self.grows = True
+        if self.parts:
+            self._inserted = learners_lib.InsertedCount(source.path)
+            return
+        self._probe = source
+        if callable(getattr(source, "refresh", None)):
+            try:  # grain_replay's sources pickle without handles: an independent copy
+                self._probe = pickle.loads(pickle.dumps(source))
+            except Exception:
+                self._probe = source
+        self.grows = callable(getattr(self._probe, "refresh", None))
+
+    def read(self) -> tuple[int, int]:
+        if self._inserted is not None:
+            return self._inserted.read()
+        refresh = getattr(self._probe, "refresh", None)
+        n = int(refresh()) if callable(refresh) else len(self._probe)
+        return n, n
+
+    def capacities(self) -> list[int | None]:
+        if self._inserted is None:
+            return []
+        return [m.capacity for m in self._inserted.manifests()]
+
+
+class RateLimiter:
+    """The learner's side of a rate limit, in the process that hands batches out.
+
+    Counts are global rows: this process's batches times ``batch_size * shard_count``
+    (the processes of one learner step in lockstep). Batch ``t`` may be drawn once
+    ``(t + 1) * B <= r * (inserted - min_size) + e`` and ``min_size`` rows are live.
+
+    Args:
+      source: the replayed store.
+      options: a ``UniformReplay`` or ``PrioritizedReplay`` with rate-limit fields.
+      batch_size: rows per batch of this process.
+      shard_index, shard_count: this process among the learner's processes.
+      refresh: asks the sampler to look for new rows before its next draw.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        options: Any,
+        *,
+        batch_size: int,
+        shard_index: int,
+        shard_count: int,
+        refresh: Callable[[], None],
+    ) -> None:
+        self.owner = type(options).__name__
+        self.min_size = int(options.min_size)
+        self.r: float | None = options.samples_per_insert
+        self.timeout: float | None = options.timeout
+        self.batch = int(batch_size) * int(shard_count)
+        self._process = (int(shard_index), int(shard_count))
+        self._refresh = refresh
+        self._source_name = str(getattr(source, "path", None) or repr(source))
+        self._counts = _Counts(source)
+        self.tolerance: float | None = None
+        if self.r is not None:
+            given = options.tolerance
+            self.tolerance = (
+                default_tolerance(self.batch, self.r, self.min_size) if given is None else given
+            )
+        self._check(source)
+        self.inserted = 0  # as last counted
+        self.live = 0
+        self._handed = 0  # batches handed out / drawn by this process
+        self._drawn = 0
+        self._ready = False  # min_size reached and one batch drawn: no more refresh requests
+        # Publishing (from the first batch on, only with a ratio).
+        path = getattr(source, "path", None)
+        self._dir: str | None = None
+        if self.r is not None and isinstance(path, str) and "://" not in path:
+            self._dir = learners_lib.learners_dir(path, parts=is_parts_store(path))
+        self._name = f"process-{shard_index}-of-{shard_count}.json"
+        self._started = False
+        self._waiting = False
+        self._thread: threading.Thread | None = None
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._publish_lock = threading.Lock()
+
+    # -- refusals -------------------------------------------------------------------
+
+    def _check(self, source: Any) -> None:
+        """Refuses settings that cannot make progress, before any batch, naming the numbers."""
+        if self.r is not None:
+            assert self.tolerance is not None
+            least = least_tolerance(self.batch, self.r)
+            if self.tolerance < least:
+                raise InvalidSamplingError(
+                    f"{self.owner}(samples_per_insert={self.r:g}, tolerance={self.tolerance:g}) "
+                    f"over {self._source_name}: a tolerance of {self.tolerance:g} rows cannot "
+                    f"make progress with batches of {self.batch} rows (batch_size "
+                    f"{self.batch // self._process[1]} x {self._process[1]} processes): the "
+                    f"band of +-tolerance rows must hold one batch and one insert's "
+                    f"{self.r:g} samples, so tolerance >= max(batch, (batch + "
+                    f"samples_per_insert) / 2) = {least:g}. Fix: tolerance >= {least:g} (or "
+                    "None: the default), or a smaller batch_size."
+                )
+        if not self.min_size:
+            return
+        caps = self._counts.capacities()
+        if caps and all(c is not None for c in caps):
+            total = sum(c for c in caps if c is not None)
+            if total < self.min_size:
+                raise InvalidSamplingError(
+                    f"{self.owner}(min_size={self.min_size}) over {self._source_name}: its "
+                    f"{len(caps)} writers keep at most {total} rows (capacities {caps}), so "
+                    f"{self.min_size} rows are never live. Fix: min_size <= {total}, or "
+                    "larger capacity= for the writers (build the loader after every writer "
+                    "has started, if more will join)."
+                )
+        if not self._counts.parts and not self._counts.grows:
+            n = len(source)
+            if n < self.min_size:
+                raise InvalidSamplingError(
+                    f"{self.owner}(min_size={self.min_size}) over {self._source_name}: the "
+                    f"source holds {n} rows and cannot grow (it has no refresh()). Fix: "
+                    f"min_size <= {n}, or replay a store a ReplayWriter appends to."
+                )
+
+    # -- the learner's wait ---------------------------------------------------------------
+
+    def _allows(self, step: int) -> bool:
+        if self.live < self.min_size:
+            return False
+        if self.r is None:
+            return True
+        assert self.tolerance is not None
+        return (step + 1) * self.batch <= self.r * (self.inserted - self.min_size) + self.tolerance
+
+    def _count(self) -> None:
+        self.inserted, self.live = self._counts.read()
+
+    def wait_for(self, step: int, *, block: bool = True) -> bool:
+        """Waits until batch ``step`` may be drawn; with ``block=False`` only says whether.
+
+        Raises:
+          RateLimitTimeoutError: the wait passed ``timeout``.
+        """
+        if self._allows(step):
+            self._ready_draw()
+            return True
+        self._count()
+        if self._allows(step):
+            self._ready_draw(looked=True)
+            return True
+        if not block:
+            return False
+        start = time.monotonic()
+        told = start
+        poll = _POLL_MIN_S
+        self._set_waiting(True)
+        try:
+            while True:
+                time.sleep(poll)
+                poll = min(2 * poll, _POLL_MAX_S)
+                self._count()
+                if self._allows(step):
+                    self._ready_draw(looked=True)
+                    return True
+                now = time.monotonic()
+                if self.timeout is not None and now - start > self.timeout:
+                    raise RateLimitTimeoutError(self._message(step, now - start))
+                if now - told >= LOG_EVERY_S:
+                    told = now
+                    logger.warning("%s", self._message(step, now - start))
+        finally:
+            self._set_waiting(False)
+
+    def _ready_draw(self, *, looked: bool = False) -> None:
+        # New rows counted here are seen by the sampler's next draw, not its next
+        # scheduled look (it must draw from min_size rows at least).
+        if looked or not self._ready:
+            self._refresh()
+
+    def _message(self, step: int, waited: float) -> str:
+        head = (
+            f"{self.owner} over {self._source_name}: the learner waited {waited:.1f} s to "
+            f"draw batch {step}: inserted {self.inserted} rows ({self.live} live), handed out "
+            f"{self._handed * self.batch} rows"
+        )
+        if self.live < self.min_size:
+            return (
+                f"{head}; min_size={self.min_size} rows must be live first. Fix: start the "
+                "writers (and flush), or lower min_size; timeout= bounds this wait."
+            )
+        assert self.r is not None and self.tolerance is not None
+        allowed = self.r * (self.inserted - self.min_size) + self.tolerance
+        return (
+            f"{head}; samples_per_insert={self.r:g} with min_size={self.min_size} and "
+            f"tolerance={self.tolerance:g} allow {allowed:.0f} rows, batch {step} would take "
+            f"{(step + 1) * self.batch}. Fix: insert faster (more writers, flush more often), "
+            "lower samples_per_insert or raise tolerance; timeout= bounds this wait."
+        )
+
+    # -- counting and publishing -----------------------------------------------------------
+
+    def drew(self, drawn: int) -> None:
+        """``drawn`` batches are drawn (handed out or read ahead)."""
+        self._drawn = drawn
+        self._ready = True
+        self._changed()
+
+    def handed(self, handed: int) -> None:
+        """``handed`` batches are handed out."""
+        self._handed = handed
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._dir is None:
+            return
+        if not self._started:
+            self._start()
+        self._dirty.set()
+
+    def _set_waiting(self, waiting: bool) -> None:
+        self._waiting = waiting
+        if self._started:
+            self.publish()
+
+    def _progress(self) -> learners_lib.Progress:
+        assert self.r is not None and self.tolerance is not None
+        return learners_lib.Progress(
+            name=self._name,
+            sampled=self._handed * self.batch,
+            drawn=self._drawn * self.batch,
+            batch=self.batch,
+            samples_per_insert=self.r,
+            tolerance=self.tolerance,
+            min_size=self.min_size,
+            heartbeat=time.time(),
+            stale_after=learners_lib.STALE_AFTER_S,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            waiting=self._waiting,
+        )
+
+    def publish(self) -> None:
+        """Writes this process's progress into the store now."""
+        if self._dir is None:
+            return
+        with self._publish_lock:
+            if self._stop.is_set():  # withdrawn: a late heartbeat must not bring it back
+                return
+            try:
+                learners_lib.publish(self._dir, self._progress())
+            except OSError as e:  # a full disk must not stop training; writers go on
+                logger.warning("%s: could not publish the learner's progress: %s", self._dir, e)
+
+    def _start(self) -> None:
+        assert self._dir is not None
+        other = learners_lib.read_progress(self._dir, self._name)
+        if (
+            other is not None
+            and (other.pid, other.host) != (os.getpid(), socket.gethostname())
+            and other.dead(time.time()) is None
+        ):
+            raise InvalidSamplingError(
+                f"{self._dir}: another rate-limited learner publishes as {self._name}: "
+                f"{other.describe()}. Fix: one rate-limited learner per store (stop the other; "
+                f"a learner that died is taken over once its heartbeat is "
+                f"{other.stale_after:g} s old)."
+            )
+        self._started = True
+        self._stop = threading.Event()
+        self.publish()
+        self._thread = threading.Thread(
+            target=_heartbeat,
+            args=(weakref.ref(self), self._dirty, self._stop),
+            name="grain_replay-rate-limit",
+            daemon=True,
+        )
+        self._thread.start()
+        # Withdraw the file when the iterator goes away (or the interpreter exits).
+        self._finalizer = weakref.finalize(
+            self,
+            _stop_and_withdraw,
+            self._stop,
+            self._dirty,
+            self._publish_lock,
+            self._dir,
+            self._name,
+        )
+
+    def close(self) -> None:
+        """Stops publishing and withdraws this process's file (writers stop waiting on it)."""
+        if not self._started:
+            return
+        self._started = False
+        self._finalizer()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state(self, position: int) -> dict[str, Any]:
+        """The counters at ``position`` batches handed out (global rows)."""
+        return {
+            "sampled": position * self.batch,
+            "batch": self.batch,
+            "inserted": self.inserted,
+            "samples_per_insert": self.r,
+            "tolerance": self.tolerance,
+            "min_size": self.min_size,
+        }
+
+    def check_state(self, state: Any, position: int) -> None:
+        try:
+            sampled, batch = int(state["sampled"]), int(state["batch"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReplayCheckpointError(
+                f"The checkpoint's rate-limit counters are malformed ({type(e).__name__}: {e}). "
+                "Fix: pass get_state() unchanged."
+            ) from e
+        if batch != self.batch or sampled != position * batch:
+            raise ReplayCheckpointError(
+                f"The checkpoint's rate limiter counted {sampled} rows handed out in batches "
+                f"of {batch} at batch {position}; this loader hands out {self.batch}-row "
+                "batches. Fix: restore with the same batch_size and processes, unchanged."
+            )
+
+    def restore(self, handed: int, drawn: int) -> None:
+        """Counters after a restore: ``handed`` batches handed out, ``drawn`` drawn."""
+        self._handed, self._drawn = handed, max(handed, drawn)
+        self._ready = False
+        if self._started:
+            self.publish()
+
+
+def _heartbeat(
+    ref: weakref.ReferenceType[RateLimiter], dirty: threading.Event, stop: threading.Event
+) -> None:
+    """Publishes coalesced changes, and a heartbeat, while the limiter lives."""
+    while not stop.is_set():
+        dirty.wait(HEARTBEAT_S)
+        if stop.is_set():
+            return
+        time.sleep(PUBLISH_EVERY_S)
+        dirty.clear()
+        limiter = ref()
+        if limiter is None:
+            return
+        limiter.publish()
+        del limiter
+
+
+def _stop_and_withdraw(
+    stop: threading.Event,
+    dirty: threading.Event,
+    lock: threading.Lock,
+    directory: str,
+    name: str,
+) -> None:
+    with lock:
+        stop.set()
+        learners_lib.withdraw(directory, name)
+    dirty.set()
+
+
+def make_limiter(stream: Any) -> RateLimiter | None:
+    """The rate limiter of a uniform or prioritized stream whose options ask for one."""
+    sampler = getattr(stream, "sampler", None)
+    options = getattr(sampler, "options", None)
+    if sampler is None or not is_rate_limited(options):
+        return None
+    described: Mapping[str, Any] = stream.describe()
+    shard_index, shard_count = described.get("shard", (0, 1))
+    return RateLimiter(
+        sampler.source,
+        options,
+        batch_size=int(described["batch_size"]),
+        shard_index=int(shard_index),
+        shard_count=int(shard_count),
+        refresh=sampler.refresh,
+    )
