@@ -168,7 +168,7 @@ class _Reverb:
         ]
         self.server = reverb.Server(tables, port=None)
         self.address = f"127.0.0.1:{self.server.port}"
-        self.version = getattr(reverb, "__version__", None) or _dist_version("dm-reverb")
+        self.version = f"{_dist_version('dm-reverb')} (tensorflow {_dist_version('tensorflow')})"
 
     def writers(self, k: int, table: str, cfg: dict[str, Any]) -> Writers:
         return Writers(_reverb_writer, [(self.address, table, cfg, i) for i in range(k)])
@@ -221,7 +221,10 @@ class _Torchrl:
         torch.set_num_threads(1)
         self.args = args
         self.scratch = tempfile.mkdtemp(prefix="torchrl_online_", dir=args.scratch)
-        self.version = f"torchrl {torchrl.__version__}, tensordict {tensordict.__version__}"
+        self.version = (
+            f"{torchrl.__version__} (tensordict {tensordict.__version__}, "
+            f"torch {torch.__version__})"
+        )
         self.rbs: dict[str, Any] = {}
 
     def _buffer(self, table: str) -> Any:
