@@ -90,16 +90,13 @@ class Params:
 
 
 def _our_writer(
-    path: str, wid: str, capacity: int | None, cfg: dict[str, Any], seed: int,
+    path: str, wid: str, capacity: int, cfg: dict[str, Any], seed: int,
     ready: Any, go: Any, stop: Any, out: Any,
 ) -> None:  # fmt: skip
     import grain_replay as gr
 
     data = transitions(cfg["envs"], seed)
-    if capacity is None:  # a plain single-writer store
-        w = gr.ReplayWriter(path)
-    else:
-        w = gr.ReplayWriter(path, capacity=capacity, writer_id=wid)
+    w = gr.ReplayWriter(path, capacity=capacity, writer_id=wid)
     w.append(data)
     w.flush()
     ready.set()
@@ -108,12 +105,12 @@ def _our_writer(
 
 
 class OurWriters:
-    """K writer processes of one store (bounded, ids ``w0``..; or plain with one writer)."""
+    """K writer processes of one bounded store (ids ``w0``..., capacity 1M / K each)."""
 
-    def __new__(cls, path: str, k: int, cfg: dict[str, Any], bounded: bool = True) -> Any:
+    def __new__(cls, path: str, k: int, cfg: dict[str, Any]) -> Any:
         from bench_online_peers import Writers
 
-        capacity = CAPACITY // k if bounded else None
+        capacity = CAPACITY // k
         return Writers(_our_writer, [(path, f"w{i}", capacity, cfg, i) for i in range(k)])
 
 
@@ -152,31 +149,15 @@ def bench_inserts(root: str, p: Params, log: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _prioritized_loader(path: str) -> tuple[Any, str]:
-    """A prioritized loader over the store at ``path`` (its first batch drawn), or None
-    with the reason."""
+def _prioritized_loader(path: str) -> Any:
+    """A prioritized loader's iterator over the store at ``path``, its first batch drawn."""
     import grain_replay as gr
 
-    src = gr.open_source(path)
-    try:
-        it = iter(gr.make_data_loader(src, batch_size=BATCH, sampling=gr.PrioritizedReplay()))
-        next(it)
-    except gr.GrainReplayError as e:
-        return None, str(e).split(". Fix")[0]
-    return it, ""
-
-
-def _bounded_per(root: str) -> str:
-    """Why gr.PrioritizedReplay cannot sample a bounded store here ("" when it can)."""
-    import grain_replay as gr
-
-    path = os.path.join(root, "per_probe")
-    with gr.ReplayWriter(path, capacity=4 * BATCH, writer_id="probe") as w:
-        w.append(transitions(BATCH))
-    try:
-        return _prioritized_loader(path)[1]
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    it = iter(
+        gr.make_data_loader(gr.open_source(path), batch_size=BATCH, sampling=gr.PrioritizedReplay())
+    )
+    next(it)
+    return it
 
 
 def bench_sample(root: str, p: Params, log: Any) -> dict[str, Any]:
@@ -191,24 +172,13 @@ def bench_sample(root: str, p: Params, log: Any) -> dict[str, Any]:
         "rate": p.rate,
     }
     path = os.path.join(root, "online_sample")
-    why = _bounded_per(root)
-    if not why:
-        store = "bounded store, 2 writers"
-        w = OurWriters(path, 2, cfg)
-    else:
-        # PrioritizedReplay over a bounded store is not there yet: the same loop over
-        # a plain store fed by one writer at both writers' rate.
-        log(f"  ours: {why}; measuring PER over a plain store with 1 writer instead")
-        store = "plain store, 1 writer at the 2 writers' rate: PER over a bounded store is "
-        store += "not in this tree"
-        cfg = dict(cfg, fill_rows=2 * cfg["fill_rows"], rate=2 * p.rate)
-        w = OurWriters(path, 1, cfg, bounded=False)
+    store = "bounded store, 2 writers"
+    w = OurWriters(path, 2, cfg)
     try:
         t = time.perf_counter()
         t0 = w.start()
         prefill_s = t0 - t
-        it, why = _prioritized_loader(path)
-        assert it is not None, why
+        it = _prioritized_loader(path)
         start_rows = len(gr.open_source(path))
 
         def draw() -> None:
