@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
+    BackgroundWriteError,
     BatchShardingError,
     CheckpointMismatchError,
     EvictedRowError,
@@ -104,6 +105,7 @@ __all__ = [
     "ReplayWriter",
     "WriterBusyError",
     "EvictedRowError",
+    "BackgroundWriteError",
     "RateLimitTimeoutError",
     # pipeline (imported lazily: grain and jax are slow to import)
     "make_data_loader",

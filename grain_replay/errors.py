@@ -33,6 +33,7 @@ __all__ = [
     "InvalidPriorityError",
     "PriorityIndexError",
     "EvictedRowError",
+    "BackgroundWriteError",
     "RateLimitTimeoutError",
 ]
 
@@ -159,6 +160,18 @@ class PriorityIndexError(GrainReplayError, IndexError):
 
 class EvictedRowError(GrainReplayError, LookupError):
     """A row of a bounded store asked for by id was evicted before this reader opened it."""
+
+
+class BackgroundWriteError(GrainReplayError, RuntimeError):
+    """A queued append (device arrays) failed in the writer's background thread.
+
+    Raised by the writer's next ``append``/``flush``/``close``; ``leaf`` names the
+    leaf, and the original error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, leaf: str = ""):
+        super().__init__(message)
+        self.leaf = leaf
 
 
 class RateLimitTimeoutError(GrainReplayError, TimeoutError):

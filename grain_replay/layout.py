@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -159,16 +159,25 @@ def prepare_leaves(tree: Any, *, where: str) -> tuple[dict[str, np.ndarray], dic
       InvalidTreeError: not a pytree, empty, a scalar or object/string leaf, or
         leaves whose leading dimensions differ (all of them are named).
     """
+    return check_leaves(tree, where=where)
+
+
+def check_leaves(
+    tree: Any, *, where: str, keep: Callable[[Any], bool] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """:func:`prepare_leaves`, except that leaves ``keep`` accepts (device arrays whose
+    copy to host the caller starts itself) are checked from their ``dtype``, ``ndim``
+    and ``shape`` and returned as they are, without a copy."""
     leaves, treedef = tree_lib.flatten(tree, where=where)
     if not leaves:
         raise InvalidTreeError(
             f"{where}: the tree has no leaves. Fix: pass at least one array, e.g. "
             "{'obs': obs, 'action': action}."
         )
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}
     for key, leaf in leaves.items():
         # np.asarray on a jax.Array fetches it to host in one transfer.
-        arr = np.asarray(leaf)
+        arr = leaf if keep is not None and keep(leaf) else np.asarray(leaf)
         name = key or "<root>"
         if (
             arr.dtype.kind == "V"

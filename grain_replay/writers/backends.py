@@ -9,8 +9,10 @@ whatever was written after the last commit.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,9 +30,18 @@ from grain_replay.formats import (
 )
 from grain_replay.integrity import as_bytes
 from grain_replay.writers.atomic import atomic_path, fsync_path
+from grain_replay.writers.background import LeafWriteError
 from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
-__all__ = ["Backend", "NpyBackend", "NpySegmentBackend", "ZarrBackend", "HDF5Backend", "BACKENDS"]
+__all__ = [
+    "Backend",
+    "NpyBackend",
+    "NpySegmentBackend",
+    "ZarrBackend",
+    "HDF5Backend",
+    "BACKENDS",
+    "write_by_leaf",
+]
 
 # Chunks of growing HDF5/Zarr stores: ~1 MiB, whole pages, so readers map them.
 APPEND_CHUNK_BYTES = 1 << 20
@@ -85,6 +96,16 @@ class Backend(abc.ABC):
         return layout_lib.StoreMetadata(n, m.leaves, m.treedef, checksums, m.version)
 
 
+def write_by_leaf(backend: Backend, arrays: dict[str, np.ndarray], start: int) -> None:
+    """``backend.write`` one leaf at a time; a failure is raised as a
+    :class:`~grain_replay.writers.background.LeafWriteError` naming the leaf."""
+    for key, arr in arrays.items():
+        try:
+            backend.write({key: arr}, start)
+        except Exception as e:
+            raise LeafWriteError(key) from e
+
+
 # -- .npy directory -------------------------------------------------------------
 
 _NPY_HEADER = GROWING_NPY_HEADER  # fixed, so the shape can be rewritten in place as N grows
@@ -102,6 +123,26 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int = _NPY_HEADER
     return b"\x93NUMPY\x01\x00" + (size - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
+_FSYNC_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool)
+_FSYNC_POOL_LOCK = threading.Lock()
+
+
+def _fsync_all(fds: list[int]) -> None:
+    """``fsync`` of every file, at once: the file system commits them together (5 leaf
+    files: about 0.45x the time of one after another here)."""
+    global _FSYNC_POOL
+    if len(fds) <= 1:
+        for fd in fds:
+            os.fsync(fd)
+        return
+    with _FSYNC_POOL_LOCK:
+        if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # none yet, or forked
+            pool = concurrent.futures.ThreadPoolExecutor(8, "grain_replay-fsync")
+            _FSYNC_POOL = (os.getpid(), pool)
+        pool = _FSYNC_POOL[1]
+    list(pool.map(os.fsync, fds))  # raises the first failure
+
+
 class NpyBackend(Backend):
     """A directory of ``.npy`` files grown in place; headers and metadata follow the data."""
 
@@ -117,12 +158,18 @@ class NpyBackend(Backend):
             if read_npy_header(file, key, check_size=False)[3] != self.HEADER:
                 self._rewrite_with_fixed_header(file, spec, n)
             fd = os.open(file, os.O_RDWR)
-            # Header first: a crash between the two steps leaves a header of n
-            # rows over a file of at least n rows, which every reader accepts.
-            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
-            os.fsync(fd)
-            os.truncate(fd, self.HEADER + n * _row_bytes(spec))  # drop uncommitted rows
+            header = _npy_header(spec.dtype, (n, *spec.shape), self.HEADER)
+            size = self.HEADER + n * _row_bytes(spec)
+            # A file that is exactly this header and n rows (e.g. a segment just made
+            # empty) needs neither; else header first: a crash between the two steps
+            # leaves a header of n rows over a file of at least n rows, which every
+            # reader accepts.
+            if os.fstat(fd).st_size != size or os.pread(fd, self.HEADER, 0) != header:
+                os.pwrite(fd, header, 0)
+                os.fsync(fd)
+                os.truncate(fd, size)  # drop uncommitted rows
             self._fds[key] = fd
+        self._row_bytes = {k: _row_bytes(spec) for k, spec in meta.leaves.items()}
 
     @classmethod
     def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
@@ -159,7 +206,7 @@ class NpyBackend(Backend):
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
-            offset = self.HEADER + start * _row_bytes(self.meta.leaves[key])
+            offset = self.HEADER + start * self._row_bytes[key]
             view = as_bytes(arr)
             while view:
                 written = os.pwrite(self._fds[key], view, offset)
@@ -172,12 +219,11 @@ class NpyBackend(Backend):
         return np.frombuffer(raw, dtype=spec.dtype).reshape(stop - start, *spec.shape)
 
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
-        for fd in self._fds.values():
-            os.fsync(fd)
+        _fsync_all(list(self._fds.values()))
         for key, fd in self._fds.items():
             spec = self.meta.leaves[key]
             os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
-            os.fsync(fd)
+        _fsync_all(list(self._fds.values()))
         self.meta = self._meta_with(n, checksums)
         meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
         tmp = meta_file + ".partial"

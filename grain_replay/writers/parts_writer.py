@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from grain_replay.errors import (
 from grain_replay.formats import FORMATS, PAGE, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.atomic import remove_path
-from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend
+from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
 
 __all__ = ["PartWriter", "default_segment_rows"]
 
@@ -249,9 +250,18 @@ class PartWriter:
 
     def append(self, tree: Any) -> int:
         """Writes a block of rows (not yet committed); returns the rows appended."""
+        arrays, n = self.check(tree)
+        self.write(arrays, n)
+        return n
+
+    def check(
+        self, tree: Any, keep: Callable[[Any], bool] | None = None
+    ) -> tuple[dict[str, Any], int]:
+        """The tree's leaves and rows, checked against the store's (binding it on the first
+        append); leaves ``keep`` accepts (device arrays) are checked without a copy."""
         if self._lock_fd is None:
             raise GrainReplayError(f"{self._where}: the ReplayWriter is closed.")
-        arrays, treedef, n = layout_lib.prepare_leaves(tree, where=self._where)
+        arrays, treedef, n = layout_lib.check_leaves(tree, where=self._where, keep=keep)
         leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
         if self._meta is None:
             self._meta = self._schema_of_store(layout_lib.StoreMetadata(0, leaves, treedef))
@@ -260,19 +270,26 @@ class PartWriter:
                 rows = default_segment_rows(m.capacity, self._format, self._meta.leaves)
                 self._manifest = dataclasses.replace(m, segment_rows=rows)
         self._check_matches(arrays, leaves, treedef)
+        return arrays, n
+
+    def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
+        """Writes checked host rows (not yet committed). ``by_leaf``: one write per leaf,
+        a failure raised as :class:`LeafWriteError` naming it."""
         done = 0
         while done < n:
             seg = self._segment_for_next()
             take = min(n - done, self._manifest.segment_rows - seg.rows)
             block = {k: a[done : done + take] for k, a in arrays.items()}
-            seg.backend.write(block, seg.rows)
+            if by_leaf:
+                write_by_leaf(seg.backend, block, seg.rows)
+            else:
+                seg.backend.write(block, seg.rows)
             if seg.summer is not None:
                 seg.summer.update(block)
             seg.rows += take
             seg.dirty = True
             done += take
         self._pending += n
-        return n
 
     def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
         """The first writer's leaves bind the store: a later writer must match them."""

@@ -6,12 +6,14 @@ import contextlib
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay.errors import (
+    BackgroundWriteError,
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
@@ -22,7 +24,8 @@ from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.parts import is_parts_store
 from grain_replay.watermark import Watermark
-from grain_replay.writers.backends import BACKENDS, Backend
+from grain_replay.writers import background
+from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout
 
@@ -62,10 +65,22 @@ class ReplayWriter:
         it are dropped (at once, durably) before appending again, so a run restarted
         from one checkpoint never mixes in rows written after it. Reopen before the
         restored learner's first batch, while no reader holds the dropped rows.
+      max_inflight_bytes: bytes of device appends (``jax.Array`` leaves) still being
+        copied to host or written before ``append`` waits (default 256 MiB).
       rate_limit_timeout: seconds a ``flush()`` may wait for a rate-limited learner
         of this store (``samples_per_insert``, docs/rate_limits.md) before raising
         :class:`~grain_replay.RateLimitTimeoutError` (the rows stay pending); None
         waits as long as it takes, logging why every 30 s. ``close()`` never waits.
+
+    Device arrays: ``append`` of a tree with ``jax.Array`` leaves (sharded or not, on
+    any device, mixed with numpy leaves or not) checks the tree at once, starts each
+    leaf's copy to host (``copy_to_host_async``) and returns; a background thread
+    writes the trees in append order. ``flush()`` waits for them (the durability
+    barrier). Host leaves of such a tree, and host trees appended while device ones
+    are queued, are copied at ``append``. A failure in the background is raised by
+    the next ``append``/``flush``/``close`` as :class:`~grain_replay.BackgroundWriteError`
+    naming the leaf; the committed rows stay intact and the writer must be reopened.
+    Host-only appends to an idle writer are written in the call, as always.
 
     Example:
       >>> with gr.ReplayWriter("replay.zarr") as w:
@@ -86,18 +101,17 @@ class ReplayWriter:
         writer_id: str | None = None,
         segment_rows: int | None = None,
         resume_from: int | Watermark | None = None,
+        max_inflight_bytes: int = background.DEFAULT_MAX_INFLIGHT_BYTES,
         rate_limit_timeout: float | None = None,
     ):
         self._path = os.path.abspath(os.fspath(path))
         self._part: PartWriter | None = None
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
         parts = capacity is not None or writer_id is not None or segment_rows is not None
-        self._gate = WriterGate(
-            self._path,
-            parts=parts,
-            timeout=timeout,
-            who=self._path if writer_id is None else f"{self._path} (writer {writer_id!r})",
-        )
+        who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
+        self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=who)
+        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, who)
+        self._bg: background.BackgroundWriter | None = None
         if capacity is not None or writer_id is not None or segment_rows is not None:
             if resume_from is not None:
                 # The hook: a part would be cut at mark.rows_for(writer_id), its manifest's
@@ -267,26 +281,66 @@ class ReplayWriter:
         )
 
     def close(self) -> None:
-        """Commits pending rows and releases the store."""
+        """Commits pending rows and releases the store.
+
+        Raises:
+          BackgroundWriteError: a device append failed and no call raised it yet (the
+            store is released all the same, without the rows since the last flush).
+        """
+        bg = self._bg
+        if bg is not None and bg.failed:
+            self._abandon()
+            bg.raise_pending()
+            return
         if self._part is not None:
+            try:
+                if bg is not None and not self._part.closed:
+                    bg.drain()
+            except BackgroundWriteError:
+                self._abandon()
+                raise
+            finally:
+                if bg is not None:
+                    bg.stop()
             self._part.close()
             return
         if self._lock_fd is None:
             return
         try:
             if self._backend is not None:
+                if bg is not None:
+                    bg.drain()
                 self._commit(wait=False)
                 self._backend.close()
+        except BackgroundWriteError:
+            self._abandon()
+            raise
         finally:
+            if bg is not None:
+                bg.stop()
             self._backend = None
             self._release_lock()
+
+    def _abandon(self) -> None:
+        """Releases the store after a background failure, committing nothing more."""
+        if self._bg is not None:
+            self._bg.stop()
+        if self._part is not None:
+            if not self._part.closed:
+                self._part.abandon()
+            return
+        if self._backend is not None:
+            with contextlib.suppress(Exception):
+                self._backend.close()
+            self._backend = None
+        self._release_lock()
 
     def __del__(self) -> None:
         # Like a file object: commit and unlock if the caller forgot to close.
         part = getattr(self, "_part", None)
         if part is not None and not part.closed:
             with contextlib.suppress(Exception):
-                part.close()
+                self.close()
         if getattr(self, "_lock_fd", None) is not None:
             with contextlib.suppress(Exception):
                 self.close()
@@ -311,10 +365,11 @@ class ReplayWriter:
         return 0 if self._backend is None else self._backend.meta.num_records
 
     def __len__(self) -> int:
-        """Rows appended so far, committed or not."""
+        """Rows appended so far, committed or not (device appends being written included)."""
+        queued = 0 if self._bg is None else self._bg.rows
         if self._part is not None:
-            return self._part.committed + self._part.pending
-        return self.committed + self._pending
+            return self._part.committed + self._part.pending + queued
+        return self.committed + self._pending + queued
 
     @property
     def writer_id(self) -> str | None:
@@ -333,18 +388,28 @@ class ReplayWriter:
     def append(self, tree: Any) -> None:
         """Appends a block of rows (every leaf has a leading rows axis).
 
+        With ``jax.Array`` leaves it returns once the copies to host are started
+        (see the class docstring); ``flush()`` waits for them.
+
         Raises:
           InvalidTreeError: the tree's structure, dtypes or per-row shapes
             differ from the store's (every differing leaf is named).
+          BackgroundWriteError: an earlier device append failed in the background.
         """
+        if self._bg is not None and self._bg.failed:
+            self._raise_failed()
+        is_device = background.device_leaf_test()  # None unless jax is loaded
         if self._part is not None:
-            self._part.append(tree)
+            arrays, n = self._part.check(tree, keep=is_device)
+            if self._queue_if_needed(arrays, n, is_device):
+                return
+            self._part.write(arrays, n)
             if self._flush_every is not None and self._part.pending >= self._flush_every:
                 self.flush()
             return
         if self._lock_fd is None:
             raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
-        arrays, treedef, n = layout_lib.prepare_leaves(tree, where=self._path)
+        arrays, treedef, n = layout_lib.check_leaves(tree, where=self._path, keep=is_device)
         if self._backend is None:
             leaves = {
                 k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()
@@ -356,6 +421,8 @@ class ReplayWriter:
         self._check_matches(arrays, treedef)
         if n == 0:
             return
+        if self._queue_if_needed(arrays, n, is_device):
+            return
         self._backend.write(arrays, self.committed + self._pending)
         if self._summer is not None:
             self._summer.update(arrays)
@@ -363,7 +430,54 @@ class ReplayWriter:
         if self._flush_every is not None and self._pending >= self._flush_every:
             self.flush()
 
-    def _check_matches(self, arrays: dict[str, np.ndarray], treedef: dict[str, Any]) -> None:
+    def _queue_if_needed(
+        self, arrays: dict[str, Any], n: int, is_device: Callable[[Any], bool] | None
+    ) -> bool:
+        """Queues a checked tree for the background thread when it holds device arrays,
+        or when device appends before it are still queued (rows keep append order)."""
+        bg = self._bg
+        if bg is None or not bg.busy:
+            if is_device is None or not any(is_device(a) for a in arrays.values()):
+                return False
+        if n == 0:
+            return True
+        if bg is None:
+            bg = self._bg = background.BackgroundWriter(
+                self._path
+                if self._part is None
+                else f"{self._path} (writer {self._part.manifest.writer_id!r})",
+                self._max_inflight,
+            )
+        write = self._write_queued if self._part is None else self._write_queued_part
+        bg.submit(arrays, n, len(self), write, is_device or (lambda _: False))
+        if self._flush_every is not None:
+            pending = self._pending if self._part is None else self._part.pending
+            if pending + bg.rows >= self._flush_every:
+                self.flush()
+        return True
+
+    def _write_queued(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """The background thread's write of a queued tree (host arrays by now)."""
+        assert self._backend is not None
+        write_by_leaf(self._backend, arrays, self.committed + self._pending)
+        if self._summer is not None:
+            self._summer.update(arrays)
+        self._pending += n
+
+    def _write_queued_part(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        assert self._part is not None
+        self._part.write(arrays, n, by_leaf=True)
+
+    def _raise_failed(self) -> None:
+        assert self._bg is not None
+        self._bg.raise_pending()  # the first call after the failure raises it
+        raise GrainReplayError(
+            f"{self._path}: this ReplayWriter stopped after a failed device append (raised "
+            "earlier as BackgroundWriteError). Fix: close() it and reopen the store with "
+            "gr.ReplayWriter to append after its committed rows."
+        )
+
+    def _check_matches(self, arrays: dict[str, Any], treedef: dict[str, Any]) -> None:
         assert self._backend is not None
         want = self._backend.meta
         if treedef != want.treedef:
@@ -387,13 +501,18 @@ class ReplayWriter:
     def flush(self) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N.
 
-        With a live rate-limited learner reading this store, first waits while
-        committing would put the learner more than its tolerance behind (see
-        ``rate_limit_timeout``).
+        First waits for device appends still being copied or written; then, with a
+        live rate-limited learner reading this store, waits while committing would put
+        the learner more than its tolerance behind (see ``rate_limit_timeout``).
 
         Raises:
           RateLimitTimeoutError: that wait passed ``rate_limit_timeout``.
+          BackgroundWriteError: a device append failed in the background.
         """
+        if self._bg is not None:
+            if self._bg.failed:
+                self._raise_failed()
+            self._bg.drain()
         if self._part is not None:
             self._gate.wait(self._part.committed, self._part.pending)
             return self._part.flush()

@@ -1,0 +1,24 @@
+"""Smoke test of benchmarks/bench_device_writes.py at toy size: run() gives every row, with a
+ratio and its target. Timings are not asserted (shared CI machines are noise)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_device_writes.py"
+
+
+def test_bench_device_writes_rows() -> None:
+    spec = importlib.util.spec_from_file_location("bench_device_writes", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.run(True, steps=6, repeats=1, envs=64)
+    names = [r["name"] for r in rows]
+    assert names[0].startswith("device writes: loop with writing / without (cpu")
+    assert rows[0]["target"] == 0.85 and rows[0]["unit"] == "x"
+    assert all(set(r) == {"name", "value", "target", "unit"} for r in rows)
+    assert all(r["value"] > 0 for r in rows if not math.isnan(r["value"])), rows
+    assert [r["target"] for r in rows[1:]] == [None] * (len(rows) - 1)
