@@ -450,7 +450,9 @@ def _rows(doc: dict[str, Any]) -> list[tuple[str, float | None, float | None, st
             out.append(
                 (
                     f"{name}: {row.get('name', '?')}",
-                    float(value) if isinstance(value, (int, float)) else None,
+                    float(value)
+                    if isinstance(value, (int, float)) and np.isfinite(value)
+                    else None,
                     row.get("target"),
                     text,
                 )
