@@ -6,7 +6,9 @@ openpi use (``as_dataset`` + flat_map to steps + shuffle buffer + batch, images 
 TF's own thread pool) and against ``as_data_source()`` random access (ArrayRecord shards of
 the same dataset). Also with 16-step action chunks (``SequenceDataSource`` vs octo's
 trajectory transform), the index build against a sequential read of the shards, and the
-reader's peak RSS. The datasets are written by TFDS itself in the rlds venv.
+reader's peak RSS. The datasets are written by TFDS itself in the rlds venv. Our side
+runs with the decoded-frame cache warm (filled by a pass first), cold (emptied first) and
+off (``frame_cache_bytes=0``), each reported apart.
 
 Usage: python benchmarks/bench_rlds.py --peer-python .venv-rlds/bin/python
        [--episodes 40] [--length 50] [--batches 8] [--workers 2] [--keep DIR]
@@ -28,6 +30,8 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -35,6 +39,7 @@ sys.path.insert(0, ROOT)
 import grain_replay as gr  # noqa: E402
 from grain_replay.sources.rlds import index as index_lib  # noqa: E402
 from grain_replay.sources.rlds.images import jpeg_decoder  # noqa: E402
+from grain_replay.sources.rlds.source import DEFAULT_FRAME_CACHE_BYTES  # noqa: E402
 
 BATCH = 256
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rlds_peer.py")
@@ -60,8 +65,31 @@ def _rate(loader: Any, batches: int) -> float:
     return batches * BATCH / (time.perf_counter() - t)
 
 
-def ours(path: str, batches: int, workers: int, chunk: int = 0) -> float:
-    src: Any = gr.RLDSDataSource(path, keys=KEYS, progress=False)
+def _empty_frame_cache(path: str) -> None:
+    for d in index_lib.cache_dirs(path):
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                if name.startswith("frames-"):
+                    os.unlink(os.path.join(d, name))
+
+
+def _fill_frame_cache(path: str) -> None:
+    src = gr.RLDSDataSource(path, keys=KEYS[:2], progress=False)
+    for start in range(0, len(src), 512):
+        src.read_batch(np.arange(start, min(len(src), start + 512)))
+    src.close()
+
+
+def ours(path: str, batches: int, workers: int, chunk: int = 0, frames: str = "warm") -> float:
+    """Steps/s through make_data_loader. ``frames``: ``"warm"`` (the decoded-frame cache
+    filled by a pass over the dataset first), ``"cold"`` (emptied first: the timed batches
+    fill it, so they see a growing share of hits) or ``"off"`` (frame_cache_bytes=0)."""
+    if frames == "cold":
+        _empty_frame_cache(path)
+    elif frames == "warm":
+        _fill_frame_cache(path)
+    budget = 0 if frames == "off" else DEFAULT_FRAME_CACHE_BYTES
+    src: Any = gr.RLDSDataSource(path, keys=KEYS, progress=False, frame_cache_bytes=budget)
     if chunk:
         offsets = {k: [0] for k in KEYS if k != "action"}
         offsets["action"] = list(range(chunk))
@@ -116,8 +144,14 @@ def main(argv: list[str]) -> None:
         for _ in range(a.repeats):
             for name, fn in (
                 ("ours", lambda: ours(tfr, a.batches, a.workers)),
+                ("ours, cold frames", lambda: ours(tfr, a.batches, a.workers, 0, "cold")),
+                ("ours, no frame cache", lambda: ours(tfr, a.batches, a.workers, 0, "off")),
                 ("ours, 0 workers", lambda: ours(tfr, a.batches, 0)),
                 ("ours, 16-step chunks", lambda: ours(tfr, a.batches, a.workers, 16)),
+                (
+                    "ours, chunks, cold",
+                    lambda: ours(tfr, a.batches, a.workers, 16, "cold"),
+                ),
                 (
                     "tf.data",
                     lambda: json.loads(_peer(a.peer_python, "tfdata", tfr, "--batches", b)),
@@ -151,15 +185,19 @@ def main(argv: list[str]) -> None:
         print(f"{'reader':<26}{'steps/s':>10}")
         for k, v in med.items():
             print(f"{k:<26}{v:>10.0f}")
-        print(
-            f"ratio ours / tf.data:                 {med['ours'] / med['tf.data']:.2f}x (target 5x)"
-        )
-        print(
-            f"ratio ours / as_data_source:          {med['ours'] / med['as_data_source']:.1f}x "
-            "(target 20x)"
-        )
-        chunks = med["ours, 16-step chunks"] / med["tf.data, 16-step chunks"]
-        print(f"ratio with 16-step chunks:            {chunks:.2f}x (target 5x)")
+        tfd, ads, tfc = med["tf.data"], med["as_data_source"], med["tf.data, 16-step chunks"]
+        print("(ours: decoded frames cached, warm; cold: the cache emptied before the run)")
+        for label, key in (
+            ("warm", "ours"),
+            ("cold", "ours, cold frames"),
+            ("no frame cache", "ours, no frame cache"),
+        ):
+            print(
+                f"ratio ours ({label}) / tf.data: {med[key] / tfd:.2f}x (target 5x); "
+                f"/ as_data_source: {med[key] / ads:.1f}x (target 20x)"
+            )
+        for label, key in (("warm", "ours, 16-step chunks"), ("cold", "ours, chunks, cold")):
+            print(f"ratio with 16-step chunks ({label}): {med[key] / tfc:.2f}x (target 5x)")
         print(
             f"index build {build:.0f} MB/s vs sequential read {read:.0f} MB/s: "
             f"{build / read:.2f}x (target 0.5x)"

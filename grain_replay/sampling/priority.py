@@ -17,7 +17,7 @@ from grain_replay.errors import (
     ReplayCheckpointError,
 )
 from grain_replay.sampling.draws import Draws
-from grain_replay.sampling.rate_limit import set_rate_limit
+from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.sumtree import SumTree
 

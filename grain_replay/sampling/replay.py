@@ -14,7 +14,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.draws import Draws
-from grain_replay.sampling.rate_limit import set_rate_limit
+from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sources.base import ReplaySource
 
 __all__ = [

@@ -108,6 +108,7 @@ class ReplayWriter:
         self._part: PartWriter | None = None
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
         parts = capacity is not None or writer_id is not None or segment_rows is not None
+        self._rate_waited = 0.0
         who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, who)
@@ -372,6 +373,11 @@ class ReplayWriter:
         return self.committed + self._pending + queued
 
     @property
+    def rate_limit_wait_s(self) -> float:
+        """Seconds this writer's ``flush()`` calls waited for rate-limited learners, in all."""
+        return self._rate_waited
+
+    @property
     def writer_id(self) -> str | None:
         """This writer's id in a many-writer store (None for a single-writer store)."""
         return None if self._part is None else self._part.manifest.writer_id
@@ -514,13 +520,13 @@ class ReplayWriter:
                 self._raise_failed()
             self._bg.drain()
         if self._part is not None:
-            self._gate.wait(self._part.committed, self._part.pending)
+            self._rate_waited += self._gate.wait(self._part.committed, self._part.pending)
             return self._part.flush()
         return self._commit(wait=True)
 
     def _commit(self, *, wait: bool) -> int:
         if wait and self._backend is not None:
-            self._gate.wait(self.committed, self._pending)
+            self._rate_waited += self._gate.wait(self.committed, self._pending)
         if self._backend is not None and self._pending:
             checksums = self._summer.state() if self._summer is not None else None
             self._backend.commit(self.committed + self._pending, checksums)

@@ -31,7 +31,8 @@ def run_writer(
     """Appends ``blocks`` blocks of ``block`` rows, flushing each, sleeping ``delay`` between.
 
     Writes ``report`` (JSON) at the end: rows committed, seconds spent in flush(), and
-    the error's class and message if a flush raised.
+    the seconds it waited for learners (``rate_limit_wait_s``), the error's class and
+    message if a flush raised.
     """
     import grain_replay as gr
 
@@ -55,6 +56,7 @@ def run_writer(
         except gr.GrainReplayError as e:
             out["error"] = [type(e).__name__, str(e)]
         out["committed"] = w.committed
+        out["wait_s"] = w.rate_limit_wait_s
         _write(report, out)
 
 

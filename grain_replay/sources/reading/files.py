@@ -113,7 +113,15 @@ class MappedFile:
         return os.fstat(self.fd).st_size
 
     def check(self, key: str) -> None:
-        size = self.size()
+        self.check_size(key, self.size())
+
+    def resource(self) -> int:
+        """What answers :meth:`size`: files with the same resource are checked with one
+        ``fstat`` (the leaves of one ``.npz`` or HDF5 file)."""
+        return id(self.mapping) if self.mapping is not None else id(self.descriptor)
+
+    def check_size(self, key: str, size: int) -> None:
+        """Raises InvalidStoreError if ``size`` (the file's size now) is short of the map."""
         if size < self.needed:
             raise InvalidStoreError(
                 f"{self.path}: leaf {key!r} is memory-mapped up to byte {self.needed:,} but the "

@@ -13,6 +13,8 @@ import numpy as np
 from grain_replay.sources.reading import readahead
 from grain_replay.sources.reading.files import MappedFile
 
+_Groups = list[list[tuple[str, MappedFile]]]
+
 __all__ = ["ArrayReader", "Handle", "LeafReader", "advise_random", "window_rows"]
 
 
@@ -52,14 +54,33 @@ class Handle(abc.ABC):
     readers: dict[str, LeafReader]
     # Leaf key -> files its reader maps; checked for truncation before each read.
     mapped_files: dict[str, list[MappedFile]]
+    # (the mapped_files they group, key set -> groups of files sharing one fstat)
+    _check_plans: tuple[dict[str, list[MappedFile]], dict[tuple[str, ...], _Groups]] | None = None
 
     def check_mapped(self, keys: Iterable[str]) -> None:
-        """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map."""
+        """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map.
+
+        One ``fstat`` per mapped file per call, however many leaves share it: the
+        files of ``keys`` are grouped once per key set (the groups are kept while
+        ``mapped_files`` is the same dictionary).
+        """
         mapped = getattr(self, "mapped_files", None)
-        if mapped:
-            for key in keys:
-                for file in mapped.get(key, ()):
-                    file.check(key)
+        if not mapped:
+            return
+        names = tuple(keys)
+        plans = self._check_plans
+        if plans is None or plans[0] is not mapped:
+            plans = (mapped, {})
+            self._check_plans = plans
+        groups = plans[1].get(names)
+        if groups is None:
+            groups = _group_files(mapped, names)
+            if len(plans[1]) < 64:  # a few key sets per source; a stream of new ones is not kept
+                plans[1][names] = groups
+        for group in groups:
+            size = group[0][1].size()
+            for key, file in group:
+                file.check_size(key, size)
 
     def close_mapped(self) -> None:
         """Lets go of the descriptors kept for :meth:`check_mapped` (the maps stay valid).
@@ -68,6 +89,7 @@ class Handle(abc.ABC):
         thread finishes on its own descriptor first).
         """
         self.mapped_files = {}
+        self._check_plans = None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases OS resources; the default holds none."""
@@ -80,6 +102,15 @@ class Handle(abc.ABC):
         source closes the handle and its next read reopens the store.
         """
         return False
+
+
+def _group_files(mapped: dict[str, list[MappedFile]], keys: tuple[str, ...]) -> _Groups:
+    """The files of ``keys``, grouped by what answers their size (one fstat a group)."""
+    groups: dict[int, list[tuple[str, MappedFile]]] = {}
+    for key in keys:
+        for file in mapped.get(key, ()):
+            groups.setdefault(file.resource(), []).append((key, file))
+    return list(groups.values())
 
 
 def advise_random(array: np.ndarray) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from grain_replay.errors import MissingDependencyError
 
-__all__ = ["decode_image", "jpeg_decoder"]
+__all__ = ["decode_image", "decoder_name", "jpeg_decoder"]
 
 _JPEG_MAGIC = b"\xff\xd8"
 _MODES = {1: "L", 3: "RGB", 4: "RGBA"}
@@ -23,6 +23,20 @@ def jpeg_decoder() -> Any:
     except ImportError:
         return None
     return simplejpeg
+
+
+def decoder_name() -> str:
+    """Which decoders (and versions) make the frames: a decoded-frame cache is only
+    valid for the decoders that filled it (simplejpeg and Pillow differ in the last bit)."""
+    from importlib import metadata
+
+    names = []
+    for dist in ("simplejpeg", "pillow"):
+        try:
+            names.append(f"{dist}=={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            names.append(f"{dist}: none")
+    return ", ".join(names)
 
 
 def _pil() -> Any:

@@ -14,6 +14,7 @@ from grain_replay.sources.reading.pool import run_grouped
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.rlds.arrayrecord import RecordCache
 from grain_replay.sources.rlds.features import STEPS, Feature
+from grain_replay.sources.rlds.frames import FrameCache
 from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
 from grain_replay.sources.rlds.index import Index
 
@@ -142,6 +143,8 @@ class _BytesReader(_Base):
         self.off = index.arrays[f.key + "#off"]
         self.len = index.arrays[f.key + "#len"]
         self.per = 1 if f.kind in ("image", "raw") else f.size
+        # Decoded frames kept on disk (step-level images only; see frames.py).
+        self.frames: FrameCache | None = None
 
     def _blobs(self, idx: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         episode, j, rec = self._records(idx)
@@ -164,6 +167,9 @@ class _BytesReader(_Base):
 
     def take(self, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices, np.int64).reshape(-1)
+        frames = self.frames
+        if frames is not None and frames.enabled:
+            return self._cached_images(idx, frames)
         blobs, episode, j = self._blobs(idx)
         f = self.f
         if f.kind == "text":
@@ -182,6 +188,18 @@ class _BytesReader(_Base):
                     ) from e
             return out
         return self._images(blobs, episode, j)
+
+    def _cached_images(self, idx: np.ndarray, frames: FrameCache) -> np.ndarray:
+        """Frames from the cache; the others decoded (as without it) and stored there."""
+        out = np.empty((len(idx), *self.f.shape), self.f.dtype)
+        _, _, rec = self._records(idx)
+        miss = np.flatnonzero(~frames.read(rec, out))
+        if miss.size:
+            blobs, episode, j = self._blobs(idx[miss])
+            decoded = self._images(blobs, episode, j)
+            out[miss] = decoded
+            frames.write(rec[miss].tolist(), decoded)
+        return out
 
     def _images(self, blobs: list[bytes], episode: np.ndarray, j: np.ndarray) -> np.ndarray:
         f = self.f

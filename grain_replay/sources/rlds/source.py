@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -17,10 +20,16 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.rlds.arrayrecord import RecordCache
 from grain_replay.sources.rlds.features import STEPS, Feature, read_features
-from grain_replay.sources.rlds.index import Index, build_index
+from grain_replay.sources.rlds.frames import SLOT_HEADER, FrameCache, open_frame_cache
+from grain_replay.sources.rlds.images import decoder_name
+from grain_replay.sources.rlds.index import Index, build_index, cache_dirs
 from grain_replay.sources.rlds.readers import Shards, make_reader
 
-__all__ = ["RLDSDataSource", "dataset_shards"]
+__all__ = ["DEFAULT_FRAME_CACHE_BYTES", "RLDSDataSource", "dataset_shards"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FRAME_CACHE_BYTES = 16 * 2**30
 
 _TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
 
@@ -97,9 +106,12 @@ class _RLDSHandle(Handle):
             else Shards(index.shards, sizes)
         )
         self.readers = {f.key: make_reader(f, index, self.shards) for f in features}
+        self.frames: list[FrameCache] = []
 
     def close(self) -> None:
         self.shards.close()
+        for frames in self.frames:
+            frames.close()
 
 
 def _treedef(keys: Sequence[str]) -> dict[str, Any]:
@@ -149,6 +161,12 @@ class RLDSDataSource(ReplaySource):
         read with the array_record package): an ArrayRecord record is compressed whole,
         so each episode a batch touches is read once and kept in a per-process cache of
         this many bytes, shared by the leaves.
+      frame_cache_bytes: disk for decoded frames (see :mod:`~grain_replay.sources.rlds.
+        frames`): each step-level image leaf whose frames fit in what is left of this
+        budget gets a file beside the index; a step's images are decoded the first time
+        any process reads it and read back from there after. 0 turns it off (every read
+        decodes). The file is reserved when made and read with ``pread`` (no map: host
+        RSS does not grow with it).
 
     Raises:
       StoreNotFoundError: no dataset at ``path``, or a shard missing.
@@ -174,6 +192,7 @@ class RLDSDataSource(ReplaySource):
         check_crc: bool = True,
         progress: bool = True,
         record_cache_bytes: int = 256 * 2**20,
+        frame_cache_bytes: int = DEFAULT_FRAME_CACHE_BYTES,
     ):
         path = os.path.expanduser(os.fspath(path))
         if is_url(path):
@@ -184,6 +203,12 @@ class RLDSDataSource(ReplaySource):
         if record_cache_bytes < 0:
             raise InvalidArgumentError(f"record_cache_bytes must be >= 0, got {record_cache_bytes}")
         self._record_cache_bytes = int(record_cache_bytes)
+        if frame_cache_bytes < 0:
+            raise InvalidArgumentError(
+                f"frame_cache_bytes must be >= 0 (0: no decoded-frame cache), got "
+                f"{frame_cache_bytes}"
+            )
+        self._frame_cache_bytes = int(frame_cache_bytes)
         self._split_arg = split
         self._check_crc = bool(check_crc)
         self._progress = bool(progress)
@@ -243,7 +268,59 @@ class RLDSDataSource(ReplaySource):
         index = self._index if self._index is not None else self._make_index()
         self._index = index
         feats = [f for f in self._indexed if f.key in self._layout.spec]
-        return _RLDSHandle(index, feats, self._sizes, self._format, self._record_cache_bytes)
+        handle = _RLDSHandle(index, feats, self._sizes, self._format, self._record_cache_bytes)
+        try:
+            self._attach_frames(handle, index, feats)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    def _attach_frames(self, handle: _RLDSHandle, index: Index, feats: list[Feature]) -> None:
+        """Opens (or creates) the decoded-frame cache of each step-level image leaf that
+        fits in what is left of ``frame_cache_bytes``."""
+        left = self._frame_cache_bytes
+        images = [f for f in feats if f.kind == "image" and f.level == STEPS]
+        if not left or not images:
+            return
+        base = json.dumps(
+            {
+                "shards": [
+                    [os.path.basename(p), st.st_size, st.st_mtime_ns]
+                    for p, st in ((p, os.stat(p)) for p in self._shards)
+                ],
+                "split": self._split,
+                "steps": index.num_steps,
+                "decoders": decoder_name(),
+            }
+        )
+        for f in images:
+            frame_bytes = f.dtype.itemsize * f.size
+            need = 4096 + index.num_steps * (SLOT_HEADER + frame_bytes)
+            if need > left:
+                logger.info(
+                    "%s: leaf %r: its decoded frames take %s bytes, more than the %s left of "
+                    "frame_cache_bytes; its images are decoded on every read. Fix: raise "
+                    "frame_cache_bytes to cache them.",
+                    self._path,
+                    f.key,
+                    f"{need:,}",
+                    f"{left:,}",
+                )
+                continue
+            signature = json.dumps([base, f.key, f.name, f.dtype.str, list(f.shape)])
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f.key)[:64]
+            digest = hashlib.sha1(f.key.encode()).hexdigest()[:8]
+            name = f"frames-{self._split}-{safe}-{digest}.bin"
+            frames = open_frame_cache(
+                cache_dirs(self._path), name, signature, index.num_steps, frame_bytes
+            )
+            if frames is None:
+                continue
+            left -= need
+            handle.frames.append(frames)
+            reader = handle.readers[f.key]
+            reader.frames = frames  # type: ignore[attr-defined]
 
     # -- what the dataset says --------------------------------------------------
 

@@ -111,8 +111,9 @@ class TorchRLDataSource(ReplaySource):
         start = self._dump.start
         if not start:
             return records
+        # Two array operations a batch (add, remainder): records are in [0, N).
         rows = records + start
-        rows[rows >= len(self)] -= len(self)
+        np.remainder(rows, len(self), out=rows)
         return rows
 
     def __getitem__(self, index: int) -> Any:
