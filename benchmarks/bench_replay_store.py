@@ -5,6 +5,8 @@ Every number is a ratio measured in this run:
 - uniform ``sample + read`` (batch 256) over a bounded store of C live rows of
   525 B after 10 x C rows were inserted, against the same sampler over a plain
   store holding the same C rows (target >= 0.9);
+- prioritized ``sample + read`` (plus ``update_priorities`` of each batch) over
+  the same two stores (target >= 0.9);
 - disk use of the bounded store over its live bytes (target <= 1.1 plus the
   stated slack: two segments per writer, 2/16 of the capacity);
 - committed rows/s of two writer processes (flush every 1,000 rows) over one
@@ -65,23 +67,45 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def _batches_per_s(source: Any, batches: int, repeats: int) -> float:
+def _stepper(source: Any, prioritized: bool, batches: int) -> Any:
+    """One ``sample + read`` step of a replay loader over ``source`` (prioritized: plus
+    ``update_priorities`` of the batch, which the next draw applies: a learner's loop)."""
     import grain_replay as gr
 
-    it = iter(
-        gr.make_data_loader(
-            source, batch_size=BATCH, sampling=gr.UniformReplay(refresh_every=None), seed=0
-        )
+    sampling: Any = (
+        gr.PrioritizedReplay(refresh_every=None)
+        if prioritized
+        else gr.UniformReplay(refresh_every=None)
     )
-    for _ in range(3):
-        next(it)
-    times = []
+    it = iter(gr.make_data_loader(source, batch_size=BATCH, sampling=sampling, seed=0))
+    priorities = np.random.default_rng(0).random((batches, BATCH))
+
+    def step(k: int) -> None:
+        batch = next(it)
+        if prioritized:
+            it.update_priorities(batch.index, priorities[k])
+
+    for k in range(3):
+        step(k)
+    return step
+
+
+def _rates(sources: list[Any], batches: int, repeats: int, prioritized: bool) -> list[float]:
+    """Batches/s of each source (median of ``repeats``), the sources' runs interleaved
+    so that a change of the machine's load hits all of them alike."""
+    steps = [_stepper(src, prioritized, batches) for src in sources]
+    times: list[list[float]] = [[] for _ in sources]
     for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(batches):
-            next(it)
-        times.append((time.perf_counter() - t) / batches)
-    return 1.0 / statistics.median(times)
+        for step, out in zip(steps, times):
+            t = time.perf_counter()
+            for k in range(batches):
+                step(k)
+            out.append((time.perf_counter() - t) / batches)
+    return [1.0 / statistics.median(t) for t in times]
+
+
+def _batches_per_s(source: Any, batches: int, repeats: int) -> float:
+    return _rates([source], batches, repeats, False)[0]
 
 
 def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any]:
@@ -104,8 +128,10 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
     b_src, p_src = gr.open_source(bounded), gr.open_source(plain)
     assert len(b_src) == len(p_src) == live
     batches = 50 if live <= 50_000 else 200
-    rate_b = _batches_per_s(b_src, batches, repeats)
-    rate_p = _batches_per_s(p_src, batches, repeats)
+    rate_b, rate_p = _rates([b_src, p_src], batches, repeats, False)
+    t = time.perf_counter()
+    prio_b, prio_p = _rates([b_src, p_src], batches, repeats, True)
+    prio_wall = time.perf_counter() - t
     disk = _disk(bounded)
     out = {
         "live_rows": live,
@@ -114,6 +140,10 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
         "bounded_batches_per_s": rate_b,
         "plain_batches_per_s": rate_p,
         "uniform_ratio": rate_b / rate_p,
+        "bounded_prioritized_batches_per_s": prio_b,
+        "plain_prioritized_batches_per_s": prio_p,
+        "prioritized_ratio": prio_b / prio_p,
+        "prioritized_wall_s": prio_wall,
         "disk_bytes": disk,
         "live_bytes": live * ROW_BYTES,
         "disk_ratio": disk / (live * ROW_BYTES),
@@ -123,6 +153,10 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
         f"  uniform sample+read after 10x capacity: bounded {rate_b:,.0f} / plain "
         f"{rate_p:,.0f} batches/s = {out['uniform_ratio']:.2f}; disk {out['disk_ratio']:.3f}"
         f" x live (slack allowed {out['stated_slack']:.3f})"
+    )
+    log(
+        f"  prioritized sample+read+update after 10x capacity: bounded {prio_b:,.0f} / plain "
+        f"{prio_p:,.0f} batches/s = {out['prioritized_ratio']:.2f}"
     )
     return out
 
@@ -248,6 +282,15 @@ def run_store(cfg: Any, stores: Any, res: Any, log: Any) -> None:
     ev = out["eviction"]
     res.ratios.append(
         Ratio("store: uniform bounded / plain", "bounded", "plain", ev["uniform_ratio"], 0.9)
+    )
+    res.ratios.append(
+        Ratio(
+            "store: prioritized bounded / plain",
+            "bounded",
+            "plain",
+            ev["prioritized_ratio"],
+            0.9,
+        )
     )
     res.ratios.append(
         Ratio(

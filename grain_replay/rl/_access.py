@@ -111,6 +111,26 @@ class LeafAccess:
         rows = window_rows(starts, length).reshape(len(starts), length)
         return self.take({key: rows})[key]
 
+    def take_windows_flat(
+        self, windows: Mapping[str, tuple[np.ndarray, int]]
+    ) -> dict[str, np.ndarray]:
+        """``{key: (starts, length)}`` -> ``{key: take_windows(key, starts, length)}``.
+
+        A grain_replay source reads them all in one ``read_windows_flat`` (one
+        handle and truncation check for the batch); any other as the rows, in
+        one :meth:`take`.
+        """
+        if not windows:
+            return {}
+        src = self.source
+        if isinstance(src, ReplaySource):
+            return src.read_windows_flat(windows, check=False)
+        rows = {
+            key: window_rows(starts, length).reshape(len(starts), length)
+            for key, (starts, length) in windows.items()
+        }
+        return self.take(rows)
+
     def handle(self) -> Any:
         return getattr(self.source, "_handle", None)
 

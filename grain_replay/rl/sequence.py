@@ -251,7 +251,7 @@ class SequenceDataSource(DerivedSource):
             if index.open_last and count.size:
                 # The unfinished episode: no anchor reaches past the committed rows.
                 count[-1] = max(int(count[-1]) - self._hi, 0)
-        return Anchors(first, count, index)
+        return Anchors(first, count, index, self._lo, self._hi)
 
     def anchor_steps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """The step id of each record's anchor (negative indices count from the end)."""

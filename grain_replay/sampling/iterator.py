@@ -209,6 +209,9 @@ class SamplingIterator:
         store = str(getattr(source, "path", None) or repr(source))
         # A bounded many-writer store names each writer's committed rows in the view:
         # through commit_watermark(), or the writers' manifests of its snapshot.
+        view = getattr(sampler, "commit_watermark", None)
+        if callable(view):  # the writers' rows the draws come from, as the sampler saw them
+            return Watermark(store, writers=dict(view()))
         per_writer = getattr(source, "commit_watermark", None)
         if callable(per_writer):
             return Watermark(store, writers=dict(per_writer()))

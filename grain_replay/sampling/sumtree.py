@@ -118,6 +118,8 @@ class SumTree:
         if not self._skip_zeros:
             return values
         values = np.asarray(values, dtype=np.float64)
+        if values.size and values.min() > 0:
+            return values
         return np.where(values > 0, values, np.inf)
 
     def _rebuild(self, lo: int, hi: int) -> None:

@@ -282,25 +282,65 @@ class ReplaySource(SourceSurface):
         if key not in self._layout.spec:
             raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         length = int(length)
-        if check:
-            n = len(self)
-            idx = np.asarray(starts)
-            if idx.dtype.kind not in "iu" and idx.size:
-                idx = self._check_indices(idx)  # raises the ArgumentTypeError
-            idx = idx.astype(np.int64, copy=False).reshape(-1)
-            if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):
-                raise RecordIndexError(
-                    f"{self._path}: windows of {length} rows from starts "
-                    f"{idx.min() if idx.size else ''}..{idx.max() if idx.size else ''} do not "
-                    f"fit a store of {n} records (valid: length >= 1, "
-                    f"0 <= start <= {n - length}). Fix: clip the starts."
-                )
-        else:
-            idx = np.asarray(starts)
+        idx = self._window_starts(starts, length) if check else np.asarray(starts)
         handle = self._get_handle()
         handle.check_mapped([key])
+        return self._take_windows(handle, key, idx, length)
+
+    def read_windows_flat(
+        self, windows: Mapping[str, tuple[Sequence[int] | np.ndarray, int]], *, check: bool = True
+    ) -> dict[str, np.ndarray]:
+        """:meth:`read_windows` of several leaves in one call, with one handle and one
+        truncation check for all of them (a batch of sequences reads its leaves so).
+
+        Args:
+          windows: leaf key -> ``(starts, length)``, as :meth:`read_windows` takes them.
+          check: as for :meth:`read_windows`.
+
+        Returns:
+          Leaf key -> ``(len(starts), length, *leaf_shape)``, in the order given.
+
+        Raises:
+          UnknownLeafError: no leaf of a key.
+          RecordIndexError: a window reaches outside the store.
+        """
+        if getattr(self.read_windows, "__func__", None) is not ReplaySource.read_windows:
+            # A subclass reads windows its own way (its records are not consecutive rows).
+            return {k: self.read_windows(k, s, n, check=check) for k, (s, n) in windows.items()}
+        spec = self._layout.spec
+        asked = {}
+        for key, (starts, length) in windows.items():
+            if key not in spec:
+                raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
+            n = int(length)
+            asked[key] = (self._window_starts(starts, n) if check else np.asarray(starts), n)
+        handle = self._get_handle()
+        handle.check_mapped(asked)
+        return {
+            key: self._take_windows(handle, key, starts, n) for key, (starts, n) in asked.items()
+        }
+
+    def _window_starts(self, starts: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
+        """``starts`` as int64, checked to hold windows of ``length`` rows inside the store."""
+        n = len(self)
+        idx = np.asarray(starts)
+        if idx.dtype.kind not in "iu" and idx.size:
+            idx = self._check_indices(idx)  # raises the ArgumentTypeError
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
+        if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):
+            raise RecordIndexError(
+                f"{self._path}: windows of {length} rows from starts "
+                f"{idx.min() if idx.size else ''}..{idx.max() if idx.size else ''} do not "
+                f"fit a store of {n} records (valid: length >= 1, "
+                f"0 <= start <= {n - length}). Fix: clip the starts."
+            )
+        return idx
+
+    def _take_windows(
+        self, handle: Handle, key: str, starts: np.ndarray, length: int
+    ) -> np.ndarray:
         try:
-            return handle.readers[key].take_windows(idx, length)
+            return handle.readers[key].take_windows(starts, length)
         except GrainReplayError:
             raise
         except _STORE_FAULTS as e:

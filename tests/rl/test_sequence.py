@@ -616,3 +616,49 @@ def test_growing_store_matches_the_reference_at_every_commit(
                 m = len(previous["step"])
                 assert_flat_equal({k: v[:m] for k, v in got.items()}, previous)
             previous = got
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_anchors_near_their_episodes_bounds_are_found_by_table_and_by_search(
+    table: bool, monkeypatch: Any
+) -> None:
+    # The fix-up of a windowed batch touches only these anchors: every other one must read
+    # only steps of its own episode, whichever way (byte table or binary search) finds them.
+    from grain_replay.rl import _sequence_plan
+
+    if not table:
+        monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 12, rng.integers(1, 8))
+        index = EpisodeIndex(np.cumsum(lengths), np.ones(len(lengths), bool), False)
+        lo, hi = -int(rng.integers(0, 6)), int(rng.integers(0, 6))
+        anchors = _sequence_plan.Anchors(index.starts, lengths, index, lo, hi)
+        assert (anchors.near_steps is not None) == table
+        t = rng.permutation(index.num_steps)
+        e = np.searchsorted(index.ends, t, side="right")
+        want = ((t + lo) < index.starts[e]) | ((t + hi) >= index.ends[e])
+        np.testing.assert_array_equal(anchors.near(t), np.flatnonzero(want))
+
+
+@pytest.mark.parametrize("pad", ["edge", "zero"])
+def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
+    tmp_path: Any, pad: str, monkeypatch: Any
+) -> None:
+    # Windows that would start before row 0 or end past the last row start inside the store;
+    # the anchors' steps are then moved inside the window read. Both ways to find the anchors.
+    from grain_replay.rl import _sequence_plan
+
+    lengths, terminated = [3, 20, 2], [True, True, True]
+    tree = step_tree(lengths, terminated)
+    path = gr.write_npy(str(tmp_path / "s"), tree)
+    offsets = {"obs/vec": [-4, -3, -2, -1, 0, 1], "action": list(range(8)), "step": [0]}
+    expect, n = ref_expect(tree, lengths, offsets, pad)
+    ids = np.array([0, n - 1, 1, n - 2, 5, 2, 3, n - 3, 0], np.int64)
+    for table in (True, False):
+        if not table:
+            monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
+        src = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+        assert src._windowed
+        assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
+        assert_flat_equal(flat(src.read_batch(ids[4:5])), expect(ids[4:5]))  # none near

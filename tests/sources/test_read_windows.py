@@ -55,6 +55,35 @@ def test_windows_out_of_the_store_or_of_no_leaf_are_refused(source: Any) -> None
     assert source.read_windows("step", np.zeros(0, np.int64), 4).shape == (0, 4)
 
 
+def test_windows_of_several_leaves_in_one_call_equal_each_leafs(source: Any) -> None:
+    starts = {"obs": np.array([3, 0, N - 2], np.int64), "step": np.array([N - 5, 1], np.int64)}
+    lengths = {"obs": 2, "step": 5}
+    for check in (True, False):
+        got = source.read_windows_flat({k: (starts[k], lengths[k]) for k in starts}, check=check)
+        assert list(got) == ["obs", "step"]  # in the order asked
+        for key in starts:
+            want = source.read_windows(key, starts[key], lengths[key])
+            np.testing.assert_array_equal(got[key], want)
+    with pytest.raises(gr.RecordIndexError, match="clip the starts"):
+        source.read_windows_flat({"obs": ([0], 2), "step": ([N - 1], 2)})
+    with pytest.raises(gr.UnknownLeafError, match="no leaf 'nope'"):
+        source.read_windows_flat({"step": ([0], 1), "nope": ([0], 1)})
+    assert source.read_windows_flat({}) == {}
+
+
+def test_windows_of_several_leaves_go_through_a_subclass_read_windows(tmp_path: Any) -> None:
+    # A source whose records are not consecutive rows reads windows its own way: the
+    # multi-leaf call must not go around it.
+    class Reversed(gr.NpyDataSource):
+        def read_windows(self, key: str, starts: Any, length: int, *, check: bool = True) -> Any:
+            return super().read_windows(key, starts, length, check=check)[:, ::-1]
+
+    path = gr.write_npy(str(tmp_path / "s"), tree())
+    src = Reversed(path)
+    got = src.read_windows_flat({"step": (np.array([4]), 3)}, check=False)
+    assert got["step"].tolist() == [[6, 5, 4]]
+
+
 def test_array_reader_copies_windows_of_a_contiguous_array_only() -> None:
     array = np.arange(50, dtype=np.int16).reshape(10, 5)
     starts = np.array([7, 0, 3], dtype=np.int64)
