@@ -109,6 +109,21 @@ $(PEERS_STAMP):
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/bench_sampling.py --peers-python $(abspath $(PEERS_VENV))/bin/python
 
+# The online loop against Reverb (a server on 127.0.0.1; dm-reverb 0.14.0 wants Python 3.11
+# and tensorflow 2.15) and torchrl (from .venv-peers): a repo-local venv of its own.
+REVERB_VENV ?= .venv-reverb
+REVERB_STAMP := $(REVERB_VENV)/.installed
+
+$(REVERB_STAMP):
+	test -x $(REVERB_VENV)/bin/python || $(PYTHON) -m venv $(REVERB_VENV)
+	$(REVERB_VENV)/bin/python -m pip install --quiet "dm-reverb==0.14.0" "tensorflow==2.15.*" numpy
+	touch $(REVERB_STAMP)
+
+.PHONY: bench-online-peers
+bench-online-peers: $(STAMP) $(PEERS_STAMP) $(REVERB_STAMP)
+	$(PY) benchmarks/bench_online.py --reverb-python $(abspath $(REVERB_VENV))/bin/python \
+		--torchrl-python $(abspath $(PEERS_VENV))/bin/python
+
 # Wheels for benchmarks/gpu_check.sh on a GPU machine with Python 3.12, its own jax and no
 # network: grain and zarr with everything they depend on (resolved for that Python), and
 # this package. The script installs only what that machine lacks, never jax or numpy.

@@ -1,7 +1,8 @@
 """Benchmarks of grain_replay: rates and same-run ratios against the limit and the baselines.
 
 Usage: ``python benchmarks/run.py [--quick] [--out DIR] [--data DIR] [--only SUBSTR]
-[--sections formats,pipeline,cold,write,sequences,device,startup]``. See benchmarks/README.md.
+[--sections formats,pipeline,cold,write,sequences,device,startup,online]``.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ SECTIONS = (
     "memory",
     "startup",
     "store",
+    "online",
 )
 # "memory" writes a store larger than half of RAM, "startup" spawns ~40 worker
 # processes (seconds to the first batch), "store" (bounded, many-writer replay stores:
 # bench_replay_store.py) starts writer processes: run them only when asked for.
-DEFAULT_SECTIONS = ("formats", "formats_extra", "pipeline", "cold", "write", "sequences", "device")
+# "online" (bench_online.py: writer processes, Reverb and torchrl in their own venvs when
+# `make bench-online-peers` has built them) runs by default.
+DEFAULT_SECTIONS = (
+    "formats", "formats_extra", "pipeline", "cold", "write", "sequences", "device", "online",
+)  # fmt: skip
 
 
 def _parse(argv: list[str] | None) -> object:
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_formats import run_formats
     from bench_formats_extra import run_formats_extra
     from bench_memory import run_memory
+    from bench_online import run_online
     from bench_pipeline import run_pipeline
     from bench_replay_store import run_store
     from bench_sequences import run_sequences
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler.reset()
     # The memory and sequences sections write their own stores.
     needs_stores = set(cfg.sections) - {
-        "memory", "sequences", "startup", "formats_extra", "store",
+        "memory", "sequences", "startup", "formats_extra", "store", "online",
     }  # fmt: skip
     # The device section reads the .npy stores only.
     only = ("npy",) if needs_stores == {"device"} else None
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": functools.partial(run_memory, fmt=args.memory_format),
         "startup": run_startup,
         "store": run_store,
+        "online": run_online,
     }
     results: list[common.SectionResult] = []
     json_path = os.path.join(out_dir, "results.json")

@@ -39,6 +39,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     env.setdefault("JAX_PLATFORMS", "cpu")
+    env["BENCH_ONLINE_PEERS"] = "0"  # Reverb and torchrl, when their venvs exist: not here
     proc = subprocess.run(
         [sys.executable, str(RUN), *args],
         cwd=ROOT,
@@ -165,3 +166,41 @@ def test_only_and_sections_filter_and_reuse_the_data(quick_run: tuple[Path, str]
     sources = [c for c in doc["sections"]["write"]["cases"] if c["kind"] == "source"]
     assert sources and all(c["layout"] == "hdf5-lzf" for c in sources)
     assert (tmp_path / "plot.png").exists()
+
+
+def test_quick_run_reports_online_section_without_peers(quick_run: tuple[Path, str]):
+    out, _ = quick_run
+    section = json.loads((out / "results.json").read_text())["sections"]["online"]
+    doc = section["online"]
+    inserts = {(r["where"], r["writers"]): r for r in doc["ours"]["inserts"]}
+    assert set(inserts) == {("disk", 1), ("disk", 2)}
+    for row in inserts.values():
+        assert row["rows"] == row["writers"] * 4096 and _positive(row["rows_per_s"])
+    sample = doc["ours"]["sample"]
+    assert _positive(sample["samples_per_s"]) and sample["inserted_while_sampling"] > 0
+    assert sample["rows_at_end"] > sample["rows_at_start"] >= 4096  # the writers kept writing
+    latency = doc["ours"]["latency"]
+    assert latency["measured"] == latency["commits"] == 15
+    assert latency["min_ms"] <= latency["median_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    ratios = {r["name"]: r for r in section["ratios"]}
+    ours = [n for n in ratios if not n.startswith("online: bench_")]
+    assert ours == [
+        "online: commit -> sampleable: 20 ms / median",
+        "online: commit -> sampleable: 200 ms / p99",
+    ]
+    assert all(ratios[n]["target"] == 1.0 and _positive(ratios[n]["value"]) for n in ours)
+    # The other helpers' benches (limiter accuracy, device writes) run when in the tree.
+    for name in ("bench_rate_limit", "bench_device_writes"):
+        if (ROOT / "benchmarks" / f"{name}.py").exists():
+            assert isinstance(doc["others"][name], list) and doc["others"][name]
+        else:
+            assert doc["others"][name] == {"skipped": f"benchmarks/{name}.py is not in this tree"}
+    # The peers are named as not run, each comparison with its target.
+    assert doc["peers"] == {
+        "reverb": {"skipped": "peers not asked for"},
+        "torchrl": {"skipped": "peers not asked for"},
+    }
+    notes = "\n".join(section["notes"])
+    assert "inserts, 1 writer, ours / reverb: not measured (peers not asked for)" in notes
+    assert "PER sample+read 256 while 2 writers insert, ours / torchrl: not measured" in notes
+    assert "1-min load average" in notes

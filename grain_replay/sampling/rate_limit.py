@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from grain_replay.errors import (
 )
 from grain_replay.parts import is_parts_store
 from grain_replay.sampling.rate_options import default_tolerance, is_rate_limited, least_tolerance
+from grain_replay.sampling.replay import probe_copy
 
 __all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter"]
 
@@ -59,12 +59,7 @@ class _Counts:
         if self.parts:
             self._inserted = learners_lib.InsertedCount(source.path)
             return
-        self._probe = source
-        if callable(getattr(source, "refresh", None)):
-            try:  # grain_replay's sources pickle without handles: an independent copy
-                self._probe = pickle.loads(pickle.dumps(source))
-            except Exception:
-                self._probe = source
+        self._probe = probe_copy(source)
         self.grows = callable(getattr(self._probe, "refresh", None))
 
     def read(self) -> tuple[int, int]:

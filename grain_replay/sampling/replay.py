@@ -110,6 +110,18 @@ def _tick_bound(mtime_ns: int) -> int:
     return 2_000_000_000 if mtime_ns % 1_000_000 == 0 else 50_000_000
 
 
+def probe_copy(source: Any) -> Any:
+    """An independent copy of a growing ``source`` to refresh apart from the one that
+    reads (grain_replay's sources pickle without handles); ``source`` itself when it
+    cannot grow or does not pickle."""
+    if callable(getattr(source, "refresh", None)):
+        try:
+            return pickle.loads(pickle.dumps(source))
+        except Exception:
+            return source
+    return source
+
+
 class StoreLength:
     """The committed length of a source, re-read on a schedule of steps or on request.
 
@@ -130,12 +142,7 @@ class StoreLength:
         self.n = len(source)
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
-        self._probe = source
-        if callable(getattr(source, "refresh", None)):
-            try:  # grain_replay's sources pickle without handles: an independent copy
-                self._probe = pickle.loads(pickle.dumps(source))
-            except Exception:
-                self._probe = source
+        self._probe = probe_copy(source)
 
     @property
     def by_id(self) -> bool:
