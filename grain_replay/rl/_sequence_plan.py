@@ -1,23 +1,23 @@
-"""Where a batch of sequences reads: offset groups, anchors, row plans, windowed reads."""
+"""Where a batch of sequences reads: offset groups, anchors, row plans."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._derived import Spans
 from grain_replay.rl.episodes import EpisodeIndex
 
+if TYPE_CHECKING:
+    from grain_replay.rl._sequence_windows import FixTables
+
 __all__ = [
     "MAX_WINDOW",
-    "NEAR_TABLE_STEPS",
     "WINDOW_ROW_BYTES",
     "Anchors",
     "OffsetGroup",
-    "read_windowed",
     "row_bytes",
     "rows_plan",
 ]
@@ -26,8 +26,6 @@ __all__ = [
 MAX_WINDOW = 256
 # Largest row of a leaf read as windows.
 WINDOW_ROW_BYTES = 1024
-# Largest store whose anchors near an episode's bounds are found in a table of a byte a step.
-NEAR_TABLE_STEPS = 1 << 23
 
 
 def row_bytes(leaf: LeafSpec) -> int:
@@ -60,14 +58,16 @@ class OffsetGroup:
 class Anchors(Spans):
     """The records (anchor steps) per episode, with the episode bounds a batch clips to.
 
-    ``lo <= 0 <= hi`` are the smallest and largest offset the view reads: an
-    anchor ``t`` of episode ``e`` with ``starts[e] <= t + lo`` and ``t + hi <
-    ends[e]`` reads only steps of its episode (and of the store), so nothing of
-    it needs clipping. :meth:`near` finds the others.
+    ``fix``: the view's fix-up tables of its windowed reads, None when it reads no
+    windows or pads nothing.
     """
 
     def __init__(
-        self, first: np.ndarray, count: np.ndarray, index: EpisodeIndex, lo: int = 0, hi: int = 0
+        self,
+        first: np.ndarray,
+        count: np.ndarray,
+        index: EpisodeIndex,
+        fix: FixTables | None = None,
     ):
         super().__init__(first, count)
         self.ends = index.ends
@@ -76,29 +76,7 @@ class Anchors(Spans):
         # Every step anchors one record, in order: a record id is its step id.
         self.every_step = self.total == index.num_steps
         self.num_steps = index.num_steps
-        # Per episode the anchors that need no clipping, [starts - lo, max(ends - hi, that)),
-        # as one sorted list of bounds behind a first one below every step: an anchor is
-        # inside one such interval exactly when an even number of bounds lies at or below it.
-        # (Those intervals ascend: the next one starts at ends - lo >= both of its ends.)
-        safe_from = self.starts - lo
-        safe_to = np.maximum(self.ends - hi, safe_from)
-        bounds = np.empty(2 * len(safe_from) + 1, np.int64)
-        bounds[0] = np.iinfo(np.int64).min
-        bounds[1::2] = safe_from
-        bounds[2::2] = safe_to
-        bounds.flags.writeable = False
-        self.bounds = bounds
-        # Up to NEAR_TABLE_STEPS steps, one byte per step answers it instead: a take of the
-        # batch's steps, where the binary search cost 3-5x more (random needles).
-        self.near_steps: np.ndarray | None = None
-        n = self.num_steps
-        if 0 < n <= NEAR_TABLE_STEPS:
-            edges = np.zeros(n + 1, np.int32)
-            np.add.at(edges, np.minimum(safe_from, n), 1)
-            np.add.at(edges, np.minimum(safe_to, n), -1)
-            near = np.cumsum(edges[:n]) == 0
-            near.flags.writeable = False
-            self.near_steps = near
+        self.fix = fix
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(episode, anchor step)`` of each record id (ids in range)."""
@@ -110,14 +88,6 @@ class Anchors(Spans):
             return episode, ids
         k = ids - (self.cum_end[episode] - self.count[episode])
         return episode, self.first[episode] + k
-
-    def near(self, t: np.ndarray) -> np.ndarray:
-        """Positions in ``t`` (anchor steps) of the anchors whose offsets reach past their
-        episode's first or last step: one binary search for the batch."""
-        table = self.near_steps
-        if table is not None:
-            return table.take(t).nonzero()[0]
-        return (self.bounds.searchsorted(t, side="right") & 1).nonzero()[0]
 
 
 def rows_plan(
@@ -138,78 +108,3 @@ def rows_plan(
             rows, np.repeat(spans.lasts[episode], k), out=None if rows is pos else rows
         )
     return rows.reshape(b, k), (rows != pos).reshape(b, k)
-
-
-def read_windowed(
-    groups: Sequence[OffsetGroup],
-    access: LeafAccess,
-    spans: Anchors,
-    ids: np.ndarray,
-    pad: str,
-) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """The leaves and the groups' masks of a batch of a grain_replay source with a
-    windowed group (see ``SequenceDataSource._group_plans``).
-
-    A windowed group's anchors read the window of its offsets' steps, from
-    ``t + offsets[0]``, ``K`` rows: every windowed leaf of the batch in one
-    ``read_windows_flat`` (one copy per window on a memory-mapped leaf). One
-    lookup (:meth:`Anchors.near`) finds the few anchors whose offsets reach past their
-    episode (about 6% at 16 offsets and episodes of 50-500 steps); only
-    those are fixed up afterwards, in memory: each of their positions takes
-    the window's row of its clipped step (which lies inside the window, as the
-    offsets hold the anchor), and their mask rows are filled. A window that
-    would leave the store (first or last episode) starts inside it. Other
-    groups read their rows as before.
-    """
-    every_step = spans.every_step
-    episode, t = (None, ids) if every_step else spans.locate(ids)
-    b = len(t)
-    n = spans.num_steps
-    near = spans.near(t) if pad != "drop" else t[:0]
-    fix = near.size > 0
-    if fix:
-        t_near = t[near]
-        e_near = spans.ends.searchsorted(t_near, side="right") if episode is None else episode[near]
-        first, last = spans.starts[e_near], spans.lasts[e_near]
-        t_lo, t_hi = int(t_near.min()), int(t_near.max())
-    windows: dict[str, tuple[np.ndarray, int]] = {}
-    # Per group: (its (B, K) rows and mask) or, windowed, (its (B,) window starts and mask).
-    plans: list[tuple[np.ndarray, np.ndarray]] = []
-    for group in groups:
-        k = len(group.offsets)
-        if not group.windowed or n < k:
-            if episode is None:
-                episode = spans.ends.searchsorted(t, side="right")
-            plans.append(rows_plan(group, t, episode, spans, pad))
-            continue
-        off = int(group.offsets[0])
-        start = t + off if off else t
-        # A near anchor's window may leave the store: it starts inside, fixed up below.
-        if fix and (t_lo + off < 0 or t_hi + off > n - k):
-            start = start.copy() if start is t else start
-            np.clip(start, 0, n - k, out=start)
-        plans.append((start, np.zeros((b, k), bool)))
-        for key in group.keys:
-            windows[key] = (start, k)
-    got = access.take_windows_flat(windows)
-    masks = []
-    for group, (rows, is_pad) in zip(groups, plans):
-        masks.append(is_pad)
-        if rows.ndim == 2:
-            got.update(access.take(dict.fromkeys(group.keys, rows)))
-            continue
-        if not fix or not (group.before or group.after):
-            continue
-        # Per near anchor and offset: its step clipped to the episode, where it lies in
-        # the window read, and whether it is padding.
-        want = t_near[:, None] + group.offsets
-        steps = np.maximum(want, first[:, None]) if group.before else want
-        if group.after:
-            steps = np.minimum(steps, last[:, None], out=None if steps is want else steps)
-        is_pad[near] = steps != want
-        at = steps - rows[near][:, None]
-        picked = near[:, None]
-        for key in group.keys:
-            values = got[key]
-            values[near] = values[picked, at]
-    return got, masks

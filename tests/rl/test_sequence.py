@@ -618,27 +618,49 @@ def test_growing_store_matches_the_reference_at_every_commit(
             previous = got
 
 
-@pytest.mark.parametrize("table", [True, False])
-def test_anchors_near_their_episodes_bounds_are_found_by_table_and_by_search(
-    table: bool, monkeypatch: Any
+def test_anchor_codes_by_table_and_by_search_agree_and_mark_the_near_anchors(
+    monkeypatch: Any,
 ) -> None:
-    # The fix-up of a windowed batch touches only these anchors: every other one must read
-    # only steps of its own episode, whichever way (byte table or binary search) finds them.
-    from grain_replay.rl import _sequence_plan
+    # The fix-up of a windowed batch touches only anchors of a nonzero code: every other one
+    # must read only steps of its own episode and of the store. The per-step table and the
+    # binary search must give the same codes (which fix the fix-up).
+    from grain_replay.rl import _sequence_windows
+    from grain_replay.rl._sequence_plan import OffsetGroup
 
-    if not table:
-        monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 12, rng.integers(1, 8))
         index = EpisodeIndex(np.cumsum(lengths), np.ones(len(lengths), bool), False)
         lo, hi = -int(rng.integers(0, 6)), int(rng.integers(0, 6))
-        anchors = _sequence_plan.Anchors(index.starts, lengths, index, lo, hi)
-        assert (anchors.near_steps is not None) == table
+        group = OffsetGroup(np.arange(lo, hi + 1, dtype=np.int64), ("x",))
+        group.windowed = True
         t = rng.permutation(index.num_steps)
+        by_table = _sequence_windows.FixTables([group], index)
+        assert by_table.step_codes is not None
+        with monkeypatch.context() as m:
+            m.setattr(_sequence_windows, "NEAR_TABLE_STEPS", 0)
+            by_search = _sequence_windows.FixTables([group], index)
+        assert by_search.step_codes is None
+        (codes, near), (codes2, near2) = by_table.codes(t), by_search.codes(t)
+        np.testing.assert_array_equal(codes, codes2)
+        np.testing.assert_array_equal(near, near2)
         e = np.searchsorted(index.ends, t, side="right")
-        want = ((t + lo) < index.starts[e]) | ((t + hi) >= index.ends[e])
-        np.testing.assert_array_equal(anchors.near(t), np.flatnonzero(want))
+        n = index.num_steps
+        leaves = ((t + lo) < index.starts[e]) | ((t + hi) >= index.ends[e])
+        np.testing.assert_array_equal(near, np.flatnonzero(leaves))
+        # The tables read each near anchor's clipped steps from inside its window.
+        k = len(group.offsets)
+        if n < k:  # no window fits: the group reads rows
+            assert by_table.tables == [None]
+            continue
+        at, pad, _, _ = by_table.tables[0]
+        start = np.clip(t + lo, 0, n - k)
+        want = np.clip(
+            t[:, None] + group.offsets, index.starts[e][:, None], index.ends[e][:, None] - 1
+        )
+        assert ((at[codes] >= 0) & (at[codes] < k)).all()
+        np.testing.assert_array_equal(start[:, None] + at[codes], want)
+        np.testing.assert_array_equal(pad[codes], want != t[:, None] + group.offsets)
 
 
 @pytest.mark.parametrize("pad", ["edge", "zero"])
@@ -647,7 +669,7 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
 ) -> None:
     # Windows that would start before row 0 or end past the last row start inside the store;
     # the anchors' steps are then moved inside the window read. Both ways to find the anchors.
-    from grain_replay.rl import _sequence_plan
+    from grain_replay.rl import _sequence_windows
 
     lengths, terminated = [3, 20, 2], [True, True, True]
     tree = step_tree(lengths, terminated)
@@ -657,7 +679,7 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
     ids = np.array([0, n - 1, 1, n - 2, 5, 2, 3, n - 3, 0], np.int64)
     for table in (True, False):
         if not table:
-            monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
+            monkeypatch.setattr(_sequence_windows, "NEAR_TABLE_STEPS", 0)
         src = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
         assert src._windowed
         assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
