@@ -38,6 +38,7 @@ class OffsetGroup:
     def __init__(self, offsets: np.ndarray, keys: tuple[str, ...]):
         self.offsets = offsets
         self.keys = keys
+        self.first = int(offsets[0])
         self.before = bool(offsets.min() < 0)  # clip to the episode's first step
         self.after = bool(offsets.max() > 0)  # clip to its last step
         self._tiled = offsets[:0]

@@ -10,7 +10,14 @@ from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._sequence_plan import Anchors, OffsetGroup, rows_plan
 from grain_replay.rl.episodes import EpisodeIndex
 
-__all__ = ["FIX_TABLE_ENTRIES", "NEAR_TABLE_STEPS", "FixTables", "fix_entries", "read_windowed"]
+__all__ = [
+    "FIX_TABLE_ENTRIES",
+    "NEAR_TABLE_STEPS",
+    "FixTables",
+    "fix_entries",
+    "read_windowed",
+    "tables_fit",
+]
 
 # Largest store whose steps' fix-up codes are kept in a table (1-4 bytes a step).
 NEAR_TABLE_STEPS = 1 << 23
@@ -30,6 +37,11 @@ def fix_entries(groups: Sequence[OffsetGroup]) -> int:
     back, ahead = _reach(groups)
     codes = (back + 1) * (ahead + 1) + back + ahead
     return codes * sum(len(g.offsets) for g in groups if g.windowed)
+
+
+def tables_fit(groups: Sequence[OffsetGroup]) -> bool:
+    """Whether the fix-up tables of the windowed ``groups`` are small enough to keep."""
+    return fix_entries(groups) <= FIX_TABLE_ENTRIES
 
 
 class FixTables:
@@ -78,7 +90,7 @@ class FixTables:
             if not group.windowed or n < k:
                 self.tables.append(None)
                 continue
-            off, off0 = group.offsets, int(group.offsets[0])
+            off, off0 = group.offsets, group.first
             rel = np.clip(off, -back[:, None], ahead[:, None])
             shift = np.zeros(total, np.int64)
             shift[classes:] = np.clip(self.edges + off0, 0, n - k) - (self.edges + off0)
@@ -187,7 +199,7 @@ def read_windowed(
                 episode = spans.ends.searchsorted(t, side="right")
             plans.append((*rows_plan(group, t, episode, spans, pad), None))
             continue
-        off = int(group.offsets[0])
+        off = group.first
         start = t + off if off else t
         tables = None if fix is None else fix.tables[g]
         at = None

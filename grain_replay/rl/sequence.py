@@ -29,12 +29,7 @@ from grain_replay.rl._sequence_spec import (
     resolve_fps,
     sequence_treedef,
 )
-from grain_replay.rl._sequence_windows import (
-    FIX_TABLE_ENTRIES,
-    FixTables,
-    fix_entries,
-    read_windowed,
-)
+from grain_replay.rl._sequence_windows import FixTables, read_windowed, tables_fit
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.sources import ReplaySource
 
@@ -209,7 +204,7 @@ class SequenceDataSource(DerivedSource):
             group.windowed = (
                 self._per_leaf and small and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
             )
-        if pad != "drop" and fix_entries(self._groups) > FIX_TABLE_ENTRIES:
+        if pad != "drop" and not tables_fit(self._groups):
             # Windows reaching far back and ahead: their fix-up tables would be too large.
             for group in self._groups:
                 group.windowed = False

@@ -684,3 +684,46 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
         assert src._windowed
         assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
         assert_flat_equal(flat(src.read_batch(ids[4:5])), expect(ids[4:5]))  # none near
+
+
+def test_int64_array_indices_are_checked_as_strictly_as_lists(tmp_path: Any) -> None:
+    # An int64 array in range skips most of the check (samplers draw such arrays); negatives
+    # and out-of-range indices in such an array still get the full check.
+    lengths, terminated = [4, 6, 3], [True, False, True]
+    tree = step_tree(lengths, terminated)
+    src = SequenceDataSource(
+        gr.NpyDataSource(gr.write_npy(str(tmp_path / "s"), tree)), {"step": [-1, 0, 1]}
+    )
+    n = len(src)
+    fast = flat(src.read_batch(np.array([n - 1, 0, 2], np.int64)))
+    assert_flat_equal(fast, flat(src.read_batch([n - 1, 0, 2])))
+    assert_flat_equal(
+        flat(src.read_batch(np.array([-1, 0, -n], np.int64))), flat(src.read_batch([n - 1, 0, 0]))
+    )
+    for bad in (n, n + 3, -n - 1):
+        with pytest.raises(gr.RecordIndexError, match=rf"{bad}.*{n}"):
+            src.read_batch(np.array([0, bad], np.int64))
+    assert flat(src.read_batch(np.zeros(0, np.int64)))["step"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("pad", ["edge", "zero"])
+def test_windows_whose_fix_up_tables_would_be_large_are_read_as_rows(
+    tmp_path: Any, pad: str, monkeypatch: Any
+) -> None:
+    from grain_replay.rl import _sequence_windows
+
+    lengths, terminated = [3, 20, 2, 7], [True, True, False, True]
+    tree = step_tree(lengths, terminated)
+    path = gr.write_npy(str(tmp_path / "s"), tree)
+    offsets = {"obs/vec": [-4, -3, -2, -1, 0], "action": list(range(6))}
+    expect, n = ref_expect(tree, lengths, offsets, pad)
+    ids = np.concatenate([np.arange(n), np.arange(n)[::-2]]).astype(np.int64)
+    windowed = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    assert windowed._windowed
+    # (4 + 1) * (5 + 1) codes of the episodes' ends, 4 + 5 of the store's; 5 + 6 offsets.
+    assert _sequence_windows.fix_entries(windowed._groups) == (30 + 9) * 11
+    monkeypatch.setattr(_sequence_windows, "FIX_TABLE_ENTRIES", (30 + 9) * 11 - 1)
+    rows = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    assert not rows._windowed
+    for src in (windowed, rows):
+        assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
