@@ -15,9 +15,11 @@ from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl._sequence_plan import (
     WINDOW_ROW_BYTES,
     Anchors,
+    FixTables,
     OffsetGroup,
     row_bytes,
     rows_plan,
+    tables_fit,
 )
 from grain_replay.rl._sequence_spec import (
     PAD_SUFFIX,
@@ -29,7 +31,7 @@ from grain_replay.rl._sequence_spec import (
     resolve_fps,
     sequence_treedef,
 )
-from grain_replay.rl._sequence_windows import FixTables, read_windowed, tables_fit
+from grain_replay.rl._sequence_windows import read_windowed
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.sources import ReplaySource
 

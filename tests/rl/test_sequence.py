@@ -624,22 +624,21 @@ def test_anchor_codes_by_table_and_by_search_agree_and_mark_the_near_anchors(
     # The fix-up of a windowed batch touches only anchors of a nonzero code: every other one
     # must read only steps of its own episode and of the store. The per-step table and the
     # binary search must give the same codes (which fix the fix-up).
-    from grain_replay.rl import _sequence_windows
-    from grain_replay.rl._sequence_plan import OffsetGroup
+    from grain_replay.rl import _sequence_plan
 
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 12, rng.integers(1, 8))
         index = EpisodeIndex(np.cumsum(lengths), np.ones(len(lengths), bool), False)
         lo, hi = -int(rng.integers(0, 6)), int(rng.integers(0, 6))
-        group = OffsetGroup(np.arange(lo, hi + 1, dtype=np.int64), ("x",))
+        group = _sequence_plan.OffsetGroup(np.arange(lo, hi + 1, dtype=np.int64), ("x",))
         group.windowed = True
         t = rng.permutation(index.num_steps)
-        by_table = _sequence_windows.FixTables([group], index)
+        by_table = _sequence_plan.FixTables([group], index)
         assert by_table.step_codes is not None
         with monkeypatch.context() as m:
-            m.setattr(_sequence_windows, "NEAR_TABLE_STEPS", 0)
-            by_search = _sequence_windows.FixTables([group], index)
+            m.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
+            by_search = _sequence_plan.FixTables([group], index)
         assert by_search.step_codes is None
         (codes, near), (codes2, near2) = by_table.codes(t), by_search.codes(t)
         np.testing.assert_array_equal(codes, codes2)
@@ -669,7 +668,7 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
 ) -> None:
     # Windows that would start before row 0 or end past the last row start inside the store;
     # the anchors' steps are then moved inside the window read. Both ways to find the anchors.
-    from grain_replay.rl import _sequence_windows
+    from grain_replay.rl import _sequence_plan
 
     lengths, terminated = [3, 20, 2], [True, True, True]
     tree = step_tree(lengths, terminated)
@@ -679,7 +678,7 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
     ids = np.array([0, n - 1, 1, n - 2, 5, 2, 3, n - 3, 0], np.int64)
     for table in (True, False):
         if not table:
-            monkeypatch.setattr(_sequence_windows, "NEAR_TABLE_STEPS", 0)
+            monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
         src = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
         assert src._windowed
         assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
@@ -710,7 +709,7 @@ def test_int64_array_indices_are_checked_as_strictly_as_lists(tmp_path: Any) -> 
 def test_windows_whose_fix_up_tables_would_be_large_are_read_as_rows(
     tmp_path: Any, pad: str, monkeypatch: Any
 ) -> None:
-    from grain_replay.rl import _sequence_windows
+    from grain_replay.rl import _sequence_plan
 
     lengths, terminated = [3, 20, 2, 7], [True, True, False, True]
     tree = step_tree(lengths, terminated)
@@ -721,8 +720,8 @@ def test_windows_whose_fix_up_tables_would_be_large_are_read_as_rows(
     windowed = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
     assert windowed._windowed
     # (4 + 1) * (5 + 1) codes of the episodes' ends, 4 + 5 of the store's; 5 + 6 offsets.
-    assert _sequence_windows.fix_entries(windowed._groups) == (30 + 9) * 11
-    monkeypatch.setattr(_sequence_windows, "FIX_TABLE_ENTRIES", (30 + 9) * 11 - 1)
+    assert _sequence_plan.fix_entries(windowed._groups) == (30 + 9) * 11
+    monkeypatch.setattr(_sequence_plan, "FIX_TABLE_ENTRIES", (30 + 9) * 11 - 1)
     rows = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
     assert not rows._windowed
     for src in (windowed, rows):
