@@ -17,6 +17,7 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
+from grain_replay.formats import is_url
 from grain_replay.parts import is_parts_store
 from grain_replay.watermark import Watermark
 from grain_replay.writers import background
@@ -28,6 +29,24 @@ from grain_replay.writers.store_writer import StoreWriter
 __all__ = ["ReplayWriter", "WriterBusyError"]
 
 logger = logging.getLogger(__name__)
+
+
+def _local_path(path: str | os.PathLike[str], writer_id: str | None) -> str:
+    """The absolute path of a store on a file system; URLs are refused (see
+    docs/replay_store.md#file-systems-and-formats)."""
+    text = os.fspath(path)
+    if is_url(text):
+        who = "" if writer_id is None else f" (writer {writer_id!r})"
+        raise InvalidArgumentError(
+            f"{text}{who}: ReplayWriter writes to a POSIX file system only (a local disk, or "
+            "NFSv4 / Lustre / GPFS shared by the hosts), in every format: commits rename "
+            "files, writer ids are flock'ed and evicted segments stay readable while open, "
+            "which object storage does not offer. Fix: write to a path on such a file "
+            "system; to serve the rows from object storage, copy them into one Zarr store "
+            "(grain-replay convert) and upload it, then read it with "
+            "gr.ZarrDataSource(url, storage_options=...)."
+        )
+    return os.path.abspath(text)
 
 
 class ReplayWriter:
@@ -107,9 +126,9 @@ class ReplayWriter:
         max_inflight_bytes: int = background.DEFAULT_MAX_INFLIGHT_BYTES,
         rate_limit_timeout: float | None = None,
     ):
-        self._path = os.path.abspath(os.fspath(path))
         self._store: PartWriter | StoreWriter | None = None
         self._bg: background.BackgroundWriter | None = None
+        self._path = _local_path(path, writer_id)
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
         parts = capacity is not None or writer_id is not None or segment_rows is not None
         if parts and writer_id is None:
