@@ -190,3 +190,45 @@ def test_bad_watermarks_are_refused_naming_store_writer_and_fix(tmp_path: Path) 
     with gr.ReplayWriter(path, capacity=CAPACITY, writer_id="a", resume_from=100) as w:
         assert w.committed == 100  # the watermark at the end: nothing to drop
     assert _segment_files(path) == files
+
+
+# -- gr.truncate_to_watermark: every writer at once -----------------------------------
+
+
+def test_truncate_to_watermark_cuts_every_writer_and_drops_unnamed_ones(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    _fill(path, "npy", "a")
+    _fill(path, "npy", "b", rows=95)
+    _fill(path, "npy", "late", rows=20)  # started after the checkpoint
+    kept = gr.truncate_to_watermark(path, gr.Watermark(path, writers={"a": 90, "b": 80}))
+    assert kept == {"a": 90, "b": 80, "late": 0}
+    np.testing.assert_array_equal(_seen(path, "a")[0], np.arange(50, 90))
+    np.testing.assert_array_equal(_seen(path, "b")[0], np.arange(40, 80))
+    assert len(_seen(path, "late")[0]) == 0
+
+
+def test_truncate_to_watermark_of_a_plain_store(tmp_path: Path) -> None:
+    path = str(tmp_path / "plain.h5")
+    with gr.ReplayWriter(path) as w:
+        w.append(make_rows("a", 0, 30))
+    assert gr.truncate_to_watermark(path, gr.Watermark(path, rows=12)) == {None: 12}
+    assert len(gr.open_source(path)) == 12
+
+
+def test_truncate_to_watermark_checks_every_writer_before_cutting_any(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    _fill(path, "npy", "a")
+    _fill(path, "npy", "b")
+    files = {w: _segment_files(path, w) for w in ("a", "b")}
+    with pytest.raises(gr.InvalidStoreError, match=r"writer 'b'.*evicted.*Fix"):
+        gr.truncate_to_watermark(path, gr.Watermark(path, writers={"a": 90, "b": 30}))
+    with pytest.raises(gr.InvalidStoreError, match=r"writer 'c'.*committed none.*Fix"):
+        gr.truncate_to_watermark(path, gr.Watermark(path, writers={"a": 90, "c": 5}))
+    live = gr.ReplayWriter(path, capacity=CAPACITY, writer_id="b")
+    with pytest.raises(gr.WriterBusyError, match=r"writer 'b'.*live writer.*Fix: stop every actor"):
+        gr.truncate_to_watermark(path, gr.Watermark(path, writers={"a": 90, "b": 90}))
+    live.close()
+    assert {w: _segment_files(path, w) for w in ("a", "b")} == files  # nothing was cut
+    assert len(_seen(path, "a")[0]) == CAPACITY
+    with gr.ReplayWriter(path, capacity=CAPACITY, writer_id="a") as w:
+        assert w.committed == 100
