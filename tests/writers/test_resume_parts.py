@@ -232,3 +232,37 @@ def test_truncate_to_watermark_checks_every_writer_before_cutting_any(tmp_path: 
     assert len(_seen(path, "a")[0]) == CAPACITY
     with gr.ReplayWriter(path, capacity=CAPACITY, writer_id="a") as w:
         assert w.committed == 100
+
+
+def _commit(m: parts_lib.Manifest, n: int) -> parts_lib.Manifest:
+    """``m`` after a flush of ``n`` more rows, as PartWriter.flush computes it."""
+    rows = {s.first: s.rows for s in m.segments}
+    seq = m.committed
+    while seq < m.committed + n:
+        first = seq // m.segment_rows * m.segment_rows
+        take = min(m.committed + n - seq, first + m.segment_rows - seq)
+        rows[first] = rows.get(first, 0) + take
+        seq += take
+    return part_manifest.committed(m, m.committed + n, rows, "{}")[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cut_is_possible_while_at_most_segment_rows_were_committed_after_it(seed: int) -> None:
+    """What the docs promise: the newest evicted segment stays, so a watermark at most
+    ``segment_rows`` rows back can always be restored, whatever the flush sizes."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        capacity, seg = int(rng.integers(1, 200)), int(rng.integers(1, 64))
+        m = parts_lib.Manifest("a", 0, "npy", capacity, seg, 0, ())
+        for _ in range(int(rng.integers(0, 30))):
+            m = _commit(m, int(rng.integers(1, 3 * seg)))
+        mark, after = m.committed, m
+        while after.committed < mark + seg:
+            after = _commit(after, int(rng.integers(1, mark + seg - after.committed + 1)))
+            cut = part_manifest.cut(after, mark, "store")
+            assert (cut.committed, cut.live_start) == (mark, m.live_start)
+            held = [s for s in cut.segments if s.rows]
+            assert sum(s.rows for s in held) >= cut.live and all(
+                s.first + s.rows > cut.live_start for s in held
+            )
+            assert cut.segments == m.segments  # the state the writer had at the watermark
