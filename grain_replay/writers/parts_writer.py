@@ -31,6 +31,7 @@ from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
 from grain_replay.writers.part_manifest import default_segment_rows
+from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["PartWriter", "default_segment_rows"]
 
@@ -249,7 +250,8 @@ class PartWriter:
             if self._default_rows and m.committed == 0 and not m.segments:
                 rows = default_segment_rows(m.capacity, self._format, self._meta.leaves)
                 self._manifest = dataclasses.replace(m, segment_rows=rows)
-        self._check_matches(arrays, leaves, treedef)
+        assert self._meta is not None
+        check_tree_matches(self._where, arrays, treedef, self._meta)
         return arrays, n
 
     def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
@@ -291,32 +293,6 @@ class PartWriter:
                 )
             return theirs
         return mine
-
-    def _check_matches(
-        self,
-        arrays: dict[str, np.ndarray],
-        leaves: dict[str, layout_lib.LeafSpec],
-        treedef: dict[str, Any],
-    ) -> None:
-        want = self._meta
-        assert want is not None
-        if treedef != want.treedef:
-            raise InvalidTreeError(
-                f"{self._where}: the appended tree has leaves {list(arrays)} but the store has "
-                f"{list(want.leaves)} (or a different container structure). Fix: append trees "
-                "with the store's structure."
-            )
-        bad = [
-            f"leaf {k!r} is {s.dtype}{list(s.shape)} per row, the store holds "
-            f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
-            for k, s in leaves.items()
-            if s != want.leaves[k]
-        ]
-        if bad:
-            raise InvalidTreeError(
-                f"{self._where}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape "
-                "to the store's per-row shape."
-            )
 
     def _segment_for_next(self) -> _Open:
         seg = self._open

@@ -29,9 +29,33 @@ from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 
-__all__ = ["StoreWriter"]
+__all__ = ["StoreWriter", "check_tree_matches"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_tree_matches(
+    where: str, arrays: dict[str, Any], treedef: dict[str, Any], want: layout_lib.StoreMetadata
+) -> None:
+    """Refuses an appended tree whose structure, dtypes or per-row shapes differ from the
+    store's, naming every differing leaf."""
+    if treedef != want.treedef:
+        raise InvalidTreeError(
+            f"{where}: the appended tree has leaves {list(arrays)} but the store has "
+            f"{list(want.leaves)} (or a different container structure). Fix: append trees "
+            "with the store's structure."
+        )
+    bad = [
+        f"leaf {k!r} is {a.dtype}{list(a.shape[1:])} per row, the store holds "
+        f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
+        for k, a in arrays.items()
+        if a.dtype != want.leaves[k].dtype or tuple(a.shape[1:]) != want.leaves[k].shape
+    ]
+    if bad:
+        raise InvalidTreeError(
+            f"{where}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape to the "
+            "store's per-row shape."
+        )
 
 
 class StoreWriter:
@@ -218,29 +242,8 @@ class StoreWriter:
             BACKENDS[self._format].create(self._path, meta, self._chunk_rows, self._compression)
             self._backend = BACKENDS[self._format](self._path, meta)
             self._summer = Checksummer(leaves)
-        self._check_matches(arrays, treedef)
+        check_tree_matches(self._path, arrays, treedef, self._backend.meta)
         return arrays, n
-
-    def _check_matches(self, arrays: dict[str, Any], treedef: dict[str, Any]) -> None:
-        assert self._backend is not None
-        want = self._backend.meta
-        if treedef != want.treedef:
-            raise InvalidTreeError(
-                f"{self._path}: the appended tree has leaves {list(arrays)} but the store has "
-                f"{list(want.leaves)} (or a different container structure). Fix: append trees "
-                "with the store's structure."
-            )
-        bad = [
-            f"leaf {k!r} is {a.dtype}{list(a.shape[1:])} per row, the store holds "
-            f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
-            for k, a in arrays.items()
-            if a.dtype != want.leaves[k].dtype or tuple(a.shape[1:]) != want.leaves[k].shape
-        ]
-        if bad:
-            raise InvalidTreeError(
-                f"{self._path}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape "
-                "to the store's per-row shape."
-            )
 
     def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
         """Writes checked host rows (not yet committed). ``by_leaf``: one write per leaf,
