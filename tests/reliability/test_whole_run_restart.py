@@ -162,6 +162,7 @@ def test_whole_run_restart_never_mixes_in_rows_written_after_the_checkpoint(
             import orbax.checkpoint as ocp
 
             mgr.restore(K, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
+        assert gr.read_watermark(it).writers == mark.writers  # the restored iterator's own
         want = np.load(reference)
         got = np.stack([rows_of(next(it)) for _ in range(M)])
         np.testing.assert_array_equal(got, want)  # what the uninterrupted run drew
