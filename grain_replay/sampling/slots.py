@@ -1,0 +1,149 @@
+"""Slot maps: where :class:`~grain_replay.sampling.priority.PrioritySampler` keeps each row.
+
+A prioritized sampler holds one sum-tree leaf (a *slot*) per row of its process.
+The slot map says which slot a row has, which rows a look at the store moved in
+or out, and what a batch names a drawn slot: :class:`RowSlots` for a store that
+only grows (slot ``j`` is the process's ``j``-th row, for ever), the
+``SlotTable`` of :mod:`grain_replay.sampling.slot_table` for a bounded or
+many-writer store (a ring per writer, rows named by id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from grain_replay.errors import PriorityIndexError, ReplayCheckpointError
+
+__all__ = ["Moves", "RowSlots", "SlotMap", "owned_seqs"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+def owned_seqs(lo: int, hi: int, residue: int, count: int) -> np.ndarray:
+    """The sequence numbers ``s`` in ``[lo, hi)`` with ``s % count == residue``."""
+    if hi <= lo:
+        return _EMPTY
+    first = lo + (residue - lo) % count
+    return np.arange(first, hi, count, dtype=np.int64)
+
+
+class Moves(NamedTuple):
+    """What a look at the store changed: the slots now, those emptied, those filled."""
+
+    size: int
+    out: np.ndarray  # slots whose rows left (their leaves go to 0)
+    add: np.ndarray  # slots of new rows (their leaves go to the largest priority)
+    appended: bool = False  # add is exactly the slots past the old size, in order
+
+
+class SlotMap(Protocol):
+    """What a :class:`~grain_replay.sampling.priority.PrioritySampler` asks of its slots."""
+
+    version: int  # the state version of a sampler over such slots
+    skip_zeros: bool  # a zero leaf is an empty slot
+    kind: str  # the store, as a state mismatch names it
+    empty: str  # the rows a draw needs ("committed", "live")
+    moves: int  # looks that moved rows out of (or into) slots that held others
+
+    def follow(self, length: Any, step: int) -> Moves | None: ...
+    def index(self, slot: np.ndarray) -> np.ndarray: ...
+    def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray: ...
+    def lookup(self, index: np.ndarray, seen: np.ndarray) -> tuple[np.ndarray, int]: ...
+    def saved_index(self, index: np.ndarray, slot: np.ndarray) -> np.ndarray: ...
+    def restored(self, saved: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]: ...
+    def not_a_state(self, e: Exception, state: Mapping[str, Any]) -> str: ...
+    def state(self) -> dict[str, np.ndarray]: ...
+    def parse(self, state: Mapping[str, Any], common: Mapping[str, Any]) -> Any: ...
+    def restore(self, parsed: Any, length: Any) -> None: ...
+
+
+class RowSlots:
+    """The slots of a store that only grows: process ``p`` of ``P`` owns the rows ``i``
+    with ``i % P == p``, and its ``j``-th row (row ``j * P + p``) has slot ``j``."""
+
+    version = 1
+    skip_zeros = False
+    kind = "a plain store"
+    empty = "committed"
+    moves = 0  # rows never leave their slots
+
+    def __init__(self, shard_index: int, shard_count: int) -> None:
+        self._p = shard_index
+        self._count = shard_count
+        self.size = 0
+
+    def local_count(self, n: int) -> int:
+        """This process's rows among the first ``n``."""
+        return max(0, -(-(n - self._p) // self._count))
+
+    def follow(self, length: Any, step: int) -> Moves | None:
+        local = self.local_count(length.at(step))
+        if local <= self.size:
+            return None
+        add = np.arange(self.size, local, dtype=np.int64)
+        self.size = local
+        return Moves(local, _EMPTY, add, appended=True)
+
+    def index(self, slot: np.ndarray) -> np.ndarray:
+        return slot * self._count + self._p if self._count > 1 else slot
+
+    def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return np.ones(len(slot), dtype=bool)
+
+    def lookup(self, index: np.ndarray, seen: np.ndarray) -> tuple[np.ndarray, int]:
+        """Each row's slot; raises for a row this process never handed out.
+
+        Raises:
+          PriorityIndexError: a row of another process, not yet drawn, or negative.
+        """
+        n_local = len(seen)
+        if self._count == 1:
+            local = index
+            unknown = (index < 0) | (index >= n_local)
+        else:
+            local, rest = np.divmod(index, self._count)
+            unknown = (index < 0) | (rest != self._p) | (local >= n_local)
+        if unknown.any():
+            unknown[~unknown] = ~seen[local[~unknown]]
+        else:  # the usual case: all in range, one gather
+            unknown = ~seen[local]
+        if unknown.any():
+            rows = index[unknown][:5].tolist()
+            raise PriorityIndexError(
+                f"update_priorities: rows {rows} were never handed out by this iterator "
+                f"(process {self._p} of {self._count} draws rows i with i % "
+                f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
+                "of batches from this iterator."
+            )
+        return local, self.moves
+
+    def saved_index(self, index: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        return slot  # version 1 keeps the local rows
+
+    def restored(self, saved: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        return self.index(saved), saved, self.moves
+
+    def not_a_state(self, e: Exception, state: Mapping[str, Any]) -> str:
+        return (
+            f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
+            "priority_state() returned."
+        )
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def parse(self, state: Mapping[str, Any], common: Mapping[str, Any]) -> int:
+        n, values = common["n"], common["values"]
+        if len(values) != self.local_count(n) or common["seen_bits"] < len(values):
+            raise ReplayCheckpointError(
+                f"The priority state holds {len(values)} rows, but {n} committed rows give "
+                f"process {self._p} {self.local_count(n)}. Fix: pass it unchanged."
+            )
+        return len(values)
+
+    def restore(self, parsed: int, length: Any) -> None:
+        self.size = parsed
