@@ -86,24 +86,30 @@ class PartsDataSource(SourceSurface):
 
     def _schema(self, manifests: list[parts_lib.Manifest]) -> None:
         """Spec and treedef from the writers' schemas (which must agree)."""
+
+        def parse(text: str) -> layout_lib.StoreMetadata:
+            return layout_lib.StoreMetadata.from_json(text, where=self._path)
+
         first: tuple[str, layout_lib.StoreMetadata] | None = None
-        first_text = None
+        first_text = first_id = None
         for m in manifests:
             if m.schema is None or m.schema == first_text:
-                continue  # the same text as the first: parsed once
-            meta = layout_lib.StoreMetadata.from_json(m.schema, where=self._path)
-            first_text = m.schema if first is None else first_text
-            if first is None:
-                first = (m.writer_id, meta)
-            elif meta.leaves != first[1].leaves or meta.treedef != first[1].treedef:
+                continue  # the same text as the first: parsed at most once
+            if first_text is None:  # parsed only if another text or a new one needs it
+                first_text, first_id = m.schema, m.writer_id
+                continue
+            first = first or (str(first_id), parse(first_text))
+            meta = parse(m.schema)
+            if meta.leaves != first[1].leaves or meta.treedef != first[1].treedef:
                 raise InvalidStoreError(
                     f"{self._path}: writer {m.writer_id!r} wrote leaves {list(meta.leaves)} "
                     f"that do not match writer {first[0]!r}'s {list(first[1].leaves)} (or "
                     "their dtypes/shapes). Fix: remove one writer's folder under writers/, or "
                     "read it alone."
                 )
-        if first is None or first_text == self._schema_text:
+        if first_text is None or first_text == self._schema_text:
             return  # nothing new: spec and treedef as they are
+        first = first or (str(first_id), parse(first_text))
         self._schema_text = first_text
         meta = first[1]
         full = Layout(0, dict(meta.leaves), meta.treedef, {k: k for k in meta.leaves})
@@ -436,6 +442,9 @@ class PartsDataSource(SourceSurface):
                 f"{self._path}: no writer with ordinal {int(ordinal[p < 0][0])} in the store. "
                 "Fix: pass ids returned by src.ids() of this store."
             )
+        fast = self._read_mapped(snap, p, seq)
+        if fast is not None:
+            return fast, np.ones(len(ids), dtype=bool)
         ok = snap.readable(p, seq)
         if not ok.all():
             bad = int(np.argmin(ok))
@@ -450,6 +459,38 @@ class PartsDataSource(SourceSurface):
             seq = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
             self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
+
+    def _read_mapped(
+        self, snap: Snapshot, p: np.ndarray, seq: np.ndarray
+    ) -> dict[str, np.ndarray] | None:
+        """Rows ``seq`` of parts ``p`` when each lies in its part's back-to-back map (the
+        usual case of several ``.npy`` writers): the batch's rows grouped by part with
+        one sort, one gather per leaf per part into a buffer, one scatter per leaf back
+        to the batch's order. None: some row lies elsewhere (the general path)."""
+        maps = [part.mapped for part in snap.parts]
+        if not len(p) or any(m is None for m in maps):
+            return None
+        mapped = [m for m in maps if m is not None]
+        base = np.array([m.base for m in mapped], dtype=np.int64)
+        stop = np.array([m.stop for m in mapped], dtype=np.int64)
+        rows = seq - base[p]
+        if int(rows.min()) < 0 or bool((seq >= stop[p]).any()):
+            return None
+        order = np.argsort(p, kind="stable")
+        rows = rows[order]
+        ends = np.cumsum(np.bincount(p, minlength=len(mapped))).tolist()
+        spans = [(k, lo, hi) for k, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
+        out: dict[str, np.ndarray] = {}
+        for key in self._seg_keys:
+            leaf = self._spec[key]
+            buf = np.empty((len(p), *leaf.shape), leaf.dtype)
+            for k, lo, hi in spans:
+                np.take(mapped[k].arrays[key], rows[lo:hi], axis=0, out=buf[lo:hi])
+            out[key] = np.empty_like(buf)
+            out[key][order] = buf
+        if WRITER_KEY in self._spec:
+            out[WRITER_KEY] = snap.ordinals[p]
+        return {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)
