@@ -484,8 +484,8 @@ class PartsDataSource(SourceSurface):
         for key in self._seg_keys:
             leaf = self._spec[key]
             buf = np.empty((len(p), *leaf.shape), leaf.dtype)
-            for k, lo, hi in spans:
-                np.take(mapped[k].arrays[key], rows[lo:hi], axis=0, out=buf[lo:hi])
+            for k, lo, hi in spans:  # rows checked above: "clip" writes out unbuffered
+                np.take(mapped[k].arrays[key], rows[lo:hi], axis=0, out=buf[lo:hi], mode="clip")
             out[key] = np.empty_like(buf)
             out[key][order] = buf
         if WRITER_KEY in self._spec:
