@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from grain_replay import parts as parts_lib
-from grain_replay.errors import PriorityIndexError, ReplayCheckpointError
+from grain_replay.errors import ReplayCheckpointError
 from grain_replay.sampling.slot_state import STATE_VERSION, held_ids, parse_tables, table_problem
-from grain_replay.sampling.slots import Moves, owned_seqs
+from grain_replay.sampling.slots import Moves, never_handed_out, owned_seqs
 from grain_replay.sampling.sumtree import compiled
 
 __all__ = ["CHUNK", "SlotTable", "owned_seqs"]
@@ -102,6 +102,7 @@ class SlotTable:
         self._where = where
         self._p = shard_index
         self._count = shard_count
+        self.shard = (shard_index, shard_count)
         self.moves = 0  # looks that moved rows in or out
         self.ids = np.zeros(0, dtype=np.int64)  # the row id each slot holds, -1: empty
         # per writer (in the order they were first seen)
@@ -310,14 +311,8 @@ class SlotTable:
         live = valid & ~bad & holds
         if live.any():
             bad[live] = ~seen[slot[live]]
-        if bad.any():
-            rows = index[bad][:5].tolist()
-            raise PriorityIndexError(
-                f"update_priorities: rows {rows} were never handed out by this iterator "
-                f"(process {self._p} of {self._count} draws the rows whose id "
-                f"ordinal << 40 | seq has (seq + ordinal) % {self._count} == {self._p}). "
-                "Nothing was updated. Fix: pass the .index of batches from this iterator."
-            )
+        rule = f"the rows whose id ordinal << 40 | seq has (seq + ordinal) % {self._count} == "
+        never_handed_out(index, bad, rule + str(self._p), self.shard)
 
     # -- checkpointing ------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from grain_replay.errors import PriorityIndexError, ReplayCheckpointError
 
-__all__ = ["Moves", "RowSlots", "SlotMap", "owned_seqs"]
+__all__ = ["Moves", "RowSlots", "SlotMap", "never_handed_out", "owned_seqs"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -29,6 +29,22 @@ def owned_seqs(lo: int, hi: int, residue: int, count: int) -> np.ndarray:
         return _EMPTY
     first = lo + (residue - lo) % count
     return np.arange(first, hi, count, dtype=np.int64)
+
+
+def never_handed_out(index: np.ndarray, bad: np.ndarray, rule: str, shard: tuple[int, int]) -> None:
+    """Raises for the rows of ``index`` where ``bad``: this process never handed them out.
+
+    Raises:
+      PriorityIndexError: naming the first few rows and the rows process ``p`` of ``P``
+        (``shard``) draws (``rule``).
+    """
+    if bad.any():
+        rows = index[bad][:5].tolist()
+        raise PriorityIndexError(
+            f"update_priorities: rows {rows} were never handed out by this iterator "
+            f"(process {shard[0]} of {shard[1]} draws {rule}). Nothing was "
+            "updated. Fix: pass the .index of batches from this iterator."
+        )
 
 
 class Moves(NamedTuple):
@@ -74,6 +90,7 @@ class RowSlots:
     def __init__(self, shard_index: int, shard_count: int) -> None:
         self._p = shard_index
         self._count = shard_count
+        self.shard = (shard_index, shard_count)
         self.size = 0
 
     def local_count(self, n: int) -> int:
@@ -111,14 +128,7 @@ class RowSlots:
             unknown[~unknown] = ~seen[local[~unknown]]
         else:  # the usual case: all in range, one gather
             unknown = ~seen[local]
-        if unknown.any():
-            rows = index[unknown][:5].tolist()
-            raise PriorityIndexError(
-                f"update_priorities: rows {rows} were never handed out by this iterator "
-                f"(process {self._p} of {self._count} draws rows i with i % "
-                f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
-                "of batches from this iterator."
-            )
+        never_handed_out(index, unknown, f"rows i with i % {self._count} == {self._p}", self.shard)
         return local, self.moves
 
     def saved_index(self, index: np.ndarray, slot: np.ndarray) -> np.ndarray:
