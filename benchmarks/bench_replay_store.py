@@ -17,6 +17,7 @@ Every number is a ratio measured in this run:
 Usage::
 
     python benchmarks/bench_replay_store.py [--quick] [--live C] [--out DIR]
+        [--cases eviction,writers,refresh] [--repeats R]
     python benchmarks/run.py --quick --sections store
 """
 
@@ -255,19 +256,32 @@ def bench_refresh(tmp: str, parts: int, rows: int, repeats: int, log: Any) -> di
     return out
 
 
-def run_all(quick: bool, live: int | None, log: Any) -> dict[str, Any]:
+CASES = ("eviction", "writers", "refresh")
+
+
+def run_all(
+    quick: bool,
+    live: int | None,
+    log: Any,
+    cases: tuple[str, ...] = CASES,
+    repeats: int | None = None,
+) -> dict[str, Any]:
     live = live or (20_000 if quick else 1_000_000)
-    repeats = 3 if quick else 5
+    repeats = repeats or (3 if quick else 5)
     tmp = tempfile.mkdtemp(prefix="bench_replay_store_")
     try:
-        out: dict[str, Any] = {"eviction": bench_eviction(tmp, live, repeats, log)}
-        out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
-        out["refresh"] = [
-            bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
-        ]
-        r = out["refresh"]
-        out["refresh_64_over_1"] = r[-1]["refresh_ms"] / r[0]["refresh_ms"]
-        log(f"  refresh at 64 parts / at 1 part: {out['refresh_64_over_1']:.1f}x")
+        out: dict[str, Any] = {}
+        if "eviction" in cases:
+            out["eviction"] = bench_eviction(tmp, live, repeats, log)
+        if "writers" in cases:
+            out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
+        if "refresh" in cases:
+            out["refresh"] = [
+                bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
+            ]
+            r = out["refresh"]
+            out["refresh_64_over_1"] = r[-1]["refresh_ms"] / r[0]["refresh_ms"]
+            log(f"  refresh at 64 parts / at 1 part: {out['refresh_64_over_1']:.1f}x")
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,9 +326,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--live", type=int, default=None, help="live rows of the eviction case")
     p.add_argument("--out", default=None, help="write results.json here")
+    p.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}"
+    )
+    p.add_argument("--repeats", type=int, default=None, help="interleaved runs per case")
     args = p.parse_args(argv)
+    cases = tuple(c for c in args.cases.split(",") if c)
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     t0 = time.perf_counter()
-    out = run_all(args.quick, args.live, lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}"))
+    out = run_all(
+        args.quick,
+        args.live,
+        lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True),
+        cases,
+        args.repeats,
+    )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "replay_store.json"), "w") as f:
