@@ -428,6 +428,10 @@ class PartsDataSource(SourceSurface):
                 if WRITER_KEY in self._spec:
                     out[WRITER_KEY] = np.full(len(ids), snap.ordinals[0], dtype=np.int64)
                 return {k: out[k] for k in self._spec}, np.ones(len(ids), dtype=bool)
+        elif len(snap.parts) > 1 and len(ids):
+            fast = self._read_mapped(snap, ids)
+            if fast is not None:
+                return fast, np.ones(len(ids), dtype=bool)
         ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
         for attempt in range(2):
             known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
@@ -442,9 +446,6 @@ class PartsDataSource(SourceSurface):
                 f"{self._path}: no writer with ordinal {int(ordinal[p < 0][0])} in the store. "
                 "Fix: pass ids returned by src.ids() of this store."
             )
-        fast = self._read_mapped(snap, p, seq)
-        if fast is not None:
-            return fast, np.ones(len(ids), dtype=bool)
         ok = snap.readable(p, seq)
         if not ok.all():
             bad = int(np.argmin(ok))
@@ -460,34 +461,37 @@ class PartsDataSource(SourceSurface):
             self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
 
-    def _read_mapped(
-        self, snap: Snapshot, p: np.ndarray, seq: np.ndarray
-    ) -> dict[str, np.ndarray] | None:
-        """Rows ``seq`` of parts ``p`` when each lies in its part's back-to-back map (the
-        usual case of several ``.npy`` writers): the batch's rows grouped by part with
-        one sort, one gather per leaf per part into a buffer, one scatter per leaf back
-        to the batch's order. None: some row lies elsewhere (the general path)."""
+    def _read_mapped(self, snap: Snapshot, ids: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Rows ``ids`` when each lies in its writer's back-to-back map (the usual case of
+        several ``.npy`` writers): grouped by writer with one sort, one gather per leaf per
+        writer, one gather per leaf back to the batch's order (a few numpy calls a leaf,
+        whatever the batch). None: some row lies elsewhere (the general path)."""
         maps = [part.mapped for part in snap.parts]
-        if not len(p) or any(m is None for m in maps):
+        if any(m is None for m in maps) or int(ids.min()) < 0:
             return None
         mapped = [m for m in maps if m is not None]
-        base = np.array([m.base for m in mapped], dtype=np.int64)
-        stop = np.array([m.stop for m in mapped], dtype=np.int64)
-        rows = seq - base[p]
-        if int(rows.min()) < 0 or bool((seq >= stop[p]).any()):
+        ordinal = ids >> parts_lib.ID_SHIFT
+        if int(ordinal.max()) >= len(snap.part_of_ordinal):
+            return None
+        p = snap.part_of_ordinal[ordinal]  # -1 (an unknown writer): caught below
+        first = np.array([(int(o) << parts_lib.ID_SHIFT) + m.base for o, m in
+                          zip(snap.ordinals.tolist(), mapped)] + [0], dtype=np.int64)  # fmt: skip
+        span = np.array([m.stop - m.base for m in mapped] + [0], dtype=np.uint64)
+        rows = ids - first[p]
+        if not (rows.view(np.uint64) < span[p]).all():  # negative rows wrap: outside too
             return None
         order = np.argsort(p, kind="stable")
+        back = np.argsort(order)
         rows = rows[order]
         ends = np.cumsum(np.bincount(p, minlength=len(mapped))).tolist()
         spans = [(k, lo, hi) for k, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
         out: dict[str, np.ndarray] = {}
         for key in self._seg_keys:
             leaf = self._spec[key]
-            buf = np.empty((len(p), *leaf.shape), leaf.dtype)
+            buf = np.empty((len(ids), *leaf.shape), leaf.dtype)
             for k, lo, hi in spans:  # rows checked above: "clip" writes out unbuffered
                 np.take(mapped[k].arrays[key], rows[lo:hi], axis=0, out=buf[lo:hi], mode="clip")
-            out[key] = np.empty_like(buf)
-            out[key][order] = buf
+            out[key] = np.take(buf, back, axis=0)
         if WRITER_KEY in self._spec:
             out[WRITER_KEY] = snap.ordinals[p]
         return {k: out[k] for k in self._spec}

@@ -74,3 +74,23 @@ def test_rows_of_the_snapshot_before_are_read_after_an_eviction(tmp_path: Path) 
     np.testing.assert_array_equal(data["seq"], ids & SEQ)
     for w in ws:
         w.close()
+
+
+def test_an_unknown_writer_or_a_row_past_the_snapshot_leaves_the_fast_path(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "store")
+    ws = _store(path, "npy")
+    src = gr.open_source(path)
+    live = src.ids(np.arange(len(src)))
+    stranger = np.array([live[0], (77 << 40) | 3], dtype=np.int64)
+    with pytest.raises(gr.EvictedRowError, match=r"no writer with ordinal 77.*Fix"):
+        src.read_ids_checked(stranger)
+    ws[1].append(make_rows("w1", ws[1].committed, 5))  # committed after the snapshot
+    ws[1].flush()
+    newest = (np.int64(src.writer_ordinals["w1"]) << 40) | np.int64(ws[1].committed - 1)
+    data, ok = src.read_ids_checked(np.array([live[-1], newest], dtype=np.int64))
+    assert ok.all()  # the reader refreshed to read it
+    np.testing.assert_array_equal(data["seq"], [live[-1] & SEQ, ws[1].committed - 1])
+    for w in ws:
+        w.close()
