@@ -246,14 +246,12 @@ class PrioritySampler:
             if stamp + self.lag > step:
                 keep.append(entry)
                 continue
+            given = priorities
             if found_at != self._slots.moves:  # rows moved since: keep those still held
                 holds = self._slots.holding(slot, index)
                 if not holds.all():  # rows evicted since the update leave it
-                    slot, priorities_held = slot[holds], priorities[holds]
-                    self._tree.set(slot, self._leaf(priorities_held))
-                    self._max = max(self._max, float(priorities.max(initial=0.0)))
-                    continue
-            self._tree.set(slot, self._leaf(priorities))
+                    slot, given = slot[holds], priorities[holds]
+            self._tree.set(slot, self._leaf(given))
             self._max = max(self._max, float(priorities.max(initial=0.0)))
         self._queued = keep
 
