@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class PartsDataSource(SourceSurface):
       **kwargs: passed to each segment's source (e.g. ``cache_bytes``).
     """
 
-    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_snap": None, "_pid": None}
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_snap": None, "_pid": None, "_by_ordinal": None}
 
     def __init__(
         self, path: str | os.PathLike[str], keys: Sequence[str] | None = None, **kwargs: Any
@@ -72,6 +72,7 @@ class PartsDataSource(SourceSurface):
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._pid: int | None = None
+        self._by_ordinal: tuple[Snapshot, Any] | None = None  # see _ordinal_maps
         # What a pickle carries: the manifests of the snapshot (no open files).
         self._manifests: list[tuple[parts_lib.Manifest, tuple[int, int, int] | None]] = []
         self._spec: dict[str, LeafSpec] = {}
@@ -461,39 +462,58 @@ class PartsDataSource(SourceSurface):
             self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
 
+    def _ordinal_maps(self, snap: Snapshot) -> tuple[np.ndarray, np.ndarray, list[Any]] | None:
+        """For each writer ordinal (one more: -1 and unknown writers): the id of row 0 of
+        its back-to-back map, the map's rows (0: none) and its arrays; None unless every
+        part of ``snap`` is mapped. Kept per snapshot."""
+        cached = self._by_ordinal
+        if cached is not None and cached[0] is snap:
+            return cast("tuple[np.ndarray, np.ndarray, list[Any]] | None", cached[1])
+        maps = [part.mapped for part in snap.parts]
+        tables = None
+        if all(m is not None for m in maps):
+            size = len(snap.part_of_ordinal) + 1
+            first = np.zeros(size, dtype=np.int64)
+            span = np.zeros(size, dtype=np.uint64)
+            arrays: list[Any] = [None] * size
+            for o, m in zip(snap.ordinals.tolist(), maps):
+                assert m is not None
+                first[o] = (o << parts_lib.ID_SHIFT) + m.base
+                span[o] = m.stop - m.base
+                arrays[o] = m.arrays
+            tables = (first, span, arrays)
+        self._by_ordinal = (snap, tables)
+        return tables
+
     def _read_mapped(self, snap: Snapshot, ids: np.ndarray) -> dict[str, np.ndarray] | None:
         """Rows ``ids`` when each lies in its writer's back-to-back map (the usual case of
         several ``.npy`` writers): grouped by writer with one sort, one gather per leaf per
         writer, one gather per leaf back to the batch's order (a few numpy calls a leaf,
         whatever the batch). None: some row lies elsewhere (the general path)."""
-        maps = [part.mapped for part in snap.parts]
-        if any(m is None for m in maps) or int(ids.min()) < 0:
+        tables = self._ordinal_maps(snap)
+        if tables is None:
             return None
-        mapped = [m for m in maps if m is not None]
-        ordinal = ids >> parts_lib.ID_SHIFT
-        if int(ordinal.max()) >= len(snap.part_of_ordinal):
+        first, span, arrays = tables
+        # An id of an unknown or negative ordinal clips to an ordinal whose rows it
+        # misses (below its first id, or 2**40 past it): caught with the rows outside.
+        ordinal = np.clip(ids >> parts_lib.ID_SHIFT, -1, len(first) - 1)
+        rows = ids - first[ordinal]
+        if not (rows.view(np.uint64) < span[ordinal]).all():  # negative rows wrap: outside
             return None
-        p = snap.part_of_ordinal[ordinal]  # -1 (an unknown writer): caught below
-        first = np.array([(int(o) << parts_lib.ID_SHIFT) + m.base for o, m in
-                          zip(snap.ordinals.tolist(), mapped)] + [0], dtype=np.int64)  # fmt: skip
-        span = np.array([m.stop - m.base for m in mapped] + [0], dtype=np.uint64)
-        rows = ids - first[p]
-        if not (rows.view(np.uint64) < span[p]).all():  # negative rows wrap: outside too
-            return None
-        order = np.argsort(p, kind="stable")
+        order = np.argsort(ordinal, kind="stable")
         back = np.argsort(order)
         rows = rows[order]
-        ends = np.cumsum(np.bincount(p, minlength=len(mapped))).tolist()
-        spans = [(k, lo, hi) for k, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
+        ends = np.cumsum(np.bincount(ordinal, minlength=len(first))).tolist()
+        spans = [(o, lo, hi) for o, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
         out: dict[str, np.ndarray] = {}
         for key in self._seg_keys:
             leaf = self._spec[key]
             buf = np.empty((len(ids), *leaf.shape), leaf.dtype)
-            for k, lo, hi in spans:  # rows checked above: "clip" writes out unbuffered
-                np.take(mapped[k].arrays[key], rows[lo:hi], axis=0, out=buf[lo:hi], mode="clip")
+            for o, lo, hi in spans:  # rows checked above: "clip" writes out unbuffered
+                np.take(arrays[o][key], rows[lo:hi], axis=0, out=buf[lo:hi], mode="clip")
             out[key] = np.take(buf, back, axis=0)
         if WRITER_KEY in self._spec:
-            out[WRITER_KEY] = snap.ordinals[p]
+            out[WRITER_KEY] = ids >> parts_lib.ID_SHIFT
         return {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
