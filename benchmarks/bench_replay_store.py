@@ -7,6 +7,7 @@ Every number is a ratio measured in this run:
   store holding the same C rows (target >= 0.9);
 - prioritized ``sample + read`` (plus ``update_priorities`` of each batch) over
   the same two stores (target >= 0.9);
+  (both: the median of blocks of 10 batches, the two stores' blocks interleaved);
 - disk use of the bounded store over its live bytes (target <= 1.1 plus the
   stated slack: two segments per writer, 2/16 of the capacity);
 - committed rows/s of two writer processes (flush every 1,000 rows) over one
@@ -79,7 +80,7 @@ def _stepper(source: Any, prioritized: bool, batches: int) -> Any:
         else gr.UniformReplay(refresh_every=None)
     )
     it = iter(gr.make_data_loader(source, batch_size=BATCH, sampling=sampling, seed=0))
-    priorities = np.random.default_rng(0).random((batches, BATCH))
+    priorities = np.random.default_rng(0).random((batches + BLOCK, BATCH))
 
     def step(k: int) -> None:
         batch = next(it)
@@ -91,17 +92,23 @@ def _stepper(source: Any, prioritized: bool, batches: int) -> Any:
     return step
 
 
+BLOCK = 10  # batches timed at a time, the sources' blocks interleaved
+
+
 def _rates(sources: list[Any], batches: int, repeats: int, prioritized: bool) -> list[float]:
-    """Batches/s of each source (median of ``repeats``), the sources' runs interleaved
-    so that a change of the machine's load hits all of them alike."""
-    steps = [_stepper(src, prioritized, batches) for src in sources]
+    """Batches/s of each source: the median over ``repeats * batches / BLOCK`` blocks of
+    ``BLOCK`` batches, the sources' blocks interleaved, so that a change of the
+    machine's load (a shared machine's load moves within a second) hits all alike."""
+    steps = [_stepper(src, prioritized, batches * repeats) for src in sources]
     times: list[list[float]] = [[] for _ in sources]
-    for _ in range(repeats):
+    k = 0
+    for _ in range(repeats * max(1, batches // BLOCK)):
         for step, out in zip(steps, times):
             t = time.perf_counter()
-            for k in range(batches):
-                step(k)
-            out.append((time.perf_counter() - t) / batches)
+            for j in range(k, k + BLOCK):
+                step(j)
+            out.append((time.perf_counter() - t) / BLOCK)
+        k += BLOCK
     return [1.0 / statistics.median(t) for t in times]
 
 

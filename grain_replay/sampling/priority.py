@@ -19,7 +19,7 @@ from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.priority_state import KINDS, parse_common, pending_updates
 from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
-from grain_replay.sampling.slots import RowSlots, SlotMap
+from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
 from grain_replay.sampling.sumtree import SumTree
 
 __all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]
@@ -160,6 +160,7 @@ class PrioritySampler:
         # updates not applied yet: (stamp, index, priorities, their slots, the moves
         # count they were found at if they all held their rows then, else -1)
         self._queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        self._recent = RecentDraws()
         self._lock = threading.Lock()
 
     @property
@@ -230,7 +231,9 @@ class PrioritySampler:
             p = self._tree.get(slot)
             weight = (self._tree.min / p) ** self.options.beta_at(step)
             self._seen[slot] = True
-            return self._slots.index(slot), weight.astype(np.float32)
+            index = self._slots.index(slot)
+            self._recent.remember(index, slot, self._slots.moves)
+            return index, weight.astype(np.float32)
 
     def apply_updates(self, step: int) -> None:
         """Writes the queued updates that the draw of ``step`` may see into the tree."""
@@ -265,7 +268,9 @@ class PrioritySampler:
         """
         index, priorities = self._checked(index, priorities)
         with self._lock:
-            slot, found_at = self._slots.lookup(index, self._seen)
+            # A drawn batch: its rows were handed out and held their slots at the draw.
+            found = self._recent.recall(index, self._slots.moves)
+            slot, found_at = self._slots.lookup(index, self._seen) if found is None else found
             self._queued.append((int(stamp), index, priorities, slot, found_at))
 
     @staticmethod
@@ -364,4 +369,5 @@ class PrioritySampler:
                 index, slot, found_at = self._slots.restored(saved)
                 queued.append((stamp, index, prio, slot, found_at))
             self._queued = queued
+            self._recent.clear()
             self._length.n = common["n"]

@@ -10,6 +10,7 @@ many-writer store (a ring per writer, rows named by id).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from grain_replay.errors import PriorityIndexError, ReplayCheckpointError
 
-__all__ = ["Moves", "RowSlots", "SlotMap", "never_handed_out", "owned_seqs"]
+__all__ = ["Moves", "RecentDraws", "RowSlots", "SlotMap", "never_handed_out", "owned_seqs"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -45,6 +46,41 @@ def never_handed_out(index: np.ndarray, bad: np.ndarray, rule: str, shard: tuple
             f"(process {shard[0]} of {shard[1]} draws {rule}). Nothing was "
             "updated. Fix: pass the .index of batches from this iterator."
         )
+
+
+class RecentDraws:
+    """The last draws' rows and slots: an update of exactly a drawn batch (the usual
+    ``update_priorities(batch.index, td)``) needs no lookup: its rows were handed out
+    and held their slots when drawn."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._keep = keep
+        # (batch size, first, last index) -> (index, slots, moves count at the draw)
+        self._draws: OrderedDict[tuple[int, int, int], tuple[np.ndarray, np.ndarray, int]]
+        self._draws = OrderedDict()
+
+    def remember(self, index: np.ndarray, slot: np.ndarray, moves: int) -> None:
+        if not len(index):
+            return
+        key = (len(index), int(index[0]), int(index[-1]))
+        self._draws[key] = (index.copy(), slot, moves)  # a copy: the batch's may be edited
+        self._draws.move_to_end(key)
+        if len(self._draws) > self._keep:
+            self._draws.popitem(last=False)
+
+    def recall(self, index: np.ndarray, moves: int) -> tuple[np.ndarray, int] | None:
+        """The slots of a recent draw of exactly the rows ``index`` and the moves count
+        they hold their rows at (-1: rows moved since the draw: checked when applied);
+        None: no such draw."""
+        if not len(index):
+            return None
+        hit = self._draws.get((len(index), int(index[0]), int(index[-1])))
+        if hit is None or not np.array_equal(hit[0], index):
+            return None
+        return hit[1], hit[2] if hit[2] == moves else -1
+
+    def clear(self) -> None:
+        self._draws.clear()
 
 
 class Moves(NamedTuple):
@@ -106,7 +142,7 @@ class RowSlots:
         return Moves(local, _EMPTY, add, appended=True)
 
     def index(self, slot: np.ndarray) -> np.ndarray:
-        return slot * self._count + self._p if self._count > 1 else slot
+        return slot * self._count + self._p  # a new array: the batch's, never the slots
 
     def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray:
         return np.ones(len(slot), dtype=bool)
