@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from grain_replay.errors import (
     UnknownLeafError,
 )
 from grain_replay.layout import LeafSpec
+from grain_replay.sources import parts_gather as gather
 from grain_replay.sources import parts_snapshot as snapshots
 from grain_replay.sources.base import Layout, select_keys
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
@@ -72,7 +73,7 @@ class PartsDataSource(SourceSurface):
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._pid: int | None = None
-        self._by_ordinal: tuple[Snapshot, Any] | None = None  # see _ordinal_maps
+        self._by_ordinal: tuple[Snapshot, gather.OrdinalMaps | None] | None = None
         # What a pickle carries: the manifests of the snapshot (no open files).
         self._manifests: list[tuple[parts_lib.Manifest, tuple[int, int, int] | None]] = []
         self._spec: dict[str, LeafSpec] = {}
@@ -462,59 +463,18 @@ class PartsDataSource(SourceSurface):
             self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
 
-    def _ordinal_maps(self, snap: Snapshot) -> tuple[np.ndarray, np.ndarray, list[Any]] | None:
-        """For each writer ordinal (one more: -1 and unknown writers): the id of row 0 of
-        its back-to-back map, the map's rows (0: none) and its arrays; None unless every
-        part of ``snap`` is mapped. Kept per snapshot."""
-        cached = self._by_ordinal
-        if cached is not None and cached[0] is snap:
-            return cast("tuple[np.ndarray, np.ndarray, list[Any]] | None", cached[1])
-        maps = [part.mapped for part in snap.parts]
-        tables = None
-        if all(m is not None for m in maps):
-            size = len(snap.part_of_ordinal) + 1
-            first = np.zeros(size, dtype=np.int64)
-            span = np.zeros(size, dtype=np.uint64)
-            arrays: list[Any] = [None] * size
-            for o, m in zip(snap.ordinals.tolist(), maps):
-                assert m is not None
-                first[o] = (o << parts_lib.ID_SHIFT) + m.base
-                span[o] = m.stop - m.base
-                arrays[o] = m.arrays
-            tables = (first, span, arrays)
-        self._by_ordinal = (snap, tables)
-        return tables
-
     def _read_mapped(self, snap: Snapshot, ids: np.ndarray) -> dict[str, np.ndarray] | None:
-        """Rows ``ids`` when each lies in its writer's back-to-back map (the usual case of
-        several ``.npy`` writers): grouped by writer with one sort, one gather per leaf per
-        writer, one gather per leaf back to the batch's order (a few numpy calls a leaf,
-        whatever the batch). None: some row lies elsewhere (the general path)."""
-        tables = self._ordinal_maps(snap)
-        if tables is None:
+        """Rows ``ids`` when each lies in its writer's back-to-back map (see
+        :mod:`~grain_replay.sources.parts_gather`; its tables kept per snapshot)."""
+        cached = self._by_ordinal
+        if cached is None or cached[0] is not snap:
+            cached = self._by_ordinal = (snap, gather.ordinal_maps(snap))
+        if cached[1] is None:
             return None
-        first, span, arrays = tables
-        # An id of an unknown or negative ordinal clips to an ordinal whose rows it
-        # misses (below its first id, or 2**40 past it): caught with the rows outside.
-        ordinal = np.clip(ids >> parts_lib.ID_SHIFT, -1, len(first) - 1)
-        rows = ids - first[ordinal]
-        if not (rows.view(np.uint64) < span[ordinal]).all():  # negative rows wrap: outside
-            return None
-        order = np.argsort(ordinal, kind="stable")
-        back = np.argsort(order)
-        rows = rows[order]
-        ends = np.cumsum(np.bincount(ordinal, minlength=len(first))).tolist()
-        spans = [(o, lo, hi) for o, (lo, hi) in enumerate(zip([0, *ends], ends)) if hi > lo]
-        out: dict[str, np.ndarray] = {}
-        for key in self._seg_keys:
-            leaf = self._spec[key]
-            buf = np.empty((len(ids), *leaf.shape), leaf.dtype)
-            for o, lo, hi in spans:  # rows checked above: "clip" writes out unbuffered
-                np.take(arrays[o][key], rows[lo:hi], axis=0, out=buf[lo:hi], mode="clip")
-            out[key] = np.take(buf, back, axis=0)
-        if WRITER_KEY in self._spec:
+        out = gather.read_mapped(cached[1], ids, self._spec, self._seg_keys)
+        if out is not None and WRITER_KEY in self._spec:
             out[WRITER_KEY] = ids >> parts_lib.ID_SHIFT
-        return {k: out[k] for k in self._spec}
+        return None if out is None else {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)
