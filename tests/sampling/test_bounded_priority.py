@@ -61,9 +61,9 @@ def _sampler(path: str, **kwargs: Any) -> SlotPrioritySampler:
 
 def _leaves(s: SlotPrioritySampler, ids: np.ndarray) -> np.ndarray:
     """The tree leaf of each id's slot (test-only: through the sampler's own lookup)."""
-    _, _, slot, holds, *_ = s._locate(np.asarray(ids, dtype=np.int64))
-    assert holds.all()
-    return s._tree.get(slot)
+    slot = s.slots_of(ids)
+    assert (slot >= 0).all()
+    return s.leaves()[slot]
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,7 @@ def test_new_rows_enter_at_the_largest_priority_given_so_far(tmp_path: Path) -> 
     s.update(ids, np.full(len(ids), 7.0), stamp=0)
     s.update(ids[:1], np.array([0.5]), stamp=0)
     s.draw(1)
-    assert s._max == 7.0
+    assert s.max_priority == 7.0
     _grow(ws, 10)
     s.refresh()
     s.draw(2)
@@ -161,12 +161,12 @@ def test_an_update_of_an_evicted_row_is_ignored_and_never_changes_another(
     live = src.ids(np.arange(len(src)))
     assert not np.isin(drawn, live).any()
     np.testing.assert_allclose(_leaves(s, live), 3.0)  # at max, but from no write onto them
-    assert s._tree.total == pytest.approx(3.0 * CAP)
+    assert s.leaves().sum() == pytest.approx(3.0 * CAP)
     # an update after the eviction: accepted, ignored
     s.update(drawn, np.full(len(drawn), 100.0), stamp=2)
     s.draw(2)
     np.testing.assert_allclose(_leaves(s, live), 3.0)
-    assert s._tree.total == pytest.approx(3.0 * CAP)
+    assert s.leaves().sum() == pytest.approx(3.0 * CAP)
     w.close()
 
 
@@ -182,12 +182,12 @@ def test_tree_size_follows_live_rows_after_ten_times_capacity(tmp_path: Path) ->
     assert ws[0].committed > 10 * CAP
     assert s.live_slots == 3 * CAP
     assert s.slot_count == 3 * CAP  # the ring of a writer of capacity < CHUNK is one chunk
-    assert len(s._tree) == s.slot_count
+    assert len(s.leaves()) == s.slot_count
     src = gr.open_source(path)
     live = src.ids(np.arange(len(src)))
-    held = np.sort(s._ids[s._ids >= 0])
-    np.testing.assert_array_equal(held, np.sort(live))
-    assert (s._tree.values[s._ids < 0] == 0).all()
+    ids = s.held_ids()
+    np.testing.assert_array_equal(np.sort(ids[ids >= 0]), np.sort(live))
+    assert (s.leaves()[ids < 0] == 0).all()
     for w in ws:
         w.close()
 
@@ -289,7 +289,7 @@ def test_bad_updates_are_refused_and_change_nothing(tmp_path: Path) -> None:
     ws = _writers(path)
     s = _sampler(path)
     ids, _ = s.draw(0)
-    before = s._tree.values.copy()
+    before = s.leaves()
     src = gr.open_source(path)
     undrawn = np.setdiff1d(src.ids(np.arange(len(src))), ids)[:2]
     ahead = np.array([(ids[0] >> 40 << 40) | 10_000], dtype=np.int64)
@@ -302,7 +302,7 @@ def test_bad_updates_are_refused_and_change_nothing(tmp_path: Path) -> None:
     with pytest.raises(gr.InvalidPriorityError, match="one priority per index"):
         s.update(ids, np.ones(3), stamp=0)
     s.draw(1)
-    np.testing.assert_array_equal(s._tree.values, before)
+    np.testing.assert_array_equal(s.leaves(), before)
     for w in ws:
         w.close()
 
