@@ -1,33 +1,41 @@
 """Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
 
 ``ReplayWriter.append`` starts each device leaf's copy (``copy_to_host_async``)
-and queues the tree; one background thread takes the trees in append order,
-waits for their host copies (``np.asarray``) and writes them through the
-writer's own write path. ``drain()`` (called by ``flush``/``close``) waits
-for the queue; the bytes queued are bounded, and ``submit`` waits beyond the
-bound. A failure in the thread stops it, drops what was queued after it, and
-is raised by the caller's next ``submit``/``drain`` naming the leaf. jax is
-never imported here: a leaf is a device array when ``jax`` is already loaded
-and the leaf is a ``jax.Array``.
+and queues the tree; one background thread takes the trees in append order, waits
+for their host copies (``np.asarray``) and writes them through the writer's own
+write path, several appends at a time: it sleeps until ``WRITE_BATCH_BYTES`` are
+queued (or a caller waits for it), then writes what is queued as one block, one
+write per leaf. ``drain()`` (called by ``flush``/``close``) waits for the queue;
+the bytes queued are bounded, and ``submit`` waits beyond the bound. A failure in
+the thread stops it, drops what was queued after it, and is raised by the
+caller's next ``submit``/``drain`` naming the leaf. jax is never imported here
+(see :mod:`grain_replay.writers.device_leaves`).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import BackgroundWriteError, InvalidArgumentError, InvalidTreeError
+from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
+from grain_replay.writers.device_leaves import (
+    TreeSignature,
+    device_leaf_test,
+    leaf_name,
+    leaf_nbytes,
+    start_copies,
+)
 
 __all__ = [
+    "COALESCE_BYTES",
     "DEFAULT_MAX_INFLIGHT_BYTES",
+    "WRITE_BATCH_BYTES",
     "BackgroundWriter",
     "LeafWriteError",
     "check_max_inflight_bytes",
@@ -40,7 +48,11 @@ logger = logging.getLogger(__name__)
 # Bytes of appended rows waiting for their copy or write before append waits: a few
 # hundred steps of 1,024 envs' transitions, small next to a host's memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-# Queued trees written as one block when the thread is behind: up to this many bytes.
+# Queued bytes that wake the thread (at most a quarter of the bound): it writes many
+# small appends at once, so its per-write costs (a wake-up, a write and a checksum
+# per leaf, the store's bookkeeping) are paid once per batch, not once per append.
+WRITE_BATCH_BYTES = 2 << 20
+# Queued trees written as one block: up to this many bytes.
 COALESCE_BYTES = 8 << 20
 
 
@@ -50,15 +62,6 @@ class LeafWriteError(Exception):
     def __init__(self, leaf: str):
         super().__init__(leaf)
         self.leaf = leaf
-
-
-def device_leaf_test() -> Callable[[Any], bool] | None:
-    """``isinstance(leaf, jax.Array)`` when jax is loaded, else None (no leaf can be one)."""
-    jax = sys.modules.get("jax")
-    array_type = getattr(jax, "Array", None)
-    if array_type is None:
-        return None
-    return lambda leaf: isinstance(leaf, array_type)
 
 
 def check_max_inflight_bytes(value: Any, where: str) -> int:
@@ -76,70 +79,16 @@ def to_host(leaf: Any) -> np.ndarray:
     return np.asarray(leaf)
 
 
-def _leaf_nbytes(leaf: Any) -> int:
-    return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+Write = Callable[[dict[str, np.ndarray], int], None]
 
 
-def _name(key: str) -> str:
-    return key or "<root>"
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Item:
     arrays: dict[str, Any]  # device arrays (copy under way) and host copies
     rows: int
     first: int  # the writer's row number of the first row, for messages
     nbytes: int
-    write: Callable[[dict[str, np.ndarray], int], None]
-
-
-_ON_HOST: dict[Any, bool] = {}  # sharding -> whether all its devices are CPUs
-
-
-def _on_host(leaf: Any) -> bool:
-    sharding: Any = getattr(leaf, "sharding", None)
-    try:
-        return _ON_HOST[sharding]
-    except (KeyError, TypeError):
-        pass
-    try:
-        on_host = all(d.platform == "cpu" for d in sharding.device_set)
-    except Exception:  # an unusual array: copy it the documented way
-        return False
-    if len(_ON_HOST) > 256:
-        _ON_HOST.clear()
-    with contextlib.suppress(TypeError):
-        _ON_HOST[sharding] = on_host
-    return on_host
-
-
-def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where: str) -> None:
-    """Starts every device leaf's copy to host (none for a CPU device's array, which is
-    host memory already); host leaves are copied now (the caller may reuse its buffers
-    once ``append`` returns)."""
-    for key, leaf in arrays.items():
-        if not is_device(leaf):
-            arrays[key] = np.array(leaf, copy=True)
-            continue
-        if not getattr(leaf, "is_fully_addressable", True):
-            raise InvalidTreeError(
-                f"{where}: leaf {_name(key)!r} is a jax.Array with shards on other processes' "
-                "devices (not fully addressable), so this process cannot copy it to host. "
-                "Fix: append each process's own rows with its own writer_id= (e.g. "
-                "leaf.addressable_shards), or gather it first with "
-                "jax.experimental.multihost_utils.process_allgather."
-            )
-        try:
-            if leaf.is_deleted():
-                raise RuntimeError("Array has been deleted.")
-            if _on_host(leaf):
-                continue  # a CPU device's array is host memory: np.asarray in the thread reads it
-            leaf.copy_to_host_async()
-        except Exception as e:  # a deleted (donated) array, a broken device
-            raise InvalidTreeError(
-                f"{where}: leaf {_name(key)!r} cannot be copied to host ({type(e).__name__}: "
-                f"{e}). Fix: append arrays that are still alive (not donated or deleted)."
-            ) from e
+    write: Write
 
 
 class BackgroundWriter:
@@ -148,14 +97,21 @@ class BackgroundWriter:
     def __init__(self, where: str, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
         self._where = where
         self._max_bytes = max_inflight_bytes
+        self._wake_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
         self._cond = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Item | None] = collections.deque()
         self._bytes = 0  # queued or being written
+        self._unclaimed = 0  # queued, not yet taken by the thread
         self._rows = 0
         self._items = 0
+        self._urgent = 0  # callers waiting for the thread (drain, the bound)
         self._error: BackgroundWriteError | None = None
         self._raised = False
         self._thread: threading.Thread | None = None
+        # The last tree queued, when a flat dict of device arrays: the next one like it
+        # is checked from its leaves' attributes (submit_like_last).
+        self._signature: TreeSignature | None = None
+        self._last_write: Write | None = None
 
     # -- the caller's side -------------------------------------------------------------
 
@@ -178,36 +134,82 @@ class BackgroundWriter:
         arrays: dict[str, Any],
         rows: int,
         first: int,
-        write: Callable[[dict[str, np.ndarray], int], None],
+        write: Write,
         is_device: Callable[[Any], bool],
+        tree: Any = None,
     ) -> None:
-        """Queues a tree after the ones before it; waits while the bytes queued exceed the
-        bound (one tree larger than the bound is queued alone)."""
-        nbytes = sum(_leaf_nbytes(a) for a in arrays.values())
-        with self._cond:
-            while self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
-                self._cond.wait()
-            self._raise_locked()
+        """Queues a checked tree (``arrays``: its leaves) after the ones before it; waits
+        while the bytes queued exceed the bound (one tree larger than the bound is queued
+        alone). ``tree``, when given, may be remembered for :meth:`submit_like_last`."""
+        nbytes = sum(leaf_nbytes(a) for a in arrays.values())
+        self._signature = None
+        self._wait_for_room(nbytes)
         start_copies(arrays, is_device, self._where)
-        item = _Item(arrays, rows, first, nbytes, write)
+        if tree is not None:
+            self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
+            self._last_write = write
+        self._enqueue(_Item(arrays, rows, first, nbytes, write))
+
+    def submit_like_last(self, tree: Any, first: int) -> bool:
+        """Queues ``tree`` if it is a flat dict of device arrays like the last tree
+        submitted (same keys, array types, dtypes, per-row shapes and shardings): that
+        tree passed the store's checks, so this one does too. False (nothing queued)
+        for any other tree: the caller checks it in full and calls :meth:`submit`."""
+        signature, write = self._signature, self._last_write
+        if signature is None or write is None:
+            return False
+        checked = signature.check(tree)
+        if checked is None:
+            return False
+        rows, nbytes = checked
+        self._wait_for_room(nbytes)
+        signature.start_copies(tree)
+        self._enqueue(_Item(dict(tree), rows, first, nbytes, write))
+        return True
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        with self._cond:
+            if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
+                self._urgent += 1
+                self._cond.notify_all()
+                try:
+                    while (
+                        self._error is None
+                        and self._items
+                        and self._bytes + nbytes > self._max_bytes
+                    ):
+                        self._cond.wait()
+                finally:
+                    self._urgent -= 1
+            self._raise_locked()
+
+    def _enqueue(self, item: _Item) -> None:
         with self._cond:
             self._raise_locked()
             self._queue.append(item)
-            self._bytes += nbytes
-            self._rows += rows
+            self._bytes += item.nbytes
+            self._unclaimed += item.nbytes
+            self._rows += item.rows
             self._items += 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            if self._unclaimed >= self._wake_bytes:
+                self._cond.notify_all()
 
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
         with self._cond:
-            while self._error is None and self._items:
-                self._cond.wait()
+            if self._error is None and self._items:
+                self._urgent += 1
+                self._cond.notify_all()
+                try:
+                    while self._error is None and self._items:
+                        self._cond.wait()
+                finally:
+                    self._urgent -= 1
             self._raise_locked()
 
     def raise_pending(self) -> None:
@@ -221,7 +223,8 @@ class BackgroundWriter:
             raise self._error
 
     def stop(self) -> None:
-        """Ends the thread once the queue is empty (after ``drain`` or a failure)."""
+        """Ends the thread once the queue is written (after ``drain`` or a failure)."""
+        self._signature = None  # a closed writer takes no tree past its checks
         with self._cond:
             thread, self._thread = self._thread, None
             if thread is None:
@@ -233,10 +236,17 @@ class BackgroundWriter:
 
     # -- the thread ----------------------------------------------------------------------
 
+    def _ready_locked(self) -> bool:
+        """Whether to write now: a batch is queued, someone waits, or the thread stops."""
+        queue = self._queue
+        return bool(queue) and (
+            self._urgent > 0 or self._unclaimed >= self._wake_bytes or queue[-1] is None
+        )
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._ready_locked():
                     self._cond.wait()
                 batch = self._take_locked()
             if not batch:
@@ -256,8 +266,8 @@ class BackgroundWriter:
                 return
 
     def _take_locked(self) -> list[_Item]:
-        """The next queued tree, with the ones behind it while they are small: a thread
-        that fell behind writes them as one block (one write per leaf, not per tree)."""
+        """The queued trees, oldest first, up to ``COALESCE_BYTES`` (at least one):
+        written as one block (one write per leaf, not per tree)."""
         batch: list[_Item] = []
         size = 0
         while self._queue:
@@ -271,6 +281,7 @@ class BackgroundWriter:
             self._queue.popleft()
             batch.append(item)
             size += item.nbytes
+        self._unclaimed -= size
         return batch
 
     def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
@@ -279,25 +290,34 @@ class BackgroundWriter:
         try:
             host: dict[str, np.ndarray] = {}
             for key in batch[0].arrays:
-                parts = [to_host(item.arrays[key]) for item in batch]
-                host[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            copying = False
+                if len(batch) == 1:
+                    host[key] = to_host(batch[0].arrays[key])
+                else:
+                    host[key] = np.concatenate([to_host(item.arrays[key]) for item in batch])
+            copying, key = False, ""
             batch[0].write(host, rows)
             return None
         except Exception as e:
-            failed = e.leaf if isinstance(e, LeafWriteError) else key
-            cause = e.__cause__ if isinstance(e, LeafWriteError) and e.__cause__ else e
-            what = "copying it to host" if copying else "writing it"
+            cause: BaseException = e
+            if isinstance(e, LeafWriteError):
+                failed: str | None = e.leaf
+                cause = e.__cause__ or e
+                what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
+            elif copying:
+                failed = key
+                what = f"copying it to host failed for leaf {leaf_name(key)!r} of"
+            else:  # the store's own step (a new segment, syncing filled ones): every leaf
+                failed = None
+                what = "writing them failed for"
             first = batch[0].first
             error = BackgroundWriteError(
-                f"{self._where}: {what} failed for leaf {_name(failed)!r} of rows "
-                f"[{first}, {first + rows}) appended earlier: "
+                f"{self._where}: {what} rows [{first}, {first + rows}) appended earlier: "
                 f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
                 "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
                 "remove the cause (disk space, permissions; arrays must not be donated or "
                 "deleted before flush()), then reopen the store with gr.ReplayWriter to "
                 "append after its committed rows.",
-                leaf=_name(failed),
+                leaf="" if failed is None else leaf_name(failed),
             )
             error.__cause__ = cause
             return error
@@ -306,6 +326,7 @@ class BackgroundWriter:
         self._error = error
         dropped = [i for i in self._queue if i is not None]
         self._queue.clear()
+        self._unclaimed = 0
         for i in dropped:
             self._bytes -= i.nbytes
             self._rows -= i.rows

@@ -402,12 +402,16 @@ class ReplayWriter:
             differ from the store's (every differing leaf is named).
           BackgroundWriteError: an earlier device append failed in the background.
         """
-        if self._bg is not None and self._bg.failed:
-            self._raise_failed()
+        if self._bg is not None:
+            if self._bg.failed:
+                self._raise_failed()
+            if self._bg.submit_like_last(tree, len(self)):  # like the last device tree
+                self._flush_if_due(self._bg)
+                return
         is_device = background.device_leaf_test()  # None unless jax is loaded
         if self._part is not None:
             arrays, n = self._part.check(tree, keep=is_device)
-            if self._queue_if_needed(arrays, n, is_device):
+            if self._queue_if_needed(arrays, n, is_device, tree):
                 return
             self._part.write(arrays, n)
             if self._flush_every is not None and self._part.pending >= self._flush_every:
@@ -427,7 +431,7 @@ class ReplayWriter:
         self._check_matches(arrays, treedef)
         if n == 0:
             return
-        if self._queue_if_needed(arrays, n, is_device):
+        if self._queue_if_needed(arrays, n, is_device, tree):
             return
         self._backend.write(arrays, self.committed + self._pending)
         if self._summer is not None:
@@ -437,7 +441,7 @@ class ReplayWriter:
             self.flush()
 
     def _queue_if_needed(
-        self, arrays: dict[str, Any], n: int, is_device: Callable[[Any], bool] | None
+        self, arrays: dict[str, Any], n: int, is_device: Callable[[Any], bool] | None, tree: Any
     ) -> bool:
         """Queues a checked tree for the background thread when it holds device arrays,
         or when device appends before it are still queued (rows keep append order)."""
@@ -455,12 +459,15 @@ class ReplayWriter:
                 self._max_inflight,
             )
         write = self._write_queued if self._part is None else self._write_queued_part
-        bg.submit(arrays, n, len(self), write, is_device or (lambda _: False))
+        bg.submit(arrays, n, len(self), write, is_device or (lambda _: False), tree)
+        self._flush_if_due(bg)
+        return True
+
+    def _flush_if_due(self, bg: background.BackgroundWriter) -> None:
         if self._flush_every is not None:
             pending = self._pending if self._part is None else self._part.pending
             if pending + bg.rows >= self._flush_every:
                 self.flush()
-        return True
 
     def _write_queued(self, arrays: dict[str, np.ndarray], n: int) -> None:
         """The background thread's write of a queued tree (host arrays by now)."""
@@ -473,6 +480,7 @@ class ReplayWriter:
     def _write_queued_part(self, arrays: dict[str, np.ndarray], n: int) -> None:
         assert self._part is not None
         self._part.write(arrays, n, by_leaf=True)
+        self._part.commit_filled()  # here, in the thread: less for flush() to sync
 
     def _raise_failed(self) -> None:
         assert self._bg is not None

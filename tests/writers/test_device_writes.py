@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
-from grain_replay.writers import background
+from grain_replay.writers import background, device_leaves
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
 
 SUFFIXES = {"npy": "s", "hdf5": "s.h5", "zarr": "s.zarr"}
@@ -93,6 +93,12 @@ def slow_copy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state["release"].set()
 
 
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread writes each append as it comes (no batching), so a failure happens now."""
+    monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
+
+
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
 @pytest.mark.parametrize("fmt", list(SUFFIXES))
 def test_device_appends_round_trip_in_append_order(tmp_path: Any, fmt: str, bounded: bool) -> None:
@@ -117,7 +123,7 @@ def test_accelerator_path_starts_copy_to_host_async(
 ) -> None:
     # A CPU device's array is host memory (no copy to start); on an accelerator every
     # device leaf's copy starts at append. Take that path with CPU arrays.
-    monkeypatch.setattr(background, "_on_host", lambda leaf: False)
+    monkeypatch.setattr(device_leaves, "on_host", lambda leaf: False)
     started: list[tuple[int, ...]] = []
     array_type = type(_sharded(np.zeros((8, 1), np.float32)))
     real = array_type.copy_to_host_async
@@ -164,34 +170,6 @@ def test_append_returns_before_the_copy_and_flush_waits(
     assert slow_copy["calls"] >= 3 and set(slow_copy["threads"]) == {THREAD}
     w.close()
     np.testing.assert_array_equal(_read_all(path)["obs"], _expected(2)["obs"])
-
-
-def test_queued_trees_written_as_one_block_in_order(
-    tmp_path: Any, slow_copy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    writes: list[int] = []
-    real = NpyBackend.write
-
-    def write(self: Any, arrays: dict[str, np.ndarray], start: int) -> None:
-        if "action" in arrays:
-            writes.append(len(arrays["action"]))
-        real(self, arrays, start)
-
-    monkeypatch.setattr(NpyBackend, "write", write)
-    path = _path(tmp_path, "npy")
-    with gr.ReplayWriter(path) as w:
-        w.append(_on_device(_block(0), 0))
-        deadline = time.monotonic() + 30
-        while not slow_copy["calls"] and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the thread waits in this one's copy
-        for i in range(1, 6):  # queued behind it meanwhile: device, mixed and host trees
-            w.append(_on_device(_block(i), i) if i != 3 else _block(i))
-        slow_copy["release"].set()
-        assert w.flush() == 96
-    assert writes == [16, 80]  # the first alone, the five behind it as one block
-    got = _read_all(path)
-    for k, v in _expected(6).items():
-        np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 def test_host_appends_to_an_idle_writer_stay_in_the_caller(tmp_path: Any) -> None:
@@ -289,7 +267,12 @@ def _fail_on_leaf(monkeypatch: pytest.MonkeyPatch, cls: type, leaf: str) -> dict
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
 @pytest.mark.parametrize("fmt", list(SUFFIXES))
 def test_failing_background_write_raised_naming_the_leaf(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fmt: str, bounded: bool, raised_by: str
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    eager: None,
+    fmt: str,
+    bounded: bool,
+    raised_by: str,
 ) -> None:
     path = _path(tmp_path, fmt)
     cls = NpySegmentBackend if bounded and fmt == "npy" else BACKEND_CLASSES[fmt]
