@@ -97,7 +97,7 @@ def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     key: str
-    type: type
+    type: Any  # the array class (jax.Array is abstract: its instances are a subclass)
     dtype: np.dtype
     row_shape: tuple[int, ...]
     row_bytes: int
