@@ -1,14 +1,14 @@
 """Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
 
 ``ReplayWriter.append`` starts each device leaf's copy (``copy_to_host_async``)
-and queues the tree; one background thread takes the trees in append order, waits
-for their host copies (``np.asarray``) and writes them through the writer's own
-write path, several appends at a time: it sleeps until ``WRITE_BATCH_BYTES`` are
-queued (or a caller waits for it), then writes what is queued as one block, one
-write per leaf. ``drain()`` (called by ``flush``/``close``) waits for the queue;
-the bytes queued are bounded, and ``submit`` waits beyond the bound. A failure in
-the thread stops it, drops what was queued after it, and is raised by the
-caller's next ``submit``/``drain`` naming the leaf. jax is never imported here
+and queues the tree; one background thread takes the trees in append order and
+waits for each one's host copies (``np.asarray``) as it comes, in a short stretch
+while the caller's next step computes, then writes them several at a time: once
+``WRITE_BATCH_BYTES`` are on the host (or a caller waits) it writes them as one
+block, one write per leaf. ``drain()`` (called by ``flush``/``close``) waits for
+the queue; the bytes queued are bounded, and ``submit`` waits beyond the bound. A
+failure in the thread stops it, drops what was queued after it, and is raised by
+the caller's next ``submit``/``drain`` naming the leaf. jax is never imported here
 (see :mod:`grain_replay.writers.device_leaves`).
 """
 
@@ -33,7 +33,6 @@ from grain_replay.writers.device_leaves import (
 )
 
 __all__ = [
-    "COALESCE_BYTES",
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "WRITE_BATCH_BYTES",
     "BackgroundWriter",
@@ -48,12 +47,10 @@ logger = logging.getLogger(__name__)
 # Bytes of appended rows waiting for their copy or write before append waits: a few
 # hundred steps of 1,024 envs' transitions, small next to a host's memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-# Queued bytes that wake the thread (at most a quarter of the bound): it writes many
-# small appends at once, so its per-write costs (a wake-up, a write and a checksum
-# per leaf, the store's bookkeeping) are paid once per batch, not once per append.
+# Bytes of trees on the host that the thread writes as one block (at most a quarter
+# of the bound): its per-write costs (a write and a checksum per leaf, the store's
+# bookkeeping) are paid once per batch, not once per append.
 WRITE_BATCH_BYTES = 2 << 20
-# Queued trees written as one block: up to this many bytes.
-COALESCE_BYTES = 8 << 20
 
 
 class LeafWriteError(Exception):
@@ -97,14 +94,16 @@ class BackgroundWriter:
     def __init__(self, where: str, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
         self._where = where
         self._max_bytes = max_inflight_bytes
-        self._wake_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[_Item | None] = collections.deque()
-        self._bytes = 0  # queued or being written
-        self._unclaimed = 0  # queued, not yet taken by the thread
+        self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)  # the thread waits here for trees
+        self._done = threading.Condition(lock)  # callers wait here for the thread
+        self._queue: collections.deque[_Item | None] = collections.deque()  # None: stop
+        self._bytes = 0  # queued, on host or being written
         self._rows = 0
         self._items = 0
         self._urgent = 0  # callers waiting for the thread (drain, the bound)
+        self._idle = False  # the thread waits for work
         self._error: BackgroundWriteError | None = None
         self._raised = False
         self._thread: threading.Thread | None = None
@@ -168,27 +167,26 @@ class BackgroundWriter:
         return True
 
     def _wait_for_room(self, nbytes: int) -> None:
-        with self._cond:
+        with self._done:
             if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
                 self._urgent += 1
-                self._cond.notify_all()
+                self._work.notify()
                 try:
                     while (
                         self._error is None
                         and self._items
                         and self._bytes + nbytes > self._max_bytes
                     ):
-                        self._cond.wait()
+                        self._done.wait()
                 finally:
                     self._urgent -= 1
             self._raise_locked()
 
     def _enqueue(self, item: _Item) -> None:
-        with self._cond:
+        with self._work:
             self._raise_locked()
             self._queue.append(item)
             self._bytes += item.nbytes
-            self._unclaimed += item.nbytes
             self._rows += item.rows
             self._items += 1
             if self._thread is None:
@@ -196,25 +194,25 @@ class BackgroundWriter:
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 self._thread.start()
-            if self._unclaimed >= self._wake_bytes:
-                self._cond.notify_all()
+            elif self._idle:
+                self._work.notify()
 
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
-        with self._cond:
+        with self._done:
             if self._error is None and self._items:
                 self._urgent += 1
-                self._cond.notify_all()
+                self._work.notify()
                 try:
                     while self._error is None and self._items:
-                        self._cond.wait()
+                        self._done.wait()
                 finally:
                     self._urgent -= 1
             self._raise_locked()
 
     def raise_pending(self) -> None:
         """Raises a failure not yet raised (once)."""
-        with self._cond:
+        with self._done:
             self._raise_locked()
 
     def _raise_locked(self) -> None:
@@ -225,108 +223,126 @@ class BackgroundWriter:
     def stop(self) -> None:
         """Ends the thread once the queue is written (after ``drain`` or a failure)."""
         self._signature = None  # a closed writer takes no tree past its checks
-        with self._cond:
+        with self._work:
             thread, self._thread = self._thread, None
             if thread is None:
                 return
             self._queue.append(None)
-            self._cond.notify_all()
+            self._work.notify()
         if thread is not threading.current_thread():
             thread.join()
 
     # -- the thread ----------------------------------------------------------------------
 
-    def _ready_locked(self) -> bool:
-        """Whether to write now: a batch is queued, someone waits, or the thread stops."""
-        queue = self._queue
-        return bool(queue) and (
-            self._urgent > 0 or self._unclaimed >= self._wake_bytes or queue[-1] is None
-        )
-
     def _run(self) -> None:
+        """Takes each tree as it comes and waits for its host copy (a short stretch holding
+        the GIL, while the caller's next step computes); writes the trees taken once
+        ``batch_bytes`` of them are on the host, when a caller waits, and at the stop."""
+        staged: list[_Item] = []  # on the host, not yet written
+        size = 0
         while True:
-            with self._cond:
-                while not self._ready_locked():
-                    self._cond.wait()
-                batch = self._take_locked()
-            if not batch:
-                return
-            error = self._write(batch)
-            with self._cond:
-                for item in batch:
-                    self._bytes -= item.nbytes
-                    self._rows -= item.rows
-                    self._items -= 1
-                if error is not None:
-                    self._fail_locked(error)
-                self._cond.notify_all()
+            with self._work:
+                while not self._queue and not (staged and self._urgent):
+                    self._idle = True
+                    self._work.wait()
+                self._idle = False
+                if self._queue:
+                    item = self._queue.popleft()
+                    stop = item is None
+                else:
+                    item, stop = None, False
+                more = bool(self._queue)
+                urgent = self._urgent > 0
+            error = None
+            done: list[_Item] = []
+            if item is not None:
+                if staged and item.write != staged[0].write:  # another store's: write first
+                    error = self._write(staged)
+                    done, staged, size = staged, [], 0
+                if error is None:
+                    error = self._to_host(item)
+                staged.append(item)
+                size += item.nbytes
+            if (
+                error is None
+                and staged
+                and (stop or size >= self._batch_bytes or (urgent and not more))
+            ):
+                error = self._write(staged)
+                done, staged, size = [*done, *staged], [], 0
+            if error is not None:  # what was taken is dropped with the failure
+                done, staged, size = [*done, *staged], [], 0
+            if done or error is not None:
+                with self._done:
+                    for i in done:
+                        self._bytes -= i.nbytes
+                        self._rows -= i.rows
+                        self._items -= 1
+                    if error is not None:
+                        self._fail_locked(error)
+                    self._done.notify_all()
             # Dropped outside the lock: the last reference to the writer may go with it.
-            del batch
-            if error is not None:
+            del done, item
+            if error is not None or stop:
                 return
 
-    def _take_locked(self) -> list[_Item]:
-        """The queued trees, oldest first, up to ``COALESCE_BYTES`` (at least one):
-        written as one block (one write per leaf, not per tree)."""
-        batch: list[_Item] = []
-        size = 0
-        while self._queue:
-            item = self._queue[0]
-            if item is None:
-                if not batch:
-                    self._queue.popleft()
-                break
-            if batch and (item.write != batch[0].write or size + item.nbytes > COALESCE_BYTES):
-                break
-            self._queue.popleft()
-            batch.append(item)
-            size += item.nbytes
-        self._unclaimed -= size
-        return batch
+    def _to_host(self, item: _Item) -> BackgroundWriteError | None:
+        """Replaces the item's leaves by their host copies (waiting for them)."""
+        key = ""
+        try:
+            arrays = item.arrays
+            for key in arrays:
+                arrays[key] = to_host(arrays[key])
+        except Exception as e:
+            return self._failure([item], e, copying=key)
+        return None
 
     def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
-        key, copying = "", True
+        """Writes host trees as one block: one write per leaf."""
         rows = sum(item.rows for item in batch)
         try:
-            host: dict[str, np.ndarray] = {}
-            for key in batch[0].arrays:
-                if len(batch) == 1:
-                    host[key] = to_host(batch[0].arrays[key])
-                else:
-                    host[key] = np.concatenate([to_host(item.arrays[key]) for item in batch])
-            copying, key = False, ""
+            if len(batch) == 1:
+                host = batch[0].arrays
+            else:
+                host = {k: np.concatenate([i.arrays[k] for i in batch]) for k in batch[0].arrays}
             batch[0].write(host, rows)
-            return None
         except Exception as e:
-            cause: BaseException = e
-            if isinstance(e, LeafWriteError):
-                failed: str | None = e.leaf
-                cause = e.__cause__ or e
-                what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
-            elif copying:
-                failed = key
-                what = f"copying it to host failed for leaf {leaf_name(key)!r} of"
-            else:  # the store's own step (a new segment, syncing filled ones): every leaf
-                failed = None
-                what = "writing them failed for"
-            first = batch[0].first
-            error = BackgroundWriteError(
-                f"{self._where}: {what} rows [{first}, {first + rows}) appended earlier: "
-                f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
-                "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
-                "remove the cause (disk space, permissions; arrays must not be donated or "
-                "deleted before flush()), then reopen the store with gr.ReplayWriter to "
-                "append after its committed rows.",
-                leaf="" if failed is None else leaf_name(failed),
-            )
-            error.__cause__ = cause
-            return error
+            return self._failure(batch, e)
+        return None
+
+    def _failure(
+        self, batch: list[_Item], e: Exception, copying: str | None = None
+    ) -> BackgroundWriteError:
+        """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
+        cause: BaseException = e
+        failed: str | None = None
+        if copying is not None:
+            failed = copying
+            what = f"copying it to host failed for leaf {leaf_name(copying)!r} of"
+        elif isinstance(e, LeafWriteError):
+            failed = e.leaf
+            cause = e.__cause__ or e
+            what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
+        else:  # the store's own step (a new segment, syncing filled ones): every leaf
+            what = "writing them failed for"
+        first = batch[0].first
+        rows = sum(item.rows for item in batch)
+        error = BackgroundWriteError(
+            f"{self._where}: {what} rows [{first}, {first + rows}) appended earlier: "
+            f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
+            "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
+            "remove the cause (disk space, permissions; arrays must not be donated or "
+            "deleted before flush()), then reopen the store with gr.ReplayWriter to "
+            "append after its committed rows.",
+            leaf="" if failed is None else leaf_name(failed),
+        )
+        error.__cause__ = cause
+        return error
 
     def _fail_locked(self, error: BackgroundWriteError) -> None:
         self._error = error
         dropped = [i for i in self._queue if i is not None]
         self._queue.clear()
-        self._unclaimed = 0
         for i in dropped:
             self._bytes -= i.nbytes
             self._rows -= i.rows
