@@ -91,7 +91,15 @@ class _Item:
 class BackgroundWriter:
     """One thread that converts queued trees to host arrays and writes them, in order."""
 
-    def __init__(self, where: str, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
+    def __init__(
+        self,
+        where: str,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        sync: Callable[[], None] | None = None,
+    ):
+        """``sync``: the store's step after writes (committing the segments they filled),
+        run by a second thread while the next trees are copied and written, so its
+        ``fsync`` waits hold up neither the caller nor the writes."""
         self._where = where
         self._max_bytes = max_inflight_bytes
         self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
@@ -107,6 +115,11 @@ class BackgroundWriter:
         self._error: BackgroundWriteError | None = None
         self._raised = False
         self._thread: threading.Thread | None = None
+        self._sync = sync
+        self._sync_wanted = False  # a write finished since the last sync started
+        self._syncing = False
+        self._sync_thread: threading.Thread | None = None
+        self._stopped = False
         # The last tree queued, when a flat dict of device arrays: the next one like it
         # is checked from its leaves' attributes (submit_like_last).
         self._signature: TreeSignature | None = None
@@ -117,7 +130,11 @@ class BackgroundWriter:
     @property
     def busy(self) -> bool:
         """Whether anything is queued or being written (or a failure is not yet raised)."""
-        return self._items > 0 or (self._error is not None and not self._raised)
+        return self._pending_locked() or (self._error is not None and not self._raised)
+
+    def _pending_locked(self) -> bool:
+        """Trees queued or being written, or a sync asked for or running."""
+        return self._items > 0 or self._sync_wanted or self._syncing
 
     @property
     def rows(self) -> int:
@@ -200,11 +217,11 @@ class BackgroundWriter:
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
         with self._done:
-            if self._error is None and self._items:
+            if self._error is None and self._pending_locked():
                 self._urgent += 1
                 self._work.notify()
                 try:
-                    while self._error is None and self._items:
+                    while self._error is None and self._pending_locked():
                         self._done.wait()
                 finally:
                     self._urgent -= 1
@@ -224,13 +241,15 @@ class BackgroundWriter:
         """Ends the thread once the queue is written (after ``drain`` or a failure)."""
         self._signature = None  # a closed writer takes no tree past its checks
         with self._work:
+            self._stopped = True
             thread, self._thread = self._thread, None
-            if thread is None:
-                return
-            self._queue.append(None)
-            self._work.notify()
-        if thread is not threading.current_thread():
-            thread.join()
+            syncer, self._sync_thread = self._sync_thread, None
+            if thread is not None:
+                self._queue.append(None)
+            self._work.notify_all()  # the sync thread waits on it too
+        for t in (thread, syncer):
+            if t is not None and t is not threading.current_thread():
+                t.join()
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -242,10 +261,12 @@ class BackgroundWriter:
         size = 0
         while True:
             with self._work:
-                while not self._queue and not (staged and self._urgent):
+                while self._error is None and not self._queue and not (staged and self._urgent):
                     self._idle = True
                     self._work.wait()
                 self._idle = False
+                if self._error is not None:  # the sync thread failed
+                    return
                 if self._queue:
                     item = self._queue.popleft()
                     stop = item is None
@@ -280,10 +301,50 @@ class BackgroundWriter:
                         self._items -= 1
                     if error is not None:
                         self._fail_locked(error)
+                    elif done and self._sync is not None and not self._stopped:
+                        self._sync_wanted = True
+                        if self._sync_thread is None:
+                            self._sync_thread = threading.Thread(
+                                target=self._run_syncs,
+                                name="grain_replay-device-syncs",
+                                daemon=True,
+                            )
+                            self._sync_thread.start()
+                        self._work.notify_all()
                     self._done.notify_all()
             # Dropped outside the lock: the last reference to the writer may go with it.
             del done, item
             if error is not None or stop:
+                return
+
+    def _run_syncs(self) -> None:
+        """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
+        assert self._sync is not None
+        while True:
+            with self._work:
+                while not self._sync_wanted and self._sync_thread is not None and not self._error:
+                    self._work.wait()
+                if not self._sync_wanted or self._error is not None:
+                    return
+                self._sync_wanted, self._syncing = False, True
+            error = None
+            try:
+                self._sync()
+            except Exception as e:
+                error = BackgroundWriteError(
+                    f"{self._where}: committing the segments filled by rows appended earlier "
+                    f"failed: {type(e).__name__}: {e}. The rows committed before (by the last "
+                    "flush) are intact; the rows appended since are dropped, as in a crash. "
+                    "Fix: remove the cause (disk space, permissions), then reopen the store "
+                    "with gr.ReplayWriter to append after its committed rows."
+                )
+                error.__cause__ = e
+            with self._done:
+                self._syncing = False
+                if error is not None:
+                    self._fail_locked(error)
+                self._done.notify_all()
+            if error is not None:
                 return
 
     def _to_host(self, item: _Item) -> BackgroundWriteError | None:
@@ -340,6 +401,8 @@ class BackgroundWriter:
         return error
 
     def _fail_locked(self, error: BackgroundWriteError) -> None:
+        if self._error is not None:  # the other thread failed first: that one is raised
+            return
         self._error = error
         dropped = [i for i in self._queue if i is not None]
         self._queue.clear()
@@ -349,3 +412,5 @@ class BackgroundWriter:
             self._items -= 1
         logger.error("%s", error)
         self._thread = None
+        self._sync_thread = None
+        self._work.notify_all()  # the other thread stops too

@@ -457,6 +457,7 @@ class ReplayWriter:
                 if self._part is None
                 else f"{self._path} (writer {self._part.manifest.writer_id!r})",
                 self._max_inflight,
+                None if self._part is None else self._part.commit_filled,  # less for flush
             )
         write = self._write_queued if self._part is None else self._write_queued_part
         bg.submit(arrays, n, len(self), write, is_device or (lambda _: False), tree)
@@ -480,7 +481,6 @@ class ReplayWriter:
     def _write_queued_part(self, arrays: dict[str, np.ndarray], n: int) -> None:
         assert self._part is not None
         self._part.write(arrays, n, by_leaf=True)
-        self._part.commit_filled()  # here, in the thread: less for flush() to sync
 
     def _raise_failed(self) -> None:
         assert self._bg is not None

@@ -270,9 +270,12 @@ def test_failing_segment_commit_in_the_thread_raised(
     armed["on"] = True
     for i in range(1, 4):  # fills [32, 64): its commit in the thread fails
         w.append(_device(_block(i)))
-    with pytest.raises(gr.BackgroundWriteError, match=r"writing them failed for rows") as info:
+    with pytest.raises(gr.BackgroundWriteError, match=r"committing the segments filled") as info:
         w.flush()
     assert info.value.leaf == "" and "Input/output error" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(gr.GrainReplayError, match="stopped after a failed device append"):
+        w.append(_device(_block(4)))
     w.close()
     armed["on"] = False
     _assert_rows(path, [0])
@@ -314,3 +317,48 @@ def test_crash_after_filled_segments_committed_keeps_the_flushed_rows(tmp_path: 
         assert not os.path.exists(seg[32]) and not os.path.exists(seg[64])  # dropped
         w.append({"x": jnp.arange(16, 70, dtype=jnp.int32)})
     np.testing.assert_array_equal(_read_all(path)["x"], np.arange(70))
+
+
+def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
+    release, started = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = NpySegmentBackend.commit
+
+    def commit(self: Any, n: int, checksums: Any) -> None:
+        threads.append(threading.current_thread().name)
+        if threading.current_thread().name == "grain_replay-device-syncs":
+            started.set()
+            assert release.wait(30), "the test never released the commit"
+        real(self, n, checksums)
+
+    writes: list[int] = []
+    real_write = PartWriter.write
+
+    def write(self: Any, arrays: dict[str, np.ndarray], n: int, **kwargs: Any) -> None:
+        real_write(self, arrays, n, **kwargs)
+        writes.append(n)
+
+    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
+    monkeypatch.setattr(PartWriter, "write", write)
+    path = str(tmp_path / "s")
+    w = gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=2 * ROWS)
+    for i in range(2):
+        w.append(_device(_block(i)))  # fills [0, 32): its commit blocks
+    assert started.wait(30)
+    for i in range(2, 5):  # written meanwhile: the commit holds up neither append nor write
+        w.append(_device(_block(i)))
+    _wait_until(lambda: len(writes) == 5, "the writes behind the blocked commit")
+    flushed = threading.Event()
+    t = threading.Thread(target=lambda: (w.flush(), flushed.set()))
+    t.start()
+    time.sleep(0.2)
+    assert not flushed.is_set(), "flush returned before the segment commit finished"
+    release.set()
+    t.join(30)
+    assert flushed.is_set() and w.committed == 5 * ROWS
+    w.close()
+    assert threads[0] == "grain_replay-device-syncs"
+    _assert_rows(path, list(range(5)))
