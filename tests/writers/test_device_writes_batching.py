@@ -24,6 +24,7 @@ from grain_replay import parts as parts_lib
 from grain_replay.writers import background
 from grain_replay.writers.backends import NpyBackend, NpySegmentBackend
 from grain_replay.writers.parts_writer import PartWriter
+from tests.helpers.store_reads import read_all
 
 ROWS = 16
 
@@ -49,16 +50,8 @@ def _expected(blocks: list[int]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _read_all(path: str) -> dict[str, np.ndarray]:
-    src = gr.open_source(path)
-    try:
-        return src.read_batch(np.arange(len(src)))
-    finally:
-        src.close()
-
-
 def _assert_rows(path: str, blocks: list[int]) -> None:
-    got = _read_all(path)
+    got = read_all(path)
     for k, v in _expected(blocks).items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
@@ -127,7 +120,7 @@ def test_tree_like_the_last_skips_the_full_check(
         assert len(calls) == 1, "trees like the first one were walked and checked again"
         w.append(_device(_block(10, rows=5)))  # another row count: still like the last
         assert len(calls) == 1 and len(w) == 10 * ROWS + 5
-    got = _read_all(path)
+    got = read_all(path)
     want = _expected(list(range(10)))
     for k in want:
         np.testing.assert_array_equal(got[k][: 10 * ROWS], want[k], err_msg=k)
@@ -311,12 +304,12 @@ def test_crash_after_filled_segments_committed_keeps_the_flushed_rows(tmp_path: 
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert os.path.exists(seg[32]) and os.path.exists(seg[64])
-    np.testing.assert_array_equal(_read_all(path)["x"], np.arange(16))
+    np.testing.assert_array_equal(read_all(path)["x"], np.arange(16))
     with gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=32) as w:
         assert w.committed == 16
         assert not os.path.exists(seg[32]) and not os.path.exists(seg[64])  # dropped
         w.append({"x": jnp.arange(16, 70, dtype=jnp.int32)})
-    np.testing.assert_array_equal(_read_all(path)["x"], np.arange(70))
+    np.testing.assert_array_equal(read_all(path)["x"], np.arange(70))
 
 
 def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
