@@ -22,3 +22,11 @@ def test_bench_device_writes_rows() -> None:
     assert all(set(r) == {"name", "value", "target", "unit"} for r in rows)
     assert all(r["value"] > 0 for r in rows if not math.isnan(r["value"])), rows
     assert [r["target"] for r in rows[1:]] == [None] * (len(rows) - 1)
+    # The per-append profile behind a miss: each thread's CPU, the flush, the load.
+    assert {
+        "main thread's CPU time in a device append (check, queue)",
+        "one flush() in the writing loop (100 steps of rows)",
+        "1-min load average (highest seen)",
+    } <= set(names)
+    writer = [r for r in rows if r["name"].startswith("writer threads' CPU time per device")]
+    assert len(writer) == 1 and writer[0]["value"] > 0 and writer[0]["unit"] == "us"
