@@ -2,7 +2,10 @@
 
 Each worker owns a few anonymous shared-memory slots (``memfd``, handed over once
 through the pipe), writes a whole batch into one, and sends a small tuple naming
-the slot; the consumer (``pipeline/workers.py``) copies it out and gives it back.
+the slot; the consumer (``pipeline/workers.py``) hands it out as views of the slot
+and gives it back once they are dropped, giving another slot meanwhile (``_FREE``
+of an id not seen yet: the worker makes it at its first use), and takes back
+slots it no longer needs (``_DROP``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 # worker -> consumer: (kind, generation, element, slot, ...)
 _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 # consumer -> worker
-_FREE, _SEEK, _STOP, _TASK = range(4)
+_FREE, _SEEK, _STOP, _TASK, _DROP = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,10 @@ def _worker_main(
         nonlocal k, generation, stalled
         if msg[0] == _FREE:
             free.append(msg[1])
+        elif msg[0] == _DROP:  # a slot given back by the consumer, not to be used again
+            dropped = slots.pop(msg[1], None)
+            if dropped is not None:
+                dropped.close()
         elif msg[0] == _TASK:  # the pipe is ordered: a task sent before a seek is cleared by it
             tasks[msg[1]] = msg[2]
         elif msg[0] == _SEEK:
