@@ -223,6 +223,10 @@ class WorkerLoaderIterator(GrainStateIterator):
     elements not handed out again, so ``task`` must return the same for the same ``j``.
     ``task`` may return :data:`TASK_NOT_READY` for an element ahead of the one handed
     out next (sending stops there until the next element is asked for).
+
+    With ``read_into(j, out) -> bool`` (no ``maps``, no ``task``, no ``read_threads``:
+    ``read(j)`` written into ``out``, leaf key -> array, or False when it cannot), a
+    worker reads each batch after its first straight into its shared-memory slot.
     """
 
     def __init__(
@@ -235,6 +239,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         buffer_size: int = 2,
         read_threads: int = 0,
         task: Callable[[int], Any] | None = None,
+        read_into: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
     ) -> None:
         super().__init__(identity, length=length)
         worker_count, shard_index, shard_count = (
@@ -245,7 +250,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         if worker_count <= 0:
             raise ValueError(f"worker_count must be positive, got {worker_count}")
         try:  # fail here, not in the workers
-            self._payload = cloudpickle.dumps((read, tuple(maps)))
+            self._payload = cloudpickle.dumps((read, tuple(maps), read_into))
         except Exception as e:
             raise ArgumentTypeError(
                 f"make_data_loader(worker_count={worker_count}) sends the source and the "

@@ -13,11 +13,19 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
+from loader_ops import IntoFails, MarkedInto
 
 import grain_replay as gr
 from grain_replay.pipeline.slots import MAX_HELD, Slots
 
 NO_SHARDING = grain.sharding.NoSharding()
+
+
+class Identity(grain.transforms.Map):
+    def map(self, element: Any) -> Any:
+        return element
+
+
 FIELDS = [
     ("a", np.dtype(np.float32), (4, 2), 8, 0),
     ("b", np.dtype(">i8"), (3,), 3, 64),
@@ -238,3 +246,38 @@ def test_sharded_device_put_of_held_batches(path: str, workers: int) -> None:
     gc.collect()
     for a, want in zip(arrays, reference, strict=False):
         np.testing.assert_array_equal(np.asarray(a), want["obs"]["vec"])
+
+
+# -- batches read straight into the slot --------------------------------------------------
+
+
+def test_batches_after_the_first_are_read_straight_into_the_slot(path: str) -> None:
+    src = gr.open_source(path)
+    reference = [b["id"].tolist() for b in _loader(src, 0)]
+    got = [b["id"].tolist() for b in _loader(MarkedInto(src), 2)]
+    # Each worker's first batch shows the layout (read_batch); the rest used read_into.
+    assert got[:2] == reference[:2]
+    assert got[2:] == [[i + 1000 for i in ids] for ids in reference[2:]]
+
+
+def test_read_into_of_the_real_source_gives_the_read_batch_stream(path: str) -> None:
+    src = gr.open_source(path)
+    reference = [_copy(b) for b in _loader(src, 0, drop_remainder=False)]
+    got = list(_loader(src, 2, drop_remainder=False))  # a short last batch each epoch
+    assert [len(b["id"]) for b in got] == [len(b["id"]) for b in reference]
+    assert len(reference[12]["id"]) == 4  # 100 records: 12 batches of 8, then 4
+    for g, want in zip(got, reference, strict=True):
+        assert_tree_equal(g, want)
+
+
+def test_read_into_that_raises_falls_back_to_read_batch(path: str) -> None:
+    src = gr.open_source(path)
+    reference = [b["id"].tolist() for b in _loader(src, 0)]
+    assert [b["id"].tolist() for b in _loader(IntoFails(src), 2)] == reference
+
+
+def test_operations_turn_off_reading_into_the_slot(path: str) -> None:
+    src = gr.open_source(path)
+    reference = [b["id"].tolist() for b in _loader(src, 0, operations=[Identity()])]
+    got = [b["id"].tolist() for b in _loader(MarkedInto(src), 2, operations=[Identity()])]
+    assert got == reference
