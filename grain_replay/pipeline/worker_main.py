@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import mmap
 import multiprocessing.connection
@@ -106,7 +107,9 @@ class _SlotMaps:
         maps = self.maps
         if slot not in maps or len(maps[slot]) < size:
             if slot in maps:
-                maps[slot].close()
+                # Arrays a read_into kept still view it: it is unmapped with the last of them.
+                with contextlib.suppress(BufferError):
+                    maps[slot].close()
             fd, maps[slot] = _new_slot(max(size, _ALIGN) + size // 4)
             self.conn.send((_SLOT, generation, k, slot, len(maps[slot])))
             multiprocessing.reduction.send_handle(self.conn, fd, os.getppid())
@@ -116,7 +119,8 @@ class _SlotMaps:
     def drop(self, slot: int) -> None:
         dropped = self.maps.pop(slot, None)
         if dropped is not None:
-            dropped.close()
+            with contextlib.suppress(BufferError):
+                dropped.close()
 
 
 def _views(buf: np.ndarray, spec: Any) -> dict[str, np.ndarray]:
