@@ -137,7 +137,7 @@ def _copied(tree: Any) -> Any:
 def _image_workers(
     cfg: Config, stores: dict[str, dict[str, Store]], res: SectionResult, log: Callable[[str], None]
 ) -> None:
-    """Large batches (images: 7 MB at batch 256) through 2 workers, timed in turns: batches
+    """Large batches (images: 7 MB at batch 256) through 2 workers, each case in turn: batches
     that view the workers' shared memory, the same copied out (the loader before), 0 workers,
     and sharded_device_put over the 2 workers."""
     import jax
@@ -146,7 +146,6 @@ def _image_workers(
     if store is None:
         return
     b = cfg.batch_size
-    steady: dict[str, Any] = {"warmup": 6, "warmup_s": cfg.target_s}
     PAGE_CACHE.keep_only([store.path])
     with open_source(store) as src:
 
@@ -168,7 +167,15 @@ def _image_workers(
             "full-2-workers": _iterate(its["full-2-workers"], jax.block_until_ready),
         }
         try:
-            cases = _paired(cfg, store, "npy", timed, **steady)
+            # One after the other, not in turns: slices of a few batches would be served
+            # from the workers' read-ahead (4 batches). Each case drains it while warming up.
+            cases = {}
+            for m, step in timed.items():
+                case = _case(
+                    cfg, store, "npy", m, step, warmup=8, warmup_s=cfg.target_s, min_batches=16
+                )
+                if case is not None:
+                    cases[m] = case
         finally:
             for it in its.values():
                 close = getattr(it, "close", None)
