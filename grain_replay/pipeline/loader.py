@@ -132,6 +132,8 @@ class _ReplayDataLoader(grain.DataLoader):
                 maps=ops,
                 buffer_size=self.multiprocessing_options.per_worker_buffer_size,
                 read_threads=threads,
+                # No operations: a batch is the source's rows, read straight into shared memory.
+                read_into=None if ops else parts.reads.read_into,
             )
         return InProcessLoaderIterator(
             identity,
