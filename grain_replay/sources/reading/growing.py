@@ -86,11 +86,16 @@ class GrowingMap:
         return array
 
 
-def map_file(path: str, needed: int) -> GrowingMap | None:
-    """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported."""
+def map_file(path: str, needed: int, *, headroom: bool = True) -> GrowingMap | None:
+    """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported.
+
+    ``headroom=False`` reserves no address space past them: a file that is replaced,
+    never appended to, mapped this way for its one kept descriptor (whose truncation
+    check is an ``lseek``, cheaper than a map's own ``fstat``).
+    """
     if needed <= 0:
         return None
-    reservation = reserve(_pages(needed + headroom_for(needed)))
+    reservation = reserve(_pages(needed + (headroom_for(needed) if headroom else 0)))
     if reservation is None:
         return None
     try:
