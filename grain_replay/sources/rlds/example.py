@@ -117,20 +117,18 @@ def _bytes_list(buf: Any, pos: int, end: int) -> tuple[np.ndarray, np.ndarray]:
             raise WireError("a BytesList value runs past the end of its message")
         n = buf[pos + 1]
         pos += 2
-        if n >= 0x80:
-            n &= 0x7F
-            shift = 7
-            while True:
-                if pos >= end:
-                    raise WireError("a varint runs past the end of its message")
-                b = buf[pos]
+        if n >= 0x80:  # two- and three-byte lengths unrolled (images); longer ones by _varint
+            b1 = buf[pos] if pos < end else 0x80
+            if b1 < 0x80:
+                n = (n & 0x7F) | b1 << 7
                 pos += 1
-                n |= (b & 0x7F) << shift
-                if b < 0x80:
-                    break
-                shift += 7
-                if shift > 63:
-                    raise WireError("a varint is longer than 10 bytes")
+            else:
+                b2 = buf[pos + 1] if pos + 1 < end else 0x80
+                if b2 < 0x80:
+                    n = (n & 0x7F) | (b1 & 0x7F) << 7 | b2 << 14
+                    pos += 2
+                else:
+                    n, pos = _varint(buf, pos - 1, end)
         add_offset(pos)
         add_length(n)
         pos += n
@@ -164,20 +162,14 @@ def decode_varints(data: bytes | memoryview | np.ndarray) -> np.ndarray:
 
 def _payload(buf: Any, pos: int, end: int) -> int:
     """Where the payload of the length-delimited field whose length varint is at ``pos``
-    ends, if it ends exactly at ``end`` (a message's only field); else -1."""
+    starts, if it ends exactly at ``end`` (a message's only field); else -1."""
     n = buf[pos]
-    pos += 1
-    if n >= 0x80:
-        n &= 0x7F
-        shift = 7
-        while pos < end and shift < 64:
-            b = buf[pos]
-            pos += 1
-            n |= (b & 0x7F) << shift
-            if b < 0x80:
-                break
-            shift += 7
-        else:
+    if n < 0x80:
+        pos += 1
+    else:
+        try:
+            n, pos = _varint(buf, pos, end)
+        except WireError:
             return -1
     return pos if pos + n == end else -1
 

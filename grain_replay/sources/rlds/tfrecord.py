@@ -14,7 +14,7 @@ import numpy as np
 from grain_replay.errors import InvalidStoreError
 
 __all__ = [
-    "FOOTER", "HEADER", "iter_records", "masked_crc", "read_exact", "frame_records", "map_shard",
+    "FOOTER", "HEADER", "frame_records", "iter_records", "map_shard", "masked_crc",
 ]  # fmt: skip
 
 # uint64 length, uint32 masked CRC of the length; the data; uint32 masked CRC of the data.
@@ -70,54 +70,18 @@ def _fix(path: str) -> str:
     )
 
 
-def read_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-    """``n`` bytes at ``offset`` of ``fd``, or InvalidStoreError naming the file when short."""
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise InvalidStoreError(
-            f"{path}: truncated record at byte offset {offset}: wanted {n} bytes, the file "
-            f"has {len(data)} there. {_fix(path)}"
-        )
-    return data
-
-
 def iter_records(path: str, *, check_crc: bool = True) -> Iterator[tuple[int, bytes]]:
-    """``(data_offset, data)`` of every record of the TFRecord file ``path``, in order.
-
-    Both CRCs of each record (length and data) are checked when ``check_crc``.
+    """``(data_offset, data)`` of every record of the TFRecord file ``path``, in order
+    (:func:`frame_records`, with each record copied out).
 
     Raises:
       InvalidStoreError: a bad CRC or a truncated record, naming the file and the
         record's byte offset.
     """
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        pos = 0
-        while pos < size:
-            head = read_exact(fd, HEADER, pos, path)
-            (length,) = struct.unpack_from("<Q", head, 0)
-            (length_crc,) = struct.unpack_from("<I", head, 8)
-            if check_crc and masked_crc(head[:8]) != length_crc:
-                raise InvalidStoreError(
-                    f"{path}: bad CRC32C of the record length at byte offset {pos} (the record "
-                    f"header is damaged). {_fix(path)}"
-                )
-            if pos + HEADER + length + FOOTER > size:
-                raise InvalidStoreError(
-                    f"{path}: truncated record at byte offset {pos}: it declares {length} bytes "
-                    f"but the file ends at {size}. {_fix(path)}"
-                )
-            body = read_exact(fd, length + FOOTER, pos + HEADER, path)
-            data = body[:length]
-            (data_crc,) = struct.unpack_from("<I", body, length)
-            if check_crc and masked_crc(data) != data_crc:
-                raise InvalidStoreError(
-                    f"{path}: bad CRC32C of the record data at byte offset {pos} ({length} "
-                    f"bytes). {_fix(path)}"
-                )
-            yield pos + HEADER, data
-            pos += HEADER + length + FOOTER
+    mapping, address = map_shard(path)
+    for start, n in frame_records(path, mapping, address, check_crc=check_crc):
+        assert mapping is not None
+        yield start, mapping[start : start + n]
 
 
 def map_shard(path: str) -> tuple[mmap.mmap | None, int]:
