@@ -44,13 +44,10 @@ class _NpyHandle(Handle):
                 # only they get address space reserved ahead.
                 # (or a segment of a many-writer store: page-sized headers)
                 growable = not fortran and (offset == GROWING_NPY_HEADER or offset == PAGE)
-                # Other C-ordered files are mapped the same way without room to grow:
-                # one kept descriptor, whose truncation check is an lseek a batch.
-                grows = None if fortran else map_file(file, needed, headroom=growable)
+                grows = map_file(file, needed) if growable else None
                 if grows is not None:
                     array = grows.array(offset, shape, spec.dtype)
-                    if growable:
-                        self._growing[key] = (grows, offset)
+                    self._growing[key] = (grows, offset)
                     self.mapped_files[key] = [grows.file]
                 else:
                     mapping = _map_file(file, key, needed)

@@ -86,16 +86,11 @@ class GrowingMap:
         return array
 
 
-def map_file(path: str, needed: int, *, headroom: bool = True) -> GrowingMap | None:
-    """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported.
-
-    ``headroom=False`` reserves no address space past them: a file that is replaced,
-    never appended to, mapped this way for its one kept descriptor (whose truncation
-    check is an ``lseek``, cheaper than a map's own ``fstat``).
-    """
+def map_file(path: str, needed: int) -> GrowingMap | None:
+    """A :class:`GrowingMap` of ``path``'s first ``needed`` bytes, or None where unsupported."""
     if needed <= 0:
         return None
-    reservation = reserve(_pages(needed + (headroom_for(needed) if headroom else 0)))
+    reservation = reserve(_pages(needed + headroom_for(needed)))
     if reservation is None:
         return None
     try:

@@ -16,7 +16,6 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource, check_out
 from grain_replay.sources.reading.files import MappedFile, check_inside
-from grain_replay.sources.reading.growing import map_file
 from grain_replay.sources.reading.readers import ArrayReader, Handle, window_rows
 from grain_replay.sources.torchrl.dump import TorchRLDump, find_storage_dir, read_dump
 from grain_replay.sources.torchrl.h5 import H5Checkpoint, find_h5, read_h5
@@ -35,15 +34,8 @@ class _TorchRLHandle(Handle):
             spec = source._layout.spec[key]
             shape = (n, *spec.shape)
             nbytes = math.prod(shape) * spec.dtype.itemsize
-            # Mapped into reserved address space through one kept descriptor (Linux):
-            # the truncation check is then an lseek, cheaper than the fstat a map's
-            # own descriptor answers with (once per file and batch).
-            grows = map_file(leaf.file, nbytes, headroom=False) if nbytes else None
             if nbytes == 0:
                 array = np.zeros(shape, spec.dtype)
-            elif grows is not None:
-                array = grows.array(0, shape, spec.dtype)
-                self.mapped_files[key] = [grows.file]
             else:
                 mapping = _map(leaf.file, key, nbytes)
                 array = np.ndarray(shape, spec.dtype, buffer=mapping)
