@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # the layout w
 from rlds_fixture import write_rlds  # noqa: E402
 from rlds_memory import dataset_bytes, measure_rss  # noqa: E402
 
-STEP_BYTES = 76_000  # on disk per step of two random 128x128 frames (JPEG + PNG), measured
+STEP_BYTES = 33_000  # on disk per step of the fixture's two 128x128 frames (JPEG + PNG), measured
 EPISODE = 50
 
 
