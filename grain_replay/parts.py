@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.durable import fsync_path, replace_text
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
     WriterBusyError,
 )
+from grain_replay.filesync import fsync_path, replace_text
 
 __all__ = [
     "ID_SHIFT",

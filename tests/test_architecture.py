@@ -2,7 +2,7 @@
 
 The layers, bottom first (see docs/architecture.md):
 
-0. errors, tree, layout, parts, durable, formats, remote/, integrity, watermark, learners,
+0. errors, tree, layout, parts, filesync, formats, remote/, integrity, watermark, learners,
    _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
 2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
@@ -36,7 +36,7 @@ LAYERS = {
     "grain_replay.tree": 0,
     "grain_replay.layout": 0,
     "grain_replay.parts": 0,
-    "grain_replay.durable": 0,
+    "grain_replay.filesync": 0,
     "grain_replay.formats": 0,
     "grain_replay.remote": 0,
     "grain_replay.integrity": 0,

@@ -1,4 +1,4 @@
-"""Durable file writes below the writers: an ``fsync`` of a path, a text file replaced atomically.
+"""Durable file writes below the writers: ``fsync`` of a path, a text file replaced atomically.
 
 ``parts.py`` (manifests, owner files, the store file) and ``writers/atomic.py``
 (``.partial`` swaps) both commit through these.
