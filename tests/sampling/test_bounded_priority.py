@@ -9,6 +9,7 @@ import grain
 import jax
 import numpy as np
 import pytest
+from bounded_cases import FORMATS_AND_WORKERS
 from parts_child import (
     check_rows,
     make_rows,
@@ -54,17 +55,7 @@ def _leaves(s: SlotPrioritySampler, ids: np.ndarray) -> np.ndarray:
     return s._tree.get(slot)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "workers"),
-    [
-        ("npy", 0),
-        ("npy", 2),
-        ("hdf5", 0),
-        ("zarr", 0),
-        pytest.param("hdf5", 2, marks=pytest.mark.slow),
-        pytest.param("zarr", 2, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize(("fmt", "workers"), FORMATS_AND_WORKERS)
 def test_draws_only_live_rows_named_by_id_while_writers_evict(
     tmp_path: Path, fmt: str, workers: int
 ) -> None:

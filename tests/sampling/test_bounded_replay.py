@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bounded_cases import FORMATS_AND_WORKERS
 from parts_child import (
     check_rows,
     make_rows,
@@ -26,17 +27,7 @@ def _live(batch: dict[str, np.ndarray], committed: dict[int, tuple[int, int]]) -
         assert lo <= seq < hi, (tag, seq, lo, hi)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "workers"),
-    [
-        ("npy", 0),
-        ("npy", 2),
-        ("hdf5", 0),
-        ("zarr", 0),
-        pytest.param("hdf5", 2, marks=pytest.mark.slow),
-        pytest.param("zarr", 2, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize(("fmt", "workers"), FORMATS_AND_WORKERS)
 def test_uniform_reads_only_live_rows_while_writers_evict(
     tmp_path: Path, fmt: str, workers: int
 ) -> None:
