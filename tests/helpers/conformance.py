@@ -63,6 +63,22 @@ def flat(tree: Any) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in tree_lib.flatten(tree)[0].items()}
 
 
+def assert_same_tree(got: Any, want: Any, *, numpy_scalars: bool = False) -> None:
+    """``got`` has ``want``'s structure and leaves: numpy arrays (or, with ``numpy_scalars``,
+    numpy scalars) of the same dtype and values."""
+    got_leaves, got_def = tree_lib.flatten(got)
+    want_leaves, want_def = tree_lib.flatten(want)
+    assert got_def == want_def
+    assert list(got_leaves) == list(want_leaves)
+    kinds = (np.ndarray, np.generic) if numpy_scalars else np.ndarray
+    for key, w in want_leaves.items():
+        g = got_leaves[key]
+        w = np.asarray(w)
+        assert isinstance(g, kinds), (key, type(g))
+        assert g.dtype == w.dtype, key
+        np.testing.assert_array_equal(g, w, err_msg=key)
+
+
 def assert_flat_equal(got: dict[str, Any], want: dict[str, Any], rtol: float = 0.0) -> None:
     """Same keys in the same order, dtypes and values (floats within ``rtol`` when given)."""
     assert list(got) == list(want), (list(got), list(want))
