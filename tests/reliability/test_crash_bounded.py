@@ -55,6 +55,8 @@ class _Child:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         self._thread.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         done = [int(x.split()[1]) for x in self.lines if x.startswith("C ")]
         begun = [int(x.split()[1]) for x in self.lines if x.startswith("F ")]
         first = int(self.lines[0].split()[1]) if self.lines else 0

@@ -195,6 +195,8 @@ def test_a_live_id_is_refused_naming_its_holder_and_a_dead_ones_is_taken_over(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     with gr.ReplayWriter(path, capacity=50, writer_id="actor-3") as w:  # died: taken over
         assert w.committed == 21
         owner = json.loads(Path(parts_lib.writer_dir(path, "actor-3"), "owner.json").read_text())
