@@ -37,21 +37,10 @@ import time
 from typing import Any
 
 import numpy as np
+from bench_common import transitions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = 256
-
-
-def transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:
-    """``n`` rows of 525 B: obs and next_obs (64 float32), action, reward, done."""
-    rng = np.random.default_rng(start)
-    return {
-        "obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "action": rng.integers(0, 18, n).astype(np.int64),
-        "reward": rng.standard_normal(n, dtype=np.float32),
-        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "done": rng.random(n) < 0.01,
-    }
 
 
 ROW_BYTES = 64 * 4 * 2 + 8 + 4 + 1
@@ -172,7 +161,7 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
 _WRITER = r"""
 import sys, time, numpy as np
 sys.path.insert(0, {here!r})
-from bench_replay_store import transitions
+from bench_common import transitions
 import grain_replay as gr
 path, wid, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 data = transitions(1000, 0)

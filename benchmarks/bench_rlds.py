@@ -24,13 +24,13 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 import numpy as np
+from bench_common import run_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,12 +47,7 @@ KEYS = ["observation/image", "observation/wrist_image", "observation/state", "ac
 
 
 def _peer(python: str, *args: str) -> str:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    env.pop("PYTHONPATH", None)
-    out = subprocess.run([python, PEER, *args], capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return out.stdout.strip().splitlines()[-1]
+    return run_peer(python, PEER, args, CUDA_VISIBLE_DEVICES="")
 
 
 def _copied(tree: Any) -> Any:
