@@ -9,7 +9,7 @@ import mmap
 import os
 import stat
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -227,6 +227,35 @@ def is_vault(path: str) -> bool:
 # -- .npy headers -----------------------------------------------------------------------
 
 
+# CPython 3.11.0-3.11.7 (gh-106905): ast.literal_eval, which numpy's header parser
+# uses, can raise a spurious SystemError ("AST constructor recursion depth mismatch")
+# when threads parse at once. The header is read again from its start.
+_HEADER_TRIES = 4
+
+
+def parse_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` header ``f`` is positioned at.
+
+    Leaves ``f`` just past the header. Retries the interpreter's spurious
+    ``SystemError`` of gh-106905; a header that is really bad raises what numpy
+    raises (``ValueError`` and others), for the caller to word.
+    """
+    start = f.tell()
+    for attempt in range(_HEADER_TRIES):
+        f.seek(start)
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                return np.lib.format.read_array_header_1_0(f)
+            if version in ((2, 0), (3, 0)):  # 3.0 differs only in utf-8 field names
+                return np.lib.format.read_array_header_2_0(f)
+            raise ValueError(f"unsupported .npy format version {version}")
+        except SystemError:
+            if attempt == _HEADER_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def read_npy_header(
     path: str, key: str, *, rows: int | None = None, check_size: bool = True
 ) -> tuple[tuple[int, ...], np.dtype, bool, int]:
@@ -243,13 +272,7 @@ def read_npy_header(
     try:
         require_regular_file(path, key)
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in utf-8 field names
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:
-                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = parse_npy_header(f)
             offset = f.tell()
             size = os.fstat(f.fileno()).st_size
         if any(not isinstance(d, int) or d < 0 for d in shape):

@@ -17,7 +17,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.formats import require_regular_file
+from grain_replay.formats import parse_npy_header, require_regular_file
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.npz.zipdir import DEFLATED, STORED, Member, read_members
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
@@ -49,13 +49,7 @@ def _parse_header(
 ) -> tuple[tuple[int, ...], np.dtype, bool, int]:
     """``(shape, dtype, fortran, header length)`` of the .npy bytes ``raw`` starts with."""
     try:
-        version = np.lib.format.read_magic(raw)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(raw)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(raw)
-        else:
-            raise ValueError(f"unsupported .npy format version {version}")
+        shape, fortran, dtype = parse_npy_header(raw)
     except Exception as e:  # numpy's header parser raises anything
         raise InvalidStoreError(
             f"{path}: member {member!r} is not a valid .npy array ({e}). Fix: re-create the "
