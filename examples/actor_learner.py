@@ -118,6 +118,38 @@ def actor_quota(env_steps: int, actors: int, k: int) -> int:
     return env_steps // actors + (1 if k < env_steps % actors else 0)
 
 
+def epsilon_at(step: int, quota: int, fraction: float, final: float, end: float) -> float:
+    """Epsilon at an actor's ``step`` of ``quota``: 1 -> ``final`` over the first
+    ``fraction`` of the steps (the zoo's schedule), then ``final`` -> ``end`` linearly
+    over the rest (the actors' play at the end is the run's score)."""
+    explore = max(1, int(fraction * quota))
+    if step < explore:
+        return 1.0 - (1.0 - final) * step / explore
+    return final + (end - final) * min(1.0, (step - explore) / max(1, quota - explore))
+
+
+def await_learner(params_path: Path, parent: int) -> bool:
+    """Waits until the learner has trained on a batch (it publishes ``updates >= 1``).
+
+    The library's rate limit holds writers back from the learner's first batch on;
+    before it, nothing would: an actor stops at its share of ``--min-size`` rows
+    until then, so the first updates see the first rows, not the first ~8k.
+    Returns False when the learner died first.
+    """
+    stamp = None
+    while os.getppid() == parent:
+        try:
+            now = os.stat(params_path).st_mtime_ns
+        except FileNotFoundError:
+            now = None
+        if now is not None and now != stamp:
+            stamp = now
+            if load_params(params_path)[1] >= 1:
+                return True
+        time.sleep(0.01)
+    return False
+
+
 def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
     """One actor: plays its quota of env steps, appending each to its part of the store."""
     import gymnasium as gym
@@ -128,12 +160,13 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
         store / "replay", format="npy", capacity=cfg["capacity_per_actor"], writer_id=f"actor-{k}"
     )
     step = writer.committed  # after --resume: continue after the last committed row
+    share = actor_quota(cfg["min_size"], cfg["actors"], k)  # this actor's part of min_size
+    learning = share == 0
     rng = np.random.default_rng([cfg["seed"], k, step])
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
     log = open(store / "episodes" / f"actor-{k}.jsonl", "a", encoding="utf-8")
     params, stamp = None, None
-    eps_steps = max(1, int(cfg["exploration_fraction"] * quota))
     rows: list[tuple[np.ndarray, int, float, np.ndarray, bool]] = []
     finished: list[dict[str, Any]] = []
     episode_return = 0.0
@@ -147,8 +180,8 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 if now is not None and now != stamp:
                     params, _ = load_params(params_path)
                     stamp = now
-            epsilon = max(
-                cfg["final_epsilon"], 1.0 - (1.0 - cfg["final_epsilon"]) * step / eps_steps
+            epsilon = epsilon_at(
+                step, quota, cfg["exploration_fraction"], cfg["final_epsilon"], cfg["end_epsilon"]
             )
             if params is None or rng.random() < epsilon:
                 action = int(rng.integers(ACTIONS))
@@ -166,7 +199,7 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 finished.append({"return": episode_return, "env_step": total, "time": time.time()})
                 episode_return = 0.0
                 obs, _ = env.reset()
-            if len(rows) >= cfg["flush_every"] or step == quota:
+            if len(rows) >= cfg["flush_every"] or step == quota or (step == share and not learning):
                 writer.append(
                     {
                         "obs": np.stack([r[0] for r in rows]).astype(np.float32),
@@ -184,6 +217,10 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 finished.clear()
                 if os.getppid() != parent:  # the learner died: stop (its rows are safe)
                     return
+                if not learning and step >= share:
+                    if not await_learner(params_path, parent):
+                        return
+                    learning = True
     finally:
         log.close()
         writer.close()
@@ -335,7 +372,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dqn.add_argument("--target-every", type=int, default=128, help="updates between target copies")
     dqn.add_argument("--tau", type=float, default=1.0, help="target <- tau*online + (1-tau)*target")
     dqn.add_argument("--exploration-fraction", type=float, default=0.16)
-    dqn.add_argument("--final-epsilon", type=float, default=0.04)
+    dqn.add_argument(
+        "--final-epsilon", type=float, default=0.04, help="epsilon after --exploration-fraction"
+    )
+    dqn.add_argument("--end-epsilon", type=float, default=0.01, help="epsilon at the last step")
     dqn.add_argument("--max-grad-norm", type=float, default=10.0)
     dqn.add_argument("--alpha", type=float, default=0.6, help="how much priorities count")
     dqn.add_argument("--beta", type=float, default=0.4, help="annealed to 1 over the run")
@@ -348,6 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.capacity < args.actors:
         parser.error(f"--capacity {args.capacity} is below one row per actor ({args.actors})")
+    if args.min_size < 0:
+        parser.error(f"--min-size must be 0 or more, got {args.min_size}")
+    for name in ("final_epsilon", "end_epsilon"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.min_size >= args.env_steps:
         parser.error(f"--min-size {args.min_size} must be below --env-steps {args.env_steps}")
     if args.resume and not args.store:
@@ -422,6 +467,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "flush_every": args.flush_every,
         "exploration_fraction": args.exploration_fraction,
         "final_epsilon": args.final_epsilon,
+        "end_epsilon": args.end_epsilon,
+        "min_size": args.min_size,
     }
     train_step = make_train_step(
         args.learning_rate, args.lr_end, total_updates, args.gamma, args.max_grad_norm
@@ -440,6 +487,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         p.start()
 
     updates = int(model["updates"])
+    first_batch_at: int | None = None  # env steps (all actors) when the first batch came
     beta0 = args.beta
     sampling = gr.PrioritizedReplay(
         alpha=args.alpha,
@@ -465,6 +513,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
         while updates < total_updates:
             sampled = next(batches)  # gr.Sampled(data, index, weight)
+            if first_batch_at is None:
+                first_batch_at = counter.value
+                print(
+                    f"first batch after {time.perf_counter() - start:.1f} s, "
+                    f"at env step {first_batch_at}",
+                    flush=True,
+                )
             new, opt, td_abs = train_step(
                 state["params"], state["opt"], state["target"], sampled.data, sampled.weight
             )
@@ -473,7 +528,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             state = {**state, "params": new, "opt": opt, "updates": jnp.asarray(updates)}
             if updates % args.target_every == 0:
                 state["target"] = blend(state["target"], new)
-            if updates % args.publish_every == 0:
+            if updates % args.publish_every == 0 or updates == 1:  # 1: the actors go on
                 publish_params(params_path, jax.device_get(state["params"]), updates)
             if updates % 1000 == 0:
                 td.append(float(jnp.mean(td_abs)))
@@ -511,6 +566,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "episodes": len(history),
         "seconds": seconds,
         "resumed_from": None if resume_step is None else resume_step,
+        "first_batch_at_env_step": first_batch_at,
         "final_mean_return": final,
     }
     print(json.dumps(result))
