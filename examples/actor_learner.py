@@ -16,7 +16,12 @@ min_size=, samples_per_insert=))`` through ``gr.sharded_device_put``, giving
 ``|TD error|`` back as the new priorities. The rate limit is the library's: no
 batch before ``--min-size`` rows are live, then the learner waits when it is
 ahead of ``--samples-per-insert`` and the actors wait in ``flush()`` when they
-are ahead of it (the example paces nothing itself). The learner publishes its
+are ahead of it. The library holds writers back only from the learner's first
+batch on (that is when it publishes its progress), which comes 3-4 s after the
+actors start: each actor therefore stops at its share of ``--min-size`` rows
+until the learner has made its first update, else ~8k rows would go in played
+by the untrained network (half the exploration schedule) and the first ~4k
+updates would all be spent on them. The learner publishes its
 parameters every ``--publish-every`` updates and checkpoints the model and the
 whole replay state (priorities, rate-limit counters, every writer's watermark)
 as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
@@ -278,6 +283,30 @@ def make_train_step(
     return step
 
 
+def greedy_return(params: dict[str, np.ndarray], episodes: int, seed: int) -> float:
+    """Mean return of the greedy policy (epsilon 0) over ``episodes`` fresh episodes.
+
+    Only printed beside the actors' epsilon-greedy mean: it tells a policy that is
+    bad from one that is good but knocked over by its exploration.
+    """
+    import gymnasium as gym
+
+    env = gym.make("CartPole-v1")
+    total = 0.0
+    try:
+        for i in range(episodes):
+            obs, _ = env.reset(seed=seed + i)
+            done = False
+            while not done:
+                action = int(np.argmax(q_numpy(params, np.asarray(obs, np.float32))))
+                obs, reward, terminated, truncated, _ = env.step(action)
+                total += float(reward)
+                done = terminated or truncated
+    finally:
+        env.close()
+    return total / episodes
+
+
 def read_episodes(episodes: Path) -> list[dict[str, Any]]:
     """Every logged episode of every actor, in order of the run's env steps."""
     out = []
@@ -380,10 +409,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dqn.add_argument("--alpha", type=float, default=0.6, help="how much priorities count")
     dqn.add_argument("--beta", type=float, default=0.4, help="annealed to 1 over the run")
     run.add_argument(
+        "--eval-every", type=int, default=5000, help="updates between greedy evaluations (0: none)"
+    )
+    run.add_argument("--eval-episodes", type=int, default=3, help="episodes per evaluation")
+    run.add_argument(
         "--timeout", type=float, default=300.0, help="seconds the learner may wait for rows"
     )
     args = parser.parse_args(argv)
-    for name in ("actors", "env_steps", "capacity", "batch_size", "flush_every", "ckpt_every"):
+    if args.eval_every < 0:
+        parser.error(f"--eval-every must be 0 (none) or positive, got {args.eval_every}")
+    positive = ("actors", "env_steps", "capacity", "batch_size", "flush_every", "ckpt_every")
+    for name in (*positive, "eval_episodes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.capacity < args.actors:
@@ -539,6 +575,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{time.perf_counter() - start:.0f} s",
                     flush=True,
                 )
+            if args.eval_every and updates % args.eval_every == 0:
+                current = jax.device_get(state["params"])
+                score = greedy_return(current, args.eval_episodes, 10_000 * args.seed + updates)
+                print(f"update {updates} greedy return ({args.eval_episodes} episodes) {score:.1f}")
             if updates % args.ckpt_every == 0 or updates == total_updates:
                 _save(mgr, updates, state, batches)
         publish_params(params_path, jax.device_get(state["params"]), updates)

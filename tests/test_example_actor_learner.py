@@ -224,6 +224,8 @@ def test_actor_learner_actors_wait_for_the_learners_first_update(tmp_path: Path)
     ("flags", "message"),
     [
         (["--min-size", "-1"], "--min-size must be 0 or more, got -1"),
+        (["--eval-every", "-5"], "--eval-every must be 0 (none) or positive, got -5"),
+        (["--eval-episodes", "0"], "--eval-episodes must be positive, got 0"),
         (["--end-epsilon", "1.5"], "--end-epsilon must be in [0, 1], got 1.5"),
         (["--final-epsilon", "-0.1"], "--final-epsilon must be in [0, 1], got -0.1"),
         (["--env-steps", "1000", "--min-size", "1000"], "must be below --env-steps 1000"),
@@ -235,3 +237,26 @@ def test_actor_learner_refuses_bad_flags(
     with pytest.raises(SystemExit):
         _example().parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+def _controller(module: ModuleType, weights: list[float], hidden: int = 4) -> dict[str, np.ndarray]:
+    """Q parameters of a fixed linear controller: push right iff ``weights . obs > 0``."""
+    params = {k: np.zeros_like(v) for k, v in module.init_params(0, hidden).items()}
+    w = np.array(weights, np.float32)
+    params["w1"][:, 0], params["w1"][:, 1] = w, -w
+    params["w2"][0, 0] = params["w2"][1, 1] = 1.0
+    params["w3"][0, 1] = params["w3"][1, 0] = 1.0  # Q(right) = relu(z), Q(left) = relu(-z)
+    return params
+
+
+def test_actor_learner_greedy_return_scores_the_greedy_policy() -> None:
+    module = _example()
+    balance = _controller(module, [0.0, 0.0, 10.0, 1.0])  # pole angle and its velocity
+    assert module.greedy_return(balance, 3, seed=0) == 500.0  # CartPole-v1's cap, every time
+    left = _controller(module, [0.0, 0.0, 0.0, 0.0])
+    left["b3"][0] = 1.0  # always push left: the pole falls within a few steps
+    assert module.greedy_return(left, 3, seed=0) < 20
+    # A weaker controller: its score depends on the episodes, which the seed fixes.
+    weak = _controller(module, [0.0, 0.0, 1.0, 1.0])
+    scores = [module.greedy_return(weak, 3, seed=s) for s in (0, 0, 1)]
+    assert scores[0] == scores[1] and 100 < scores[0] < 500
