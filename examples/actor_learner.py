@@ -522,7 +522,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     for p in procs:
         p.start()
 
-    updates = int(model["updates"])
+    updates = first_update = int(model["updates"])
     first_batch_at: int | None = None  # env steps (all actors) when the first batch came
     beta0 = args.beta
     sampling = gr.PrioritizedReplay(
@@ -605,6 +605,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "updates": updates,
         "episodes": len(history),
         "seconds": seconds,
+        "updates_per_s": (updates - first_update) / seconds,
         "resumed_from": None if resume_step is None else resume_step,
         "first_batch_at_env_step": first_batch_at,
         "final_mean_return": final,
