@@ -408,16 +408,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dqn.add_argument("--max-grad-norm", type=float, default=10.0)
     dqn.add_argument("--alpha", type=float, default=0.6, help="how much priorities count")
     dqn.add_argument("--beta", type=float, default=0.4, help="annealed to 1 over the run")
-    run.add_argument(
-        "--eval-every", type=int, default=5000, help="updates between greedy evaluations (0: none)"
+    dqn.add_argument(
+        "--eval-every", type=int, default=1000, help="updates between greedy evaluations (0: none)"
     )
-    run.add_argument("--eval-episodes", type=int, default=3, help="episodes per evaluation")
+    dqn.add_argument("--eval-episodes", type=int, default=5, help="episodes per evaluation")
+    dqn.add_argument(
+        "--keep-best",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="actors play the best-evaluated parameters while the newest evaluate worse",
+    )
     run.add_argument(
         "--timeout", type=float, default=300.0, help="seconds the learner may wait for rows"
     )
     args = parser.parse_args(argv)
     if args.eval_every < 0:
         parser.error(f"--eval-every must be 0 (none) or positive, got {args.eval_every}")
+    if args.keep_best and not args.eval_every:
+        parser.error("--keep-best needs evaluations: pass --eval-every N, or --no-keep-best")
     positive = ("actors", "env_steps", "capacity", "batch_size", "flush_every", "ckpt_every")
     for name in (*positive, "eval_episodes"):
         if getattr(args, name) <= 0:
@@ -475,6 +483,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "target": params,
         "opt": {"count": np.zeros((), np.int32), "mu": zeros, "nu": zeros},
         "updates": np.zeros((), np.int64),
+        # The best greedy evaluation so far, and whether the actors play it now.
+        "best": {"params": params, "score": np.float64(-1.0), "playing": np.bool_(False)},
     }
     mgr = ocp.CheckpointManager(
         ckpt_dir, item_names=("model", "data"), options=ocp.CheckpointManagerOptions(max_to_keep=2)
@@ -487,7 +497,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             resume_step, args=ocp.args.Composite(model=ocp.args.StandardRestore(model))
         ).model
         print(f"resumed from the checkpoint at update {int(model['updates'])}")
-    publish_params(params_path, model["params"], int(model["updates"]))
+    best = model["best"]
+    publish_params(
+        params_path, best["params"] if best["playing"] else model["params"], int(model["updates"])
+    )
 
     ctx = mp.get_context("spawn")
     counter = ctx.Value("q", 0)  # env steps of all actors, for the episode log
@@ -564,7 +577,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             state = {**state, "params": new, "opt": opt, "updates": jnp.asarray(updates)}
             if updates % args.target_every == 0:
                 state["target"] = blend(state["target"], new)
-            if updates % args.publish_every == 0 or updates == 1:  # 1: the actors go on
+            if args.eval_every and updates % args.eval_every == 0:
+                state["best"] = _evaluate(args, state, updates, params_path)
+            playing = bool(state["best"]["playing"])
+            if (updates % args.publish_every == 0 or updates == 1) and not playing:  # 1: go on
                 publish_params(params_path, jax.device_get(state["params"]), updates)
             if updates % 1000 == 0:
                 td.append(float(jnp.mean(td_abs)))
@@ -575,13 +591,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{time.perf_counter() - start:.0f} s",
                     flush=True,
                 )
-            if args.eval_every and updates % args.eval_every == 0:
-                current = jax.device_get(state["params"])
-                score = greedy_return(current, args.eval_episodes, 10_000 * args.seed + updates)
-                print(f"update {updates} greedy return ({args.eval_episodes} episodes) {score:.1f}")
             if updates % args.ckpt_every == 0 or updates == total_updates:
                 _save(mgr, updates, state, batches)
-        publish_params(params_path, jax.device_get(state["params"]), updates)
+        if not bool(state["best"]["playing"]):
+            publish_params(params_path, jax.device_get(state["params"]), updates)
         batches.close()  # withdraws the learner's progress: no actor waits on it any more
         batches = None
         for p in procs:
@@ -632,6 +645,35 @@ def _compile(train_step: Any, blend: Any, state: Any, batch: int) -> None:
     data, weight = jax.device_put((data, np.ones(batch, np.float32)), rows)
     jax.block_until_ready(train_step(state["params"], state["opt"], state["target"], data, weight))
     jax.block_until_ready(blend(state["target"], state["params"]))
+
+
+def _evaluate(args: argparse.Namespace, state: Any, updates: int, params_path: Path) -> Any:
+    """Scores the newest parameters greedily; returns the new ``best`` entry.
+
+    With ``--keep-best``, an evaluation below the best so far switches the actors
+    to the best parameters (published now); one that matches or beats it makes
+    those the best and the actors follow the newest parameters again. DQN on
+    CartPole tends to unlearn after it first balances; the actors' play (the
+    run's score, and the data) stays with the policy that balanced.
+    """
+    import jax
+
+    current = jax.device_get(state["params"])
+    score = greedy_return(current, args.eval_episodes, 10_000 * args.seed + updates)
+    best = state["best"]
+    if score >= float(best["score"]):
+        best = {"params": current, "score": np.float64(score), "playing": np.bool_(False)}
+    elif args.keep_best:
+        if not bool(best["playing"]):
+            publish_params(params_path, jax.device_get(best["params"]), updates)
+        best = {**best, "playing": np.bool_(True)}
+    print(
+        f"update {updates} greedy return ({args.eval_episodes} episodes) {score:.1f}, "
+        f"best {float(best['score']):.1f}; actors play the "
+        f"{'best' if bool(best['playing']) else 'newest'} parameters",
+        flush=True,
+    )
+    return best
 
 
 def _check_actors(procs: list[Any]) -> None:
