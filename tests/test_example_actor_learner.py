@@ -226,6 +226,7 @@ def test_actor_learner_actors_wait_for_the_learners_first_update(tmp_path: Path)
         (["--min-size", "-1"], "--min-size must be 0 or more, got -1"),
         (["--eval-every", "-5"], "--eval-every must be 0 (none) or positive, got -5"),
         (["--eval-episodes", "0"], "--eval-episodes must be positive, got 0"),
+        (["--eval-every", "0"], "--keep-best needs evaluations"),
         (["--end-epsilon", "1.5"], "--end-epsilon must be in [0, 1], got 1.5"),
         (["--final-epsilon", "-0.1"], "--final-epsilon must be in [0, 1], got -0.1"),
         (["--env-steps", "1000", "--min-size", "1000"], "must be below --env-steps 1000"),
@@ -260,3 +261,36 @@ def test_actor_learner_greedy_return_scores_the_greedy_policy() -> None:
     weak = _controller(module, [0.0, 0.0, 1.0, 1.0])
     scores = [module.greedy_return(weak, 3, seed=0) for _ in range(2)]
     assert scores[0] == scores[1] and 100 < scores[0] < 500
+
+
+def test_actor_learner_keep_best_switches_the_actors_to_the_best_and_back(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    module = _example()
+    balance = _controller(module, [0.0, 0.0, 10.0, 1.0])  # scores 500
+    left = _controller(module, [0.0, 0.0, 0.0, 0.0])
+    left["b3"][0] = 1.0  # scores ~10
+    args = argparse.Namespace(eval_episodes=2, seed=0, keep_best=True)
+    path = tmp_path / "params.npz"
+    module.publish_params(path, left, 0)
+    first = {"params": left, "score": np.float64(-1.0), "playing": np.bool_(False)}
+    # The newest parameters beat the best so far: they are the best, actors follow them.
+    best = module._evaluate(args, {"params": balance, "best": first}, 1000, path)
+    assert float(best["score"]) == 500.0 and not best["playing"]
+    np.testing.assert_array_equal(best["params"]["w1"], balance["w1"])
+    # Newer ones score worse: the actors get the best parameters, published now.
+    best = module._evaluate(args, {"params": left, "best": best}, 2000, path)
+    assert best["playing"] and float(best["score"]) == 500.0
+    published, stamp = module.load_params(path)
+    np.testing.assert_array_equal(published["w1"], balance["w1"])
+    assert stamp == 2000
+    # As good as the best again: it becomes the best, the actors follow the newest.
+    best = module._evaluate(args, {"params": balance, "best": best}, 3000, path)
+    assert not best["playing"]
+    # --no-keep-best: the actors always follow the newest parameters.
+    args.keep_best = False
+    best = module._evaluate(args, {"params": left, "best": best}, 4000, path)
+    assert not best["playing"] and float(best["score"]) == 500.0
+    assert module.load_params(path)[1] == 2000  # nothing published by the evaluation
