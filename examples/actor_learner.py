@@ -493,7 +493,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "opt": {"count": np.zeros((), np.int32), "mu": zeros, "nu": zeros},
         "updates": np.zeros((), np.int64),
         # The best greedy evaluation so far, and whether the actors play it now.
-        "best": {"params": params, "score": np.float64(-1.0), "playing": np.bool_(False)},
+        "best": {"params": params, "score": np.array(-1.0), "playing": np.array(False)},
     }
     mgr = ocp.CheckpointManager(
         ckpt_dir, item_names=("model", "data"), options=ocp.CheckpointManagerOptions(max_to_keep=2)
@@ -671,11 +671,11 @@ def _evaluate(args: argparse.Namespace, state: Any, updates: int, params_path: P
     score = greedy_return(current, args.eval_episodes, 10_000 * args.seed + updates)
     best = state["best"]
     if score >= float(best["score"]):
-        best = {"params": current, "score": np.float64(score), "playing": np.bool_(False)}
+        best = {"params": current, "score": np.array(score), "playing": np.array(False)}
     elif args.keep_best:
         if not bool(best["playing"]):
             publish_params(params_path, jax.device_get(best["params"]), updates)
-        best = {**best, "playing": np.bool_(True)}
+        best = {**best, "playing": np.array(True)}
     print(
         f"update {updates} greedy return ({args.eval_episodes} episodes) {score:.1f}, "
         f"best {float(best['score']):.1f}; actors play the "

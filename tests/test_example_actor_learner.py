@@ -275,7 +275,7 @@ def test_actor_learner_keep_best_switches_the_actors_to_the_best_and_back(
     args = argparse.Namespace(eval_episodes=2, seed=0, keep_best=True)
     path = tmp_path / "params.npz"
     module.publish_params(path, left, 0)
-    first = {"params": left, "score": np.float64(-1.0), "playing": np.bool_(False)}
+    first = {"params": left, "score": np.array(-1.0), "playing": np.array(False)}
     # The newest parameters beat the best so far: they are the best, actors follow them.
     best = module._evaluate(args, {"params": balance, "best": first}, 1000, path)
     assert float(best["score"]) == 500.0 and not best["playing"]
