@@ -120,7 +120,7 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
             w.append(transitions(n, inserted))
             inserted += n
             w.flush()
-        segment_rows = w._part.manifest.segment_rows
+        segment_rows = w._store.manifest.segment_rows
     with gr.ReplayWriter(plain) as w:
         for start in range(0, live, block):
             w.append(transitions(min(block, live - start), start))

@@ -26,8 +26,9 @@ parameters every ``--publish-every`` updates and checkpoints the model and the
 whole replay state (priorities, rate-limit counters, every writer's watermark)
 as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
 updates and at the end. ``--resume`` continues from the newest checkpoint: the
-model, the optimizer and the replay iterator are restored, and the actors reopen
-their writer ids, continuing after their last committed row.
+model, the optimizer and the replay iterator are restored, every writer part is cut
+back to the checkpoint's watermark (``gr.truncate_to_watermark``: no row written
+after it is replayed), and the actors reopen their writer ids there.
 
 The settings start from rl-baselines3-zoo's for DQN on CartPole-v1: lr 2.3e-3,
 batch 64, learning from 1,000 rows, 128 gradient steps per 256 env steps (32
@@ -513,6 +514,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     counter = ctx.Value("q", 0)  # env steps of all actors, for the episode log
+    if resume_step is not None and replay.exists():  # drop the rows of the dead run's actors
+        gr.truncate_to_watermark(replay, gr.read_watermark(ckpt_dir / str(resume_step) / "data"))
     if replay.exists():  # --resume: every actor continues after its committed rows
         counter.value = sum(m.committed for m in gr.open_source(replay).writers)
     cfg = {

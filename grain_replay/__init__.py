@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     from grain_replay.watermark import Watermark, read_watermark
     from grain_replay.writers import (
         ReplayWriter,
+        truncate_to_watermark,
         write,
         write_hdf5,
         write_npy,
@@ -161,6 +162,7 @@ __all__ = [
     "ReplayCheckpointError",
     "Watermark",
     "read_watermark",
+    "truncate_to_watermark",
 ]
 
 # Public name -> the module that defines it, imported on first use: a spawned
@@ -184,7 +186,14 @@ _LAZY = {
     "open_source": "grain_replay.sources",
     **{
         name: "grain_replay.writers"
-        for name in ("ReplayWriter", "write", "write_hdf5", "write_npy", "write_zarr")
+        for name in (
+            "ReplayWriter",
+            "truncate_to_watermark",
+            "write",
+            "write_hdf5",
+            "write_npy",
+            "write_zarr",
+        )
     },
     "make_data_loader": "grain_replay.loading",
     "replay_dataset": "grain_replay.loading",

@@ -1,4 +1,4 @@
-"""Where a batch of sequences reads: offset groups, anchors, row plans, windowed reads."""
+"""Where a batch of sequences reads: offset groups, anchors, fix-up codes, row plans."""
 
 from __future__ import annotations
 
@@ -7,27 +7,27 @@ from collections.abc import Sequence
 import numpy as np
 
 from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._derived import Spans
 from grain_replay.rl.episodes import EpisodeIndex
 
 __all__ = [
+    "FIX_TABLE_ENTRIES",
     "MAX_WINDOW",
     "NEAR_TABLE_STEPS",
     "WINDOW_ROW_BYTES",
     "Anchors",
+    "FixTables",
     "OffsetGroup",
-    "read_windowed",
+    "fix_entries",
     "row_bytes",
     "rows_plan",
+    "tables_fit",
 ]
 
 # Longest run of offsets read as windows (a window is one item of K rows).
 MAX_WINDOW = 256
 # Largest row of a leaf read as windows.
 WINDOW_ROW_BYTES = 1024
-# Largest store whose anchors near an episode's bounds are found in a table of a byte a step.
-NEAR_TABLE_STEPS = 1 << 23
 
 
 def row_bytes(leaf: LeafSpec) -> int:
@@ -40,6 +40,7 @@ class OffsetGroup:
     def __init__(self, offsets: np.ndarray, keys: tuple[str, ...]):
         self.offsets = offsets
         self.keys = keys
+        self.first = int(offsets[0])
         self.before = bool(offsets.min() < 0)  # clip to the episode's first step
         self.after = bool(offsets.max() > 0)  # clip to its last step
         self._tiled = offsets[:0]
@@ -57,17 +58,154 @@ class OffsetGroup:
         return tiled
 
 
+# Largest store whose steps' fix-up codes are kept in a table (1-4 bytes a step).
+NEAR_TABLE_STEPS = 1 << 23
+# Most entries of the fix-up tables of a view (codes x offsets of its windowed groups); a view
+# that would need more reads its offsets as rows instead of windows.
+FIX_TABLE_ENTRIES = 1 << 20
+
+
+def _reach(groups: Sequence[OffsetGroup]) -> tuple[int, int]:
+    """``(L, H)``: how far the windowed groups reach back and ahead of the anchor (>= 0)."""
+    offsets = np.concatenate([g.offsets for g in groups if g.windowed] or [np.zeros(1, np.int64)])
+    return max(-int(offsets.min()), 0), max(int(offsets.max()), 0)
+
+
+def fix_entries(groups: Sequence[OffsetGroup]) -> int:
+    """Entries of the fix-up tables the windowed ``groups`` need (see :class:`FixTables`)."""
+    back, ahead = _reach(groups)
+    codes = (back + 1) * (ahead + 1) + back + ahead
+    return codes * sum(len(g.offsets) for g in groups if g.windowed)
+
+
+def tables_fit(groups: Sequence[OffsetGroup]) -> bool:
+    """Whether the fix-up tables of the windowed ``groups`` are small enough to keep."""
+    return fix_entries(groups) <= FIX_TABLE_ENTRIES
+
+
+class FixTables:
+    """Where each windowed group's window needs fixing up, per anchor step, as small codes.
+
+    The windowed groups reach ``L`` steps back and ``H`` ahead of an anchor
+    ``t``. With ``back = min(t - first, L)`` and ``ahead = min(last - t, H)``
+    (``first``, ``last``: its episode's first and last step), the anchor's
+    *code* is ``(L - back) * (H + 1) + (H - ahead)``: 0 when nothing of it
+    leaves its episode, and the same for every anchor whose windows clip
+    alike. The ``L + H`` steps nearest the store's ends, whose windows may
+    also have to start inside the store, get a code each after those. Per
+    windowed group and code, ``at`` ``(K,)`` is the row of the window read
+    that each offset takes and ``pad`` its mask, so a batch's fix-up is a
+    lookup of its anchors' codes: in a table of a code per step (stores up to
+    ``NEAR_TABLE_STEPS`` steps), else computed for the anchors one binary
+    search over per-episode safe intervals finds.
+    """
+
+    def __init__(self, groups: Sequence[OffsetGroup], index: EpisodeIndex):
+        back_max, ahead_max = _reach(groups)
+        self._back, self._ahead = back_max, ahead_max
+        n = self.num_steps = index.num_steps
+        width = self._width = ahead_max + 1
+        classes = self.first_edge = (back_max + 1) * width
+        self.edges = np.union1d(
+            np.arange(min(back_max, n)), np.arange(max(n - ahead_max, 0), n)
+        ).astype(np.int64)
+        total = classes + len(self.edges)
+        self.dtype = np.dtype(
+            np.uint8 if total <= 1 << 8 else np.uint16 if total <= 1 << 16 else np.uint32
+        )
+        self._starts, self._ends = index.starts, index.ends
+        self._lasts = index.ends - 1
+        # How far each code reaches back and ahead: the classes, then the store's end steps.
+        code = np.arange(classes)
+        episode = index.ends.searchsorted(self.edges, side="right")
+        back = np.r_[back_max - code // width, self.edges - index.starts[episode]]
+        ahead = np.r_[ahead_max - code % width, self._lasts[episode] - self.edges]
+        # Per group: (at, pad, whether a window at the store's ends starts inside it, the
+        # smallest code that needs a fix-up). Codes order by reach back first: a group that
+        # only reaches back ``b`` steps needs none below code ``(L - b + 1) * (H + 1)``.
+        self.tables: list[tuple[np.ndarray, np.ndarray, bool, int] | None] = []
+        for group in groups:
+            k = len(group.offsets)
+            if not group.windowed or n < k:
+                self.tables.append(None)
+                continue
+            off, off0 = group.offsets, group.first
+            rel = np.clip(off, -back[:, None], ahead[:, None])
+            shift = np.zeros(total, np.int64)
+            shift[classes:] = np.clip(self.edges + off0, 0, n - k) - (self.edges + off0)
+            at = (rel - off0 - shift[:, None]).astype(np.intp)
+            pad = rel != off
+            at.flags.writeable = pad.flags.writeable = False
+            if group.after:
+                need = 1
+            elif group.before:
+                need = (back_max + off0 + 1) * width
+            else:
+                need = total  # no code: nothing of it is ever clipped
+            self.tables.append((at, pad, bool(shift.any()), need))
+        # The anchors that need no fix-up, [starts + L, max(ends - H, that)) per episode, as
+        # one sorted list of bounds behind a first one below every step: an anchor is inside
+        # one such interval exactly when an even number of bounds lies at or below it.
+        safe_from = index.starts + back_max
+        safe_to = np.maximum(index.ends - ahead_max, safe_from)
+        bounds = np.empty(2 * len(safe_from) + 1, np.int64)
+        bounds[0] = np.iinfo(np.int64).min
+        bounds[1::2] = safe_from
+        bounds[2::2] = safe_to
+        self._bounds = bounds
+        self.step_codes = self._step_codes() if 0 < n <= NEAR_TABLE_STEPS else None
+
+    def _step_codes(self) -> np.ndarray:
+        """Every step's code: per distance from its episode's bounds, one pass over episodes."""
+        codes = np.zeros(self.num_steps, self.dtype)
+        starts, lasts = self._starts, self._lasts
+        for d in range(self._back):  # steps d after their episode's first step
+            at = starts + d
+            at = at[at <= lasts]
+            codes[at] += (self._back - d) * self._width
+        for d in range(self._ahead):  # steps d before their episode's last step
+            at = lasts - d
+            at = at[at >= starts]
+            codes[at] += self._ahead - d
+        codes[self.edges] = self.first_edge + np.arange(len(self.edges))
+        codes.flags.writeable = False
+        return codes
+
+    def codes(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(codes, near)``: the code of each anchor step in ``t`` and the positions of the
+        nonzero ones (the anchors whose windows need fixing up)."""
+        table = self.step_codes
+        if table is not None:
+            codes = table.take(t)
+            return codes, codes.nonzero()[0]
+        near = (self._bounds.searchsorted(t, side="right") & 1).nonzero()[0]
+        codes = np.zeros(len(t), self.dtype)
+        if near.size:
+            tn = t[near]
+            episode = self._ends.searchsorted(tn, side="right")
+            back = np.minimum(tn - self._starts[episode], self._back)
+            ahead = np.minimum(self._lasts[episode] - tn, self._ahead)
+            c = (self._back - back) * self._width + (self._ahead - ahead)
+            edge = (tn < self._back) | (tn >= self.num_steps - self._ahead)
+            if edge.any():
+                c[edge] = self.first_edge + self.edges.searchsorted(tn[edge])
+            codes[near] = c
+        return codes, near
+
+
 class Anchors(Spans):
     """The records (anchor steps) per episode, with the episode bounds a batch clips to.
 
-    ``lo <= 0 <= hi`` are the smallest and largest offset the view reads: an
-    anchor ``t`` of episode ``e`` with ``starts[e] <= t + lo`` and ``t + hi <
-    ends[e]`` reads only steps of its episode (and of the store), so nothing of
-    it needs clipping. :meth:`near` finds the others.
+    ``fix``: the view's fix-up tables of its windowed reads, None when it reads no
+    windows or pads nothing.
     """
 
     def __init__(
-        self, first: np.ndarray, count: np.ndarray, index: EpisodeIndex, lo: int = 0, hi: int = 0
+        self,
+        first: np.ndarray,
+        count: np.ndarray,
+        index: EpisodeIndex,
+        fix: FixTables | None = None,
     ):
         super().__init__(first, count)
         self.ends = index.ends
@@ -76,29 +214,7 @@ class Anchors(Spans):
         # Every step anchors one record, in order: a record id is its step id.
         self.every_step = self.total == index.num_steps
         self.num_steps = index.num_steps
-        # Per episode the anchors that need no clipping, [starts - lo, max(ends - hi, that)),
-        # as one sorted list of bounds behind a first one below every step: an anchor is
-        # inside one such interval exactly when an even number of bounds lies at or below it.
-        # (Those intervals ascend: the next one starts at ends - lo >= both of its ends.)
-        safe_from = self.starts - lo
-        safe_to = np.maximum(self.ends - hi, safe_from)
-        bounds = np.empty(2 * len(safe_from) + 1, np.int64)
-        bounds[0] = np.iinfo(np.int64).min
-        bounds[1::2] = safe_from
-        bounds[2::2] = safe_to
-        bounds.flags.writeable = False
-        self.bounds = bounds
-        # Up to NEAR_TABLE_STEPS steps, one byte per step answers it instead: a take of the
-        # batch's steps, where the binary search cost 3-5x more (random needles).
-        self.near_steps: np.ndarray | None = None
-        n = self.num_steps
-        if 0 < n <= NEAR_TABLE_STEPS:
-            edges = np.zeros(n + 1, np.int32)
-            np.add.at(edges, np.minimum(safe_from, n), 1)
-            np.add.at(edges, np.minimum(safe_to, n), -1)
-            near = np.cumsum(edges[:n]) == 0
-            near.flags.writeable = False
-            self.near_steps = near
+        self.fix = fix
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(episode, anchor step)`` of each record id (ids in range)."""
@@ -110,14 +226,6 @@ class Anchors(Spans):
             return episode, ids
         k = ids - (self.cum_end[episode] - self.count[episode])
         return episode, self.first[episode] + k
-
-    def near(self, t: np.ndarray) -> np.ndarray:
-        """Positions in ``t`` (anchor steps) of the anchors whose offsets reach past their
-        episode's first or last step: one binary search for the batch."""
-        table = self.near_steps
-        if table is not None:
-            return table.take(t).nonzero()[0]
-        return (self.bounds.searchsorted(t, side="right") & 1).nonzero()[0]
 
 
 def rows_plan(
@@ -138,78 +246,3 @@ def rows_plan(
             rows, np.repeat(spans.lasts[episode], k), out=None if rows is pos else rows
         )
     return rows.reshape(b, k), (rows != pos).reshape(b, k)
-
-
-def read_windowed(
-    groups: Sequence[OffsetGroup],
-    access: LeafAccess,
-    spans: Anchors,
-    ids: np.ndarray,
-    pad: str,
-) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """The leaves and the groups' masks of a batch of a grain_replay source with a
-    windowed group (see ``SequenceDataSource._group_plans``).
-
-    A windowed group's anchors read the window of its offsets' steps, from
-    ``t + offsets[0]``, ``K`` rows: every windowed leaf of the batch in one
-    ``read_windows_flat`` (one copy per window on a memory-mapped leaf). One
-    lookup (:meth:`Anchors.near`) finds the few anchors whose offsets reach past their
-    episode (about 6% at 16 offsets and episodes of 50-500 steps); only
-    those are fixed up afterwards, in memory: each of their positions takes
-    the window's row of its clipped step (which lies inside the window, as the
-    offsets hold the anchor), and their mask rows are filled. A window that
-    would leave the store (first or last episode) starts inside it. Other
-    groups read their rows as before.
-    """
-    every_step = spans.every_step
-    episode, t = (None, ids) if every_step else spans.locate(ids)
-    b = len(t)
-    n = spans.num_steps
-    near = spans.near(t) if pad != "drop" else t[:0]
-    fix = near.size > 0
-    if fix:
-        t_near = t[near]
-        e_near = spans.ends.searchsorted(t_near, side="right") if episode is None else episode[near]
-        first, last = spans.starts[e_near], spans.lasts[e_near]
-        t_lo, t_hi = int(t_near.min()), int(t_near.max())
-    windows: dict[str, tuple[np.ndarray, int]] = {}
-    # Per group: (its (B, K) rows and mask) or, windowed, (its (B,) window starts and mask).
-    plans: list[tuple[np.ndarray, np.ndarray]] = []
-    for group in groups:
-        k = len(group.offsets)
-        if not group.windowed or n < k:
-            if episode is None:
-                episode = spans.ends.searchsorted(t, side="right")
-            plans.append(rows_plan(group, t, episode, spans, pad))
-            continue
-        off = int(group.offsets[0])
-        start = t + off if off else t
-        # A near anchor's window may leave the store: it starts inside, fixed up below.
-        if fix and (t_lo + off < 0 or t_hi + off > n - k):
-            start = start.copy() if start is t else start
-            np.clip(start, 0, n - k, out=start)
-        plans.append((start, np.zeros((b, k), bool)))
-        for key in group.keys:
-            windows[key] = (start, k)
-    got = access.take_windows_flat(windows)
-    masks = []
-    for group, (rows, is_pad) in zip(groups, plans):
-        masks.append(is_pad)
-        if rows.ndim == 2:
-            got.update(access.take(dict.fromkeys(group.keys, rows)))
-            continue
-        if not fix or not (group.before or group.after):
-            continue
-        # Per near anchor and offset: its step clipped to the episode, where it lies in
-        # the window read, and whether it is padding.
-        want = t_near[:, None] + group.offsets
-        steps = np.maximum(want, first[:, None]) if group.before else want
-        if group.after:
-            steps = np.minimum(steps, last[:, None], out=None if steps is want else steps)
-        is_pad[near] = steps != want
-        at = steps - rows[near][:, None]
-        picked = near[:, None]
-        for key in group.keys:
-            values = got[key]
-            values[near] = values[picked, at]
-    return got, masks

@@ -15,10 +15,11 @@ from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl._sequence_plan import (
     WINDOW_ROW_BYTES,
     Anchors,
+    FixTables,
     OffsetGroup,
-    read_windowed,
     row_bytes,
     rows_plan,
+    tables_fit,
 )
 from grain_replay.rl._sequence_spec import (
     PAD_SUFFIX,
@@ -30,6 +31,7 @@ from grain_replay.rl._sequence_spec import (
     resolve_fps,
     sequence_treedef,
 )
+from grain_replay.rl._sequence_windows import read_windowed
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.sources import ReplaySource
 
@@ -204,6 +206,10 @@ class SequenceDataSource(DerivedSource):
             group.windowed = (
                 self._per_leaf and small and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
             )
+        if pad != "drop" and not tables_fit(self._groups):
+            # Windows reaching far back and ahead: their fix-up tables would be too large.
+            for group in self._groups:
+                group.windowed = False
         self._windowed = any(g.windowed for g in self._groups)
         flags = EpisodeFlags(done_key, terminated_key, truncated_key)
         super().__init__(steps, flags=flags, episodes=episodes, cache=cache)
@@ -251,7 +257,8 @@ class SequenceDataSource(DerivedSource):
             if index.open_last and count.size:
                 # The unfinished episode: no anchor reaches past the committed rows.
                 count[-1] = max(int(count[-1]) - self._hi, 0)
-        return Anchors(first, count, index, self._lo, self._hi)
+        fix = FixTables(self._groups, index) if self._windowed and self._pad != "drop" else None
+        return Anchors(first, count, index, fix)
 
     def anchor_steps(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """The step id of each record's anchor (negative indices count from the end)."""

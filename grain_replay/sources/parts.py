@@ -6,6 +6,8 @@ at once: evictions after it unlink files this process keeps open, so the
 snapshot's rows stay readable, each exactly as committed, until the next
 refresh. Writers are in sorted id order, each oldest row first; position ``i``
 of a snapshot is one writer's row ``seq``, whose id is ``ordinal << 40 | seq``.
+The snapshot itself (opening, mapping, schema) is :mod:`~grain_replay.sources.parts_snapshot`;
+the id arithmetic behind reads by id is :mod:`~grain_replay.sources.parts_ids`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import parts as parts_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
@@ -29,11 +30,10 @@ from grain_replay.errors import (
     UnknownLeafError,
 )
 from grain_replay.layout import LeafSpec
+from grain_replay.sources import parts_ids
 from grain_replay.sources import parts_snapshot as snapshots
-from grain_replay.sources.base import Layout, select_keys
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
 from grain_replay.sources.parts_snapshot import WRITER_KEY, Part, Snapshot
-from grain_replay.sources.reading.runs import runs
 from grain_replay.sources.surface import SourceSurface
 
 __all__ = ["WRITER_KEY", "PartsDataSource"]
@@ -86,44 +86,14 @@ class PartsDataSource(SourceSurface):
 
     def _schema(self, manifests: list[parts_lib.Manifest]) -> None:
         """Spec and treedef from the writers' schemas (which must agree)."""
-        first: tuple[str, layout_lib.StoreMetadata] | None = None
-        first_text = None
-        for m in manifests:
-            if m.schema is None or m.schema == first_text:
-                continue  # the same text as the first: parsed once
-            meta = layout_lib.StoreMetadata.from_json(m.schema, where=self._path)
-            first_text = m.schema if first is None else first_text
-            if first is None:
-                first = (m.writer_id, meta)
-            elif meta.leaves != first[1].leaves or meta.treedef != first[1].treedef:
-                raise InvalidStoreError(
-                    f"{self._path}: writer {m.writer_id!r} wrote leaves {list(meta.leaves)} "
-                    f"that do not match writer {first[0]!r}'s {list(first[1].leaves)} (or "
-                    "their dtypes/shapes). Fix: remove one writer's folder under writers/, or "
-                    "read it alone."
-                )
-        if first is None or first_text == self._schema_text:
+        found = snapshots.read_schema(self._path, manifests)
+        if found is None or found[0] == self._schema_text:
             return  # nothing new: spec and treedef as they are
-        self._schema_text = first_text
-        meta = first[1]
-        full = Layout(0, dict(meta.leaves), meta.treedef, {k: k for k in meta.leaves})
-        if self._only_writer:
-            chosen = Layout(0, {}, {"type": "dict", "keys": [], "children": []}, {})
-        else:
-            chosen = select_keys(full, self._requested, self._path)
-        spec, treedef = dict(chosen.spec), chosen.treedef
-        if self._with_writer:
-            if treedef.get("type") != "dict" or WRITER_KEY in treedef["keys"]:
-                raise UnknownLeafError(
-                    f"{self._path}: keys= names {WRITER_KEY!r}, which needs records that are "
-                    "dicts without a leaf of that name. Fix: drop it from keys."
-                )
-            treedef = {
-                "type": "dict",
-                "keys": [*treedef["keys"], WRITER_KEY],
-                "children": [*treedef["children"], {"type": "leaf"}],
-            }
-            spec[WRITER_KEY] = LeafSpec(np.dtype(np.int64), ())
+        self._schema_text, meta = found
+        spec, treedef = snapshots.select_leaves(
+            self._path, meta, self._requested, with_writer=self._with_writer,
+            only_writer=self._only_writer,
+        )  # fmt: skip
         self._spec, self._treedef = spec, treedef
         self._build = tree_lib.compile_unflatten(treedef)
         self._seg_keys = [k for k in spec if k != WRITER_KEY]
@@ -244,30 +214,11 @@ class PartsDataSource(SourceSurface):
 
         ``check=False`` trusts ``positions`` to be int64 in ``[0, len)`` (a sampler's draws).
         """
-        snap = self._snapshot()
-        if not check and len(snap.parts) == 1:
-            shift = (int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + int(snap.live_start[0])
-            return np.asarray(positions, dtype=np.int64) + shift
-        pos = check_indices(positions, snap.n, self._path)
-        p, seq = snap.locate(pos)
-        return (snap.ordinals[p] << parts_lib.ID_SHIFT) | seq
+        return parts_ids.ids_at(self._snapshot(), positions, check=check, where=self._path)
 
     def positions(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The position of each id in the snapshot, -1 where the row is not live in it."""
-        snap = self._snapshot()
-        ids = np.asarray(ids, dtype=np.int64)
-        ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
-        known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
-        p = np.where(known, snap.part_of_ordinal[np.where(known, ordinal, 0)], -1)
-        pc = np.maximum(p, 0)
-        live = (
-            (p >= 0)
-            & (seq >= snap.live_start[pc] if len(snap.parts) else False)
-            & (seq < snap.committed[pc] if len(snap.parts) else False)
-        )
-        if not len(snap.parts):
-            return np.full(ids.shape, -1, dtype=np.int64)
-        return np.where(live, snap.starts[pc] + seq - snap.live_start[pc], -1)
+        return parts_ids.positions_of(self._snapshot(), ids)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -290,29 +241,7 @@ class PartsDataSource(SourceSurface):
         rest = snap.gather_mapped(p, seq, seg_keys, out)
         if rest is None:
             return out
-        p, seq = p[rest], seq[rest]
-        seg_rows = snap.seg_rows[p]
-        first = seq // seg_rows * seg_rows
-        offset = seq - first
-        for k, sel in runs(p * (1 << parts_lib.ID_SHIFT) + first):
-            part = snap.parts[k >> parts_lib.ID_SHIFT]
-            seg_first = k & parts_lib.SEQ_MASK
-            src = part.segments.get(seg_first)
-            offs = offset[sel]
-            at = rest[sel]
-            if src is None or int(offs.max()) >= part.rows.get(seg_first, 0):
-                raise EvictedRowError(
-                    f"{self._path}: writer {part.manifest.writer_id!r}: row "
-                    f"{seg_first + int(offs.max())} is not readable in this snapshot (evicted "
-                    "before this reader opened it, or not yet committed). Fix: refresh() "
-                    "more often than the writers evict, or raise capacity."
-                )
-            if len(seg_keys) == 1:
-                out[seg_keys[0]][at] = src.read_leaf(seg_keys[0], offs)
-                continue
-            flat = src.read_flat(offs, check=False)
-            for name in seg_keys:
-                out[name][at] = flat[name]
+        snap.gather_segments(p, seq, rest, seg_keys, out, self._path)
         return out
 
     def read_flat(
@@ -407,48 +336,24 @@ class PartsDataSource(SourceSurface):
     def _read_ids(
         self, ids: Sequence[int] | np.ndarray, evicted: str
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        evicted = parts_ids.check_evicted(evicted, self._path)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         try:
             snap = self._snapshot()
         except EvictedRowError:  # a pickled snapshot whose segments went: take a new one
             self.refresh()
             snap = self._snapshot()
-        if len(snap.parts) == 1 and len(ids) and snap.parts[0].mapped is not None:
-            # One writer whose live rows are mapped: one gather per leaf, no grouping.
-            m = snap.parts[0].mapped
-            rows = ids - ((int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + m.base)
-            if int(rows.min()) >= 0 and int(rows.max()) < m.stop - m.base:
-                out = {k: np.take(m.arrays[k], rows, axis=0) for k in self._seg_keys}
-                if WRITER_KEY in self._spec:
-                    out[WRITER_KEY] = np.full(len(ids), snap.ordinals[0], dtype=np.int64)
-                return {k: out[k] for k in self._spec}, np.ones(len(ids), dtype=bool)
-        ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
+        fast = parts_ids.read_mapped(snap, ids, self._seg_keys, list(self._spec))
+        if fast is not None:
+            return fast, np.ones(len(ids), dtype=bool)
         for attempt in range(2):
-            known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
-            p = np.where(known, snap.part_of_ordinal[np.where(known, ordinal, 0)], -1)
-            ahead = (p < 0) | (seq >= snap.committed[np.maximum(p, 0)])
+            p, seq, ahead = parts_ids.locate_ids(snap, ids)
             if not ahead.any() or attempt:
                 break
             self.refresh()
             snap = self._snapshot()
-        if (p < 0).any():
-            raise EvictedRowError(
-                f"{self._path}: no writer with ordinal {int(ordinal[p < 0][0])} in the store. "
-                "Fix: pass ids returned by src.ids() of this store."
-            )
-        ok = snap.readable(p, seq)
-        if not ok.all():
-            bad = int(np.argmin(ok))
-            part = snap.parts[int(p[bad])]
-            if evicted != "replace" or part.manifest.live == 0:
-                raise EvictedRowError(
-                    f"{self._path}: writer {part.manifest.writer_id!r}: row {int(seq[bad])} "
-                    "was evicted before this reader opened its segment. Fix: refresh() "
-                    "more often than the writers evict, or raise capacity."
-                )
-            start, live = snap.live_start[p], snap.committed[p] - snap.live_start[p]
-            seq = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
-            self.replaced += int((~ok).sum())
+        seq, ok = parts_ids.stand_ins(snap, ids, p, seq, evicted, self._path)
+        self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
 
     def __getitem__(self, index: int) -> Any:

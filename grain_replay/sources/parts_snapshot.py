@@ -13,10 +13,15 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay import parts as parts_lib
-from grain_replay.errors import GrainReplayError
+from grain_replay.errors import (
+    EvictedRowError,
+    GrainReplayError,
+    InvalidStoreError,
+    UnknownLeafError,
+)
 from grain_replay.formats import PAGE
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.base import ReplaySource
+from grain_replay.sources.base import Layout, ReplaySource, select_keys
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.npy import NpyDataSource
 from grain_replay.sources.reading.runs import runs
@@ -24,7 +29,17 @@ from grain_replay.sources.reading.stitch import place, reserve
 from grain_replay.sources.zarr import ZarrDataSource
 from grain_replay.writers.backends import NpySegmentBackend
 
-__all__ = ["WRITER_KEY", "Mapped", "Part", "Snapshot", "build_part", "evicted", "stamp"]
+__all__ = [
+    "WRITER_KEY",
+    "Mapped",
+    "Part",
+    "Snapshot",
+    "build_part",
+    "evicted",
+    "read_schema",
+    "select_leaves",
+    "stamp",
+]
 
 # The leaf that names each row's writer (its ordinal); not stored in any segment.
 WRITER_KEY = "_writer"
@@ -166,6 +181,45 @@ class Snapshot:
         rest = np.flatnonzero(~mapped)
         return rest if len(rest) else None
 
+    def gather_segments(
+        self,
+        p: np.ndarray,
+        seq: np.ndarray,
+        rest: np.ndarray,
+        keys: list[str],
+        out: dict[str, np.ndarray],
+        where: str,
+    ) -> None:
+        """Reads rows ``rest`` of the batch (``seq`` of parts ``p``) from their segments'
+        stores into ``out``: one vectorized read per leaf per segment touched.
+
+        Raises:
+          EvictedRowError: a row is in no segment this snapshot holds open.
+        """
+        p, seq = p[rest], seq[rest]
+        seg_rows = self.seg_rows[p]
+        first = seq // seg_rows * seg_rows
+        offset = seq - first
+        for k, sel in runs(p * (1 << parts_lib.ID_SHIFT) + first):
+            part = self.parts[k >> parts_lib.ID_SHIFT]
+            seg_first = k & parts_lib.SEQ_MASK
+            src = part.segments.get(seg_first)
+            offs = offset[sel]
+            at = rest[sel]
+            if src is None or int(offs.max()) >= part.rows.get(seg_first, 0):
+                raise EvictedRowError(
+                    f"{where}: writer {part.manifest.writer_id!r}: row "
+                    f"{seg_first + int(offs.max())} is not readable in this snapshot (evicted "
+                    "before this reader opened it, or not yet committed). Fix: refresh() "
+                    "more often than the writers evict, or raise capacity."
+                )
+            if len(keys) == 1:
+                out[keys[0]][at] = src.read_leaf(keys[0], offs)
+                continue
+            flat = src.read_flat(offs, check=False)
+            for name in keys:
+                out[name][at] = flat[name]
+
     def readable(self, p: np.ndarray, seq: np.ndarray) -> np.ndarray:
         """Whether each row ``seq`` of part ``p`` is in a segment this snapshot holds open."""
         ok = np.ones(len(p), dtype=bool)
@@ -182,6 +236,67 @@ class Snapshot:
             f = k & parts_lib.SEQ_MASK
             ok[sel] = (seq[sel] - f) < part.rows[f] if f in part.segments else False
         return ok
+
+
+def read_schema(
+    store: str, manifests: list[parts_lib.Manifest]
+) -> tuple[str, layout_lib.StoreMetadata] | None:
+    """The store's leaves and tree, from its writers' schemas (which must agree), with
+    the first schema's text; None while no writer has committed a row.
+
+    Raises:
+      InvalidStoreError: two writers wrote different leaves.
+    """
+    first: tuple[str, layout_lib.StoreMetadata] | None = None
+    first_text = None
+    for m in manifests:
+        if m.schema is None or m.schema == first_text:
+            continue  # the same text as the first: parsed once
+        meta = layout_lib.StoreMetadata.from_json(m.schema, where=store)
+        first_text = m.schema if first is None else first_text
+        if first is None:
+            first = (m.writer_id, meta)
+        elif meta.leaves != first[1].leaves or meta.treedef != first[1].treedef:
+            raise InvalidStoreError(
+                f"{store}: writer {m.writer_id!r} wrote leaves {list(meta.leaves)} "
+                f"that do not match writer {first[0]!r}'s {list(first[1].leaves)} (or "
+                "their dtypes/shapes). Fix: remove one writer's folder under writers/, or "
+                "read it alone."
+            )
+    if first is None or first_text is None:
+        return None
+    return first_text, first[1]
+
+
+def select_leaves(
+    store: str,
+    meta: layout_lib.StoreMetadata,
+    requested: list[str] | None,
+    *,
+    with_writer: bool,
+    only_writer: bool,
+) -> tuple[dict[str, LeafSpec], dict[str, Any]]:
+    """The spec and treedef a reader of leaves ``requested`` (plus :data:`WRITER_KEY`
+    with ``with_writer``; only it with ``only_writer``) returns."""
+    full = Layout(0, dict(meta.leaves), meta.treedef, {k: k for k in meta.leaves})
+    if only_writer:
+        chosen = Layout(0, {}, {"type": "dict", "keys": [], "children": []}, {})
+    else:
+        chosen = select_keys(full, requested, store)
+    spec, treedef = dict(chosen.spec), chosen.treedef
+    if with_writer:
+        if treedef.get("type") != "dict" or WRITER_KEY in treedef["keys"]:
+            raise UnknownLeafError(
+                f"{store}: keys= names {WRITER_KEY!r}, which needs records that are "
+                "dicts without a leaf of that name. Fix: drop it from keys."
+            )
+        treedef = {
+            "type": "dict",
+            "keys": [*treedef["keys"], WRITER_KEY],
+            "children": [*treedef["children"], {"type": "leaf"}],
+        }
+        spec[WRITER_KEY] = LeafSpec(np.dtype(np.int64), ())
+    return spec, treedef
 
 
 def open_segment(

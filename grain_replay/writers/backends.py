@@ -3,24 +3,21 @@
 Each backend keeps the same invariant: rows ``[0, N)`` of every leaf are on
 disk before the metadata says ``N``, and nothing a later append does touches
 them. A crash therefore leaves the committed rows intact, and reopening drops
-whatever was written after the last commit.
+whatever was written after the last commit. The commit primitives (fsync of
+many files, in-place headers and metadata) are in :mod:`grain_replay.writers.durable`.
 """
 
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import math
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError, WriterBusyError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.formats import (
-    GROWING_NPY_HEADER,
     PAGE,
     import_h5py,
     import_zarr,
@@ -31,6 +28,15 @@ from grain_replay.formats import (
 from grain_replay.integrity import as_bytes
 from grain_replay.writers.atomic import atomic_path, fsync_path
 from grain_replay.writers.background import LeafWriteError
+from grain_replay.writers.durable import (
+    NPY_HEADER,
+    commit_metadata,
+    fixed_metadata,
+    fsync_all,
+    npy_header,
+    open_h5,
+    row_bytes,
+)
 from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
 __all__ = [
@@ -45,10 +51,6 @@ __all__ = [
 
 # Chunks of growing HDF5/Zarr stores: ~1 MiB, whole pages, so readers map them.
 APPEND_CHUNK_BYTES = 1 << 20
-
-
-def _row_bytes(spec: layout_lib.LeafSpec) -> int:
-    return spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
 
 
 class Backend(abc.ABC):
@@ -108,45 +110,11 @@ def write_by_leaf(backend: Backend, arrays: dict[str, np.ndarray], start: int) -
 
 # -- .npy directory -------------------------------------------------------------
 
-_NPY_HEADER = GROWING_NPY_HEADER  # fixed, so the shape can be rewritten in place as N grows
-
-
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int = _NPY_HEADER) -> bytes:
-    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (  # noqa: UP031
-        np.lib.format.dtype_to_descr(dtype),
-        tuple(shape),
-    )
-    body = text.encode("latin1")
-    pad = size - 10 - len(body) - 1
-    if pad < 0:
-        raise InvalidStoreError(f"npy header for shape {shape} exceeds {size} bytes")
-    return b"\x93NUMPY\x01\x00" + (size - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
-
-
-_FSYNC_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool)
-_FSYNC_POOL_LOCK = threading.Lock()
-
-
-def _fsync_all(fds: list[int]) -> None:
-    """``fsync`` of every file, at once: the file system commits them together (5 leaf
-    files: about 0.45x the time of one after another here)."""
-    global _FSYNC_POOL
-    if len(fds) <= 1:
-        for fd in fds:
-            os.fsync(fd)
-        return
-    with _FSYNC_POOL_LOCK:
-        if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # none yet, or forked
-            pool = concurrent.futures.ThreadPoolExecutor(8, "grain_replay-fsync")
-            _FSYNC_POOL = (os.getpid(), pool)
-        pool = _FSYNC_POOL[1]
-    list(pool.map(os.fsync, fds))  # raises the first failure
-
 
 class NpyBackend(Backend):
     """A directory of ``.npy`` files grown in place; headers and metadata follow the data."""
 
-    HEADER = _NPY_HEADER  # bytes before the rows: fixed, so it is rewritten in place
+    HEADER = NPY_HEADER  # bytes before the rows: fixed, so it is rewritten in place
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         super().__init__(path, meta)
@@ -158,8 +126,8 @@ class NpyBackend(Backend):
             if read_npy_header(file, key, check_size=False)[3] != self.HEADER:
                 self._rewrite_with_fixed_header(file, spec, n)
             fd = os.open(file, os.O_RDWR)
-            header = _npy_header(spec.dtype, (n, *spec.shape), self.HEADER)
-            size = self.HEADER + n * _row_bytes(spec)
+            header = npy_header(spec.dtype, (n, *spec.shape), self.HEADER)
+            size = self.HEADER + n * row_bytes(spec)
             # A file that is exactly this header and n rows (e.g. a segment just made
             # empty) needs neither; else header first: a crash between the two steps
             # leaves a header of n rows over a file of at least n rows, which every
@@ -169,7 +137,7 @@ class NpyBackend(Backend):
                 os.fsync(fd)
                 os.truncate(fd, size)  # drop uncommitted rows
             self._fds[key] = fd
-        self._row_bytes = {k: _row_bytes(spec) for k, spec in meta.leaves.items()}
+        self.row_bytes = {k: row_bytes(spec) for k, spec in meta.leaves.items()}
 
     @classmethod
     def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
@@ -177,7 +145,7 @@ class NpyBackend(Backend):
         data = np.load(file, mmap_mode="r", allow_pickle=False)[:n]
         tmp = file + ".partial"
         with open(tmp, "wb") as f:
-            f.write(_npy_header(spec.dtype, (n, *spec.shape), cls.HEADER))
+            f.write(npy_header(spec.dtype, (n, *spec.shape), cls.HEADER))
             f.write(np.ascontiguousarray(data).tobytes())
             f.flush()
             os.fsync(f.fileno())
@@ -196,7 +164,7 @@ class NpyBackend(Backend):
                 file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
                 os.makedirs(os.path.dirname(file), exist_ok=True)
                 with open(file, "wb") as f:
-                    f.write(_npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
+                    f.write(npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
             with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
                 f.write(meta.to_json())
 
@@ -206,7 +174,7 @@ class NpyBackend(Backend):
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
         for key, arr in arrays.items():
-            offset = self.HEADER + start * self._row_bytes[key]
+            offset = self.HEADER + start * self.row_bytes[key]
             view = as_bytes(arr)
             while view:
                 written = os.pwrite(self._fds[key], view, offset)
@@ -214,16 +182,16 @@ class NpyBackend(Backend):
 
     def read(self, key: str, start: int, stop: int) -> np.ndarray:
         spec = self.meta.leaves[key]
-        size = _row_bytes(spec)
+        size = row_bytes(spec)
         raw = os.pread(self._fds[key], (stop - start) * size, self.HEADER + start * size)
         return np.frombuffer(raw, dtype=spec.dtype).reshape(stop - start, *spec.shape)
 
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
-        _fsync_all(list(self._fds.values()))
+        fsync_all(list(self._fds.values()))
         for key, fd in self._fds.items():
             spec = self.meta.leaves[key]
-            os.pwrite(fd, _npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
-        _fsync_all(list(self._fds.values()))
+            os.pwrite(fd, npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
+        fsync_all(list(self._fds.values()))
         self.meta = self._meta_with(n, checksums)
         meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
         tmp = meta_file + ".partial"
@@ -244,7 +212,7 @@ class NpySegmentBackend(NpyBackend):
     """A segment of a many-writer ``.npy`` store: rows start at a page boundary, so a
     reader maps the segments of a writer back to back into one array per leaf."""
 
-    HEADER = max(PAGE, _NPY_HEADER)
+    HEADER = max(PAGE, NPY_HEADER)
 
 
 # -- Zarr -----------------------------------------------------------------------
@@ -305,54 +273,6 @@ class ZarrBackend(Backend):
 # -- HDF5 -----------------------------------------------------------------------
 
 
-def _fixed_metadata(meta: layout_lib.StoreMetadata, size: int | None = None) -> np.bytes_:
-    """Metadata as a fixed-size string, padded with spaces (JSON ignores them).
-
-    Without ``size``, room is left for the metadata to double (the checksum
-    list grows with the rows), so commits rewrite it in place.
-    """
-    text = meta.to_json().encode()
-    if size is None:
-        size = max(4096, math.ceil(2 * len(text) / 4096) * 4096)
-    return np.bytes_(text.ljust(size))
-
-
-def _commit_metadata(f: Any, meta: layout_lib.StoreMetadata) -> None:
-    """Rewrites the metadata attribute in place, or grows it without a moment without one.
-
-    A larger attribute is first written under a second name that readers fall
-    back to, so a crash while the main one is recreated loses nothing.
-    """
-    attrs = f.attrs
-    size = attrs.get_id(layout_lib.METADATA_ATTR).dtype.itemsize
-    text = meta.to_json().encode()
-    if len(text) <= size:
-        attrs.modify(layout_lib.METADATA_ATTR, _fixed_metadata(meta, size))
-        return
-    grown = _fixed_metadata(meta)
-    attrs.create(layout_lib.METADATA_ATTR_NEXT, grown)
-    f.flush()
-    attrs.create(layout_lib.METADATA_ATTR, grown)
-    f.flush()
-    del attrs[layout_lib.METADATA_ATTR_NEXT]
-
-
-def _open_h5(path: str, mode: str, **kwargs: Any) -> Any:
-    """``h5py.File``; a handle this process already holds raises WriterBusyError, not OSError."""
-    h5py = import_h5py()
-    try:
-        return h5py.File(path, mode, **kwargs)
-    except OSError as e:
-        if "already open" not in str(e) and "locking flag values don't match" not in str(e):
-            raise
-        raise WriterBusyError(
-            f"{path} is open read-only in this process (an h5py.File, or an HDF5DataSource "
-            "that keeps its h5py handle: compressed leaves or allow_external=True), and HDF5 "
-            "cannot also open it for writing. Fix: close it (src.close()) before opening the "
-            "ReplayWriter, or append from another process."
-        ) from e
-
-
 class HDF5Backend(Backend):
     """Chunked, uncompressed datasets with chunks allocated ahead of the rows.
 
@@ -364,7 +284,7 @@ class HDF5Backend(Backend):
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         super().__init__(path, meta)
 
-        self._file = _open_h5(
+        self._file = open_h5(
             path, "r+", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
         )
         self._dsets = {k: self._file[layout_lib.disk_name(k)] for k in meta.leaves}
@@ -416,11 +336,11 @@ class HDF5Backend(Backend):
                         dtype=spec.dtype,
                         dcpl=dcpl,
                     )
-                f.attrs.create(layout_lib.METADATA_ATTR, _fixed_metadata(meta))
+                f.attrs.create(layout_lib.METADATA_ATTR, fixed_metadata(meta))
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
-        with _open_h5(path, "r", locking=False) as f:
+        with open_h5(path, "r", locking=False) as f:
             return metadata_from_attrs(f.attrs, path)  # a commit that died growing it: .next
 
     def write(self, arrays: dict[str, np.ndarray], start: int) -> None:
@@ -444,7 +364,7 @@ class HDF5Backend(Backend):
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
         self.meta = self._meta_with(n, checksums)
-        _commit_metadata(self._file, self.meta)
+        commit_metadata(self._file, self.meta)
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
 

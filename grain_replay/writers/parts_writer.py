@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,43 +25,17 @@ from grain_replay.errors import (
     InvalidStoreError,
     InvalidTreeError,
 )
-from grain_replay.formats import FORMATS, PAGE, format_from_path
+from grain_replay.formats import FORMATS, format_from_path
 from grain_replay.integrity import Checksummer
+from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
+from grain_replay.writers.part_manifest import default_segment_rows
+from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["PartWriter", "default_segment_rows"]
 
 logger = logging.getLogger(__name__)
-
-# Segments of an unbounded writer.
-UNBOUNDED_SEGMENT_ROWS = 1 << 20
-# A bounded writer's segment: capacity / SEGMENTS_PER_CAPACITY rows, so the disk
-# holds at most capacity + (1 + RETAIN_SEGMENTS) segments of rows.
-SEGMENTS_PER_CAPACITY = 16
-
-
-def default_segment_rows(
-    capacity: int | None, fmt: str = "", leaves: dict[str, layout_lib.LeafSpec] | None = None
-) -> int:
-    """``ceil(capacity / 16)`` rows; for ``.npy``, rounded up to whole pages of every leaf
-    (so readers map a writer's segments back to back) when that at most doubles it or
-    stays within a quarter of the capacity."""
-    rows = (
-        UNBOUNDED_SEGMENT_ROWS
-        if capacity is None
-        else max(1, -(-capacity // SEGMENTS_PER_CAPACITY))
-    )
-    if fmt == "npy" and leaves:
-        unit = 1
-        for spec in leaves.values():
-            b = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
-            if b:
-                unit = math.lcm(unit, PAGE // math.gcd(PAGE, b))
-        rounded = -(-rows // unit) * unit
-        if rounded <= max(2 * rows, (capacity or 0) // 4):
-            return rounded
-    return rows
 
 
 def _segment_backend(fmt: str) -> type[Backend]:
@@ -98,6 +71,7 @@ class PartWriter:
         segment_rows: int | None,
         chunk_rows: int | None,
         compression: str | None,
+        resume: int | None = None,
     ) -> None:
         self._path = path
         self._id = parts_lib.check_writer_id(writer_id, path)
@@ -149,6 +123,8 @@ class PartWriter:
                 )
             else:
                 self._check_reopen(manifest, capacity, segment_rows)
+            if resume is not None:
+                manifest = self._cut(manifest, resume)
             self._manifest = manifest
             self._meta = (
                 None
@@ -166,21 +142,21 @@ class PartWriter:
     def _check_reopen(
         self, m: parts_lib.Manifest, capacity: int | None, segment_rows: int | None
     ) -> None:
-        if m.capacity != capacity:
-            raise InvalidArgumentError(
-                f"{self._where}: capacity={capacity!r} but this writer was created with "
-                f"capacity={m.capacity!r}, which cannot change on reopen. Fix: pass "
-                f"capacity={m.capacity!r}, or write under a new writer_id."
-            )
-        if segment_rows is not None and segment_rows != m.segment_rows:
-            raise InvalidArgumentError(
-                f"{self._where}: segment_rows={segment_rows} but this writer's segments hold "
-                f"{m.segment_rows} rows. Fix: pass segment_rows={m.segment_rows} or None."
-            )
-        if m.format != self._format:
-            raise InvalidStoreError(
-                f"{self._where}: manifest says {m.format}, store {self._format}."
-            )
+        part_manifest.check_reopen(m, capacity, segment_rows, self._format, self._where)
+
+    def _cut(self, m: parts_lib.Manifest, rows: int) -> parts_lib.Manifest:
+        """Commits this part cut back to its first ``rows`` rows (a checkpoint's watermark):
+        the manifest first (the commit point), then reopening drops the later segments'
+        files and cuts the tail segment (:meth:`_drop_orphans`, :meth:`_reopen_tail`)."""
+        cut = part_manifest.cut(m, rows, self._where)
+        if cut is m:
+            return m
+        parts_lib.write_manifest(self._dir, cut)
+        logger.warning(
+            "%s: dropped rows [%d, %d), committed after the checkpoint resumed from",
+            self._where, rows, m.committed,
+        )  # fmt: skip
+        return cut
 
     def _segment_path(self, first: int) -> str:
         return os.path.join(self._dir, parts_lib.segment_name(first, self._format))
@@ -214,14 +190,19 @@ class PartWriter:
             except ValueError:
                 summer = None
         else:
-            # Committed past the manifest (a crash between the two commits): the segment
-            # says the manifest's rows again, so readers map what they will read. Its
-            # checksums covered the dropped rows too: they are not recorded any more.
-            logger.warning(
-                "%s: segment %s held rows the manifest never committed; dropped them "
-                "(and its checksums)", self._where, tail.first,
+            # Committed past the manifest (a crash between the two commits, or a part cut
+            # back to a checkpoint): the segment says the manifest's rows again, so readers
+            # map what they will read; the checksums of its last block are recomputed.
+            try:
+                checks = None if on_disk is None else on_disk.checksums
+                summer = Checksummer.truncated(meta.leaves, checks, tail.rows, backend.read)
+            except ValueError:
+                summer = None
+            logger.info(
+                "%s: segment %s held rows past the manifest; dropped them",
+                self._where, tail.first,
             )  # fmt: skip
-            backend.commit(tail.rows, None)
+            backend.commit(tail.rows, None if summer is None else summer.state())
         self._open = _Open(tail.first, tail.rows, backend, summer)
 
     def _segment_meta(self, n: int) -> layout_lib.StoreMetadata:
@@ -269,7 +250,8 @@ class PartWriter:
             if self._default_rows and m.committed == 0 and not m.segments:
                 rows = default_segment_rows(m.capacity, self._format, self._meta.leaves)
                 self._manifest = dataclasses.replace(m, segment_rows=rows)
-        self._check_matches(arrays, leaves, treedef)
+        assert self._meta is not None
+        check_tree_matches(self._where, arrays, treedef, self._meta)
         return arrays, n
 
     def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
@@ -312,32 +294,6 @@ class PartWriter:
             return theirs
         return mine
 
-    def _check_matches(
-        self,
-        arrays: dict[str, np.ndarray],
-        leaves: dict[str, layout_lib.LeafSpec],
-        treedef: dict[str, Any],
-    ) -> None:
-        want = self._meta
-        assert want is not None
-        if treedef != want.treedef:
-            raise InvalidTreeError(
-                f"{self._where}: the appended tree has leaves {list(arrays)} but the store has "
-                f"{list(want.leaves)} (or a different container structure). Fix: append trees "
-                "with the store's structure."
-            )
-        bad = [
-            f"leaf {k!r} is {s.dtype}{list(s.shape)} per row, the store holds "
-            f"{want.leaves[k].dtype}{list(want.leaves[k].shape)}"
-            for k, s in leaves.items()
-            if s != want.leaves[k]
-        ]
-        if bad:
-            raise InvalidTreeError(
-                f"{self._where}: {'; '.join(bad)}. Fix: cast with .astype(...) and reshape "
-                "to the store's per-row shape."
-            )
-
     def _segment_for_next(self) -> _Open:
         seg = self._open
         if seg is not None and seg.rows < self._manifest.segment_rows:
@@ -363,30 +319,13 @@ class PartWriter:
             if seg is not None and seg.dirty:
                 seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
                 seg.dirty = False
-        committed = m.committed + self._pending
         rows = {s.first: s.rows for s in m.segments}
         for seg in [*self._full, self._open]:
             if seg is not None:
                 rows[seg.first] = seg.rows
-        live_start = 0 if m.capacity is None else max(0, committed - m.capacity)
-        segments = [parts_lib.Segment(f, r) for f, r in sorted(rows.items())]
-        evicted = [s for s in segments if s.first + s.rows <= live_start]
-        segments = [s for s in segments if s.first + s.rows > live_start]
-        retired_all = [*m.retired, *evicted]
-        cut = max(0, len(retired_all) - parts_lib.RETAIN_SEGMENTS)
-        retired, dropped = retired_all[cut:], retired_all[:cut]
         assert self._meta is not None
-        self._manifest = parts_lib.Manifest(
-            m.writer_id,
-            m.ordinal,
-            m.format,
-            m.capacity,
-            m.segment_rows,
-            committed,
-            tuple(segments),
-            tuple(retired),
-            self._meta.to_json(),
-        )
+        committed = m.committed + self._pending
+        self._manifest, dropped = part_manifest.committed(m, committed, rows, self._meta.to_json())
         parts_lib.write_manifest(self._dir, self._manifest)
         self._pending = 0
         for seg in self._full:
@@ -401,7 +340,7 @@ class PartWriter:
 
     def _release(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the lock file stays (see ReplayWriter._release_lock)
+            os.close(self._lock_fd)  # the lock file stays (see StoreWriter._release_lock)
             self._lock_fd = None
 
     @property

@@ -618,27 +618,48 @@ def test_growing_store_matches_the_reference_at_every_commit(
             previous = got
 
 
-@pytest.mark.parametrize("table", [True, False])
-def test_anchors_near_their_episodes_bounds_are_found_by_table_and_by_search(
-    table: bool, monkeypatch: Any
+def test_anchor_codes_by_table_and_by_search_agree_and_mark_the_near_anchors(
+    monkeypatch: Any,
 ) -> None:
-    # The fix-up of a windowed batch touches only these anchors: every other one must read
-    # only steps of its own episode, whichever way (byte table or binary search) finds them.
+    # The fix-up of a windowed batch touches only anchors of a nonzero code: every other one
+    # must read only steps of its own episode and of the store. The per-step table and the
+    # binary search must give the same codes (which fix the fix-up).
     from grain_replay.rl import _sequence_plan
 
-    if not table:
-        monkeypatch.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 12, rng.integers(1, 8))
         index = EpisodeIndex(np.cumsum(lengths), np.ones(len(lengths), bool), False)
         lo, hi = -int(rng.integers(0, 6)), int(rng.integers(0, 6))
-        anchors = _sequence_plan.Anchors(index.starts, lengths, index, lo, hi)
-        assert (anchors.near_steps is not None) == table
+        group = _sequence_plan.OffsetGroup(np.arange(lo, hi + 1, dtype=np.int64), ("x",))
+        group.windowed = True
         t = rng.permutation(index.num_steps)
+        by_table = _sequence_plan.FixTables([group], index)
+        assert by_table.step_codes is not None
+        with monkeypatch.context() as m:
+            m.setattr(_sequence_plan, "NEAR_TABLE_STEPS", 0)
+            by_search = _sequence_plan.FixTables([group], index)
+        assert by_search.step_codes is None
+        (codes, near), (codes2, near2) = by_table.codes(t), by_search.codes(t)
+        np.testing.assert_array_equal(codes, codes2)
+        np.testing.assert_array_equal(near, near2)
         e = np.searchsorted(index.ends, t, side="right")
-        want = ((t + lo) < index.starts[e]) | ((t + hi) >= index.ends[e])
-        np.testing.assert_array_equal(anchors.near(t), np.flatnonzero(want))
+        n = index.num_steps
+        leaves = ((t + lo) < index.starts[e]) | ((t + hi) >= index.ends[e])
+        np.testing.assert_array_equal(near, np.flatnonzero(leaves))
+        # The tables read each near anchor's clipped steps from inside its window.
+        k = len(group.offsets)
+        if n < k:  # no window fits: the group reads rows
+            assert by_table.tables == [None]
+            continue
+        at, pad, _, _ = by_table.tables[0]
+        start = np.clip(t + lo, 0, n - k)
+        want = np.clip(
+            t[:, None] + group.offsets, index.starts[e][:, None], index.ends[e][:, None] - 1
+        )
+        assert ((at[codes] >= 0) & (at[codes] < k)).all()
+        np.testing.assert_array_equal(start[:, None] + at[codes], want)
+        np.testing.assert_array_equal(pad[codes], want != t[:, None] + group.offsets)
 
 
 @pytest.mark.parametrize("pad", ["edge", "zero"])
@@ -662,3 +683,46 @@ def test_windowed_batch_fixes_up_anchors_at_both_ends_of_the_store(
         assert src._windowed
         assert_flat_equal(flat(src.read_batch(ids)), expect(ids))
         assert_flat_equal(flat(src.read_batch(ids[4:5])), expect(ids[4:5]))  # none near
+
+
+def test_int64_array_indices_are_checked_as_strictly_as_lists(tmp_path: Any) -> None:
+    # An int64 array in range skips most of the check (samplers draw such arrays); negatives
+    # and out-of-range indices in such an array still get the full check.
+    lengths, terminated = [4, 6, 3], [True, False, True]
+    tree = step_tree(lengths, terminated)
+    src = SequenceDataSource(
+        gr.NpyDataSource(gr.write_npy(str(tmp_path / "s"), tree)), {"step": [-1, 0, 1]}
+    )
+    n = len(src)
+    fast = flat(src.read_batch(np.array([n - 1, 0, 2], np.int64)))
+    assert_flat_equal(fast, flat(src.read_batch([n - 1, 0, 2])))
+    assert_flat_equal(
+        flat(src.read_batch(np.array([-1, 0, -n], np.int64))), flat(src.read_batch([n - 1, 0, 0]))
+    )
+    for bad in (n, n + 3, -n - 1):
+        with pytest.raises(gr.RecordIndexError, match=rf"{bad}.*{n}"):
+            src.read_batch(np.array([0, bad], np.int64))
+    assert flat(src.read_batch(np.zeros(0, np.int64)))["step"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("pad", ["edge", "zero"])
+def test_windows_whose_fix_up_tables_would_be_large_are_read_as_rows(
+    tmp_path: Any, pad: str, monkeypatch: Any
+) -> None:
+    from grain_replay.rl import _sequence_plan
+
+    lengths, terminated = [3, 20, 2, 7], [True, True, False, True]
+    tree = step_tree(lengths, terminated)
+    path = gr.write_npy(str(tmp_path / "s"), tree)
+    offsets = {"obs/vec": [-4, -3, -2, -1, 0], "action": list(range(6))}
+    expect, n = ref_expect(tree, lengths, offsets, pad)
+    ids = np.concatenate([np.arange(n), np.arange(n)[::-2]]).astype(np.int64)
+    windowed = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    assert windowed._windowed
+    # (4 + 1) * (5 + 1) codes of the episodes' ends, 4 + 5 of the store's; 5 + 6 offsets.
+    assert _sequence_plan.fix_entries(windowed._groups) == (30 + 9) * 11
+    monkeypatch.setattr(_sequence_plan, "FIX_TABLE_ENTRIES", (30 + 9) * 11 - 1)
+    rows = SequenceDataSource(gr.NpyDataSource(path), offsets, pad=pad, cache=False)
+    assert not rows._windowed
+    for src in (windowed, rows):
+        assert_flat_equal(flat(src.read_batch(ids)), expect(ids))

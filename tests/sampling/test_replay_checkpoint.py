@@ -439,13 +439,6 @@ def test_bounded_store_checkpoint_records_each_writer_and_resumes(tmp_path: Path
     fresh.close()
 
 
-def test_bounded_store_refuses_what_is_not_supported_yet(tmp_path: Path) -> None:
-    path = _bounded(tmp_path)
-    with pytest.raises(gr.InvalidArgumentError, match=r"resume_from.*many-writer"):
-        gr.ReplayWriter(path, "npy", capacity=64, writer_id="actor-0", resume_from=10)
-    assert len(gr.open_source(path)) == 128  # nothing changed
-
-
 def _bounded_prioritized(path: str, workers: int) -> Any:
     loader = gr.make_data_loader(
         gr.open_source(path),

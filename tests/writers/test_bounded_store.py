@@ -69,7 +69,7 @@ def test_disk_use_stays_bounded_however_long_the_run(tmp_path: Path, fmt: str) -
             w.append(make_rows("a", 400 * k, 400))
             w.flush()
             sizes.append(_disk_bytes(path))
-        seg = w._part.manifest.segment_rows
+        seg = w._store.manifest.segment_rows
     assert seg == 100
     # capacity + the partly filled head segment + one retired segment, plus headers
     # and chunk padding (a fixed amount per segment file).
@@ -107,7 +107,7 @@ def test_reopen_continues_after_the_last_committed_row(tmp_path: Path, fmt: str)
     w.append(make_rows("a", 0, 90))
     w.flush()
     w.append(make_rows("a", 90, 5))  # never committed
-    w._part.abandon()
+    w._store.abandon()
     w = gr.ReplayWriter(path, fmt, capacity=64, writer_id="a")
     assert w.committed == 90 and len(w) == 90
     w.append(make_rows("a", 90, 20))
@@ -326,7 +326,7 @@ def test_a_segment_committed_past_its_manifest_reads_as_the_manifest_says(
     w.append(make_rows("a", 0, 10))
     w.flush()
     w.append(make_rows("a", 10, 5))
-    part = w._part
+    part = w._store
     part._open.backend.commit(15, None)
     part.abandon()
     again = gr.ReplayWriter(path, fmt, capacity=100, writer_id="a", segment_rows=50)
