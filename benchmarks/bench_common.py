@@ -1,20 +1,35 @@
-"""Timing, memory sampling, page-cache control and the result records shared by the sections."""
+"""Timing, the result records, and running the peers: what the benchmark sections share.
+
+Memory sampling and page-cache control are ``page_cache.py`` (re-exported here).
+Peer scripts (``bench_*_peer(s).py``) run in their own interpreters and import
+only numpy and this module from here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import statistics
-import threading
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+from page_cache import (
+    PAGE_CACHE,
+    PageCache,
+    RssSampler,
+    drop_page_cache,
+    files_under,
+    rss_anon_mb,
+    warm_page_cache,
+)
 
 __all__ = [
     "Case",
     "Config",
+    "PeerError",
     "Ratio",
     "RssSampler",
     "SectionResult",
@@ -23,8 +38,12 @@ __all__ = [
     "drop_page_cache",
     "files_under",
     "index_batches",
+    "peer_env",
     "rss_anon_mb",
+    "run_peer",
+    "time_calls",
     "time_steps",
+    "transitions",
     "warm_page_cache",
 ]
 
@@ -258,113 +277,71 @@ def time_steps(
     return k, times
 
 
-def rss_anon_mb(pid: int | str = "self") -> float:
-    """A process's anonymous resident memory (``RssAnon`` of /proc/PID/status), MB; 0 if gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-class RssSampler:
-    """Samples ``RssAnon`` in a daemon thread to report the peak of each section."""
-
-    def __init__(self, interval_s: float = 0.02):
-        self._interval = interval_s
-        self._peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._peak = max(self._peak, rss_anon_mb())
-
-    def reset(self) -> None:
-        self._peak = rss_anon_mb()
-
-    def peak(self) -> float:
-        return max(self._peak, rss_anon_mb())
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def files_under(path: str) -> list[str]:
-    """Every regular file of a store (a file, or a directory walked recursively)."""
-    if os.path.isfile(path):
-        return [path]
+def time_calls(
+    fn: Callable[[], Any], repeats: int, per_repeat: int, warmup: int = 3
+) -> list[float]:
+    """Seconds per call of ``repeats`` repeats of ``per_repeat`` calls, after a warm-up of
+    ``max(warmup, per_repeat // 4)`` calls (for the peers and the sections timed by call)."""
+    for _ in range(max(warmup, per_repeat // 4)):
+        fn()
     out = []
-    for dirpath, _, names in os.walk(path):
-        out.extend(os.path.join(dirpath, n) for n in sorted(names))
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(per_repeat):
+            fn()
+        out.append((time.perf_counter() - start) / per_repeat)
     return out
 
 
-def warm_page_cache(paths: Iterable[str]) -> int:
-    """Reads every file once so that later reads come from the page cache; returns bytes."""
-    total = 0
-    buf = bytearray(8 << 20)
-    for path in paths:
-        for file in files_under(path):
-            with open(file, "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    total += n
-    return total
+def transitions(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``n`` rows of 525 B: obs and next_obs (64 float32), action, reward, done."""
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "action": rng.integers(0, 18, n).astype(np.int64),
+        "reward": rng.standard_normal(n, dtype=np.float32),
+        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "done": rng.random(n) < 0.01,
+    }
 
 
-class PageCache:
-    """Keeps only the stores under test in the page cache.
+# -- peers: other libraries, each in its own virtual environment ------------------------
 
-    The datasets together are larger than this machine's memory; without this,
-    warming one store can evict another's pages, or its own (a single
-    sequential pass lands on the kernel's inactive list), and "page-cached"
-    reads silently go to the disk.
+
+class PeerError(RuntimeError):
+    """A peer's script failed, timed out or printed nothing; the message says how."""
+
+
+def peer_env(**extra: str) -> dict[str, str]:
+    """This environment less what points into ours (PYTHONPATH, XLA_FLAGS), TensorFlow quiet."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env.update(extra)
+    return env
+
+
+def run_peer(
+    python: str, script: str, args: Iterable[str], *, timeout: float | None = None, **env: str
+) -> str:
+    """Runs ``python script *args`` (a peer's benchmark) and returns its last line of stdout.
+
+    The peer prints its result last (a JSON object, or a path). ``env`` adds to
+    :func:`peer_env`.
+
+    Raises:
+      PeerError: it exited non-zero (with the end of its stderr), ran past ``timeout``
+        seconds, or printed nothing.
     """
-
-    # Stores smaller than this stay cached: together they fit in memory, and
-    # dropping and re-reading stores of tens of thousands of chunk files is slow.
-    BIG_BYTES = 1 << 30
-
-    def __init__(self) -> None:
-        self.resident: set[str] = set()
-        self.sizes: dict[str, int] = {}
-
-    def track(self, sizes: dict[str, int]) -> None:
-        """Stores (path -> bytes) that may be cached now: all of them, after generation."""
-        self.sizes.update(sizes)
-        self.resident.update(p for p, n in sizes.items() if n >= self.BIG_BYTES)
-
-    def keep_only(self, paths: Iterable[str]) -> None:
-        """Drops the other big stores, then reads ``paths`` (big ones twice, to make them stick)."""
-        keep = set(paths)
-        drop_page_cache(sorted(self.resident - keep))
-        warm_page_cache(sorted(keep))
-        big = sorted(p for p in keep if self.sizes.get(p, 0) >= self.BIG_BYTES)
-        warm_page_cache(big)
-        self.resident = set(big)
-
-    def touched(self, path: str) -> None:
-        if self.sizes.get(path, 0) >= self.BIG_BYTES:
-            self.resident.add(path)
-
-
-PAGE_CACHE = PageCache()
-
-
-def drop_page_cache(paths: Iterable[str]) -> None:
-    """Asks the kernel to drop the cached pages of every file (``POSIX_FADV_DONTNEED``).
-
-    Pages still mapped by a live memory map stay resident, so callers close
-    their sources and memory maps first.
-    """
-    for path in paths:
-        for file in files_under(path):
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    cmd = [python, script, *args]
+    name = os.path.basename(script)
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=peer_env(**env), timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"{name} timed out after {timeout:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " / ".join((proc.stderr or "").strip().splitlines()[-3:])
+        raise PeerError(f"{name} failed (exit {proc.returncode}): {tail}")
+    return lines[-1]

@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +32,7 @@ import grain_replay as gr
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "device_actor.py"
 ENVS = 1024
+CAPACITY = 1 << 20
 
 
 def _example() -> ModuleType:
@@ -46,72 +48,120 @@ def _target(platform: str) -> float:
     return 0.85 if platform == "cpu" else 0.95
 
 
+def _thread_cpu(prefix: str) -> float:
+    """CPU seconds of this process's live threads whose name starts with ``prefix``."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith(prefix) and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ValueError):  # the thread ended meanwhile
+                pass
+    return total
+
+
+def _profile(
+    da: ModuleType, step: Any, carry: Any, steps: int, flush_every: int, store: str
+) -> dict[str, float]:
+    """One more writing loop, instrumented: the main thread's CPU per append, the writer's
+    threads' CPU per append (its own thread and the fsync pool), the time of one flush."""
+    import jax
+
+    main_cpu = 0.0
+    flushes: list[float] = []
+    pool_before = _thread_cpu("grain_replay-fsync")
+    with gr.ReplayWriter(store, format="npy", capacity=CAPACITY) as w:
+        for i in range(steps):
+            carry, transition = step(carry)
+            t = time.thread_time()
+            w.append(transition)
+            main_cpu += time.thread_time() - t
+            if (i + 1) % flush_every == 0:
+                t = time.perf_counter()
+                w.flush()
+                flushes.append(time.perf_counter() - t)
+        w.flush()
+        writer_cpu = _thread_cpu("grain_replay-device-writes")  # ends at close
+    jax.block_until_ready(carry)
+    pool_cpu = _thread_cpu("grain_replay-fsync") - pool_before
+    return {
+        "main_us": 1e6 * main_cpu / steps,
+        "writer_us": 1e6 * (writer_cpu + pool_cpu) / steps,
+        "flush_ms": 1e3 * statistics.median(flushes) if flushes else float("nan"),
+    }
+
+
 def run(
     quick: bool, *, steps: int | None = None, repeats: int | None = None, envs: int = ENVS
 ) -> list[dict[str, Any]]:
-    """Rows of ``{"name", "value", "target", "unit"}``; ``target`` None for diagnostics."""
+    """Rows of ``{"name", "value", "target", "unit"}``; ``target`` None for diagnostics.
+
+    Fair by construction: both loops run the same jitted step from the same carry for
+    the same number of steps in the same process (so with the same XLA threads), one
+    untimed round of every mode first (compilation, thread start, first files), then
+    the modes interleaved, their order reversed every other repeat."""
     import jax
 
     da = _example()
     steps = steps or (300 if quick else 2000)
     repeats = repeats or (3 if quick else 5)
     flush_every = 100 if quick else 500
-    capacity = 1 << 20
     step, carry = da.make_actor(envs)
     carry, transition = step(carry)  # compile
     jax.block_until_ready(carry)
     host = jax.tree.map(np.asarray, transition)
     root = tempfile.mkdtemp(prefix="bench_device_writes_")
-    plain: list[float] = []
-    saving: list[float] = []
-    ratios: list[float] = []
-    overlap: list[float] = []  # flushed once, at the end: how well copy + write overlap
-    writer_rates: list[float] = []
-    flushes: list[float] = []
+    load = [os.getloadavg()[0]]
+    times: dict[str, list[float]] = {"off": [], "on": [], "once": []}
     loop_cpu: list[float] = []  # CPU seconds (every thread) per step, not writing
+    writer_rates: list[float] = []
     writer_cpu: list[float] = []  # CPU seconds per append of the writer alone
+    modes = ("off", "on", "once")
+
+    def loop(mode: str, tag: str) -> float:
+        writer = None
+        store = os.path.join(root, f"actor-{tag}-{mode}")
+        if mode != "off":
+            writer = gr.ReplayWriter(store, format="npy", capacity=CAPACITY)
+        every = steps + 1 if mode == "once" else flush_every
+        cpu = time.process_time()
+        try:
+            _, seconds = da.run_loop(step, carry, steps, writer, every)
+            if mode == "off" and tag != "warm":
+                loop_cpu.append((time.process_time() - cpu) / steps)
+        finally:
+            if writer is not None:
+                writer.close()
+                shutil.rmtree(store, ignore_errors=True)
+        return float(seconds)
+
     try:
+        for mode in modes:
+            loop(mode, "warm")  # untimed
         for r in range(repeats):
-            times = {}
-            modes = ("off", "on", "once")
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                writer = None
-                if mode != "off":
-                    store = os.path.join(root, f"actor-{r}-{mode}")
-                    writer = gr.ReplayWriter(store, format="npy", capacity=capacity)
-                every = steps + 1 if mode == "once" else flush_every
-                cpu = time.process_time()
-                try:
-                    _, seconds = da.run_loop(step, carry, steps, writer, every)
-                    if mode == "off":
-                        loop_cpu.append((time.process_time() - cpu) / steps)
-                finally:
-                    if writer is not None:
-                        writer.close()
-                        shutil.rmtree(store, ignore_errors=True)
-                times[mode] = seconds
-            plain.append(steps / times["off"])
-            saving.append(steps / times["on"])
-            ratios.append(times["off"] / times["on"])
-            overlap.append(times["off"] / times["once"])
+                times[mode].append(loop(mode, str(r)))
             # The writer alone on the same rows (host arrays, written in the call).
             path = os.path.join(root, f"host-{r}")
-            with gr.ReplayWriter(path, format="npy", capacity=capacity) as w:
+            with gr.ReplayWriter(path, format="npy", capacity=CAPACITY) as w:
                 start, cpu = time.perf_counter(), time.process_time()
                 for i in range(steps):
                     w.append(host)
                     if (i + 1) % flush_every == 0:
-                        t = time.perf_counter()
                         w.flush()
-                        flushes.append(time.perf_counter() - t)
                 w.flush()
                 writer_rates.append(steps / (time.perf_counter() - start))
                 writer_cpu.append((time.process_time() - cpu) / steps)
             shutil.rmtree(path, ignore_errors=True)
+        load.append(os.getloadavg()[0])
+        prof = _profile(da, step, carry, steps, flush_every, os.path.join(root, "profile"))
+        load.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     platform = jax.default_backend()
     med = statistics.median
+    ratios = [off / on for off, on in zip(times["off"], times["on"])]
+    overlap = [off / once for off, once in zip(times["off"], times["once"])]
     row_bytes = sum(a[0].nbytes for a in host.values())
     return [
         {
@@ -123,18 +173,24 @@ def run(
         },
         {"name": "same, one flush at the end (copy + write overlap, no barrier)",
          "value": med(overlap), "target": None, "unit": "x"},
-        {"name": "device_actor loop without writing", "value": med(plain), "target": None,
-         "unit": "steps/s"},
-        {"name": "device_actor loop with writing", "value": med(saving), "target": None,
-         "unit": "steps/s"},
+        {"name": "device_actor loop without writing", "value": steps / med(times["off"]),
+         "target": None, "unit": "steps/s"},
+        {"name": "device_actor loop with writing", "value": steps / med(times["on"]),
+         "target": None, "unit": "steps/s"},
         {"name": f"ReplayWriter alone, host arrays ({envs} rows x {row_bytes} B an append)",
          "value": med(writer_rates), "target": None, "unit": "appends/s"},
         {"name": "CPU time of a step, not writing (XLA threads included)",
          "value": 1e6 * med(loop_cpu), "target": None, "unit": "us"},
         {"name": "CPU time of an append, the writer alone (its flushes included)",
          "value": 1e6 * med(writer_cpu), "target": None, "unit": "us"},
-        {"name": f"one flush() ({flush_every} steps of rows)", "value": 1e3 * med(flushes)
-         if flushes else float("nan"), "target": None, "unit": "ms"},
+        {"name": "main thread's CPU time in a device append (check, queue)",
+         "value": prof["main_us"], "target": None, "unit": "us"},
+        {"name": "writer threads' CPU time per device append (host copy, write, checksums, "
+         "segments, syncs)", "value": prof["writer_us"], "target": None, "unit": "us"},
+        {"name": f"one flush() in the writing loop ({flush_every} steps of rows)",
+         "value": prof["flush_ms"], "target": None, "unit": "ms"},
+        {"name": "1-min load average (highest seen)", "value": max(load), "target": None,
+         "unit": ""},
     ]  # fmt: skip
 
 

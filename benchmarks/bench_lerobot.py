@@ -18,11 +18,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from bench_common import PeerError, run_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,7 +48,7 @@ def write(root: str, peer: str | None, episodes: int, length: int, cameras: int)
         script = os.path.join(ROOT, "tests", "helpers", "lerobot_peer.py")
         cmd = [peer, script, "write", root, "--episodes", str(episodes), "--length", str(length)]
         cmd += ["--cameras", str(cameras), "--size", "96"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+        run_peer(cmd[0], cmd[1], cmd[2:], timeout=1800)
         return "LeRobotDataset.create + add_frame + save_episode (libsvtav1, g=2)"
     sys.path.insert(0, ROOT)
     from tests.helpers.lerobot_fixture import write_dataset
@@ -83,12 +84,11 @@ def peer_rates(
     cmd += ["--backend", backend]
     if delta is not None:
         cmd += ["--delta", json.dumps(delta)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"  LeRobot with video_backend={backend!r} failed: {last}", flush=True)
+    try:
+        return list(json.loads(run_peer(cmd[0], cmd[1], cmd[2:], timeout=3600))["frames_per_s"])
+    except PeerError as e:
+        print(f"  LeRobot with video_backend={backend!r} failed: {e}", flush=True)
         return []
-    return list(json.loads(out.stdout.strip().splitlines()[-1])["frames_per_s"])
 
 
 def main() -> None:

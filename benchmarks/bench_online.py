@@ -47,7 +47,6 @@ import os
 import queue
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +59,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from bench_online_peers import time_draws, transitions, write_loop  # noqa: E402
+import bench_common  # noqa: E402
+from bench_common import PeerError, time_calls, transitions  # noqa: E402
+from bench_online_peers import write_loop  # noqa: E402
 
 # The repo-local venvs `make bench-online-peers` builds.
 DEFAULT_REVERB = HERE.parent / ".venv-reverb" / "bin" / "python"
@@ -189,7 +190,7 @@ def bench_sample(root: str, p: Params, log: Any) -> dict[str, Any]:
             batch = next(it)
             assert batch.data["obs"].shape == (BATCH, 64)
 
-        repeats = time_draws(draw, p.repeats, p.per_repeat)
+        repeats = time_calls(draw, p.repeats, p.per_repeat, warmup=5)
         each = w.join(stop=True)
         end_rows = len(gr.open_source(path))
     finally:
@@ -306,20 +307,12 @@ def run_peer(name: str, python: str | None, p: Params, scratch: str, log: Any) -
         f"--per-repeat={p.per_repeat}",
         f"--scratch={scratch}",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     t = time.perf_counter()
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=300 if p.quick else 1800
-        )
-    except subprocess.TimeoutExpired:
-        return {"skipped": f"{name} timed out after {time.perf_counter() - t:.0f} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or "").strip().splitlines()[-3:]
-        return {"skipped": f"{name} failed (exit {proc.returncode}): {' / '.join(tail)}"}
-    out: dict[str, Any] = json.loads(lines[-1])
+        last = bench_common.run_peer(cmd[0], cmd[1], cmd[2:], timeout=300 if p.quick else 1800)
+        out: dict[str, Any] = json.loads(last)
+    except (PeerError, ValueError) as e:
+        return {"skipped": f"{name}: {e}"}
     out["wall_s"] = time.perf_counter() - t
     for row in out.get("inserts", []):
         log(f"  {name}, {row['writers']} writer(s): {row['rows_per_s']:,.0f} rows/s")

@@ -39,20 +39,9 @@ import time
 from typing import Any
 
 import numpy as np
+from bench_common import time_calls, transitions
 
 LEAVES = ("obs", "action", "reward", "next_obs", "done")
-
-
-def transitions(n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n`` rows of 525 B, the same as bench_online.transitions."""
-    rng = np.random.default_rng(seed)
-    return {
-        "obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "action": rng.integers(0, 18, n).astype(np.int64),
-        "reward": rng.standard_normal(n, dtype=np.float32),
-        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "done": rng.random(n) < 0.01,
-    }
 
 
 def _pace(rows: int, start: float, rate: float | None) -> None:
@@ -348,19 +337,6 @@ def run_inserts(peer: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def time_draws(draw: Any, repeats: int, per_repeat: int) -> list[float]:
-    """Per-batch seconds of ``repeats`` repeats of ``per_repeat`` draws, after a warm-up."""
-    for _ in range(max(5, per_repeat // 4)):
-        draw()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(per_repeat):
-            draw()
-        out.append((time.perf_counter() - t) / per_repeat)
-    return out
-
-
 def run_sample(peer: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = {
         "envs": args.envs,
@@ -374,7 +350,7 @@ def run_sample(peer: Any, args: argparse.Namespace) -> dict[str, Any]:
     t0 = w.start()  # both writers have inserted their prefill rows; now paced
     prefill_s = t0 - t
     start_size = peer.size("prioritized")
-    repeats = time_draws(peer.sampler(args.batch), args.repeats, args.per_repeat)
+    repeats = time_calls(peer.sampler(args.batch), args.repeats, args.per_repeat, warmup=5)
     each = w.join(stop=True)
     inserted = sum(r["rows"] for r in each)
     return {

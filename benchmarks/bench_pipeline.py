@@ -126,6 +126,87 @@ def _workers_vs_grain(
     return out
 
 
+def _copied(tree: Any) -> Any:
+    """Every leaf copied into fresh memory: what the consumer of a worker loader did to each
+    batch before batches viewed the workers' shared memory (the ``-copied`` cases)."""
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    return np.array(tree, copy=True)
+
+
+def _image_workers(
+    cfg: Config, stores: dict[str, dict[str, Store]], res: SectionResult, log: Callable[[str], None]
+) -> None:
+    """Large batches (images: 7 MB at batch 256) through 2 workers, each case in turn: batches
+    that view the workers' shared memory, the same copied out (the loader before), 0 workers,
+    and sharded_device_put over the 2 workers."""
+    import jax
+
+    store = stores.get("images", {}).get("npy")
+    if store is None:
+        return
+    b = cfg.batch_size
+    PAGE_CACHE.keep_only([store.path])
+    with open_source(store) as src:
+
+        def loader(workers: int) -> Any:
+            return gr.make_data_loader(src, batch_size=b, worker_count=workers, num_epochs=None)
+
+        its: dict[str, Any] = {
+            "make_data_loader-0-workers": iter(loader(0)),
+            "make_data_loader-2-workers": iter(loader(2)),
+            "make_data_loader-2-workers-copied": iter(loader(2)),
+            "full-2-workers": gr.sharded_device_put(loader(2)),
+        }
+        timed = {
+            "make_data_loader-0-workers": _iterate(its["make_data_loader-0-workers"]),
+            "make_data_loader-2-workers": _iterate(its["make_data_loader-2-workers"]),
+            "make_data_loader-2-workers-copied": _iterate(
+                its["make_data_loader-2-workers-copied"], _copied
+            ),
+            "full-2-workers": _iterate(its["full-2-workers"], jax.block_until_ready),
+        }
+        try:
+            # One after the other, not in turns: slices of a few batches would be served
+            # from the workers' read-ahead (4 batches). Each case drains it while warming up.
+            cases = {}
+            for m, step in timed.items():
+                case = _case(
+                    cfg, store, "npy", m, step, warmup=8, warmup_s=cfg.target_s, min_batches=16
+                )
+                if case is not None:
+                    cases[m] = case
+        finally:
+            for it in its.values():
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            its.clear()
+            timed.clear()
+            gc.collect()
+    for c in cases.values():
+        res.add(c)
+    p = f"pipeline/{store.dataset.name}: npy"
+    views, copied = (
+        cases.get(m) for m in ("make_data_loader-2-workers", "make_data_loader-2-workers-copied")
+    )
+    if views is not None and copied is not None:
+        log(
+            f"  {store.dataset.name}, 2 workers: {views.records_per_s:,.0f} rec/s viewing shared "
+            f"memory, {copied.records_per_s:,.0f} copied out"
+        )
+    res.ratio(
+        f"{p} 2 workers, batches viewing shared memory / copied out", views, copied, None, "loader"
+    )
+    res.ratio(
+        f"{p} 2 workers / 0 workers", views, cases.get("make_data_loader-0-workers"), None, "loader"
+    )
+    res.ratio(
+        f"{p} full with 2 workers / loader with 2 workers",
+        cases.get("full-2-workers"), views, None, "full",
+    )  # fmt: skip
+
+
 def _iterate(it: Iterator[Any], block: Callable[[Any], Any] | None = None) -> Callable[[int], Any]:
     if block is None:
         return lambda i: next(it)
@@ -297,6 +378,8 @@ def run_pipeline(
             f"{p} workers=2: grain_replay / grain's worker iterator", ours, grains, None, "loader"
         )
         res.extra.setdefault("full_cases", []).append(f"pipeline/{ds.name}/{fmt}/full")
+
+    _image_workers(cfg, stores, res, log)
 
     # Baselines on the same HDF5 file, in-process (worker_count=0).
     h5 = layouts["hdf5"]

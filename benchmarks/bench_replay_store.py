@@ -7,6 +7,7 @@ Every number is a ratio measured in this run:
   store holding the same C rows (target >= 0.9);
 - prioritized ``sample + read`` (plus ``update_priorities`` of each batch) over
   the same two stores (target >= 0.9);
+  (both: the median of blocks of 10 batches, the two stores' blocks interleaved);
 - disk use of the bounded store over its live bytes (target <= 1.1 plus the
   stated slack: two segments per writer, 2/16 of the capacity);
 - committed rows/s of two writer processes (flush every 1,000 rows) over one
@@ -17,6 +18,7 @@ Every number is a ratio measured in this run:
 Usage::
 
     python benchmarks/bench_replay_store.py [--quick] [--live C] [--out DIR]
+        [--cases eviction,writers,refresh] [--repeats R]
     python benchmarks/run.py --quick --sections store
 """
 
@@ -35,21 +37,10 @@ import time
 from typing import Any
 
 import numpy as np
+from bench_common import transitions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = 256
-
-
-def transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:
-    """``n`` rows of 525 B: obs and next_obs (64 float32), action, reward, done."""
-    rng = np.random.default_rng(start)
-    return {
-        "obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "action": rng.integers(0, 18, n).astype(np.int64),
-        "reward": rng.standard_normal(n, dtype=np.float32),
-        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "done": rng.random(n) < 0.01,
-    }
 
 
 ROW_BYTES = 64 * 4 * 2 + 8 + 4 + 1
@@ -78,7 +69,7 @@ def _stepper(source: Any, prioritized: bool, batches: int) -> Any:
         else gr.UniformReplay(refresh_every=None)
     )
     it = iter(gr.make_data_loader(source, batch_size=BATCH, sampling=sampling, seed=0))
-    priorities = np.random.default_rng(0).random((batches, BATCH))
+    priorities = np.random.default_rng(0).random((batches + BLOCK, BATCH))
 
     def step(k: int) -> None:
         batch = next(it)
@@ -90,17 +81,23 @@ def _stepper(source: Any, prioritized: bool, batches: int) -> Any:
     return step
 
 
+BLOCK = 10  # batches timed at a time, the sources' blocks interleaved
+
+
 def _rates(sources: list[Any], batches: int, repeats: int, prioritized: bool) -> list[float]:
-    """Batches/s of each source (median of ``repeats``), the sources' runs interleaved
-    so that a change of the machine's load hits all of them alike."""
-    steps = [_stepper(src, prioritized, batches) for src in sources]
+    """Batches/s of each source: the median over ``repeats * batches / BLOCK`` blocks of
+    ``BLOCK`` batches, the sources' blocks interleaved, so that a change of the
+    machine's load (a shared machine's load moves within a second) hits all alike."""
+    steps = [_stepper(src, prioritized, batches * repeats) for src in sources]
     times: list[list[float]] = [[] for _ in sources]
-    for _ in range(repeats):
+    k = 0
+    for _ in range(repeats * max(1, batches // BLOCK)):
         for step, out in zip(steps, times):
             t = time.perf_counter()
-            for k in range(batches):
-                step(k)
-            out.append((time.perf_counter() - t) / batches)
+            for j in range(k, k + BLOCK):
+                step(j)
+            out.append((time.perf_counter() - t) / BLOCK)
+        k += BLOCK
     return [1.0 / statistics.median(t) for t in times]
 
 
@@ -164,7 +161,7 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
 _WRITER = r"""
 import sys, time, numpy as np
 sys.path.insert(0, {here!r})
-from bench_replay_store import transitions
+from bench_common import transitions
 import grain_replay as gr
 path, wid, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 data = transitions(1000, 0)
@@ -255,19 +252,32 @@ def bench_refresh(tmp: str, parts: int, rows: int, repeats: int, log: Any) -> di
     return out
 
 
-def run_all(quick: bool, live: int | None, log: Any) -> dict[str, Any]:
+CASES = ("eviction", "writers", "refresh")
+
+
+def run_all(
+    quick: bool,
+    live: int | None,
+    log: Any,
+    cases: tuple[str, ...] = CASES,
+    repeats: int | None = None,
+) -> dict[str, Any]:
     live = live or (20_000 if quick else 1_000_000)
-    repeats = 3 if quick else 5
+    repeats = repeats or (3 if quick else 5)
     tmp = tempfile.mkdtemp(prefix="bench_replay_store_")
     try:
-        out: dict[str, Any] = {"eviction": bench_eviction(tmp, live, repeats, log)}
-        out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
-        out["refresh"] = [
-            bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
-        ]
-        r = out["refresh"]
-        out["refresh_64_over_1"] = r[-1]["refresh_ms"] / r[0]["refresh_ms"]
-        log(f"  refresh at 64 parts / at 1 part: {out['refresh_64_over_1']:.1f}x")
+        out: dict[str, Any] = {}
+        if "eviction" in cases:
+            out["eviction"] = bench_eviction(tmp, live, repeats, log)
+        if "writers" in cases:
+            out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
+        if "refresh" in cases:
+            out["refresh"] = [
+                bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
+            ]
+            r = out["refresh"]
+            out["refresh_64_over_1"] = r[-1]["refresh_ms"] / r[0]["refresh_ms"]
+            log(f"  refresh at 64 parts / at 1 part: {out['refresh_64_over_1']:.1f}x")
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,9 +322,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--live", type=int, default=None, help="live rows of the eviction case")
     p.add_argument("--out", default=None, help="write results.json here")
+    p.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}"
+    )
+    p.add_argument("--repeats", type=int, default=None, help="interleaved runs per case")
     args = p.parse_args(argv)
+    cases = tuple(c for c in args.cases.split(",") if c)
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     t0 = time.perf_counter()
-    out = run_all(args.quick, args.live, lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}"))
+    out = run_all(
+        args.quick,
+        args.live,
+        lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True),
+        cases,
+        args.repeats,
+    )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "replay_store.json"), "w") as f:

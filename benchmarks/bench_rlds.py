@@ -11,7 +11,7 @@ runs with the decoded-frame cache warm (filled by a pass first), cold (emptied f
 off (``frame_cache_bytes=0``), each reported apart.
 
 Usage: python benchmarks/bench_rlds.py --peer-python .venv-rlds/bin/python
-       [--episodes 40] [--length 50] [--batches 8] [--workers 2] [--keep DIR]
+       [--episodes 40] [--length 50] [--batches 32] [--workers 2] [--repeats 5] [--keep DIR]
 Targets (issue 25): >= 5x tf.data, >= 20x as_data_source, >= 5x with action chunks,
 index build >= 0.5x sequential read.
 """
@@ -24,13 +24,13 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 import numpy as np
+from bench_common import run_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,21 +47,27 @@ KEYS = ["observation/image", "observation/wrist_image", "observation/state", "ac
 
 
 def _peer(python: str, *args: str) -> str:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    env.pop("PYTHONPATH", None)
-    out = subprocess.run([python, PEER, *args], capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return out.stdout.strip().splitlines()[-1]
+    return run_peer(python, PEER, args, CUDA_VISIBLE_DEVICES="")
 
 
-def _rate(loader: Any, batches: int) -> float:
+def _copied(tree: Any) -> Any:
+    """Every leaf copied into fresh memory: what the consumer of a worker loader did to each
+    batch before batches viewed the workers' shared memory (the "copied" cases)."""
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    return np.array(tree, copy=True)
+
+
+def _rate(loader: Any, batches: int, copy: bool = False) -> float:
     it = iter(loader)
     for _ in range(2):  # warm-up: workers started, handles open
         next(it)
     t = time.perf_counter()
     for _ in range(batches):
-        next(it)
+        if copy:
+            _copied(next(it))
+        else:
+            next(it)
     return batches * BATCH / (time.perf_counter() - t)
 
 
@@ -80,10 +86,20 @@ def _fill_frame_cache(path: str) -> None:
     src.close()
 
 
-def ours(path: str, batches: int, workers: int, chunk: int = 0, frames: str = "warm") -> float:
+def ours(
+    path: str,
+    batches: int,
+    workers: int,
+    chunk: int = 0,
+    frames: str = "warm",
+    copy: bool = False,
+) -> float:
     """Steps/s through make_data_loader. ``frames``: ``"warm"`` (the decoded-frame cache
     filled by a pass over the dataset first), ``"cold"`` (emptied first: the timed batches
-    fill it, so they see a growing share of hits) or ``"off"`` (frame_cache_bytes=0)."""
+    fill it: the batches timed are those of the first epoch after the 2 warm-up ones,
+    every step a miss) or ``"off"`` (frame_cache_bytes=0).
+    ``copy``: each batch copied out of shared memory, as the loader did before (the
+    before/after of batches that view the workers' slots)."""
     if frames == "cold":
         _empty_frame_cache(path)
     elif frames == "warm":
@@ -97,24 +113,35 @@ def ours(path: str, batches: int, workers: int, chunk: int = 0, frames: str = "w
     loader = gr.make_data_loader(
         src, batch_size=BATCH, shuffle=True, seed=0, num_epochs=None, worker_count=workers
     )
-    return _rate(loader, batches)
+    if frames == "cold":  # the rest of the first epoch: every frame decoded once
+        batches = max(1, min(batches, len(src) // BATCH - 2))
+    return _rate(loader, batches, copy)
 
 
-def index_build(path: str) -> tuple[float, float]:
-    """MB/s of building the index (CRCs checked) and of reading the shards sequentially."""
+def index_build(path: str, repeats: int = 5, threads: int | None = None) -> tuple[float, float]:
+    """Median MB/s of building the index (CRCs checked, no cache) and of a plain sequential
+    read of the same shards (4 MiB ``read`` calls), interleaved in one run.
+
+    Both read page-cached shards (dropping the page cache needs root): the comparison
+    is with the cost of reading the bytes, not with a cold disk. ``threads``: the
+    index build's threads (default: as ``RLDSDataSource`` builds it, one per core up
+    to 8 and the shard count).
+    """
     src = gr.RLDSDataSource(path, progress=False)
     shards, feats = src.shards, src.features
     total = sum(os.path.getsize(p) for p in shards)
-    t = time.perf_counter()
-    for p in shards:
-        with open(p, "rb") as f:
-            while f.read(1 << 22):
-                pass
-    read = total / (time.perf_counter() - t) / 1e6
-    t = time.perf_counter()
-    index_lib.build_index(path, shards, feats, use_cache=False, progress=False, threads=1)
-    build = total / (time.perf_counter() - t) / 1e6
-    return build, read
+    reads, builds = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for p in shards:
+            with open(p, "rb") as f:
+                while f.read(1 << 22):
+                    pass
+        reads.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        index_lib.build_index(path, shards, feats, use_cache=False, progress=False, threads=threads)
+        builds.append(time.perf_counter() - t)
+    return total / statistics.median(builds) / 1e6, total / statistics.median(reads) / 1e6
 
 
 def main(argv: list[str]) -> None:
@@ -122,9 +149,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--peer-python", required=True)
     p.add_argument("--episodes", type=int, default=40)
     p.add_argument("--length", type=int, default=50)
-    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batches", type=int, default=32)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--keep", default=None)
     a = p.parse_args(argv)
     root = a.keep or tempfile.mkdtemp(prefix="bench_rlds_")
@@ -144,10 +171,15 @@ def main(argv: list[str]) -> None:
         for _ in range(a.repeats):
             for name, fn in (
                 ("ours", lambda: ours(tfr, a.batches, a.workers)),
+                ("ours, copied (before)", lambda: ours(tfr, a.batches, a.workers, copy=True)),
                 ("ours, cold frames", lambda: ours(tfr, a.batches, a.workers, 0, "cold")),
                 ("ours, no frame cache", lambda: ours(tfr, a.batches, a.workers, 0, "off")),
                 ("ours, 0 workers", lambda: ours(tfr, a.batches, 0)),
                 ("ours, 16-step chunks", lambda: ours(tfr, a.batches, a.workers, 16)),
+                (
+                    "ours, chunks, copied",
+                    lambda: ours(tfr, a.batches, a.workers, 16, copy=True),
+                ),
                 (
                     "ours, chunks, cold",
                     lambda: ours(tfr, a.batches, a.workers, 16, "cold"),
@@ -186,9 +218,14 @@ def main(argv: list[str]) -> None:
         for k, v in med.items():
             print(f"{k:<26}{v:>10.0f}")
         tfd, ads, tfc = med["tf.data"], med["as_data_source"], med["tf.data, 16-step chunks"]
-        print("(ours: decoded frames cached, warm; cold: the cache emptied before the run)")
+        print(
+            "(ours: decoded frames cached, warm; cold: the cache emptied before the run; "
+            "copied: each batch copied out of the workers' shared memory, as the loader did "
+            "before batches viewed it)"
+        )
         for label, key in (
             ("warm", "ours"),
+            ("warm, copied", "ours, copied (before)"),
             ("cold", "ours, cold frames"),
             ("no frame cache", "ours, no frame cache"),
         ):
@@ -196,7 +233,14 @@ def main(argv: list[str]) -> None:
                 f"ratio ours ({label}) / tf.data: {med[key] / tfd:.2f}x (target 5x); "
                 f"/ as_data_source: {med[key] / ads:.1f}x (target 20x)"
             )
-        for label, key in (("warm", "ours, 16-step chunks"), ("cold", "ours, chunks, cold")):
+        views = med["ours"] / med["ours, copied (before)"]
+        chunked = med["ours, 16-step chunks"] / med["ours, chunks, copied"]
+        print(f"batches viewing shared memory / copied out: {views:.2f}x (chunks: {chunked:.2f}x)")
+        for label, key in (
+            ("warm", "ours, 16-step chunks"),
+            ("warm, copied", "ours, chunks, copied"),
+            ("cold", "ours, chunks, cold"),
+        ):
             print(f"ratio with 16-step chunks ({label}): {med[key] / tfc:.2f}x (target 5x)")
         print(
             f"index build {build:.0f} MB/s vs sequential read {read:.0f} MB/s: "

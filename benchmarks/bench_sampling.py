@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_common import run_peer, time_calls, transitions
 
 import grain_replay as gr
 from grain_replay.sampling.mixture import MixtureSampler
@@ -44,17 +44,6 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS = str(HERE.parent / ".venv-peers" / "bin" / "python")
 
 
-def _transitions(n: int, start: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(start)
-    return {
-        "obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "action": rng.integers(0, 18, n).astype(np.int64),
-        "reward": rng.standard_normal(n, dtype=np.float32),
-        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
-        "done": rng.random(n) < 0.01,
-    }
-
-
 def _write(path: Path, n: int, *, growing: str | None = None) -> None:
     done = Path(str(path) + ".done")
     if done.exists():
@@ -63,10 +52,10 @@ def _write(path: Path, n: int, *, growing: str | None = None) -> None:
     if growing:
         with gr.ReplayWriter(path, format=growing) as writer:
             for i in range(0, n, chunk):
-                writer.append(_transitions(min(chunk, n - i), i + 7))
+                writer.append(transitions(min(chunk, n - i), i + 7))
                 writer.flush()
     else:
-        gr.write_npy(path, _transitions(n), overwrite=True)
+        gr.write_npy(path, transitions(n), overwrite=True)
     done.touch()
 
 
@@ -77,18 +66,6 @@ def _warm(path: Path) -> None:
             with open(f, "rb") as fh:
                 while fh.read(1 << 24):
                     pass
-
-
-def _time(fn: Callable[[], Any], repeats: int, per_repeat: int) -> list[float]:
-    for _ in range(max(3, per_repeat // 4)):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_repeat):
-            fn()
-        out.append((time.perf_counter() - start) / per_repeat)
-    return out
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int, per_repeat: int) -> dict:
@@ -132,8 +109,8 @@ def bench_prioritized(data: Path, args: argparse.Namespace) -> dict[str, Any]:
     sample()
     assert last["b"].data["obs"].shape == (args.batch, 64)
     return {
-        "sample_read_s": _time(sample, args.repeats, args.per_repeat),
-        "update_s": _time(update, args.repeats, args.per_repeat),
+        "sample_read_s": time_calls(sample, args.repeats, args.per_repeat),
+        "update_s": time_calls(update, args.repeats, args.per_repeat),
     }
 
 
@@ -194,7 +171,7 @@ def bench_uniform(store: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
     with gr.ReplayWriter(store, format=args.growing_format) as writer:
         for r in range(args.repeats + 1):
-            writer.append(_transitions(args.batch, 10_000 + r))  # the store grows
+            writer.append(transitions(args.batch, 10_000 + r))  # the store grows
             writer.flush()
             ids = iter([twin.draw() for _ in range(count)])  # rows like the loader's
 
@@ -287,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "uniform": bench_uniform(growing, args),
     }
     if peers_proc is not None:  # after ours: two processes on 2 cores would time each other
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-        subprocess.run(peers_proc, check=True, env=env)
+        run_peer(peers_proc[0], peers_proc[1], peers_proc[2:])
         peers = json.loads(peers_json.read_text())
 
     rows = []

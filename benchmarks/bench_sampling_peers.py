@@ -17,10 +17,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from bench_common import time_calls
 
 LEAVES = ("obs", "action", "reward", "next_obs", "done")
 
@@ -36,19 +36,6 @@ def _warm(path: str) -> None:
             with open(os.path.join(root, name), "rb") as fh:
                 while fh.read(1 << 24):
                     pass
-
-
-def _time(fn: Callable[[], Any], repeats: int, per_repeat: int) -> list[float]:
-    """Per-call seconds of ``repeats`` repeats of ``per_repeat`` calls (after a warm-up)."""
-    for _ in range(max(3, per_repeat // 4)):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_repeat):
-            fn()
-        out.append((time.perf_counter() - start) / per_repeat)
-    return out
 
 
 def bench_torchrl(arrays: dict[str, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
@@ -90,8 +77,8 @@ def bench_torchrl(arrays: dict[str, np.ndarray], args: argparse.Namespace) -> di
     assert s["obs"].shape == (args.batch, arrays["obs"].shape[1]), s["obs"].shape
     try:
         return {
-            "sample_read_s": _time(sample, args.repeats, args.per_repeat),
-            "update_s": _time(update, args.repeats, args.per_repeat),
+            "sample_read_s": time_calls(sample, args.repeats, args.per_repeat),
+            "update_s": time_calls(update, args.repeats, args.per_repeat),
             "fill_s": fill_s,
             "version": __import__("torchrl").__version__,
         }
@@ -148,8 +135,8 @@ def bench_flashbax(arrays: dict[str, np.ndarray], args: argparse.Namespace) -> d
 
     do_sample()
     return {
-        "sample_read_s": _time(do_sample, args.repeats, args.per_repeat),
-        "update_s": _time(do_update, args.repeats, args.per_repeat),
+        "sample_read_s": time_calls(do_sample, args.repeats, args.per_repeat),
+        "update_s": time_calls(do_update, args.repeats, args.per_repeat),
         "fill_s": fill_s,
         "note": "flat buffer: a sample reads transition pairs (first, second)",
         "jax": jax.__version__,

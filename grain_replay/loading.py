@@ -13,6 +13,7 @@ from typing import Any
 import grain
 
 from grain_replay._flags import ensure_absl_flags_parsed
+from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.loader import epoch_dataset, make_epoch_loader
 from grain_replay.sampling.loader import make_sampling_dataset, make_sampling_loader
 from grain_replay.sources.base import BatchSource
@@ -20,16 +21,14 @@ from grain_replay.sources.base import BatchSource
 __all__ = ["make_data_loader", "replay_dataset"]
 
 
-def _samples(
-    source: Any, weights: Any, sampling: Any, keys: Sequence[str] | None, source_leaf: str | None
-) -> bool:
+def _samples(source: Any, args: LoaderArguments) -> bool:
     """Whether the arguments ask for a mixture or replay stream (``grain_replay.sampling``)."""
     return bool(
         isinstance(source, Mapping)
-        or sampling != "epochs"
-        or weights is not None
-        or keys
-        or source_leaf
+        or args.sampling != "epochs"
+        or args.weights is not None
+        or args.keys
+        or args.source_leaf
     )
 
 
@@ -99,19 +98,15 @@ def make_data_loader(
       >>> for batch in gr.sharded_device_put(loader): ...
     """
     ensure_absl_flags_parsed()  # grain starts workers only once absl flags are parsed
-    if _samples(source, weights, sampling, keys, source_leaf):
-        return make_sampling_loader(
-            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
-            drop_remainder=drop_remainder, worker_count=worker_count,
-            shard_options=shard_options, operations=operations, read_options=read_options,
-            worker_buffer_size=worker_buffer_size, weights=weights, sampling=sampling,
-            keys=keys, source_leaf=source_leaf,
-        )  # fmt: skip
-    return make_epoch_loader(
-        source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+    args = LoaderArguments(
+        batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, worker_count=worker_count, shard_options=shard_options,
         operations=operations, read_options=read_options, worker_buffer_size=worker_buffer_size,
+        weights=weights, sampling=sampling, keys=keys, source_leaf=source_leaf,
     )  # fmt: skip
+    if _samples(source, args):
+        return make_sampling_loader(source, args)
+    return make_epoch_loader(source, args)
 
 
 def replay_dataset(
@@ -141,13 +136,11 @@ def replay_dataset(
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
     ensure_absl_flags_parsed()  # grain starts workers only once absl flags are parsed
-    if _samples(source, weights, sampling, keys, source_leaf):
-        return make_sampling_dataset(
-            source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
-            drop_remainder=drop_remainder, shard_options=shard_options, weights=weights,
-            sampling=sampling, keys=keys, source_leaf=source_leaf,
-        )  # fmt: skip
-    return epoch_dataset(
-        source, batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+    args = LoaderArguments(
+        batch_size=batch_size, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_options=shard_options, read_options=read_options,
+        weights=weights, sampling=sampling, keys=keys, source_leaf=source_leaf,
     )  # fmt: skip
+    if _samples(source, args):
+        return make_sampling_dataset(source, args)
+    return epoch_dataset(source, args)

@@ -38,6 +38,7 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
+from grain_replay.filesync import fsync_path, replace_text
 
 __all__ = [
     "ID_SHIFT",
@@ -126,25 +127,6 @@ def segment_name(first: int, fmt: str) -> str:
     return f"seg-{first:012d}{_SUFFIX[fmt]}"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Replaces ``path`` with ``text``: tmp + fsync + rename + fsync of the directory."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
 # -- the store file ----------------------------------------------------------------
 
 
@@ -164,7 +146,7 @@ def create_store_file(store: str, fmt: str) -> None:
         pass  # another writer created it first; the caller reads and checks it
     finally:
         os.unlink(tmp)
-    _fsync_dir(store)
+    fsync_path(store)
 
 
 def read_store_file(store: str) -> str:
@@ -211,7 +193,7 @@ def claim_ordinal(store: str, writer_id: str) -> int:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(folder)
+        fsync_path(folder)
         return k
     raise InvalidStoreError(f"{store}: no row-id ordinal left for writer {writer_id!r}.")
 
@@ -278,7 +260,7 @@ def acquire_writer_lock(store: str, writer_id: str) -> int:
             "this writer another writer_id, or close that writer first (the id of a writer "
             "that died is free again)."
         ) from e
-    _write_atomic(
+    replace_text(
         os.path.join(wdir, OWNER_FILE),
         json.dumps(
             {
@@ -374,7 +356,7 @@ class Manifest:
 
 def write_manifest(wdir: str, manifest: Manifest) -> None:
     """Commits ``manifest`` atomically: readers see the old one or this one, never a mix."""
-    _write_atomic(os.path.join(wdir, MANIFEST_FILE), manifest.to_json())
+    replace_text(os.path.join(wdir, MANIFEST_FILE), manifest.to_json())
 
 
 def read_manifest(wdir: str) -> Manifest | None:

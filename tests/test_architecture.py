@@ -2,8 +2,8 @@
 
 The layers, bottom first (see docs/architecture.md):
 
-0. errors, tree, layout, formats, remote/, integrity, watermark, learners, _flags: no
-   source, no writer.
+0. errors, tree, layout, parts, filesync, formats, remote/, integrity, watermark, learners,
+   _flags: no source, no writer.
 1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
 2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
 3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and
@@ -36,6 +36,7 @@ LAYERS = {
     "grain_replay.tree": 0,
     "grain_replay.layout": 0,
     "grain_replay.parts": 0,
+    "grain_replay.filesync": 0,
     "grain_replay.formats": 0,
     "grain_replay.remote": 0,
     "grain_replay.integrity": 0,

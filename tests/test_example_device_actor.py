@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from repo_scripts import EXAMPLES, load_script
 
 import grain_replay as gr
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "device_actor.py"
+SCRIPT = EXAMPLES / "device_actor.py"
 
 
 @pytest.fixture(scope="module")
 def device_actor() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_device_actor", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_device_actor_saves_every_step_to_a_bounded_store(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,19 +10,16 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from repo_scripts import EXAMPLES, load_script
 
 import grain_replay as gr
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "frame_stack.py"
+SCRIPT = EXAMPLES / "frame_stack.py"
 
 
 @pytest.fixture(scope="module")
 def frame_stack() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_frame_stack", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_frame_stack_learns_velocity_and_saves_storage(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -10,22 +9,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from repo_scripts import EXAMPLES, load_script
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN_LOOP = EXAMPLES / "train_loop.py"
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def train_loop() -> ModuleType:
-    return _load(TRAIN_LOOP)
+    return load_script(TRAIN_LOOP)
 
 
 def test_train_loop_loss_decreases_in_process(train_loop: ModuleType, tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,43 +10,33 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from repo_scripts import EXAMPLES, load_example
 
 import grain_replay as gr
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 pytest.importorskip("gymnasium")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _load(name: str) -> ModuleType:
-    path = EXAMPLES / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def record_cartpole() -> ModuleType:
-    return _load("record_cartpole")
+    return load_example("record_cartpole")
 
 
 @pytest.fixture(scope="module")
 def bc_minari() -> ModuleType:
     pytest.importorskip("minari")
-    return _load("bc_minari")
+    return load_example("bc_minari")
 
 
 @pytest.fixture(scope="module")
 def nstep_q() -> ModuleType:
-    return _load("nstep_q")
+    return load_example("nstep_q")
 
 
 @pytest.fixture(scope="module")
 def multihost() -> ModuleType:
-    return _load("multihost")
+    return load_example("multihost")
 
 
 # -- record_cartpole ----------------------------------------------------------------------
@@ -222,7 +211,7 @@ def test_multihost_two_processes_checkpoint_and_resume(
 
 def test_rlds_bc_learns_action_chunks_from_a_toy_rlds_dataset(tmp_path: Path) -> None:
     pytest.importorskip("PIL")
-    rlds_bc = _load("rlds_bc")
+    rlds_bc = load_example("rlds_bc")
     dataset = rlds_bc.write_toy_dataset(str(tmp_path / "toy" / "1.0.0"), episodes=12, seed=0)
     src = gr.open_source(dataset)
     assert isinstance(src, gr.RLDSDataSource) and len(src.episode_ends) == 12

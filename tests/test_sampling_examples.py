@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from repo_scripts import load_example
 
 pytest.importorskip("gymnasium")
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_per_dqn_cartpole_learns_from_a_growing_store(tmp_path: Path) -> None:
     store = tmp_path / "replay"
     argv = "--steps 400 --warmup 150 --flush-every 20 --refresh-every 5 --batch-size 32"
-    result = _load("per_dqn_cartpole").main([*argv.split(), "--store", str(store)])
+    result = load_example("per_dqn_cartpole").main([*argv.split(), "--store", str(store)])
     assert result["rows"] == 400  # every step committed, read while it grew
     assert result["episodes"] > 5
     assert math.isfinite(result["mean_abs_td"]) and result["mean_abs_td"] > 0
@@ -36,7 +25,7 @@ def test_offline_to_online_anneals_exact_shares(tmp_path: Path) -> None:
         "--offline-rows 600 --offline-steps 60 --online-steps 150 --anneal-steps 80 "
         "--batch-size 32 --flush-every 10"
     )
-    result = _load("offline_to_online").main([*argv.split(), "--dir", str(tmp_path)])
+    result = load_example("offline_to_online").main([*argv.split(), "--dir", str(tmp_path)])
     assert result["exact_counts"]
     assert result["first_online_share"] == 0.0
     assert result["final_online_share"] == 0.75  # 24 of 32 rows

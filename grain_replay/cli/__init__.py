@@ -7,8 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from grain_replay.cli.commands import cmd_convert, cmd_info, cmd_stats, cmd_verify
+from grain_replay.cli.commands import cmd_convert, cmd_stats, cmd_verify
 from grain_replay.cli.demo import cmd_demo
+from grain_replay.cli.info import cmd_info
 
 __all__ = ["main"]
 

@@ -6,6 +6,7 @@ import dataclasses
 import operator
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -183,3 +184,14 @@ class BatchedReads:
 
     def __getitem__(self, index: int) -> Any:
         return self.source.read_batch(self.record_ids(index))
+
+    def read_into(self, index: int, out: Mapping[str, np.ndarray]) -> bool:
+        """Reads global batch ``index`` into ``out`` (leaf key -> array of the batch's rows)
+        with the source's ``read_into``; False, reading nothing, when the source has none or
+        the batch has another number of rows (a short last batch)."""
+        into = getattr(self.source, "read_into", None)
+        ids = self.record_ids(index)
+        if into is None or any(len(a) != len(ids) for a in out.values()):
+            return False
+        into(ids, out)
+        return True

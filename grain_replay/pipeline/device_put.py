@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -22,6 +20,7 @@ from grain_replay.errors import (
 )
 from grain_replay.parts import RowIds
 from grain_replay.pipeline.converter import Converter
+from grain_replay.pipeline.device_prefetch import Prefetcher
 from grain_replay.pipeline.state import load_text, save_text
 
 if TYPE_CHECKING:
@@ -36,16 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_END = object()  # queued by the producer when the wrapped iterator is exhausted
-_POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
-
-
-class _Failure:
-    """An exception raised in the producer, carried to the consumer."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 def has_pinned_host() -> bool:
@@ -92,38 +81,6 @@ def _keep_row_ids(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return put
 
 
-def _produce(
-    inner: Any,
-    convert: Callable[[Any], Any],
-    out: queue.Queue[Any],
-    slots: threading.Semaphore,
-    stop: threading.Event,
-    capture_state: bool,
-) -> None:
-    """Producer loop: a module-level function so the thread never keeps the wrapper alive."""
-    while True:
-        while not slots.acquire(timeout=_POLL_S):
-            if stop.is_set():
-                return
-        if stop.is_set():
-            return
-        try:
-            batch = next(inner)
-        except StopIteration:
-            out.put(_END)
-            return
-        except BaseException as e:
-            out.put(_Failure(e))
-            return
-        try:
-            state = copy.deepcopy(inner.get_state()) if capture_state else None
-            arrays = convert(batch)
-        except BaseException as e:
-            out.put(_Failure(e))
-            return
-        out.put((arrays, state))
-
-
 class ShardedDevicePutIterator(Iterator[Any]):
     """Iterator of sharded ``jax.Array`` batches; see :func:`sharded_device_put`.
 
@@ -148,8 +105,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
     ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._prefetcher: Prefetcher | None = None
         self._convert = _keep_row_ids(Converter(sharding, _pinned_if_available(pinned)))
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
@@ -185,40 +141,26 @@ class ShardedDevicePutIterator(Iterator[Any]):
             self._state = state
             self._handed += 1
             return arrays
-        if self._thread is None:
+        if self._prefetcher is None:
             self._start()
-        item = self._queue.get()
-        if item is _END or isinstance(item, _Failure):
+        assert self._prefetcher is not None
+        try:
+            arrays, self._state = self._prefetcher.next()
+        except BaseException:
             self._finished = True
-            self._halt()
-            if isinstance(item, _Failure):
-                raise item.error  # the original exception, producer-side traceback included
-            raise StopIteration
-        arrays, self._state = item
+            self._prefetcher = None  # it has stopped
+            raise
         self._handed += 1
-        self._slots.release()
         return arrays
 
     def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._prefetch)
-        self._slots = threading.Semaphore(self._prefetch)
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(self._inner, self._convert, self._queue, self._slots, self._stop, self._capture),
-            name="sharded_device_put",
-            daemon=True,
-        )
-        self._thread.start()
+        self._prefetcher = Prefetcher(self._inner, self._convert, self._prefetch, self._capture)
 
     def _halt(self, timeout: float | None = None) -> None:
         """Stops the producer and drops what it prefetched."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("sharded_device_put: producer blocked in next(); left as daemon")
-        self._thread = None
+        if self._prefetcher is not None:
+            self._prefetcher.halt(timeout)
+        self._prefetcher = None
 
     def get_state(self) -> Any:
         """Returns the wrapped iterator's state right after the last batch handed out.
@@ -327,7 +269,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
             start = getattr(self._inner, "start_prefetch", None)
             if callable(start):
                 start()
-        elif self._thread is None:
+        elif self._prefetcher is None:
             self._start()
 
     def close(self) -> None:
@@ -343,9 +285,9 @@ class ShardedDevicePutIterator(Iterator[Any]):
 
     def __del__(self) -> None:
         # Only signal: joining here could block the garbage collector.
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.signal_stop()
 
 
 class _DatasetShardedDevicePutIterator(ShardedDevicePutIterator, grain.DatasetIterator):

@@ -14,6 +14,7 @@ import grain
 
 from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import InvalidArgumentError
+from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.batches import BatchedReads, LoaderOptions, _as_int
 from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
@@ -132,6 +133,8 @@ class _ReplayDataLoader(grain.DataLoader):
                 maps=ops,
                 buffer_size=self.multiprocessing_options.per_worker_buffer_size,
                 read_threads=threads,
+                # No operations: a batch is the source's rows, read straight into shared memory.
+                read_into=None if ops else parts.reads.read_into,
             )
         return InProcessLoaderIterator(
             identity,
@@ -174,64 +177,48 @@ class _BatchesMapDataset(grain.MapDataset):
         return self._reads.element_spec()
 
 
-def make_epoch_loader(
-    source: BatchSource,
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = 1,
-    drop_remainder: bool = True,
-    worker_count: int = 0,
-    shard_options: Any = None,
-    operations: Sequence[Any] = (),
-    read_options: grain.ReadOptions | None = None,
-    worker_buffer_size: int = 2,
-) -> grain.DataLoader:
+def make_epoch_loader(source: BatchSource, args: LoaderArguments) -> grain.DataLoader:
     """``gr.make_data_loader`` with ``sampling="epochs"``: seeded permutations, batch reads.
 
     Arguments as in :func:`grain_replay.loading.make_data_loader`.
     """
-    options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
-    worker_count = _as_int("worker_count", worker_count)
+    reads, shard_options = _epoch_reads(source, args)
+    worker_count = _as_int("worker_count", args.worker_count)
     if worker_count < 0:
         raise InvalidArgumentError(f"worker_count must be >= 0, got {worker_count}")
-    shard_options = shard_options if shard_options is not None else default_shard_options()
-    reads = BatchedReads(source, options, shard_options.shard_count)
     ensure_absl_flags_parsed()
     return _ReplayDataLoader(
         data_source=reads,
         sampler=_GlobalBatchSampler(len(reads)),
-        operations=list(operations),
+        operations=list(args.operations),
         worker_count=worker_count,
-        worker_buffer_size=worker_buffer_size,
+        worker_buffer_size=args.worker_buffer_size,
         shard_options=shard_options,
-        read_options=read_options or default_read_options(worker_count),
+        read_options=args.read_options or default_read_options(worker_count),
     )
 
 
-def epoch_dataset(
-    source: BatchSource,
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = 1,
-    drop_remainder: bool = True,
-    shard_options: Any = None,
-    read_options: grain.ReadOptions | None = None,
-) -> grain.IterDataset:
+def epoch_dataset(source: BatchSource, args: LoaderArguments) -> grain.IterDataset:
     """``gr.replay_dataset`` with ``sampling="epochs"``: a ``grain.IterDataset`` of batches.
 
     Arguments as in :func:`grain_replay.loading.replay_dataset`.
     """
-    options = LoaderOptions(batch_size, shuffle, seed, num_epochs, drop_remainder)
-    shard_options = shard_options if shard_options is not None else default_shard_options()
-    reads = BatchedReads(source, options, shard_options.shard_count)
+    reads, shard_options = _epoch_reads(source, args)
     ds: grain.MapDataset = _BatchesMapDataset(reads)
     if shard_options.shard_count > 1:
         ds = ds[shard_options.shard_index :: shard_options.shard_count]
     ensure_absl_flags_parsed()
     return ds.to_iter_dataset(
-        read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+        args.read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
     )
+
+
+def _epoch_reads(source: BatchSource, args: LoaderArguments) -> tuple[BatchedReads, Any]:
+    """The global batches of ``source`` and the shard options (the default when None)."""
+    options = LoaderOptions(
+        args.batch_size, args.shuffle, args.seed, args.num_epochs, args.drop_remainder
+    )
+    shard_options = args.shard_options
+    if shard_options is None:
+        shard_options = default_shard_options()
+    return BatchedReads(source, options, shard_options.shard_count), shard_options

@@ -2,13 +2,17 @@
 
 Each worker owns a few anonymous shared-memory slots (``memfd``, handed over once
 through the pipe), writes a whole batch into one, and sends a small tuple naming
-the slot; the consumer (``pipeline/workers.py``) copies it out and gives it back.
+the slot; the consumer (``pipeline/workers.py``) hands it out as views of the slot
+and gives it back once they are dropped, giving another slot meanwhile (``_FREE``
+of an id not seen yet: the worker makes it at its first use), and takes back
+slots it no longer needs (``_DROP``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import mmap
 import multiprocessing.connection
@@ -35,7 +39,7 @@ _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 # worker -> consumer: (kind, generation, element, slot, ...)
 _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 # consumer -> worker
-_FREE, _SEEK, _STOP, _TASK = range(4)
+_FREE, _SEEK, _STOP, _TASK, _DROP = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,43 @@ def _new_slot(size: int) -> tuple[int, mmap.mmap]:
     return fd, mmap.mmap(fd, size)
 
 
+class _SlotMaps:
+    """The worker's side of its slots: their maps, grown (and sent again) when too small."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection):
+        self.conn = conn
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def fit(self, slot: int, size: int, generation: int, k: int) -> np.ndarray:
+        """``slot`` as bytes, at least ``size`` of them (a new map, sent first, if smaller)."""
+        maps = self.maps
+        if slot not in maps or len(maps[slot]) < size:
+            if slot in maps:
+                # Arrays a read_into kept still view it: it is unmapped with the last of them.
+                with contextlib.suppress(BufferError):
+                    maps[slot].close()
+            fd, maps[slot] = _new_slot(max(size, _ALIGN) + size // 4)
+            self.conn.send((_SLOT, generation, k, slot, len(maps[slot])))
+            multiprocessing.reduction.send_handle(self.conn, fd, os.getppid())
+            os.close(fd)
+        return np.frombuffer(maps[slot], np.uint8)
+
+    def drop(self, slot: int) -> None:
+        dropped = self.maps.pop(slot, None)
+        if dropped is not None:
+            with contextlib.suppress(BufferError):
+                dropped.close()
+
+
+def _views(buf: np.ndarray, spec: Any) -> dict[str, np.ndarray]:
+    """The leaves of layout ``spec`` as arrays over the slot ``buf``."""
+    out = {}
+    for key, dtype, shape, offset in spec[1]:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out[key] = buf[offset : offset + n].view(dtype).reshape(shape)
+    return out
+
+
 def _picklable(error: BaseException, where: str) -> BaseException:
     """``error`` with the worker's traceback as a note, or a RuntimeError that says it all."""
     text = "".join(traceback.format_exception(error))
@@ -115,14 +156,20 @@ def _worker_main(
     """A worker: reads its elements into free slots until told to stop or the pipe closes.
 
     With ``tasked``, element ``k`` is ``read(task)`` for the task the consumer sent
-    for it (``_TASK`` messages), instead of ``read(global index)``.
+    for it (``_TASK`` messages), instead of ``read(global index)``. The payload may
+    carry ``read_into(global index, out) -> bool`` as a third item (no operations):
+    then, once a batch showed the layout, each batch is read straight into its slot,
+    laid out as the one before (no array of its own to fill and copy), and read and
+    copied when ``read_into`` returns False; if it raises, never again.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
     share_cache_budget(plan.workers)  # the workers split the default cache's memory
     load_error: BaseException | None = None
+    read_into = None
     try:
-        read, maps = cloudpickle.loads(payload)
+        read, maps, *rest = cloudpickle.loads(payload)
+        read_into = rest[0] if rest and not maps and not tasked and read_threads <= 0 else None
     except Exception as e:  # every element fails with it, again after each seek
         load_error = _picklable(e, where)
         read, maps = None, ()
@@ -138,8 +185,21 @@ def _worker_main(
     pool = concurrent.futures.ThreadPoolExecutor(read_threads) if read_threads > 0 else None
     pending: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
     free = list(range(slot_count))
-    slots: dict[int, mmap.mmap] = {}
+    slots = _SlotMaps(conn)
     last_spec: Any = None
+    last_size = 0
+
+    def read_direct(slot: int) -> bool:
+        """Element ``k`` read into ``slot`` laid out as ``last_spec``; False if not read."""
+        nonlocal read_into
+        assert read_into is not None
+        out = _views(slots.fit(slot, last_size, generation, k), last_spec)
+        try:
+            return bool(read_into(plan.global_index(k), out))
+        except Exception:  # e.g. a layout the source's read_into refuses: read() says why
+            read_into = None
+            return False
+
     k = start
     stalled = False  # after an error: wait for a seek
     if load_error is not None:
@@ -150,6 +210,8 @@ def _worker_main(
         nonlocal k, generation, stalled
         if msg[0] == _FREE:
             free.append(msg[1])
+        elif msg[0] == _DROP:  # a slot given back by the consumer, not to be used again
+            slots.drop(msg[1])
         elif msg[0] == _TASK:  # the pipe is ordered: a task sent before a seek is cleared by it
             tasks[msg[1]] = msg[2]
         elif msg[0] == _SEEK:
@@ -175,6 +237,13 @@ def _worker_main(
             ):
                 if not handle(conn.recv()):
                     return
+            if read_into is not None and last_spec is not None:
+                slot = free.pop()
+                if read_direct(slot):
+                    conn.send((_BATCH, generation, k, slot, None))
+                    k += 1
+                    continue
+                free.append(slot)
             if pool is not None:  # keep read_threads reads in flight
                 while len(pending) < read_threads and plan.local(k + len(pending)) < plan.length:
                     nxt = k + len(pending)
@@ -197,19 +266,12 @@ def _worker_main(
                 k += 1
                 continue
             spec, arrays, size = laid
-            if slot not in slots or len(slots[slot]) < size:
-                if slot in slots:
-                    slots[slot].close()
-                fd, slots[slot] = _new_slot(max(size, _ALIGN) + size // 4)
-                conn.send((_SLOT, generation, k, slot, len(slots[slot])))
-                multiprocessing.reduction.send_handle(conn, fd, os.getppid())
-                os.close(fd)
-            buf = np.frombuffer(slots[slot], np.uint8)
+            buf = slots.fit(slot, size, generation, k)
             for (_, _, _, offset), array in zip(spec[1], arrays):
                 buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
             del buf
             conn.send((_BATCH, generation, k, slot, None if spec == last_spec else spec))
-            last_spec = spec
+            last_spec, last_size = spec, size
             k += 1
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the consumer is gone

@@ -5,15 +5,16 @@ file of its own and a pickling queue with a reader thread: ~0.7 ms of the
 consuming process's CPU per batch of transitions, ten times the read itself.
 Here each worker owns a few anonymous shared-memory slots (``memfd``, handed
 over once through the pipe), writes a whole batch into one, and sends a small
-tuple naming the slot; the consumer copies the batch out (one ``memcpy`` per
-leaf) and gives the slot back. The stream, the operations and the checkpoint bytes
-are those of grain's own iterator with the same ``worker_count``.
+tuple naming the slot; the consumer hands the batch out as arrays viewing the
+slot and gives the worker another slot meanwhile (``pipeline/slots.py``: the
+slot is reused only once the user dropped every view of it). The stream, the
+operations and the checkpoint bytes are those of grain's own iterator with the
+same ``worker_count``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -29,10 +30,12 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, WorkerDiedError
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
+from grain_replay.pipeline.slots import Field, Slots
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.worker_main import (
     _BATCH,
+    _DROP,
     _ERROR,
     _FREE,
     _PICKLED,
@@ -55,12 +58,14 @@ _JOIN_S = 5.0  # how long close() waits for a worker before killing it
 class _Worker:
     """The consumer's side of one worker: its process, pipe, slot maps and last layout."""
 
-    def __init__(self, process: Any, conn: multiprocessing.connection.Connection) -> None:
+    def __init__(
+        self, process: Any, conn: multiprocessing.connection.Connection, slot_count: int
+    ) -> None:
         self.process = process
         self.conn = conn
-        self.slots: dict[int, mmap.mmap] = {}
+        self.slots = Slots(slot_count)
         self.spec: Any = None
-        self.fields: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
+        self.fields: list[Field] = []
         self.unpack: Callable[[dict[str, Any]], Any] | None = None
         self.heard = False  # any message received: the worker got past its start-up
 
@@ -73,11 +78,12 @@ class _Worker:
         self.unpack = tree_lib.compile_unflatten(spec[0])
 
 
-def _give_back(w: _Worker, slot: int) -> None:
-    """Returns a slot to its worker; one that died meanwhile is reported by the next receive."""
+def _give_back(w: _Worker, slot: int, kind: int = _FREE) -> None:
+    """Gives (or with ``_DROP``, takes) a slot to its worker; one that died meanwhile is
+    reported by the next receive."""
     # A batch it wrote before dying is still whole in the slot and is handed out.
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        w.conn.send((_FREE, slot))
+        w.conn.send((kind, slot))
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -92,10 +98,7 @@ def _shutdown(workers: list[_Worker]) -> None:
             w.process.kill()
             w.process.join(_JOIN_S)
         w.conn.close()
-        for m in w.slots.values():
-            with contextlib.suppress(BufferError):
-                m.close()
-        w.slots.clear()
+        w.slots.close()  # batches the user holds stay valid: their slots stay mapped
     workers.clear()
 
 
@@ -128,7 +131,7 @@ class _Pool:
             )
             start_process(process)
             theirs.close()
-            self.workers.append(_Worker(process, ours))
+            self.workers.append(_Worker(process, ours, slot_count))
 
     def seek(self, handed_out: int, plans: Sequence[_Plan]) -> None:
         self.generation += 1
@@ -144,11 +147,8 @@ class _Pool:
             kind, generation, element = msg[0], msg[1], msg[2]
             if kind == _SLOT:  # a new or larger slot: its fd follows the message
                 fd = multiprocessing.reduction.recv_handle(w.conn)
-                old = w.slots.pop(msg[3], None)
-                if old is not None:
-                    old.close()
                 try:
-                    w.slots[msg[3]] = mmap.mmap(fd, msg[4], access=mmap.ACCESS_READ)
+                    w.slots.add_map(msg[3], fd, msg[4])
                 finally:
                     os.close(fd)
                 continue
@@ -169,14 +169,11 @@ class _Pool:
             return self._unpack(w, msg[3])
 
     def _unpack(self, w: _Worker, slot: int) -> Any:
-        mem = w.slots[slot]
-        leaves = {}
-        for key, dtype, shape, count, offset in w.fields:
-            if count:  # a copy: the slot is given back right away
-                leaves[key] = np.frombuffer(mem, dtype, count, offset).reshape(shape).copy()
-            else:
-                leaves[key] = np.empty(shape, dtype)
-        _give_back(w, slot)
+        for s in w.slots.collect():  # released beyond what is kept for reuse
+            _give_back(w, s, _DROP)
+        leaves, give = w.slots.take(slot, w.fields)
+        for s in give:  # the worker keeps its slot_count slots to read ahead into
+            _give_back(w, s)
         assert w.unpack is not None
         return w.unpack(leaves)
 
@@ -226,6 +223,10 @@ class WorkerLoaderIterator(GrainStateIterator):
     elements not handed out again, so ``task`` must return the same for the same ``j``.
     ``task`` may return :data:`TASK_NOT_READY` for an element ahead of the one handed
     out next (sending stops there until the next element is asked for).
+
+    With ``read_into(j, out) -> bool`` (no ``maps``, no ``task``, no ``read_threads``:
+    ``read(j)`` written into ``out``, leaf key -> array, or False when it cannot), a
+    worker reads each batch after its first straight into its shared-memory slot.
     """
 
     def __init__(
@@ -238,6 +239,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         buffer_size: int = 2,
         read_threads: int = 0,
         task: Callable[[int], Any] | None = None,
+        read_into: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
     ) -> None:
         super().__init__(identity, length=length)
         worker_count, shard_index, shard_count = (
@@ -248,7 +250,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         if worker_count <= 0:
             raise ValueError(f"worker_count must be positive, got {worker_count}")
         try:  # fail here, not in the workers
-            self._payload = cloudpickle.dumps((read, tuple(maps)))
+            self._payload = cloudpickle.dumps((read, tuple(maps), read_into))
         except Exception as e:
             raise ArgumentTypeError(
                 f"make_data_loader(worker_count={worker_count}) sends the source and the "

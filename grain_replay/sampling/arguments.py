@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
+from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_shard_options
-from grain_replay.sampling.mixture import Weights
 from grain_replay.sampling.rate_limit import make_limiter
 from grain_replay.sampling.rate_options import is_rate_limited
 from grain_replay.sampling.streams import Stream, make_stream
@@ -34,32 +34,23 @@ def check_int(name: str, value: Any, *, low: int) -> int:
     return int(value)
 
 
-def stream_factory(
-    source: Any,
-    *,
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    num_epochs: int | None,
-    drop_remainder: bool,
-    shard_options: Any,
-    weights: Weights | None,
-    sampling: Any,
-    keys: Sequence[str] | None,
-    source_leaf: str | None,
-) -> tuple[Callable[[int], Stream], str]:
-    """Validates the arguments once; returns a stream factory (of the lag) and a description."""
-    batch_size = check_int("batch_size", batch_size, low=1)
-    seed = check_int("seed", seed, low=0)
+def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int], Stream], str]:
+    """Validates the arguments once; returns a stream factory (of the lag) and a description.
+
+    ``args.drop_remainder`` is not read: every batch of a mixture or replay stream is whole.
+    """
+    batch_size = check_int("batch_size", args.batch_size, low=1)
+    seed = check_int("seed", args.seed, low=0)
     if seed >= 2**64:
         raise InvalidArgumentError(f"seed must be in [0, 2**64), got {seed}")
-    del drop_remainder  # every batch of a mixture or replay stream is whole
+    num_epochs, sampling = args.num_epochs, args.sampling
     if num_epochs not in (None, 1):
         raise InvalidSamplingError(
             f"num_epochs={num_epochs!r}: a mixture or replay stream is endless (each source "
             "walks its own epochs, or rows are drawn with replacement). Fix: num_epochs=None "
             "and stop after the steps you want."
         )
+    shard_options = args.shard_options
     if shard_options is None:
         shard_options = default_shard_options()
     shard_index, shard_count = int(shard_options.shard_index), int(shard_options.shard_count)
@@ -67,13 +58,13 @@ def stream_factory(
     def make(lag: int) -> Stream:
         return make_stream(
             source,
-            weights=weights,
+            weights=args.weights,
             sampling=sampling,
             batch_size=batch_size,
             seed=seed,
-            shuffle=bool(shuffle),
-            keys=keys,
-            source_leaf=source_leaf,
+            shuffle=bool(args.shuffle),
+            keys=args.keys,
+            source_leaf=args.source_leaf,
             shard_index=shard_index,
             shard_count=shard_count,
             lag=lag,

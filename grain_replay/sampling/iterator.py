@@ -11,14 +11,21 @@ from typing import Any, Self
 
 import numpy as np
 
-from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
+from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import TASK_NOT_READY, WorkerLoaderIterator
-from grain_replay.sampling.encoded import decode_arrays, json_pieces
+from grain_replay.sampling.iterator_state import (
+    check_store,
+    decode_state,
+    drawn_arrays,
+    encode_state,
+    parse_drawn,
+    store_watermark,
+)
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.rate_limit import make_limiter
-from grain_replay.sampling.replay import UniformSampler, reaches
+from grain_replay.sampling.replay import UniformSampler
 from grain_replay.sampling.streams import Stream
 from grain_replay.watermark import Watermark
 
@@ -28,11 +35,6 @@ __all__ = ["ENDLESS", "SamplingIterator"]
 logger = logging.getLogger("grain_replay.sampling.loader")
 
 ENDLESS = sys.maxsize // 4  # the length an endless stream reports to grain
-# 2: the state also holds the store's watermark and, with priorities, the priority state.
-# 3: and, with a rate limit, its counters (a state without them: rows handed out are
-# the position's batches).
-_STATE_VERSION = 3
-_READS_VERSIONS = (1, 2, 3)
 # Draws kept after their batch is handed out: a consumer reading ahead (such as
 # sharded_device_put) checkpoints a position up to its read-ahead behind ours.
 _KEEP_DRAWN = 64
@@ -205,22 +207,7 @@ class SamplingIterator:
         source = self._source()
         if source is None:
             return None
-        sampler: Any = self._stream.sampler  # type: ignore[attr-defined]
-        store = str(getattr(source, "path", None) or repr(source))
-        # A bounded many-writer store names each writer's committed rows in the view:
-        # through commit_watermark(), or the writers' manifests of its snapshot.
-        view = getattr(sampler, "commit_watermark", None)
-        if callable(view):  # the writers' rows the draws come from, as the sampler saw them
-            return Watermark(store, writers=dict(view()))
-        per_writer = getattr(source, "commit_watermark", None)
-        if callable(per_writer):
-            return Watermark(store, writers=dict(per_writer()))
-        manifests = getattr(source, "writers", None)
-        if isinstance(manifests, list) and all(
-            hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
-        ):
-            return Watermark(store, writers={m.writer_id: int(m.committed) for m in manifests})
-        return Watermark(store, rows=int(sampler.bound))
+        return store_watermark(self._stream.sampler, source)  # type: ignore[attr-defined]
 
     def get_state(self) -> bytes:
         """JSON bytes: resume at the identical next batch (schedule and priorities included)."""
@@ -247,23 +234,17 @@ class SamplingIterator:
                     f"Fix: read ahead by fewer than {_KEEP_DRAWN} batches."
                 )
             entry = self._drawn.get(position)
-            state = entry[2] if entry is not None else self._stream.state()
-            out: dict[str, Any] = {
-                "version": _STATE_VERSION,
-                "sampling": self._describe(),
-                "position": position,
-                "sampler": state,
-            }
-            mark = self._watermark()
-            if mark is not None:
-                out["watermark"] = mark.to_json()
-            if self._limiter is not None:
-                out["rate_limit"] = self._limiter.state(position)
-            text = json.dumps(out).encode()
-            if self._stream.kind != "prioritized":
-                return text
-            pieces = json_pieces(self._priority_state_locked(copy=False))
-            return b"".join([text[:-1], b', "priorities": ', *pieces, b"}"])
+            priorities = None
+            if self._stream.kind == "prioritized":
+                priorities = self._priority_state_locked(copy=False)
+            return encode_state(
+                sampling=self._describe(),
+                position=position,
+                sampler=entry[2] if entry is not None else self._stream.state(),
+                watermark=self._watermark(),
+                rate_limit=None if self._limiter is None else self._limiter.state(position),
+                priorities=priorities,
+            )
 
     def set_state(self, state: bytes) -> None:
         """Resumes right after the batch at which ``state`` was taken, priorities included.
@@ -278,28 +259,12 @@ class SamplingIterator:
             size, seed or priority settings, or the store holds fewer rows than the
             checkpoint's watermark; nothing changes.
         """
-        try:
-            decoded = json.loads(bytes(state).decode())
-            version, described = decoded["version"], decoded["sampling"]
-            position, sampler = int(decoded["position"]), decoded["sampler"]
-            priorities = decoded.get("priorities")
-            if priorities is not None:
-                priorities = decode_arrays(priorities)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ReplayCheckpointError(
-                f"Not a state of a mixture or replay loader ({type(e).__name__}: {e}). "
-                "Fix: pass bytes from get_state() of a loader made with the same arguments."
-            ) from e
-        if version not in _READS_VERSIONS or described != self._describe():
-            raise ReplayCheckpointError(
-                f"The state was saved by a loader with {described}; this one has "
-                f"{self._describe()}. Fix: resume with the same sources, sampling, "
-                "batch_size and seed."
-            )
-        if "watermark" in decoded:
-            self._check_store(Watermark.from_json(decoded["watermark"]))
-        if self._limiter is not None and "rate_limit" in decoded:
-            self._limiter.check_state(decoded["rate_limit"], position)
+        decoded = decode_state(state, self._describe())
+        position, priorities = decoded.position, decoded.priorities
+        if decoded.watermark is not None:
+            check_store(decoded.watermark, self._watermark(), self._source())
+        if self._limiter is not None and decoded.rate_limit is not None:
+            self._limiter.check_state(decoded.rate_limit, position)
         if priorities is not None:
             self._priority().check_state(priorities)
         with self._lock:
@@ -321,32 +286,13 @@ class SamplingIterator:
                         )
                 self._drawn = {s: e for s, e in self._drawn.items() if s >= position}
             else:
-                self._stream.set_state(sampler)
+                self._stream.set_state(decoded.sampler)
                 self._drawn.clear()
                 self._next_draw = position
             if self._limiter is not None:
                 self._limiter.restore(position, self._next_draw)
         if self._inner is not None:
             self._inner.seek(position)
-
-    def _check_store(self, saved: Watermark) -> None:
-        """The checkpoint's store is this iterator's, and holds the rows it covers."""
-        ours = self._watermark()
-        if ours is None:
-            return
-        source = self._source()
-        if saved.store != ours.store:
-            raise ReplayCheckpointError(
-                f"The checkpoint was saved replaying {saved.store}; this iterator replays "
-                f"{ours.store}. Fix: restore into a loader over the store it was saved with."
-            )
-        if saved.rows is not None and not reaches(source, saved.rows):
-            raise ReplayCheckpointError(
-                f"The checkpoint drew from the first {saved.rows} rows of {saved.store}, which "
-                f"holds {len(source)} committed rows now: rows it replayed are gone. Fix: "
-                "restore with the store as it was saved (a writer reopened with resume_from= "
-                "drops only rows after the checkpoint)."
-            )
 
     # -- replay ---------------------------------------------------------------
 
@@ -402,16 +348,7 @@ class SamplingIterator:
     def _priority_state_locked(self, *, copy: bool = True) -> dict[str, np.ndarray]:
         # copy=False: encoded at once, under this iterator's lock (no draw changes the tree).
         state = self._priority().state(copy=copy)
-        steps = sorted(self._drawn)
-        b = len(self._drawn[steps[0]][1][0]) if steps else 0
-        state["next_draw"] = np.array(self._next_draw, dtype=np.int64)
-        state["drawn_step"] = np.array(steps, dtype=np.int64)
-        state["drawn_index"] = np.array(
-            [self._drawn[s][1][0] for s in steps], dtype=np.int64
-        ).reshape(len(steps), b)
-        state["drawn_weight"] = np.array(
-            [self._drawn[s][1][1] for s in steps], dtype=np.float32
-        ).reshape(len(steps), b)
+        state.update(drawn_arrays(self._drawn, self._next_draw))
         return state
 
     def set_priority_state(self, state: Mapping[str, Any]) -> None:
@@ -428,18 +365,9 @@ class SamplingIterator:
             self._inner.seek(self._position)
 
     def _set_priority_state_locked(self, state: Mapping[str, Any]) -> None:
-        try:
-            next_draw = int(state["next_draw"])
-            steps = np.asarray(state["drawn_step"], dtype=np.int64)
-            index = np.asarray(state["drawn_index"], dtype=np.int64)
-            weight = np.asarray(state["drawn_weight"], dtype=np.float32)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ReplayCheckpointError(
-                f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
-                "priority_state() returned."
-            ) from e
+        next_draw, drawn = parse_drawn(state)
         self._priority().set_state(state)
-        self._drawn = {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}
+        self._drawn = drawn
         self._next_draw = next_draw
         if self._limiter is not None:
             self._limiter.restore(self._position, next_draw)

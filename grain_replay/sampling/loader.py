@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -10,10 +11,10 @@ import grain
 import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
+from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.sampling.arguments import stream_factory
 from grain_replay.sampling.iterator import ENDLESS, SamplingIterator
-from grain_replay.sampling.mixture import Weights
 from grain_replay.sampling.streams import Stream
 
 __all__ = [
@@ -161,79 +162,25 @@ class SamplingIterDataset(grain.IterDataset):
         return self._description
 
 
-def make_sampling_loader(
-    source: Any,
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = 1,
-    drop_remainder: bool = True,
-    worker_count: int = 0,
-    shard_options: Any = None,
-    operations: Sequence[Any] = (),
-    read_options: grain.ReadOptions | None = None,
-    worker_buffer_size: int = 2,
-    weights: Weights | None = None,
-    sampling: Any = "epochs",
-    keys: Sequence[str] | None = None,
-    source_leaf: str | None = None,
-) -> SamplingDataLoader:
+def make_sampling_loader(source: Any, args: LoaderArguments) -> SamplingDataLoader:
     """``make_data_loader`` for a mixture (a mapping of sources) or a replay ``sampling``."""
+    worker_count = args.worker_count
     if isinstance(worker_count, bool) or not isinstance(worker_count, int) or worker_count < 0:
         raise InvalidSamplingError(f"worker_count must be an int >= 0, got {worker_count!r}")
-    if shard_options is None:
-        shard_options = default_shard_options()
-    make, text = stream_factory(
-        source,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        num_epochs=num_epochs,
-        drop_remainder=drop_remainder,
-        shard_options=shard_options,
-        weights=weights,
-        sampling=sampling,
-        keys=keys,
-        source_leaf=source_leaf,
-    )
+    if args.shard_options is None:
+        args = dataclasses.replace(args, shard_options=default_shard_options())
+    make, text = stream_factory(source, args)
     return SamplingDataLoader(
         make,
         description=text,
-        operations=operations,
+        operations=args.operations,
         worker_count=worker_count,
-        worker_buffer_size=worker_buffer_size,
-        shard_options=shard_options,
-        read_options=read_options or default_read_options(worker_count),
+        worker_buffer_size=args.worker_buffer_size,
+        shard_options=args.shard_options,
+        read_options=args.read_options or default_read_options(worker_count),
     )
 
 
-def make_sampling_dataset(
-    source: Any,
-    *,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = 1,
-    drop_remainder: bool = True,
-    shard_options: Any = None,
-    weights: Weights | None = None,
-    sampling: Any = "epochs",
-    keys: Sequence[str] | None = None,
-    source_leaf: str | None = None,
-) -> SamplingIterDataset:
+def make_sampling_dataset(source: Any, args: LoaderArguments) -> SamplingIterDataset:
     """``replay_dataset`` for a mixture or a replay ``sampling``."""
-    make, text = stream_factory(
-        source,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        num_epochs=num_epochs,
-        drop_remainder=drop_remainder,
-        shard_options=shard_options,
-        weights=weights,
-        sampling=sampling,
-        keys=keys,
-        source_leaf=source_leaf,
-    )
-    return SamplingIterDataset(make, text)
+    return SamplingIterDataset(*stream_factory(source, args))

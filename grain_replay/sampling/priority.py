@@ -13,12 +13,13 @@ import numpy as np
 from grain_replay.errors import (
     InvalidPriorityError,
     InvalidSamplingError,
-    PriorityIndexError,
     ReplayCheckpointError,
 )
 from grain_replay.sampling.draws import Draws
+from grain_replay.sampling.priority_state import KINDS, parse_common, pending_updates
 from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
+from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
 from grain_replay.sampling.sumtree import SumTree
 
 __all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]
@@ -114,9 +115,6 @@ class PrioritizedReplay:
         return self.beta
 
 
-_STATE_VERSION = 1
-
-
 class PrioritySampler:
     """Consumer side of :class:`PrioritizedReplay`, over this process's share of the rows.
 
@@ -126,6 +124,12 @@ class PrioritySampler:
     ``s`` (the loader position it follows) reaches draws of steps ``>= s + lag``.
     That keeps the draws a function of the seed and the sequence of updates, even
     when the draws run ahead of the learner on another thread.
+
+    Each row has a leaf of the sum tree, a *slot*; ``slots`` says which (default
+    :class:`~grain_replay.sampling.slots.RowSlots`: slot ``j`` is the process's
+    ``j``-th row), which rows each look at the store moved in or out, and what a
+    batch names a drawn slot. New rows enter at the largest priority given so far,
+    rows that left go to 0, and an update whose row left its slot meanwhile is dropped.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class PrioritySampler:
         lag: int,
         shard_index: int = 0,
         shard_count: int = 1,
+        slots: SlotMap | None = None,
     ) -> None:
         self.options = options
         self._source = source
@@ -148,19 +153,20 @@ class PrioritySampler:
         self.lag = lag
         self._p = shard_index
         self._count = shard_count
-        self._tree = SumTree()
+        self._slots: SlotMap = RowSlots(shard_index, shard_count) if slots is None else slots
+        self._tree = SumTree(skip_zeros=self._slots.skip_zeros)
         self._max = 1.0  # largest priority given so far (raw, before eps and alpha)
-        self._seen = np.zeros(0, dtype=bool)  # local rows ever drawn
-        self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._seen = np.zeros(0, dtype=bool)  # slots whose row this process handed out
+        # updates not applied yet: (stamp, index, priorities, their slots, the moves
+        # count they were found at if they all held their rows then, else -1)
+        self._queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        self._recent = RecentDraws()
         self._lock = threading.Lock()
 
     @property
     def source(self) -> Any:
         """The store the rows are drawn from."""
         return self._source
-
-    def _local_count(self, n: int) -> int:
-        return max(0, -(-(n - self._p) // self._count))
 
     def _leaf(self, priorities: Any) -> Any:
         return (priorities + self.options.eps) ** self.options.alpha
@@ -169,12 +175,36 @@ class PrioritySampler:
         self._length.request()
 
     def _grow(self, step: int) -> None:
-        local = self._local_count(self._length.at(step))
-        if local > len(self._tree):
-            self._tree.extend(local, float(self._leaf(np.float64(self._max))))
-            seen = np.zeros(local, dtype=bool)
+        """Follows the store to its length at ``step``: rows that left go to 0, new rows
+        enter at the largest priority given so far (only the moved slots are touched)."""
+        moves = self._slots.follow(self._length, step)
+        if moves is None:
+            return
+        size, out, add, appended = moves
+        old = len(self._tree)
+        top = float(self._leaf(np.float64(self._max)))
+        if len(self._seen) < size:
+            seen = np.zeros(size, dtype=bool)
             seen[: len(self._seen)] = self._seen
             self._seen = seen
+        self._seen[out] = False
+        self._seen[add] = False
+        if appended:
+            self._tree.extend(size, top)  # new rows at the end, in order: O(new rows)
+        elif len(out) + len(add) > size // 4:  # many: rebuild in O(N), not O(B log N)
+            leaves = np.zeros(size)
+            leaves[:old] = self._tree.values
+            leaves[out] = 0.0
+            leaves[add] = top  # after: a slot both left and taken holds the new row
+            self._tree = SumTree.from_values(leaves, skip_zeros=self._slots.skip_zeros)
+        else:
+            self._tree.extend(size, 0.0)
+            self._tree.set(np.concatenate([out, add]), np.repeat([0.0, top], [len(out), len(add)]))
+
+    @property
+    def max_priority(self) -> float:
+        """The largest priority given so far (1.0 before any update): new rows' priority."""
+        return self._max
 
     @property
     def bound(self) -> int:
@@ -182,26 +212,28 @@ class PrioritySampler:
         return self._length.n
 
     def draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Step ``step``'s global row indices (int64) and importance weights (float32)."""
+        """Step ``step``'s batch indices (int64; rows, or row ids) and importance weights
+        (float32)."""
         with self._lock:
             self._apply(step)
             self._grow(step)
             total = self._tree.total
             if len(self._tree) == 0 or total <= 0:
                 raise InvalidSamplingError(
-                    f"{self._source!r} has no committed rows for process {self._p} of "
-                    f"{self._count} to replay. Fix: append and flush rows with a ReplayWriter "
-                    "before the first batch."
+                    f"{self._source!r} has no {self._slots.empty} rows for process {self._p} "
+                    f"of {self._count} to replay. Fix: append and flush rows with a "
+                    "ReplayWriter before the first batch."
                 )
-            b = self._batch_size
             u = self._draws.uniforms(step)
             u += self._offsets
-            u *= total / b
-            local = self._tree.find(u)
-            p = self._tree.get(local)
+            u *= total / self._batch_size
+            slot = self._tree.find(u)
+            p = self._tree.get(slot)
             weight = (self._tree.min / p) ** self.options.beta_at(step)
-            self._seen[local] = True
-            return local * self._count + self._p, weight.astype(np.float32)
+            self._seen[slot] = True
+            index = self._slots.index(slot)
+            self._recent.remember(index, slot, self._slots.moves)
+            return index, weight.astype(np.float32)
 
     def apply_updates(self, step: int) -> None:
         """Writes the queued updates that the draw of ``step`` may see into the tree."""
@@ -209,17 +241,26 @@ class PrioritySampler:
             self._apply(step)
 
     def _apply(self, step: int) -> None:
+        if not self._queued:
+            return
         keep = []
-        for stamp, local, priorities in self._pending:
-            if stamp + self.lag <= step:
-                self._tree.set(local, self._leaf(priorities))
-                self._max = max(self._max, float(priorities.max(initial=0.0)))
-            else:
-                keep.append((stamp, local, priorities))
-        self._pending = keep
+        for entry in self._queued:
+            stamp, index, priorities, slot, found_at = entry
+            if stamp + self.lag > step:
+                keep.append(entry)
+                continue
+            given = priorities
+            if found_at != self._slots.moves:  # rows moved since: keep those still held
+                holds = self._slots.holding(slot, index)
+                if not holds.all():  # rows evicted since the update leave it
+                    slot, given = slot[holds], priorities[holds]
+            self._tree.set(slot, self._leaf(given))
+            self._max = max(self._max, float(priorities.max(initial=0.0)))
+        self._queued = keep
 
     def update(self, index: Any, priorities: Any, stamp: int) -> None:
-        """Checks an update at once and queues it for the draws from ``stamp + lag`` on.
+        """Checks an update at once and queues it for the draws from ``stamp + lag`` on
+        (rows of a bounded store evicted meanwhile are ignored).
 
         Raises:
           InvalidPriorityError: wrong length, or a priority negative, NaN or infinite.
@@ -227,26 +268,10 @@ class PrioritySampler:
         """
         index, priorities = self._checked(index, priorities)
         with self._lock:
-            n_local = len(self._seen)
-            if self._count == 1:
-                local = index
-                unknown = (index < 0) | (index >= n_local)
-            else:
-                local, rest = np.divmod(index, self._count)
-                unknown = (index < 0) | (rest != self._p) | (local >= n_local)
-            if unknown.any():
-                unknown[~unknown] = ~self._seen[local[~unknown]]
-            else:  # the usual case: all in range, one gather
-                unknown = ~self._seen[local]
-            if unknown.any():
-                rows = index[unknown][:5].tolist()
-                raise PriorityIndexError(
-                    f"update_priorities: rows {rows} were never handed out by this iterator "
-                    f"(process {self._p} of {self._count} draws rows i with i % "
-                    f"{self._count} == {self._p}). Nothing was updated. Fix: pass the .index "
-                    "of batches from this iterator."
-                )
-            self._pending.append((int(stamp), local, priorities))
+            # A drawn batch: its rows were handed out and held their slots at the draw.
+            found = self._recent.recall(index, self._slots.moves)
+            slot, found_at = self._slots.lookup(index, self._seen) if found is None else found
+            self._queued.append((int(stamp), index, priorities, slot, found_at))
 
     @staticmethod
     def _checked(index: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -286,66 +311,45 @@ class PrioritySampler:
             next draw (for a caller that encodes them at once, holding off draws).
         """
         with self._lock:
-            counts = [len(x) for _, x, _ in self._pending]
+            saved = [self._slots.saved_index(x, slot) for _, x, _, slot, _ in self._queued]
             return {
-                "version": np.array(_STATE_VERSION, dtype=np.int64),
+                "version": np.array(self._slots.version, dtype=np.int64),
                 "shard": np.array([self._p, self._count], dtype=np.int64),
                 "options": np.array(
                     [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
                 ),
                 "n": np.array(self._length.n, dtype=np.int64),
+                **self._slots.state(),
                 "values": self._tree.values.copy() if copy else self._tree.values,
                 "max_priority": np.array(self._max, dtype=np.float64),
                 "seen": np.packbits(self._seen),
-                "pending_stamp": np.array([s for s, _, _ in self._pending], dtype=np.int64),
-                "pending_count": np.array(counts, dtype=np.int64),
-                "pending_index": np.concatenate(
-                    [np.zeros(0, np.int64)] + [x for _, x, _ in self._pending]
-                ),
-                "pending_priority": np.concatenate(
-                    [np.zeros(0)] + [p for _, _, p in self._pending]
-                ),
+                "pending_stamp": np.array([e[0] for e in self._queued], dtype=np.int64),
+                "pending_count": np.array([len(x) for x in saved], dtype=np.int64),
+                "pending_index": np.concatenate([np.zeros(0, np.int64), *saved]),
+                "pending_priority": np.concatenate([np.zeros(0)] + [e[2] for e in self._queued]),
             }
 
-    def _parse(self, state: Mapping[str, Any]) -> tuple[Any, ...]:
-        """:meth:`state`'s arrays, checked against this sampler's settings (nothing changes)."""
-        try:
-            version = int(state["version"])
-            shard = np.asarray(state["shard"]).tolist()
-            options = np.asarray(state["options"]).tolist()
-            n = int(state["n"])
-            values = np.asarray(state["values"], dtype=np.float64)
-            seen = np.unpackbits(np.asarray(state["seen"], dtype=np.uint8))[: len(values)]
-            counts = np.asarray(state["pending_count"], dtype=np.int64)
-            stamps = np.asarray(state["pending_stamp"], dtype=np.int64)
-            index = np.asarray(state["pending_index"], dtype=np.int64)
-            prio = np.asarray(state["pending_priority"], dtype=np.float64)
-            max_priority = float(state["max_priority"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ReplayCheckpointError(
-                f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
-                "priority_state() returned."
-            ) from e
+    def _parse(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """:meth:`state`'s arrays, checked against this sampler (nothing changes): the
+        common ones, and what the slot map parsed of its own."""
+        common = parse_common(state, self._slots.not_a_state)
         want = [self.options.alpha, self.options.eps, self.lag]
-        if version != _STATE_VERSION or shard != [self._p, self._count] or options != want:
+        version, shard, options = common["version"], common["shard"], common["options"]
+        if version != self._slots.version:
+            raise ReplayCheckpointError(
+                f"{self._source!r}: the priority state is one of prioritized replay over "
+                f"{KINDS.get(version, f'an unknown kind (version {version})')}; this loader "
+                f"replays {self._slots.kind}. Fix: restore into a loader over the store the "
+                "state was saved with."
+            )
+        if shard != [self._p, self._count] or options != want:
             raise ReplayCheckpointError(
                 f"The priority state was saved by process {shard[0]} of {shard[1]} with "
                 f"(alpha, eps, lag)={tuple(options)}; this is process {self._p} of "
                 f"{self._count} with {tuple(want)}. Fix: restore each process's own state "
                 "with the same PrioritizedReplay, worker_count and worker_buffer_size."
             )
-        if len(values) != self._local_count(n) or len(seen) != len(values):
-            raise ReplayCheckpointError(
-                f"The priority state holds {len(values)} rows, but {n} committed rows give "
-                f"process {self._p} {self._local_count(n)}. Fix: pass it unchanged."
-            )
-        if int(counts.sum()) != len(index) or len(index) != len(prio) or len(stamps) != len(counts):
-            raise ReplayCheckpointError(
-                f"The priority state's pending updates are inconsistent ({len(stamps)} stamps, "
-                f"{len(counts)} counts summing to {int(counts.sum())}, {len(index)} rows, "
-                f"{len(prio)} priorities). Fix: pass it unchanged."
-            )
-        return n, values, seen, counts, stamps, index, prio, max_priority
+        return common, self._slots.parse(state, common)
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raises what :meth:`set_state` would raise, changing nothing."""
@@ -353,13 +357,17 @@ class PrioritySampler:
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state` (checked against this sampler's settings first)."""
-        n, values, seen, counts, stamps, index, prio, max_priority = self._parse(state)
-        pending = []
-        for stamp, end, count in zip(stamps, np.cumsum(counts), counts):
-            pending.append((int(stamp), index[end - count : end], prio[end - count : end]))
+        common, parsed = self._parse(state)
+        values = common["values"]
         with self._lock:
-            self._tree = SumTree.from_values(values)
-            self._seen = seen.astype(bool)
-            self._max = max_priority
-            self._pending = pending
-            self._length.n = n
+            self._slots.restore(parsed, self._length)
+            self._tree = SumTree.from_values(values, skip_zeros=self._slots.skip_zeros)
+            self._seen = np.unpackbits(common["seen"])[: len(values)].astype(bool)
+            self._max = common["max"]
+            queued = []
+            for stamp, saved, prio in pending_updates(common):
+                index, slot, found_at = self._slots.restored(saved)
+                queued.append((stamp, index, prio, slot, found_at))
+            self._queued = queued
+            self._recent.clear()
+            self._length.n = common["n"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +28,7 @@ from grain_replay.errors import (
 )
 from grain_replay.parts import is_parts_store
 from grain_replay.sampling.rate_options import default_tolerance, is_rate_limited, least_tolerance
+from grain_replay.sampling.rate_publish import ProgressPublisher
 from grain_replay.sampling.replay import probe_copy
 
 __all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter"]
@@ -38,10 +37,6 @@ logger = logging.getLogger(__name__)
 
 # A waiting learner says why every this many seconds (timeout=None).
 LOG_EVERY_S = 30.0
-# Progress is published at most this often (hand-outs in between are coalesced) ...
-PUBLISH_EVERY_S = 0.005
-# ... and at least this often (the heartbeat), while the iterator lives.
-HEARTBEAT_S = 2.0
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.01
 
@@ -123,16 +118,13 @@ class RateLimiter:
         self._ready = False  # min_size reached and one batch drawn: no more refresh requests
         # Publishing (from the first batch on, only with a ratio).
         path = getattr(source, "path", None)
-        self._dir: str | None = None
+        self._publisher: ProgressPublisher | None = None
         if self.r is not None and isinstance(path, str) and "://" not in path:
-            self._dir = learners_lib.learners_dir(path, parts=is_parts_store(path))
-        self._name = f"process-{shard_index}-of-{shard_count}.json"
-        self._started = False
+            self._publisher = ProgressPublisher(
+                learners_lib.learners_dir(path, parts=is_parts_store(path)),
+                f"process-{shard_index}-of-{shard_count}.json",
+            )
         self._waiting = False
-        self._thread: threading.Thread | None = None
-        self._dirty = threading.Event()
-        self._stop = threading.Event()
-        self._publish_lock = threading.Lock()
 
     # -- refusals -------------------------------------------------------------------
 
@@ -263,90 +255,43 @@ class RateLimiter:
         self._changed()
 
     def _changed(self) -> None:
-        if self._dir is None:
+        if self._publisher is None:
             return
-        if not self._started:
-            self._start()
-        self._dirty.set()
+        if not self._publisher.started:
+            self._publisher.start(self)
+        self._publisher.changed()
 
     def _set_waiting(self, waiting: bool) -> None:
         self._waiting = waiting
-        if self._started:
+        if self._publisher is not None and self._publisher.started:
             self.publish()
-
-    def _progress(self) -> learners_lib.Progress:
-        assert self.r is not None and self.tolerance is not None
-        return learners_lib.Progress(
-            name=self._name,
-            sampled=self._handed * self.batch,
-            drawn=self._drawn * self.batch,
-            batch=self.batch,
-            samples_per_insert=self.r,
-            tolerance=self.tolerance,
-            min_size=self.min_size,
-            heartbeat=time.time(),
-            stale_after=learners_lib.STALE_AFTER_S,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            waiting=self._waiting,
-        )
 
     def publish(self) -> None:
         """Writes this process's progress into the store now."""
-        if self._dir is None:
+        if self._publisher is None:
             return
-        with self._publish_lock:
-            if self._stop.is_set():  # withdrawn: a late heartbeat must not bring it back
-                return
-            try:
-                learners_lib.publish(self._dir, self._progress())
-            except OSError as e:  # a full disk must not stop training; writers go on
-                logger.warning("%s: could not publish the learner's progress: %s", self._dir, e)
-
-    def _start(self) -> None:
-        assert self._dir is not None
-        other = learners_lib.read_progress(self._dir, self._name)
-        if (
-            other is not None
-            and (other.pid, other.host) != (os.getpid(), socket.gethostname())
-            and other.dead(time.time()) is None
-        ):
-            raise InvalidSamplingError(
-                f"{self._dir}: another rate-limited learner publishes as {self._name}: "
-                f"{other.describe()}. Fix: one rate-limited learner per store (stop the other; "
-                f"a learner that died is taken over once its heartbeat is "
-                f"{other.stale_after:g} s old)."
+        assert self.r is not None and self.tolerance is not None
+        self._publisher.write(
+            learners_lib.Progress(
+                name=self._publisher.name,
+                sampled=self._handed * self.batch,
+                drawn=self._drawn * self.batch,
+                batch=self.batch,
+                samples_per_insert=self.r,
+                tolerance=self.tolerance,
+                min_size=self.min_size,
+                heartbeat=time.time(),
+                stale_after=learners_lib.STALE_AFTER_S,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                waiting=self._waiting,
             )
-        self._started = True
-        self._stop = threading.Event()
-        self.publish()
-        self._thread = threading.Thread(
-            target=_heartbeat,
-            args=(weakref.ref(self), self._dirty, self._stop),
-            name="grain_replay-rate-limit",
-            daemon=True,
-        )
-        self._thread.start()
-        # Withdraw the file when the iterator goes away (or the interpreter exits).
-        self._finalizer = weakref.finalize(
-            self,
-            _stop_and_withdraw,
-            self._stop,
-            self._dirty,
-            self._publish_lock,
-            self._dir,
-            self._name,
         )
 
     def close(self) -> None:
         """Stops publishing and withdraws this process's file (writers stop waiting on it)."""
-        if not self._started:
-            return
-        self._started = False
-        self._finalizer()
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
+        if self._publisher is not None:
+            self._publisher.close()
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -380,38 +325,8 @@ class RateLimiter:
         """Counters after a restore: ``handed`` batches handed out, ``drawn`` drawn."""
         self._handed, self._drawn = handed, max(handed, drawn)
         self._ready = False
-        if self._started:
+        if self._publisher is not None and self._publisher.started:
             self.publish()
-
-
-def _heartbeat(
-    ref: weakref.ReferenceType[RateLimiter], dirty: threading.Event, stop: threading.Event
-) -> None:
-    """Publishes coalesced changes, and a heartbeat, while the limiter lives."""
-    while not stop.is_set():
-        dirty.wait(HEARTBEAT_S)
-        if stop.is_set():
-            return
-        time.sleep(PUBLISH_EVERY_S)
-        dirty.clear()
-        limiter = ref()
-        if limiter is None:
-            return
-        limiter.publish()
-        del limiter
-
-
-def _stop_and_withdraw(
-    stop: threading.Event,
-    dirty: threading.Event,
-    lock: threading.Lock,
-    directory: str,
-    name: str,
-) -> None:
-    with lock:
-        stop.set()
-        learners_lib.withdraw(directory, name)
-    dirty.set()
 
 
 def make_limiter(stream: Any) -> RateLimiter | None:

@@ -30,6 +30,7 @@ from grain_replay.errors import (
     UnknownLeafError,
 )
 from grain_replay.layout import LeafSpec
+from grain_replay.sources import parts_gather as gather
 from grain_replay.sources import parts_ids
 from grain_replay.sources import parts_snapshot as snapshots
 from grain_replay.sources.checks import as_record_index, check_indices, check_out
@@ -55,7 +56,7 @@ class PartsDataSource(SourceSurface):
       **kwargs: passed to each segment's source (e.g. ``cache_bytes``).
     """
 
-    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_snap": None, "_pid": None}
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_snap": None, "_pid": None, "_by_ordinal": None}
 
     def __init__(
         self, path: str | os.PathLike[str], keys: Sequence[str] | None = None, **kwargs: Any
@@ -72,6 +73,7 @@ class PartsDataSource(SourceSurface):
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._pid: int | None = None
+        self._by_ordinal: tuple[Snapshot, gather.OrdinalMaps | None] | None = None
         # What a pickle carries: the manifests of the snapshot (no open files).
         self._manifests: list[tuple[parts_lib.Manifest, tuple[int, int, int] | None]] = []
         self._spec: dict[str, LeafSpec] = {}
@@ -344,6 +346,8 @@ class PartsDataSource(SourceSurface):
             self.refresh()
             snap = self._snapshot()
         fast = parts_ids.read_mapped(snap, ids, self._seg_keys, list(self._spec))
+        if fast is None and len(snap.parts) > 1 and len(ids):
+            fast = self._read_mapped(snap, ids)  # several writers, each mapped
         if fast is not None:
             return fast, np.ones(len(ids), dtype=bool)
         for attempt in range(2):
@@ -355,6 +359,19 @@ class PartsDataSource(SourceSurface):
         seq, ok = parts_ids.stand_ins(snap, ids, p, seq, evicted, self._path)
         self.replaced += int((~ok).sum())
         return self._gather(snap, p, seq), ok
+
+    def _read_mapped(self, snap: Snapshot, ids: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Rows ``ids`` when each lies in its writer's back-to-back map (see
+        :mod:`~grain_replay.sources.parts_gather`; its tables kept per snapshot)."""
+        cached = self._by_ordinal
+        if cached is None or cached[0] is not snap:
+            cached = self._by_ordinal = (snap, gather.ordinal_maps(snap))
+        if cached[1] is None:
+            return None
+        out = gather.read_mapped(cached[1], ids, self._spec, self._seg_keys)
+        if out is not None and WRITER_KEY in self._spec:
+            out[WRITER_KEY] = ids >> parts_lib.ID_SHIFT
+        return None if out is None else {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
         i = as_record_index(index, self)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 from grain_replay.errors import StoreExistsError
+from grain_replay.filesync import fsync_path
 
 __all__ = ["atomic_path", "fsync_path", "fsync_tree", "remove_path"]
 
@@ -27,15 +28,6 @@ def remove_path(path: str) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-def fsync_path(path: str) -> None:
-    """``fsync`` of one file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _syncfs(path: str) -> bool:

@@ -1,33 +1,40 @@
 """Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
 
 ``ReplayWriter.append`` starts each device leaf's copy (``copy_to_host_async``)
-and queues the tree; one background thread takes the trees in append order,
-waits for their host copies (``np.asarray``) and writes them through the
-writer's own write path. ``drain()`` (called by ``flush``/``close``) waits
-for the queue; the bytes queued are bounded, and ``submit`` waits beyond the
-bound. A failure in the thread stops it, drops what was queued after it, and
-is raised by the caller's next ``submit``/``drain`` naming the leaf. jax is
-never imported here: a leaf is a device array when ``jax`` is already loaded
-and the leaf is a ``jax.Array``.
+and queues the tree; one background thread takes the trees in append order and
+waits for each one's host copies (``np.asarray``) as it comes, in a short stretch
+while the caller's next step computes, then writes them several at a time: once
+``WRITE_BATCH_BYTES`` are on the host (or a caller waits) it writes them as one
+block, one write per leaf. ``drain()`` (called by ``flush``/``close``) waits for
+the queue; the bytes queued are bounded, and ``submit`` waits beyond the bound. A
+failure in the thread stops it, drops what was queued after it, and is raised by
+the caller's next ``submit``/``drain`` naming the leaf. jax is never imported here
+(see :mod:`grain_replay.writers.device_leaves`).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import BackgroundWriteError, InvalidArgumentError, InvalidTreeError
+from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
+from grain_replay.writers.device_leaves import (
+    TreeSignature,
+    device_leaf_test,
+    leaf_name,
+    leaf_nbytes,
+    start_copies,
+)
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
+    "WRITE_BATCH_BYTES",
     "BackgroundWriter",
     "LeafWriteError",
     "check_max_inflight_bytes",
@@ -40,8 +47,10 @@ logger = logging.getLogger(__name__)
 # Bytes of appended rows waiting for their copy or write before append waits: a few
 # hundred steps of 1,024 envs' transitions, small next to a host's memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-# Queued trees written as one block when the thread is behind: up to this many bytes.
-COALESCE_BYTES = 8 << 20
+# Bytes of trees on the host that the thread writes as one block (at most a quarter
+# of the bound): its per-write costs (a write and a checksum per leaf, the store's
+# bookkeeping) are paid once per batch, not once per append.
+WRITE_BATCH_BYTES = 2 << 20
 
 
 class LeafWriteError(Exception):
@@ -50,15 +59,6 @@ class LeafWriteError(Exception):
     def __init__(self, leaf: str):
         super().__init__(leaf)
         self.leaf = leaf
-
-
-def device_leaf_test() -> Callable[[Any], bool] | None:
-    """``isinstance(leaf, jax.Array)`` when jax is loaded, else None (no leaf can be one)."""
-    jax = sys.modules.get("jax")
-    array_type = getattr(jax, "Array", None)
-    if array_type is None:
-        return None
-    return lambda leaf: isinstance(leaf, array_type)
 
 
 def check_max_inflight_bytes(value: Any, where: str) -> int:
@@ -76,93 +76,65 @@ def to_host(leaf: Any) -> np.ndarray:
     return np.asarray(leaf)
 
 
-def _leaf_nbytes(leaf: Any) -> int:
-    return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+Write = Callable[[dict[str, np.ndarray], int], None]
 
 
-def _name(key: str) -> str:
-    return key or "<root>"
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Item:
     arrays: dict[str, Any]  # device arrays (copy under way) and host copies
     rows: int
     first: int  # the writer's row number of the first row, for messages
     nbytes: int
-    write: Callable[[dict[str, np.ndarray], int], None]
-
-
-_ON_HOST: dict[Any, bool] = {}  # sharding -> whether all its devices are CPUs
-
-
-def _on_host(leaf: Any) -> bool:
-    sharding: Any = getattr(leaf, "sharding", None)
-    try:
-        return _ON_HOST[sharding]
-    except (KeyError, TypeError):
-        pass
-    try:
-        on_host = all(d.platform == "cpu" for d in sharding.device_set)
-    except Exception:  # an unusual array: copy it the documented way
-        return False
-    if len(_ON_HOST) > 256:
-        _ON_HOST.clear()
-    with contextlib.suppress(TypeError):
-        _ON_HOST[sharding] = on_host
-    return on_host
-
-
-def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where: str) -> None:
-    """Starts every device leaf's copy to host (none for a CPU device's array, which is
-    host memory already); host leaves are copied now (the caller may reuse its buffers
-    once ``append`` returns)."""
-    for key, leaf in arrays.items():
-        if not is_device(leaf):
-            arrays[key] = np.array(leaf, copy=True)
-            continue
-        if not getattr(leaf, "is_fully_addressable", True):
-            raise InvalidTreeError(
-                f"{where}: leaf {_name(key)!r} is a jax.Array with shards on other processes' "
-                "devices (not fully addressable), so this process cannot copy it to host. "
-                "Fix: append each process's own rows with its own writer_id= (e.g. "
-                "leaf.addressable_shards), or gather it first with "
-                "jax.experimental.multihost_utils.process_allgather."
-            )
-        try:
-            if leaf.is_deleted():
-                raise RuntimeError("Array has been deleted.")
-            if _on_host(leaf):
-                continue  # a CPU device's array is host memory: np.asarray in the thread reads it
-            leaf.copy_to_host_async()
-        except Exception as e:  # a deleted (donated) array, a broken device
-            raise InvalidTreeError(
-                f"{where}: leaf {_name(key)!r} cannot be copied to host ({type(e).__name__}: "
-                f"{e}). Fix: append arrays that are still alive (not donated or deleted)."
-            ) from e
+    write: Write
 
 
 class BackgroundWriter:
     """One thread that converts queued trees to host arrays and writes them, in order."""
 
-    def __init__(self, where: str, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
+    def __init__(
+        self,
+        where: str,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        sync: Callable[[], None] | None = None,
+    ):
+        """``sync``: the store's step after writes (committing the segments they filled),
+        run by a second thread while the next trees are copied and written, so its
+        ``fsync`` waits hold up neither the caller nor the writes."""
         self._where = where
         self._max_bytes = max_inflight_bytes
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[_Item | None] = collections.deque()
-        self._bytes = 0  # queued or being written
+        self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)  # the thread waits here for trees
+        self._done = threading.Condition(lock)  # callers wait here for the thread
+        self._queue: collections.deque[_Item | None] = collections.deque()  # None: stop
+        self._bytes = 0  # queued, on host or being written
         self._rows = 0
         self._items = 0
+        self._urgent = 0  # callers waiting for the thread (drain, the bound)
+        self._idle = False  # the thread waits for work
         self._error: BackgroundWriteError | None = None
         self._raised = False
         self._thread: threading.Thread | None = None
+        self._sync = sync
+        self._sync_wanted = False  # a write finished since the last sync started
+        self._syncing = False
+        self._sync_thread: threading.Thread | None = None
+        self._stopped = False
+        # The last tree queued, when a flat dict of device arrays: the next one like it
+        # is checked from its leaves' attributes (submit_like_last).
+        self._signature: TreeSignature | None = None
+        self._last_write: Write | None = None
 
     # -- the caller's side -------------------------------------------------------------
 
     @property
     def busy(self) -> bool:
         """Whether anything is queued or being written (or a failure is not yet raised)."""
-        return self._items > 0 or (self._error is not None and not self._raised)
+        return self._pending_locked() or (self._error is not None and not self._raised)
+
+    def _pending_locked(self) -> bool:
+        """Trees queued or being written, or a sync asked for or running."""
+        return self._items > 0 or self._sync_wanted or self._syncing
 
     @property
     def rows(self) -> int:
@@ -178,41 +150,86 @@ class BackgroundWriter:
         arrays: dict[str, Any],
         rows: int,
         first: int,
-        write: Callable[[dict[str, np.ndarray], int], None],
+        write: Write,
         is_device: Callable[[Any], bool],
+        tree: Any = None,
     ) -> None:
-        """Queues a tree after the ones before it; waits while the bytes queued exceed the
-        bound (one tree larger than the bound is queued alone)."""
-        nbytes = sum(_leaf_nbytes(a) for a in arrays.values())
-        with self._cond:
-            while self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
-                self._cond.wait()
-            self._raise_locked()
+        """Queues a checked tree (``arrays``: its leaves) after the ones before it; waits
+        while the bytes queued exceed the bound (one tree larger than the bound is queued
+        alone). ``tree``, when given, may be remembered for :meth:`submit_like_last`."""
+        nbytes = sum(leaf_nbytes(a) for a in arrays.values())
+        self._signature = None
+        self._wait_for_room(nbytes)
         start_copies(arrays, is_device, self._where)
-        item = _Item(arrays, rows, first, nbytes, write)
-        with self._cond:
+        if tree is not None:
+            self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
+            self._last_write = write
+        self._enqueue(_Item(arrays, rows, first, nbytes, write))
+
+    def submit_like_last(self, tree: Any, first: int) -> bool:
+        """Queues ``tree`` if it is a flat dict of device arrays like the last tree
+        submitted (same keys, array types, dtypes, per-row shapes and shardings): that
+        tree passed the store's checks, so this one does too. False (nothing queued)
+        for any other tree: the caller checks it in full and calls :meth:`submit`."""
+        signature, write = self._signature, self._last_write
+        if signature is None or write is None:
+            return False
+        checked = signature.check(tree)
+        if checked is None:
+            return False
+        rows, nbytes = checked
+        self._wait_for_room(nbytes)
+        signature.start_copies(tree)
+        self._enqueue(_Item(dict(tree), rows, first, nbytes, write))
+        return True
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        with self._done:
+            if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
+                self._urgent += 1
+                self._work.notify()
+                try:
+                    while (
+                        self._error is None
+                        and self._items
+                        and self._bytes + nbytes > self._max_bytes
+                    ):
+                        self._done.wait()
+                finally:
+                    self._urgent -= 1
+            self._raise_locked()
+
+    def _enqueue(self, item: _Item) -> None:
+        with self._work:
             self._raise_locked()
             self._queue.append(item)
-            self._bytes += nbytes
-            self._rows += rows
+            self._bytes += item.nbytes
+            self._rows += item.rows
             self._items += 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            elif self._idle:
+                self._work.notify()
 
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
-        with self._cond:
-            while self._error is None and self._items:
-                self._cond.wait()
+        with self._done:
+            if self._error is None and self._pending_locked():
+                self._urgent += 1
+                self._work.notify()
+                try:
+                    while self._error is None and self._pending_locked():
+                        self._done.wait()
+                finally:
+                    self._urgent -= 1
             self._raise_locked()
 
     def raise_pending(self) -> None:
         """Raises a failure not yet raised (once)."""
-        with self._cond:
+        with self._done:
             self._raise_locked()
 
     def _raise_locked(self) -> None:
@@ -221,88 +238,171 @@ class BackgroundWriter:
             raise self._error
 
     def stop(self) -> None:
-        """Ends the thread once the queue is empty (after ``drain`` or a failure)."""
-        with self._cond:
+        """Ends the thread once the queue is written (after ``drain`` or a failure)."""
+        self._signature = None  # a closed writer takes no tree past its checks
+        with self._work:
+            self._stopped = True
             thread, self._thread = self._thread, None
-            if thread is None:
-                return
-            self._queue.append(None)
-            self._cond.notify_all()
-        if thread is not threading.current_thread():
-            thread.join()
+            syncer, self._sync_thread = self._sync_thread, None
+            if thread is not None:
+                self._queue.append(None)
+            self._work.notify_all()  # the sync thread waits on it too
+        for t in (thread, syncer):
+            if t is not None and t is not threading.current_thread():
+                t.join()
 
     # -- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Takes each tree as it comes and waits for its host copy (a short stretch holding
+        the GIL, while the caller's next step computes); writes the trees taken once
+        ``batch_bytes`` of them are on the host, when a caller waits, and at the stop."""
+        staged: list[_Item] = []  # on the host, not yet written
+        size = 0
         while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                batch = self._take_locked()
-            if not batch:
+            with self._work:
+                while self._error is None and not self._queue and not (staged and self._urgent):
+                    self._idle = True
+                    self._work.wait()
+                self._idle = False
+                if self._error is not None:  # the sync thread failed
+                    return
+                if self._queue:
+                    item = self._queue.popleft()
+                    stop = item is None
+                else:
+                    item, stop = None, False
+                more = bool(self._queue)
+                urgent = self._urgent > 0
+            error = None
+            done: list[_Item] = []
+            if item is not None:
+                if staged and item.write != staged[0].write:  # another store's: write first
+                    error = self._write(staged)
+                    done, staged, size = staged, [], 0
+                if error is None:
+                    error = self._to_host(item)
+                staged.append(item)
+                size += item.nbytes
+            if (
+                error is None
+                and staged
+                and (stop or size >= self._batch_bytes or (urgent and not more))
+            ):
+                error = self._write(staged)
+                done, staged, size = [*done, *staged], [], 0
+            if error is not None:  # what was taken is dropped with the failure
+                done, staged, size = [*done, *staged], [], 0
+            if done or error is not None:
+                with self._done:
+                    for i in done:
+                        self._bytes -= i.nbytes
+                        self._rows -= i.rows
+                        self._items -= 1
+                    if error is not None:
+                        self._fail_locked(error)
+                    elif done and self._sync is not None and not self._stopped:
+                        self._sync_wanted = True
+                        if self._sync_thread is None:
+                            self._sync_thread = threading.Thread(
+                                target=self._run_syncs,
+                                name="grain_replay-device-syncs",
+                                daemon=True,
+                            )
+                            self._sync_thread.start()
+                        self._work.notify_all()
+                    self._done.notify_all()
+            # Dropped outside the lock: the last reference to the writer may go with it.
+            del done, item
+            if error is not None or stop:
                 return
-            error = self._write(batch)
-            with self._cond:
-                for item in batch:
-                    self._bytes -= item.nbytes
-                    self._rows -= item.rows
-                    self._items -= 1
+
+    def _run_syncs(self) -> None:
+        """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
+        assert self._sync is not None
+        while True:
+            with self._work:
+                while not self._sync_wanted and self._sync_thread is not None and not self._error:
+                    self._work.wait()
+                if not self._sync_wanted or self._error is not None:
+                    return
+                self._sync_wanted, self._syncing = False, True
+            error = None
+            try:
+                self._sync()
+            except Exception as e:
+                error = BackgroundWriteError(
+                    f"{self._where}: committing the segments filled by rows appended earlier "
+                    f"failed: {type(e).__name__}: {e}. The rows committed before (by the last "
+                    "flush) are intact; the rows appended since are dropped, as in a crash. "
+                    "Fix: remove the cause (disk space, permissions), then reopen the store "
+                    "with gr.ReplayWriter to append after its committed rows."
+                )
+                error.__cause__ = e
+            with self._done:
+                self._syncing = False
                 if error is not None:
                     self._fail_locked(error)
-                self._cond.notify_all()
-            # Dropped outside the lock: the last reference to the writer may go with it.
-            del batch
+                self._done.notify_all()
             if error is not None:
                 return
 
-    def _take_locked(self) -> list[_Item]:
-        """The next queued tree, with the ones behind it while they are small: a thread
-        that fell behind writes them as one block (one write per leaf, not per tree)."""
-        batch: list[_Item] = []
-        size = 0
-        while self._queue:
-            item = self._queue[0]
-            if item is None:
-                if not batch:
-                    self._queue.popleft()
-                break
-            if batch and (item.write != batch[0].write or size + item.nbytes > COALESCE_BYTES):
-                break
-            self._queue.popleft()
-            batch.append(item)
-            size += item.nbytes
-        return batch
+    def _to_host(self, item: _Item) -> BackgroundWriteError | None:
+        """Replaces the item's leaves by their host copies (waiting for them)."""
+        key = ""
+        try:
+            arrays = item.arrays
+            for key in arrays:
+                arrays[key] = to_host(arrays[key])
+        except Exception as e:
+            return self._failure([item], e, copying=key)
+        return None
 
     def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
-        key, copying = "", True
+        """Writes host trees as one block: one write per leaf."""
         rows = sum(item.rows for item in batch)
         try:
-            host: dict[str, np.ndarray] = {}
-            for key in batch[0].arrays:
-                parts = [to_host(item.arrays[key]) for item in batch]
-                host[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            copying = False
+            if len(batch) == 1:
+                host = batch[0].arrays
+            else:
+                host = {k: np.concatenate([i.arrays[k] for i in batch]) for k in batch[0].arrays}
             batch[0].write(host, rows)
-            return None
         except Exception as e:
-            failed = e.leaf if isinstance(e, LeafWriteError) else key
-            cause = e.__cause__ if isinstance(e, LeafWriteError) and e.__cause__ else e
-            what = "copying it to host" if copying else "writing it"
-            first = batch[0].first
-            error = BackgroundWriteError(
-                f"{self._where}: {what} failed for leaf {_name(failed)!r} of rows "
-                f"[{first}, {first + rows}) appended earlier: "
-                f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
-                "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
-                "remove the cause (disk space, permissions; arrays must not be donated or "
-                "deleted before flush()), then reopen the store with gr.ReplayWriter to "
-                "append after its committed rows.",
-                leaf=_name(failed),
-            )
-            error.__cause__ = cause
-            return error
+            return self._failure(batch, e)
+        return None
+
+    def _failure(
+        self, batch: list[_Item], e: Exception, copying: str | None = None
+    ) -> BackgroundWriteError:
+        """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
+        cause: BaseException = e
+        failed: str | None = None
+        if copying is not None:
+            failed = copying
+            what = f"copying it to host failed for leaf {leaf_name(copying)!r} of"
+        elif isinstance(e, LeafWriteError):
+            failed = e.leaf
+            cause = e.__cause__ or e
+            what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
+        else:  # the store's own step (a new segment, syncing filled ones): every leaf
+            what = "writing them failed for"
+        first = batch[0].first
+        rows = sum(item.rows for item in batch)
+        error = BackgroundWriteError(
+            f"{self._where}: {what} rows [{first}, {first + rows}) appended earlier: "
+            f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
+            "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
+            "remove the cause (disk space, permissions; arrays must not be donated or "
+            "deleted before flush()), then reopen the store with gr.ReplayWriter to "
+            "append after its committed rows.",
+            leaf="" if failed is None else leaf_name(failed),
+        )
+        error.__cause__ = cause
+        return error
 
     def _fail_locked(self, error: BackgroundWriteError) -> None:
+        if self._error is not None:  # the other thread failed first: that one is raised
+            return
         self._error = error
         dropped = [i for i in self._queue if i is not None]
         self._queue.clear()
@@ -312,3 +412,5 @@ class BackgroundWriter:
             self._items -= 1
         logger.error("%s", error)
         self._thread = None
+        self._sync_thread = None
+        self._work.notify_all()  # the other thread stops too

@@ -273,6 +273,18 @@ class PartWriter:
             done += take
         self._pending += n
 
+    def commit_filled(self) -> None:
+        """Commits the filled segments that the manifest does not name yet (not the
+        manifest, the commit point), leaving less for the next ``flush`` to sync. Readers
+        do not see them before that flush; a crash leaves files reopening removes."""
+        named = {s.first for s in self._manifest.segments}
+        for seg in [*self._full, self._open]:
+            if seg is None or not seg.dirty or seg.first in named:
+                continue
+            if seg.rows >= self._manifest.segment_rows:
+                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
+                seg.dirty = False
+
     def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
         """The first writer's leaves bind the store: a later writer must match them."""
         for other in parts_lib.list_writers(self._path):

@@ -263,22 +263,26 @@ class ReplayWriter:
             differ from the store's (every differing leaf is named).
           BackgroundWriteError: an earlier device append failed in the background.
         """
-        if self._bg is not None and self._bg.failed:
-            self._raise_failed()
+        if self._bg is not None:
+            if self._bg.failed:
+                self._raise_failed()
+            if self._bg.submit_like_last(tree, len(self)):  # like the last device tree
+                self._flush_if_due(self._bg)
+                return
         store = self._store
         assert store is not None
         is_device = background.device_leaf_test()  # None unless jax is loaded
         arrays, n = store.check(tree, keep=is_device)
         if n == 0:
             return
-        if self._queue_if_needed(arrays, n, is_device):
+        if self._queue_if_needed(arrays, n, is_device, tree):
             return
         store.write(arrays, n)
         if self._flush_every is not None and store.pending >= self._flush_every:
             self.flush()
 
     def _queue_if_needed(
-        self, arrays: dict[str, Any], n: int, is_device: Callable[[Any], bool] | None
+        self, arrays: dict[str, Any], n: int, is_device: Callable[[Any], bool] | None, tree: Any
     ) -> bool:
         """Queues a checked tree for the background thread when it holds device arrays,
         or when device appends before it are still queued (rows keep append order)."""
@@ -287,13 +291,17 @@ class ReplayWriter:
             if is_device is None or not any(is_device(a) for a in arrays.values()):
                 return False
         if bg is None:
-            bg = self._bg = background.BackgroundWriter(self._who, self._max_inflight)
-        bg.submit(arrays, n, len(self), self._write_queued, is_device or (lambda _: False))
+            sync = self._store.commit_filled if isinstance(self._store, PartWriter) else None
+            bg = self._bg = background.BackgroundWriter(self._who, self._max_inflight, sync)
+        bg.submit(arrays, n, len(self), self._write_queued, is_device or (lambda _: False), tree)
+        self._flush_if_due(bg)
+        return True
+
+    def _flush_if_due(self, bg: background.BackgroundWriter) -> None:
         if self._flush_every is not None:
             assert self._store is not None
             if self._store.pending + bg.rows >= self._flush_every:
                 self.flush()
-        return True
 
     def _write_queued(self, arrays: dict[str, np.ndarray], n: int) -> None:
         """The background thread's write of a queued tree (host arrays by now)."""

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,7 +89,7 @@ def test_verify_names_corrupt_leaf_and_rows_after_bytes_flip(
     )
     flipped = False
     for file in files:
-        data = bytearray(open(file, "rb").read())
+        data = bytearray(Path(file).read_bytes())
         at = data.find(row)
         if at >= 0:
             data[at] ^= 0xFF

@@ -47,12 +47,13 @@ def torchrl_cases(root: str) -> list[str]:
     import torch
     from tensordict import TensorDict
     from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+    from torchrl.data.replay_buffers.checkpointers import H5StorageCheckpointer
 
-    def transitions(n: int, start: int) -> TensorDict:
+    def transitions(n: int, start: int, bf16: bool = True) -> TensorDict:
         g = torch.Generator().manual_seed(start)
         idx = torch.arange(start, start + n)
         done = (idx % 7 == 6).unsqueeze(-1)
-        return TensorDict(
+        td = TensorDict(
             {
                 "index": idx,
                 "observation": torch.randn(n, 4, generator=g),
@@ -71,20 +72,31 @@ def torchrl_cases(root: str) -> list[str]:
             },
             [n],
         )
+        # H5StorageCheckpointer writes through numpy, which has no bfloat16.
+        return td if bf16 else td.exclude("hidden")
+
+    def storage(capacity: int, h5: bool) -> LazyMemmapStorage:
+        out = LazyMemmapStorage(capacity)
+        if h5:
+            out.checkpointer = H5StorageCheckpointer()
+        return out
 
     cases = []
     for case, capacity, chunks in (
         ("torchrl_partial", 100, [30, 34]),  # 64 of 100 rows filled
         ("torchrl_wrapped", 48, [30, 34, 20]),  # 84 rows through 48 slots
+        ("torchrl_h5_partial", 100, [30, 34]),  # the same through checkpoint.h5
+        ("torchrl_h5_wrapped", 48, [30, 34, 20]),
     ):
-        rb = ReplayBuffer(storage=LazyMemmapStorage(capacity))
+        h5 = "_h5_" in case
+        rb = ReplayBuffer(storage=storage(capacity, h5))
         start = 0
         for n in chunks:
-            rb.extend(transitions(n, start))
+            rb.extend(transitions(n, start, bf16=not h5))
             start += n
         path = os.path.join(root, case)
         rb.dumps(path)
-        back = ReplayBuffer(storage=LazyMemmapStorage(capacity))
+        back = ReplayBuffer(storage=storage(capacity, h5))
         back.loads(path)
         length = len(back)
         cursor = int(back._writer._cursor)

@@ -581,7 +581,8 @@ def _build_npy(add: Any, copy: Any, fresh: Any, out: dict[str, str], root: str) 
     for k, descr, shape in (("obs", "<f4", (HUGE, 4)), ("act", "<i8", (HUGE,))):
         with open(os.path.join(p, f"{k}.npy"), "wb") as f:
             f.write(npy_bytes(shape, descr, body))
-    meta = json.loads(open(os.path.join(p, "grain_replay.json")).read())
+    with open(os.path.join(p, "grain_replay.json")) as f:
+        meta = json.loads(f.read())
     meta["num_records"], meta["checksums"] = HUGE, None
     with open(os.path.join(p, "grain_replay.json"), "w") as f:
         json.dump(meta, f)
@@ -1060,6 +1061,8 @@ def _run_one_child(
                 res = json.loads(line[7:])
                 results[res["name"]] = res
                 current = None
+        if proc.stdout is not None:
+            proc.stdout.close()
         err.seek(0)
         stderr = err.read().decode(errors="replace")
     return current, rc, stderr

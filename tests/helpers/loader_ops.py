@@ -120,3 +120,32 @@ class SlowAfterFirst:
 
             time.sleep(self.seconds)
         return self.source.read_batch(indices)
+
+
+class MarkedInto:
+    """Delegates to ``source``, but ``read_into`` adds ``offset`` to the ``id`` leaf: tells
+    which batches a worker read straight into its slot."""
+
+    def __init__(self, source: Any, offset: int = 1000) -> None:
+        self.source = source
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __repr__(self) -> str:
+        return f"MarkedInto({self.source!r}, {self.offset})"
+
+    def read_batch(self, indices: Any) -> Any:
+        return self.source.read_batch(indices)
+
+    def read_into(self, indices: Any, out: Any) -> None:
+        self.source.read_into(indices, out)
+        out["id"] += self.offset
+
+
+class IntoFails(MarkedInto):
+    """``read_into`` always raises: the worker reads with ``read_batch`` instead."""
+
+    def read_into(self, indices: Any, out: Any) -> None:
+        raise ValueError("this source cannot read into arrays")

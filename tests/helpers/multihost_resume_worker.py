@@ -19,10 +19,11 @@ job was saved with another number of processes). Any failed check exits non-zero
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
+
+from multihost_common import join_job, local_rows, write_result
 
 LOCAL_DEVICES = 2
 
@@ -30,10 +31,6 @@ LOCAL_DEVICES = 2
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise AssertionError(message)
-
-
-def _start(shard: Any) -> int:
-    return shard.index[0].start or 0
 
 
 def _state_file(directory: str, process_id: int) -> str:
@@ -50,18 +47,7 @@ def _state_file(directory: str, process_id: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    # XLA_FLAGS must be in the environment before jax is imported.
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{args.port}",
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=120,
-    )
+    jax = join_job(args.port, args.process_id, args.num_processes, local_devices=LOCAL_DEVICES)
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
@@ -104,9 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     all(s.data.shape[0] == b // LOCAL_DEVICES for s in shards),
                     f"local shard rows {[s.data.shape for s in shards]}",
                 )
-            local = np.concatenate(
-                [np.asarray(s.data) for s in sorted(ids.addressable_shards, key=_start)]
-            )
+            local = local_rows(ids)
             full = np.asarray(multihost_utils.process_allgather(ids, tiled=True))
             full_obs = np.asarray(multihost_utils.process_allgather(obs, tiled=True))
             _check(full.shape == (k * b,), f"gathered {full.shape}")
@@ -155,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)
-    tmp = args.out + ".partial"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_result(args.out, result)
     print(f"process {args.process_id}: {len(result['global_ids'])} batches", file=sys.stderr)
     return 0
 

@@ -10,27 +10,16 @@ sharded jax arrays, and writes what it saw as JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any
+
+from multihost_common import join_job, local_rows, write_result
 
 NUM_PROCESSES = 2
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{args.port}",
-        num_processes=NUM_PROCESSES,
-        process_id=args.process_id,
-        initialization_timeout=120,
-    )
-    import numpy as np
+    join_job(args.port, args.process_id, NUM_PROCESSES)
     from jax.experimental import multihost_utils
 
     import grain_replay as gr
@@ -44,9 +33,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(6):
             batch = next(batches)
             assert batch["id"].shape == (16,), batch["id"].shape
-            local = np.concatenate(
-                [np.asarray(s.data) for s in sorted(batch["id"].addressable_shards, key=_start)]
-            )
+            local = local_rows(batch["id"])
             mixture.append(local.tolist())
 
     drawn: list[list[int]] = []
@@ -57,23 +44,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(8):
             batch = next(batches)
             assert not batch.index.is_fully_addressable
-            local = np.concatenate(
-                [np.asarray(s.data) for s in sorted(batch.index.addressable_shards, key=_start)]
-            )
+            local = local_rows(batch.index)
             drawn.append(local.tolist())
-            w = np.concatenate(
-                [np.asarray(s.data) for s in sorted(batch.weight.addressable_shards, key=_start)]
-            )
+            w = local_rows(batch.weight)
             weights.append(w.tolist())
             # globally sharded arrays back: each process gives its own rows
             batches.update_priorities(batch.index, (batch.index % 4 + 1).astype("float32"))
     multihost_utils.sync_global_devices("multihost_sampling_done")
     gr.shutdown_distributed()  # not a bare jax.distributed.shutdown(): see its docstring
     return {"process_index": args.process_id, "mixture": mixture, "drawn": drawn, "w": weights}
-
-
-def _start(shard: Any) -> int:
-    return shard.index[0].start or 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)
-    tmp = args.out + ".partial"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_result(args.out, result)
     return 0
 
 

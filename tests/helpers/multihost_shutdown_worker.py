@@ -11,9 +11,9 @@ when a bare ``jax.distributed.shutdown()`` let a process exit), leaves with
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
+
+from multihost_common import join_job, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,17 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{args.port}",
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
+    jax = join_job(args.port, args.process_id, args.num_processes, timeout=60)
     from jax.experimental import multihost_utils
 
     import grain_replay as gr
@@ -43,9 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     gr.shutdown_distributed()
     result["initialized_after"] = jax.distributed.is_initialized()
     gr.shutdown_distributed()  # a second call finds nothing to shut down
-    with open(args.out + ".partial", "w") as f:
-        json.dump(result, f)
-    os.replace(args.out + ".partial", args.out)
+    write_result(args.out, result)
     return 0
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from multihost_common import join_job, local_rows, write_result
 
 NUM_PROCESSES = 2
 
@@ -34,18 +35,7 @@ def _tap(loader: Any, seen: collections.deque[Any]) -> Iterator[Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    # XLA_FLAGS must be in the environment before jax is imported.
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{args.port}",
-        num_processes=NUM_PROCESSES,
-        process_id=args.process_id,
-        initialization_timeout=120,
-    )
+    jax = join_job(args.port, args.process_id, NUM_PROCESSES)
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
@@ -74,10 +64,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _check(isinstance(ids.sharding, NamedSharding), f"sharding {ids.sharding!r}")
             _check(len(ids.sharding.device_set) == 8, f"sharded over {ids.sharding.device_set}")
             _check(not ids.is_fully_addressable, "global array should span both processes")
-            local_rows = np.concatenate(
-                [np.asarray(s.data) for s in sorted(ids.addressable_shards, key=_start)]
-            )
-            np.testing.assert_array_equal(local_rows, host["id"])
+            mine = local_rows(ids)
+            np.testing.assert_array_equal(mine, host["id"])
 
             # A collective: the jitted sum reduces over all 8 devices of both processes.
             got = float(total_sum(batch["reward"]).addressable_data(0))
@@ -103,10 +91,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _start(shard: Any) -> int:
-    return shard.index[0].start or 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
@@ -116,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)
-    tmp = args.out + ".partial"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_result(args.out, result)
     print(f"process {args.process_id}: {result['num_batches']} batches", file=sys.stderr)
     return 0
 

@@ -16,14 +16,16 @@ Markers, one per line on stdout (each one unbuffered ``os.write``):
     F n  /  C n     flush of the first n rows begins / returned
     idle            done (with --hold: sleeps until killed; else exits)
 
-This module imports neither jax nor pytest; tests import :func:`make_rows`
-and :func:`check_rows`.
+This module imports neither jax nor pytest; tests import :func:`make_rows`,
+:func:`check_rows`, :func:`open_writers` (writers in the test's process) and
+:func:`spawn_writer` (this module as a writer process).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 import zlib
@@ -54,6 +56,43 @@ def check_rows(batch: dict[str, Any]) -> None:
     want = (seq[:, None] * np.arange(1, 5) + tag[:, None]).astype(np.float64)
     bad = np.flatnonzero((vec != want).any(axis=1))
     assert not len(bad), f"torn rows at {bad[:5]}: seq {seq[bad[:5]]} vec {vec[bad[:5]]}"
+
+
+def open_writers(
+    path: str, fmt: str = "npy", n: int = 2, capacity: int | None = 120, rows: int = 150
+) -> list[Any]:
+    """``n`` writers ``w0, w1, ...`` of the bounded store at ``path``, each with ``rows`` rows
+    (:func:`make_rows`) committed in segments of 20."""
+    import grain_replay as gr
+
+    ws = [
+        gr.ReplayWriter(path, fmt, capacity=capacity, writer_id=f"w{i}", segment_rows=20)
+        for i in range(n)
+    ]
+    for i, w in enumerate(ws):
+        w.append(make_rows(f"w{i}", 0, rows))
+        w.flush()
+    return ws
+
+
+def spawn_writer(
+    path: str, fmt: str, writer_id: str, capacity: int, *flags: str, stdout: Any = None
+) -> subprocess.Popen[bytes]:
+    """This module as a writer process (``flags`` as in the usage above); its markers go to
+    ``stdout`` (default: dropped; ``subprocess.PIPE`` to read them)."""
+    argv = [sys.executable, os.path.abspath(__file__), path, fmt, writer_id, str(capacity)]
+    return subprocess.Popen(
+        [*argv, *flags],
+        stdout=subprocess.DEVNULL if stdout is None else stdout,
+        cwd=os.getcwd(),
+    )
+
+
+def wait_for_commit(path: str, writer_id: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Waits until ``writer_id`` has committed once, failing if a writer process exits first."""
+    while not os.path.exists(os.path.join(path, "writers", writer_id, "manifest.json")):
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        time.sleep(0.01)
 
 
 def _say(line: str) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "free_port",
     "new_children",
     "run_job",
+    "run_workers",
     "wait_no_new_children",
 ]
 
@@ -178,3 +179,24 @@ def run_job(
         why = f"timed out after {timeout_s:.0f} s" if timed_out else "failed"
         pytest.fail(f"{len(cmds)}-process job {why}:\n{report}{stacks}")
     return [json.loads(o.read_text()) for o in outs]
+
+
+def run_workers(
+    worker: Path, num_processes: int, out_dir: Path, *args: str, local_devices: int = 4
+) -> list[dict[str, Any]]:
+    """Runs ``worker`` as each process of one JAX job on CPU (:func:`run_job`).
+
+    Process ``i`` gets ``--port=P --process-id=I``, then ``args``, then ``--out=OUT``
+    (where its JSON result goes), with ``local_devices`` CPU devices.
+    """
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    port = free_port()
+    outs = [out_dir / f"out{i}.json" for i in range(num_processes)]
+    cmds = [
+        [sys.executable, str(worker), f"--port={port}", f"--process-id={i}", *args,
+         f"--out={outs[i]}"]
+        for i in range(num_processes)
+    ]  # fmt: skip
+    return run_job(cmds, env, out_dir, outs)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from procs import free_port, run_job
+from procs import run_workers
 
 import grain_replay as gr
 
@@ -19,24 +17,9 @@ NUM_PROCESSES = 2
 
 def _run_job(store: str, batch_size: int, out_dir: Path) -> list[dict[str, Any]]:
     """Runs the two processes to completion; kills both and reports their output on any failure."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
-    outs = [out_dir / f"out{i}.json" for i in range(NUM_PROCESSES)]
-    cmds = [
-        [
-            sys.executable,
-            str(WORKER),
-            f"--port={port}",
-            f"--process-id={i}",
-            f"--store={store}",
-            f"--batch-size={batch_size}",
-            f"--out={outs[i]}",
-        ]
-        for i in range(NUM_PROCESSES)
-    ]
-    return run_job(cmds, env, out_dir, outs)
+    return run_workers(
+        WORKER, NUM_PROCESSES, out_dir, f"--store={store}", f"--batch-size={batch_size}"
+    )
 
 
 @pytest.mark.parametrize("n", [96, 100], ids=["divisible", "remainder"])

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from procs import free_port, run_job
+from procs import run_workers
 
 import grain_replay as gr
 
@@ -17,22 +15,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_sampling_w
 
 
 def _run_job(args: list[str], out_dir: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
-    outs = [out_dir / f"out{i}.json" for i in range(2)]
-    cmds = [
-        [
-            sys.executable,
-            str(WORKER),
-            f"--port={port}",
-            f"--process-id={i}",
-            *args,
-            f"--out={outs[i]}",
-        ]
-        for i in range(2)
-    ]
-    return run_job(cmds, env, out_dir, outs)
+    return run_workers(WORKER, 2, out_dir, *args)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

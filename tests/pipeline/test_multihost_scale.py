@@ -6,14 +6,12 @@ checkpoint on 4 again, each continuing the same global stream.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from procs import free_port, run_job
+from procs import run_workers
 
 import grain_replay as gr
 
@@ -25,24 +23,10 @@ SAVE_AT = 2  # the resumed run starts at global step 2 and crosses into epoch 1
 
 def _run_job(num_processes: int, out_dir: Path, *extra: str) -> list[dict[str, Any]]:
     """Runs the processes to completion; kills all and reports their output on any failure."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
-    outs = [out_dir / f"out{i}.json" for i in range(num_processes)]
-    cmds = [
-        [
-            sys.executable,
-            str(WORKER),
-            f"--port={port}",
-            f"--process-id={i}",
-            f"--num-processes={num_processes}",
-            f"--out={outs[i]}",
-            *extra,
-        ]
-        for i in range(num_processes)
-    ]
-    return run_job(cmds, env, out_dir, outs)
+    return run_workers(
+        WORKER, num_processes, out_dir, f"--num-processes={num_processes}", *extra,
+        local_devices=2,
+    )  # fmt: skip
 
 
 def _write_store(path: Path, n: int) -> str:

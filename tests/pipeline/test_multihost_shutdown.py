@@ -9,13 +9,11 @@ must finish within the job limit (``procs.JOB_TIMEOUT_S``, 120 s: below the stal
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import jax
 import pytest
-from procs import free_port, run_job
+from procs import run_workers
 
 import grain_replay as gr
 
@@ -23,22 +21,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "multihost_shutdown_w
 
 
 def _run_job(num_processes: int, out_dir: Path) -> list[dict[str, object]]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
-    outs = [out_dir / f"out{i}.json" for i in range(num_processes)]
-    cmds = [
-        [
-            sys.executable,
-            str(WORKER),
-            f"--port={port}",
-            f"--process-id={i}",
-            f"--num-processes={num_processes}",
-            f"--out={outs[i]}",
-        ]
-        for i in range(num_processes)
-    ]
-    return run_job(cmds, env, out_dir, outs)
+    return run_workers(WORKER, num_processes, out_dir, f"--num-processes={num_processes}")
 
 
 @pytest.mark.parametrize("attempt", [0, 1])

@@ -68,7 +68,8 @@ def test_stream_equals_the_in_process_stream(path: str, workers: int) -> None:
     assert len(got) == len(want) == 26
     for g, w in zip(got, want, strict=True):
         assert_tree_equal(g, w)
-        assert g["id"].flags.writeable and g["id"].flags.owndata  # a copy, not the slot
+        # A view of the worker's shared-memory slot (no copy), writable.
+        assert g["id"].flags.writeable and not g["id"].flags.owndata
     with pytest.raises(StopIteration):
         next(it)
 

@@ -10,23 +10,18 @@ other writer goes on; a reopened writer continues after its last committed row.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from parts_child import check_rows, make_rows, spawn_writer, tag_of
 
 import grain_replay as gr
-
-HELPERS = Path(__file__).parent.parent / "helpers"
-sys.path.insert(0, str(HELPERS))
-from parts_child import check_rows, make_rows, tag_of  # noqa: E402
 
 CAPACITY = 60
 SEGMENT_ROWS = 16
@@ -37,12 +32,8 @@ class _Child:
 
     def __init__(self, path: str, fmt: str, writer_id: str) -> None:
         self.writer_id = writer_id
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPERS / "parts_child.py"), path, fmt, writer_id,
-             str(CAPACITY), "--block", "5", "--segment-rows", str(SEGMENT_ROWS)],
-            stdout=subprocess.PIPE,
-            cwd=os.getcwd(),
-        )  # fmt: skip
+        flags = ("--block", "5", "--segment-rows", str(SEGMENT_ROWS))
+        self.proc = spawn_writer(path, fmt, writer_id, CAPACITY, *flags, stdout=subprocess.PIPE)
         self.lines: list[str] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -64,6 +55,8 @@ class _Child:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         self._thread.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         done = [int(x.split()[1]) for x in self.lines if x.startswith("C ")]
         begun = [int(x.split()[1]) for x in self.lines if x.startswith("F ")]
         first = int(self.lines[0].split()[1]) if self.lines else 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -20,18 +19,6 @@ minari = pytest.importorskip("minari")
 pytest.importorskip("gymnasium")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def minari_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = str(tmp_path_factory.mktemp("minari"))
-    old = os.environ.get("MINARI_DATASETS_PATH")
-    os.environ["MINARI_DATASETS_PATH"] = root
-    yield root
-    if old is None:
-        del os.environ["MINARI_DATASETS_PATH"]
-    else:
-        os.environ["MINARI_DATASETS_PATH"] = old
 
 
 def _dataset(root: str, dataset_id: str) -> str:

@@ -9,7 +9,6 @@ import os
 import pickle
 import shutil
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -30,18 +29,6 @@ pytest.importorskip("pyarrow")
 PIL = pytest.importorskip("PIL.Image")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def minari_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = str(tmp_path_factory.mktemp("minari_formats"))
-    old = os.environ.get("MINARI_DATASETS_PATH")
-    os.environ["MINARI_DATASETS_PATH"] = root
-    yield root
-    if old is None:
-        del os.environ["MINARI_DATASETS_PATH"]
-    else:
-        os.environ["MINARI_DATASETS_PATH"] = old
 
 
 def _collect(root: str, dataset_id: str, env: str, episodes: int, **kwargs: Any) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,29 +9,21 @@ import grain
 import jax
 import numpy as np
 import pytest
+from bounded_cases import FORMATS_AND_WORKERS
+from parts_child import (
+    check_rows,
+    make_rows,
+    open_writers,
+    spawn_writer,
+    tag_of,
+    wait_for_commit,
+)
 
 import grain_replay as gr
 from grain_replay.sampling.priority_slots import CHUNK, SlotPrioritySampler
 
-HELPERS = Path(__file__).parent.parent / "helpers"
-sys.path.insert(0, str(HELPERS))
-from parts_child import check_rows, make_rows, tag_of  # noqa: E402
-
 SEQ = (1 << 40) - 1
 CAP = 120
-
-
-def _writers(
-    path: str, fmt: str = "npy", n: int = 2, capacity: int | None = CAP, rows: int = 150
-) -> list[gr.ReplayWriter]:
-    ws = [
-        gr.ReplayWriter(path, fmt, capacity=capacity, writer_id=f"w{i}", segment_rows=20)
-        for i in range(n)
-    ]
-    for i, w in enumerate(ws):
-        w.append(make_rows(f"w{i}", 0, rows))
-        w.flush()
-    return ws
 
 
 def _grow(ws: list[gr.ReplayWriter], rows: int) -> None:
@@ -61,27 +50,17 @@ def _sampler(path: str, **kwargs: Any) -> SlotPrioritySampler:
 
 def _leaves(s: SlotPrioritySampler, ids: np.ndarray) -> np.ndarray:
     """The tree leaf of each id's slot (test-only: through the sampler's own lookup)."""
-    _, _, slot, holds, *_ = s._locate(np.asarray(ids, dtype=np.int64))
-    assert holds.all()
-    return s._tree.get(slot)
+    slot = s.slots_of(ids)
+    assert (slot >= 0).all()
+    return s.leaves()[slot]
 
 
-@pytest.mark.parametrize(
-    ("fmt", "workers"),
-    [
-        ("npy", 0),
-        ("npy", 2),
-        ("hdf5", 0),
-        ("zarr", 0),
-        pytest.param("hdf5", 2, marks=pytest.mark.slow),
-        pytest.param("zarr", 2, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize(("fmt", "workers"), FORMATS_AND_WORKERS)
 def test_draws_only_live_rows_named_by_id_while_writers_evict(
     tmp_path: Path, fmt: str, workers: int
 ) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path, fmt)
+    ws = open_writers(path, fmt)
     src = gr.open_source(path)
     tags = {src.writer_ordinals[f"w{i}"]: tag_of(f"w{i}") for i in range(2)}
     loader = gr.make_data_loader(
@@ -124,13 +103,13 @@ def test_draws_only_live_rows_named_by_id_while_writers_evict(
 
 def test_new_rows_enter_at_the_largest_priority_given_so_far(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path)
+    ws = open_writers(path)
     s = _sampler(path)
     ids, _ = s.draw(0)
     s.update(ids, np.full(len(ids), 7.0), stamp=0)
     s.update(ids[:1], np.array([0.5]), stamp=0)
     s.draw(1)
-    assert s._max == 7.0
+    assert s.max_priority == 7.0
     _grow(ws, 10)
     s.refresh()
     s.draw(2)
@@ -149,7 +128,7 @@ def test_an_update_of_an_evicted_row_is_ignored_and_never_changes_another(
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "store")
-    (w,) = _writers(path, n=1)
+    (w,) = open_writers(path, n=1)
     s = _sampler(path)
     drawn, _ = s.draw(0)
     s.update(drawn, np.full(len(drawn), 3.0), stamp=1)  # queued: reaches the draw of step 1
@@ -161,18 +140,18 @@ def test_an_update_of_an_evicted_row_is_ignored_and_never_changes_another(
     live = src.ids(np.arange(len(src)))
     assert not np.isin(drawn, live).any()
     np.testing.assert_allclose(_leaves(s, live), 3.0)  # at max, but from no write onto them
-    assert s._tree.total == pytest.approx(3.0 * CAP)
+    assert s.leaves().sum() == pytest.approx(3.0 * CAP)
     # an update after the eviction: accepted, ignored
     s.update(drawn, np.full(len(drawn), 100.0), stamp=2)
     s.draw(2)
     np.testing.assert_allclose(_leaves(s, live), 3.0)
-    assert s._tree.total == pytest.approx(3.0 * CAP)
+    assert s.leaves().sum() == pytest.approx(3.0 * CAP)
     w.close()
 
 
 def test_tree_size_follows_live_rows_after_ten_times_capacity(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path, n=3, rows=10)
+    ws = open_writers(path, n=3, rows=10)
     s = _sampler(path)
     for step in range(40):
         _grow(ws, 31)  # 10x capacity and more per writer, in flushes that wrap the ring
@@ -182,19 +161,19 @@ def test_tree_size_follows_live_rows_after_ten_times_capacity(tmp_path: Path) ->
     assert ws[0].committed > 10 * CAP
     assert s.live_slots == 3 * CAP
     assert s.slot_count == 3 * CAP  # the ring of a writer of capacity < CHUNK is one chunk
-    assert len(s._tree) == s.slot_count
+    assert len(s.leaves()) == s.slot_count
     src = gr.open_source(path)
     live = src.ids(np.arange(len(src)))
-    held = np.sort(s._ids[s._ids >= 0])
-    np.testing.assert_array_equal(held, np.sort(live))
-    assert (s._tree.values[s._ids < 0] == 0).all()
+    ids = s.held_ids()
+    np.testing.assert_array_equal(np.sort(ids[ids >= 0]), np.sort(live))
+    assert (s.leaves()[ids < 0] == 0).all()
     for w in ws:
         w.close()
 
 
 def test_unbounded_many_writer_store_grows_slots_per_writer(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path, capacity=None, rows=50)
+    ws = open_writers(path, capacity=None, rows=50)
     s = _sampler(path)
     s.draw(0)
     assert s.live_slots == 100 and s.slot_count == 2 * CHUNK
@@ -209,7 +188,7 @@ def test_unbounded_many_writer_store_grows_slots_per_writer(tmp_path: Path) -> N
 
 def test_processes_own_disjoint_rows_by_id(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path)
+    ws = open_writers(path)
     samplers = [_sampler(path, shard_index=p, shard_count=2) for p in range(2)]
     drawn: list[set[int]] = [set(), set()]
     for step in range(30):
@@ -231,7 +210,7 @@ def test_processes_own_disjoint_rows_by_id(tmp_path: Path) -> None:
 
 def test_same_seed_and_updates_give_the_same_draws_with_0_and_2_workers(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    for w in _writers(path, n=3):
+    for w in open_writers(path, n=3):
         w.close()
 
     def run(workers: int) -> list[np.ndarray]:
@@ -261,7 +240,7 @@ def test_a_row_gone_before_the_reader_opened_it_comes_back_named_minus_one(
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "store")
-    (w,) = _writers(path, n=1)
+    (w,) = open_writers(path, n=1)
     src = gr.open_source(path)
     it = iter(
         gr.make_data_loader(
@@ -286,10 +265,10 @@ def test_a_row_gone_before_the_reader_opened_it_comes_back_named_minus_one(
 
 def test_bad_updates_are_refused_and_change_nothing(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path)
+    ws = open_writers(path)
     s = _sampler(path)
     ids, _ = s.draw(0)
-    before = s._tree.values.copy()
+    before = s.leaves()
     src = gr.open_source(path)
     undrawn = np.setdiff1d(src.ids(np.arange(len(src))), ids)[:2]
     ahead = np.array([(ids[0] >> 40 << 40) | 10_000], dtype=np.int64)
@@ -302,7 +281,7 @@ def test_bad_updates_are_refused_and_change_nothing(tmp_path: Path) -> None:
     with pytest.raises(gr.InvalidPriorityError, match="one priority per index"):
         s.update(ids, np.ones(3), stamp=0)
     s.draw(1)
-    np.testing.assert_array_equal(s._tree.values, before)
+    np.testing.assert_array_equal(s.leaves(), before)
     for w in ws:
         w.close()
 
@@ -323,7 +302,7 @@ def test_an_empty_store_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_maps_run_on_the_rows_and_batches_stay_sampled(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    for w in _writers(path):
+    for w in open_writers(path):
         w.close()
 
     class Double(grain.transforms.Map):
@@ -351,18 +330,10 @@ def test_maps_run_on_the_rows_and_batches_stay_sampled(tmp_path: Path) -> None:
 
 def test_writer_processes_and_a_prioritized_learner_at_once(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HELPERS / "parts_child.py"), path, "npy", f"p{i}", "100",
-             "--blocks", "150", "--block", "10", "--segment-rows", "20"],
-            stdout=subprocess.DEVNULL,
-            cwd=os.getcwd(),
-        )
-        for i in range(2)
-    ]  # fmt: skip
+    flags = ("--blocks", "150", "--block", "10", "--segment-rows", "20")
+    procs = [spawn_writer(path, "npy", f"p{i}", 100, *flags) for i in range(2)]
     try:
-        while not os.path.exists(os.path.join(path, "writers", "p1", "manifest.json")):
-            assert all(p.poll() is None for p in procs)
+        wait_for_commit(path, "p1", procs)
         src = gr.open_source(path)
         loader = gr.make_data_loader(
             src, batch_size=32, sampling=gr.PrioritizedReplay(refresh_every=1), worker_count=2

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bounded_cases import FORMATS_AND_WORKERS
+from parts_child import (
+    check_rows,
+    make_rows,
+    open_writers,
+    spawn_writer,
+    tag_of,
+    wait_for_commit,
+)
 
 import grain_replay as gr
-
-HELPERS = Path(__file__).parent.parent / "helpers"
-sys.path.insert(0, str(HELPERS))
-from parts_child import check_rows, make_rows, tag_of  # noqa: E402
-
-
-def _writers(path: str, fmt: str, n: int = 2, capacity: int = 120) -> list[gr.ReplayWriter]:
-    ws = [
-        gr.ReplayWriter(path, fmt, capacity=capacity, writer_id=f"w{i}", segment_rows=20)
-        for i in range(n)
-    ]
-    for i, w in enumerate(ws):
-        w.append(make_rows(f"w{i}", 0, 150))
-        w.flush()
-    return ws
 
 
 def _live(batch: dict[str, np.ndarray], committed: dict[int, tuple[int, int]]) -> None:
@@ -36,22 +27,12 @@ def _live(batch: dict[str, np.ndarray], committed: dict[int, tuple[int, int]]) -
         assert lo <= seq < hi, (tag, seq, lo, hi)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "workers"),
-    [
-        ("npy", 0),
-        ("npy", 2),
-        ("hdf5", 0),
-        ("zarr", 0),
-        pytest.param("hdf5", 2, marks=pytest.mark.slow),
-        pytest.param("zarr", 2, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize(("fmt", "workers"), FORMATS_AND_WORKERS)
 def test_uniform_reads_only_live_rows_while_writers_evict(
     tmp_path: Path, fmt: str, workers: int
 ) -> None:
     path = str(tmp_path / "store")
-    ws = _writers(path, fmt)
+    ws = open_writers(path, fmt)
     tags = {f"w{i}": tag_of(f"w{i}") for i in range(2)}
     # rows ever live: [0, committed) per writer; the batch must hold rows of the
     # snapshot it was drawn from, which are newer than committed - capacity then.
@@ -85,7 +66,7 @@ def test_uniform_reads_only_live_rows_while_writers_evict(
 
 def test_uniform_over_a_static_bounded_store_matches_workers_and_resumes(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    for w in _writers(path, "npy", n=3):
+    for w in open_writers(path, "npy", n=3):
         w.close()
     args = dict(batch_size=8, sampling=gr.UniformReplay(), seed=3)
     plain = iter(gr.make_data_loader(gr.open_source(path), **args))
@@ -107,7 +88,7 @@ def test_mixture_of_an_offline_dataset_and_an_online_bounded_store(tmp_path: Pat
     offline = str(tmp_path / "offline")
     gr.write_npy(offline, make_rows("offline", 0, 500))
     online = str(tmp_path / "online")
-    ws = _writers(online, "npy")
+    ws = open_writers(online, "npy")
     loader = gr.make_data_loader(
         {"offline": gr.open_source(offline), "online": gr.open_source(online)},
         weights={"offline": 0.5, "online": 0.5},
@@ -137,7 +118,7 @@ def test_a_row_gone_before_any_reader_opened_it_is_an_error_not_another_row(
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "store")
-    (w,) = _writers(path, "npy", n=1)
+    (w,) = open_writers(path, "npy", n=1)
     drawer = gr.open_source(path)
     ids = drawer.ids(np.arange(5))  # the oldest live rows
     reader = gr.open_source(path)
@@ -154,30 +135,10 @@ def test_a_row_gone_before_any_reader_opened_it_is_an_error_not_another_row(
 
 def test_writer_processes_and_a_learner_at_once(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HELPERS / "parts_child.py"),
-                path,
-                "npy",
-                f"p{i}",
-                "100",
-                "--blocks",
-                "150",
-                "--block",
-                "10",
-                "--segment-rows",
-                "20",
-            ],
-            stdout=subprocess.DEVNULL,
-            cwd=os.getcwd(),
-        )
-        for i in range(2)
-    ]
+    flags = ("--blocks", "150", "--block", "10", "--segment-rows", "20")
+    procs = [spawn_writer(path, "npy", f"p{i}", 100, *flags) for i in range(2)]
     try:
-        while not os.path.exists(os.path.join(path, "writers", "p1", "manifest.json")):
-            assert all(p.poll() is None for p in procs)
+        wait_for_commit(path, "p1", procs)
         src = gr.open_source(path)
         it = iter(gr.make_data_loader(src, batch_size=32, sampling=gr.UniformReplay(1)))
         while any(p.poll() is None for p in procs):

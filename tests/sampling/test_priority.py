@@ -241,3 +241,19 @@ def test_replay_dataset_iterator_takes_updates_and_checkpoints(path: str) -> Non
     again.set_priority_state(priorities)
     for w in want:
         np.testing.assert_array_equal(next(again).index, w)
+
+
+def test_an_edited_batch_index_is_checked_again_not_taken_for_the_drawn_rows(path: str) -> None:
+    it = iter(_loader(path, batch_size=4))
+    batch = next(it)
+    never = np.setdiff1d(np.arange(100), batch.index)[0]
+    before = it.priority_state()
+    batch.index[1] = never  # the learner edits the array it got (a drawn batch no more)
+    with pytest.raises(gr.PriorityIndexError, match=rf"rows \[{never}\] were never handed out"):
+        it.update_priorities(batch.index, np.ones(4))
+    np.testing.assert_array_equal(it.priority_state()["values"], before["values"])
+    batch.index[1] = batch.data["id"][1]  # the drawn batch again: accepted
+    it.update_priorities(batch.index, np.full(4, 5.0))
+    next(it)
+    values = it.priority_state()["values"]
+    np.testing.assert_allclose(values[batch.index], 5.0 + 1e-6)

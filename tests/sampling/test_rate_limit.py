@@ -353,23 +353,30 @@ def test_dead_learner_does_not_hold_writers(tmp_path: Path, caplog: Any) -> None
         proc.join(10)
 
 
-def test_stale_learner_on_another_host_does_not_hold_writers(tmp_path: Path, caplog: Any) -> None:
-    path = str(tmp_path / "s")
-    _store(path, 16)
-    base = learners_lib.Progress(
+def _publish_other_learner(
+    path: str, *, sampled: int, tolerance: float, stale_after: float, pid: int
+) -> None:
+    """Publishes the progress of a learner on another host, heartbeat now, into ``path``."""
+    progress = learners_lib.Progress(
         name="process-0-of-1.json",
-        sampled=0,
+        sampled=sampled,
         drawn=8,
         batch=8,
         samples_per_insert=1.0,
-        tolerance=8.0,
+        tolerance=tolerance,
         min_size=0,
         heartbeat=time.time(),
-        stale_after=0.5,
-        pid=1,
+        stale_after=stale_after,
+        pid=pid,
         host=socket.gethostname() + "-other",
     )
-    learners_lib.publish(os.path.join(path, "learners"), base)
+    learners_lib.publish(os.path.join(path, "learners"), progress)
+
+
+def test_stale_learner_on_another_host_does_not_hold_writers(tmp_path: Path, caplog: Any) -> None:
+    path = str(tmp_path / "s")
+    _store(path, 16)
+    _publish_other_learner(path, sampled=0, tolerance=8.0, stale_after=0.5, pid=1)
     w = gr.ReplayWriter(path, "npy", writer_id="w", rate_limit_timeout=0.2)
     w.append(make_rows("w", 0, 20))
     with pytest.raises(gr.RateLimitTimeoutError):
@@ -461,20 +468,7 @@ def test_prioritized_plain_store_holds_its_writer(tmp_path: Path) -> None:
 def test_second_live_learner_is_refused(tmp_path: Path) -> None:
     path = str(tmp_path / "s")
     _store(path, 64)
-    other = learners_lib.Progress(
-        name="process-0-of-1.json",
-        sampled=8,
-        drawn=8,
-        batch=8,
-        samples_per_insert=1.0,
-        tolerance=16.0,
-        min_size=0,
-        heartbeat=time.time(),
-        stale_after=60.0,
-        pid=4242,
-        host=socket.gethostname() + "-other",
-    )
-    learners_lib.publish(os.path.join(path, "learners"), other)
+    _publish_other_learner(path, sampled=8, tolerance=16.0, stale_after=60.0, pid=4242)
     it = iter(_loader(path, samples_per_insert=1.0))
     with pytest.raises(gr.InvalidSamplingError, match=r"another rate-limited learner.*pid 4242"):
         next(it)

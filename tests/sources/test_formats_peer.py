@@ -43,7 +43,16 @@ def _expect(root: str, case: str) -> tuple[dict[str, np.ndarray], dict[str, Any]
     return {k: np.load(os.path.join(folder, v)) for k, v in info["files"].items()}, info
 
 
-@pytest.mark.parametrize("case", ["torchrl_partial", "torchrl_wrapped", "torchrl_pytree"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "torchrl_partial",
+        "torchrl_wrapped",
+        "torchrl_pytree",
+        "torchrl_h5_partial",  # H5StorageCheckpointer's checkpoint.h5
+        "torchrl_h5_wrapped",
+    ],
+)
 def test_torchrl_dump_equals_torchrl_loads_oldest_first(root: str, case: str) -> None:
     want, info = _expect(root, case)
     src = gr.open_source(os.path.join(root, case))
@@ -78,7 +87,7 @@ def test_vault_equals_flashbax_read(root: str) -> None:
     assert terminated.tolist() == term[ends - 1].tolist()
 
 
-@pytest.mark.parametrize("case", ["torchrl_wrapped", "peer.vlt"])
+@pytest.mark.parametrize("case", ["torchrl_wrapped", "torchrl_h5_wrapped", "peer.vlt"])
 def test_library_files_through_two_workers_and_sharded_device_put(root: str, case: str) -> None:
     src = gr.open_source(os.path.join(root, case))
     _, info = _expect(root, case)

@@ -57,7 +57,8 @@ def test_cache_is_bounded(tmp_path: Any) -> None:
 
 def test_truncated_file_raises_invalid_store(tmp_path: Any) -> None:
     path = gr.write_hdf5(str(tmp_path / "t.h5"), make_tree())
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 3])
     with pytest.raises(gr.GrainReplayError, match=r"t\.h5"):

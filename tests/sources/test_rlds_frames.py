@@ -234,3 +234,23 @@ def test_workers_fill_one_cache_the_main_process_reads(
     for k in IMAGES:
         np.testing.assert_array_equal(got[k], data[k][:n])
         np.testing.assert_array_equal(warm[k], data[k][:n])
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_read_into_fills_images_in_place_cold_warm_and_uncached(
+    ds: tuple[str, dict[str, np.ndarray]], budget: int | None
+) -> None:
+    root, data = ds
+    ids = np.array([3, 3, 0, sum(LENGTHS) - 1, 11])
+    kw = {} if budget is None else {"frame_cache_bytes": budget}
+    src = gr.RLDSDataSource(root, keys=IMAGES, progress=False, **kw)
+    for _ in range(2):  # cold (decoded into out, then cached), then warm (read back)
+        out = {k: np.full((len(ids), *data[k].shape[1:]), 7, np.uint8) for k in IMAGES}
+        bases = {k: out[k].__array_interface__["data"][0] for k in IMAGES}
+        src.read_into(ids, out)
+        for k in IMAGES:
+            assert out[k].__array_interface__["data"][0] == bases[k]
+            np.testing.assert_array_equal(out[k], data[k][ids])
+    strided = np.zeros((len(ids) * 2, *data[IMAGES[0]].shape[1:]), np.uint8)[::2]
+    src.read_into(ids, {IMAGES[0]: strided})  # not contiguous: read, then copied in
+    np.testing.assert_array_equal(strided, data[IMAGES[0]][ids])

@@ -168,12 +168,3 @@ def test_filled_length_past_the_capacity_is_refused(tmp_path: Any) -> None:
         json.dump({"metadata": {}, "is_pytree": False, "len": 9}, f)
     with pytest.raises(gr.InvalidStoreError, match="len=9"):
         gr.TorchRLDataSource(path)
-
-
-def test_h5_checkpointer_dump_says_how_to_dump_instead(tmp_path: Any) -> None:
-    storage = tmp_path / "rb" / "storage"
-    storage.mkdir(parents=True)
-    (storage / "checkpoint.h5").write_bytes(b"\x89HDF\r\n\x1a\n")
-    assert gr.formats.detect_format(str(tmp_path / "rb")) == "torchrl"
-    with pytest.raises(gr.InvalidStoreError, match=r"checkpoint\.h5: .*H5StorageCheckpointer.*Fix"):
-        gr.open_source(str(tmp_path / "rb"))

@@ -6,18 +6,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from parts_child import check_rows, make_rows, spawn_writer
 
 import grain_replay as gr
 from grain_replay import parts as parts_lib
-
-HELPERS = Path(__file__).parent.parent / "helpers"
-sys.path.insert(0, str(HELPERS))
-from parts_child import check_rows, make_rows  # noqa: E402
 
 FORMATS = ["npy", "hdf5", "zarr"]
 
@@ -176,20 +172,8 @@ def test_reader_refresh_sees_new_writers_and_rereads_only_changed_ones(
 
 
 def _holder(path: str, writer_id: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(HELPERS / "parts_child.py"),
-            path,
-            "npy",
-            writer_id,
-            "50",
-            "--blocks",
-            "3",
-            "--hold",
-        ],
-        stdout=subprocess.PIPE,
-        cwd=os.getcwd(),
+    proc = spawn_writer(
+        path, "npy", writer_id, 50, "--blocks", "3", "--hold", stdout=subprocess.PIPE
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -211,6 +195,8 @@ def test_a_live_id_is_refused_naming_its_holder_and_a_dead_ones_is_taken_over(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     with gr.ReplayWriter(path, capacity=50, writer_id="actor-3") as w:  # died: taken over
         assert w.committed == 21
         owner = json.loads(Path(parts_lib.writer_dir(path, "actor-3"), "owner.json").read_text())
@@ -220,23 +206,7 @@ def test_a_live_id_is_refused_naming_its_holder_and_a_dead_ones_is_taken_over(
 def test_writer_processes_append_at_once(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HELPERS / "parts_child.py"),
-                path,
-                "npy",
-                f"p{i}",
-                "200",
-                "--blocks",
-                "60",
-                "--block",
-                "5",
-            ],
-            stdout=subprocess.DEVNULL,
-            cwd=os.getcwd(),
-        )
-        for i in range(3)
+        spawn_writer(path, "npy", f"p{i}", 200, "--blocks", "60", "--block", "5") for i in range(3)
     ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     src = gr.open_source(path, keys=["seq", "tag", "vec", "_writer"])

@@ -18,8 +18,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
-from grain_replay.writers import background
+from grain_replay.writers import background, device_leaves
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
+from tests.helpers.store_reads import read_all
 
 SUFFIXES = {"npy": "s", "hdf5": "s.h5", "zarr": "s.zarr"}
 BACKEND_CLASSES = {"npy": NpyBackend, "hdf5": HDF5Backend, "zarr": ZarrBackend}
@@ -68,14 +69,6 @@ def _expected(blocks: int, rows: int = 16) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _read_all(path: str) -> dict[str, np.ndarray]:
-    src = gr.open_source(path)
-    try:
-        return src.read_batch(np.arange(len(src)))
-    finally:
-        src.close()
-
-
 @pytest.fixture
 def slow_copy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``to_host`` (the wait for a leaf's copy) blocks until ``release`` is set; records threads."""
@@ -93,6 +86,12 @@ def slow_copy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state["release"].set()
 
 
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread writes each append as it comes (no batching), so a failure happens now."""
+    monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
+
+
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
 @pytest.mark.parametrize("fmt", list(SUFFIXES))
 def test_device_appends_round_trip_in_append_order(tmp_path: Any, fmt: str, bounded: bool) -> None:
@@ -106,7 +105,7 @@ def test_device_appends_round_trip_in_append_order(tmp_path: Any, fmt: str, boun
                 assert w.flush() == 5 * 16
         assert len(w) == blocks * 16
         assert w.flush() == blocks * 16
-    got = _read_all(path)
+    got = read_all(path)
     want = _expected(blocks)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -117,7 +116,7 @@ def test_accelerator_path_starts_copy_to_host_async(
 ) -> None:
     # A CPU device's array is host memory (no copy to start); on an accelerator every
     # device leaf's copy starts at append. Take that path with CPU arrays.
-    monkeypatch.setattr(background, "_on_host", lambda leaf: False)
+    monkeypatch.setattr(device_leaves, "on_host", lambda leaf: False)
     started: list[tuple[int, ...]] = []
     array_type = type(_sharded(np.zeros((8, 1), np.float32)))
     real = array_type.copy_to_host_async
@@ -132,7 +131,7 @@ def test_accelerator_path_starts_copy_to_host_async(
         for i in range(3):
             w.append(_on_device(_block(i), i))
     assert started == [(16, 3), (16,), (16,), (16, 3), (16, 3), (16,)]
-    np.testing.assert_array_equal(_read_all(path)["obs"], _expected(3)["obs"])
+    np.testing.assert_array_equal(read_all(path)["obs"], _expected(3)["obs"])
 
 
 def test_device_append_reopened_store_continues(tmp_path: Any) -> None:
@@ -142,7 +141,7 @@ def test_device_append_reopened_store_continues(tmp_path: Any) -> None:
     with gr.ReplayWriter(path) as w:
         w.append(_on_device(_block(1), 1))
         assert len(w) == 32
-    np.testing.assert_array_equal(_read_all(path)["action"], _expected(2)["action"])
+    np.testing.assert_array_equal(read_all(path)["action"], _expected(2)["action"])
 
 
 def test_append_returns_before_the_copy_and_flush_waits(
@@ -163,35 +162,7 @@ def test_append_returns_before_the_copy_and_flush_waits(
     assert flushed.is_set() and w.committed == 32
     assert slow_copy["calls"] >= 3 and set(slow_copy["threads"]) == {THREAD}
     w.close()
-    np.testing.assert_array_equal(_read_all(path)["obs"], _expected(2)["obs"])
-
-
-def test_queued_trees_written_as_one_block_in_order(
-    tmp_path: Any, slow_copy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    writes: list[int] = []
-    real = NpyBackend.write
-
-    def write(self: Any, arrays: dict[str, np.ndarray], start: int) -> None:
-        if "action" in arrays:
-            writes.append(len(arrays["action"]))
-        real(self, arrays, start)
-
-    monkeypatch.setattr(NpyBackend, "write", write)
-    path = _path(tmp_path, "npy")
-    with gr.ReplayWriter(path) as w:
-        w.append(_on_device(_block(0), 0))
-        deadline = time.monotonic() + 30
-        while not slow_copy["calls"] and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the thread waits in this one's copy
-        for i in range(1, 6):  # queued behind it meanwhile: device, mixed and host trees
-            w.append(_on_device(_block(i), i) if i != 3 else _block(i))
-        slow_copy["release"].set()
-        assert w.flush() == 96
-    assert writes == [16, 80]  # the first alone, the five behind it as one block
-    got = _read_all(path)
-    for k, v in _expected(6).items():
-        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    np.testing.assert_array_equal(read_all(path)["obs"], _expected(2)["obs"])
 
 
 def test_host_appends_to_an_idle_writer_stay_in_the_caller(tmp_path: Any) -> None:
@@ -210,7 +181,7 @@ def test_host_buffer_reused_after_a_queued_append(tmp_path: Any, slow_copy: dict
         w.append(buf)  # queued behind the device block: its arrays are copied now
         buf["action"][:] = -1  # the caller reuses its buffer
         slow_copy["release"].set()
-    np.testing.assert_array_equal(_read_all(path)["action"], _expected(2)["action"])
+    np.testing.assert_array_equal(read_all(path)["action"], _expected(2)["action"])
 
 
 def test_inflight_bound_makes_append_wait(tmp_path: Any, slow_copy: dict[str, Any]) -> None:
@@ -289,7 +260,12 @@ def _fail_on_leaf(monkeypatch: pytest.MonkeyPatch, cls: type, leaf: str) -> dict
 @pytest.mark.parametrize("bounded", [False, True], ids=["plain", "bounded"])
 @pytest.mark.parametrize("fmt", list(SUFFIXES))
 def test_failing_background_write_raised_naming_the_leaf(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fmt: str, bounded: bool, raised_by: str
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    eager: None,
+    fmt: str,
+    bounded: bool,
+    raised_by: str,
 ) -> None:
     path = _path(tmp_path, fmt)
     cls = NpySegmentBackend if bounded and fmt == "npy" else BACKEND_CLASSES[fmt]
@@ -326,13 +302,13 @@ def test_failing_background_write_raised_naming_the_leaf(
         w.close()  # releases the store; the error was raised already
     w.close()  # twice is fine
     # The rows committed before the failure are intact, and the store reopens.
-    got = _read_all(path)
+    got = read_all(path)
     for k, v in _expected(2).items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
     with gr.ReplayWriter(path, format=fmt, **kwargs) as again:
         assert again.committed == 32
         again.append(_on_device(_block(2), 2))
-    np.testing.assert_array_equal(_read_all(path)["action"], _expected(3)["action"])
+    np.testing.assert_array_equal(read_all(path)["action"], _expected(3)["action"])
 
 
 def test_failing_copy_names_the_leaf(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -395,8 +371,8 @@ def test_crash_loses_only_rows_after_the_last_flush(tmp_path: Any) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 3, proc.stderr
-    np.testing.assert_array_equal(_read_all(path)["x"], np.arange(64))
+    np.testing.assert_array_equal(read_all(path)["x"], np.arange(64))
     with gr.ReplayWriter(path) as w:  # reopens after the committed rows
         assert w.committed == 64
         w.append({"x": jnp.arange(64, 70, dtype=jnp.int32)})
-    np.testing.assert_array_equal(_read_all(path)["x"], np.arange(70))
+    np.testing.assert_array_equal(read_all(path)["x"], np.arange(70))

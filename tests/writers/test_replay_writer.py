@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import zarr
+from conformance import assert_same_tree
 
 import grain_replay as gr
 from grain_replay import tree as tree_lib
@@ -70,19 +71,6 @@ def _concat(blocks: list[Any]) -> Any:
     )
 
 
-def _assert_trees_equal(got: Any, want: Any) -> None:
-    got_leaves, got_def = tree_lib.flatten(got)
-    want_leaves, want_def = tree_lib.flatten(want)
-    assert got_def == want_def
-    assert list(got_leaves) == list(want_leaves)
-    for key, w in want_leaves.items():
-        g = got_leaves[key]
-        w = np.asarray(w)
-        assert isinstance(g, np.ndarray), (key, type(g))
-        assert g.dtype == w.dtype, key
-        np.testing.assert_array_equal(g, w, err_msg=key)
-
-
 def _read_all(path: str) -> tuple[int, Any]:
     src = gr.open_source(path)
     try:
@@ -137,7 +125,7 @@ def test_append_blocks_round_trip_equal_concatenation(tmp_path, fmt, kind):
     want = _concat(blocks)
     n, got = _read_all(path)
     assert n == sum(sizes)
-    _assert_trees_equal(got, want)
+    assert_same_tree(got, want)
     src = gr.open_source(path)
     assert type(src) is SOURCE_CLASSES[fmt]
     for i in (0, 1, n // 2, n - 1, -1):
@@ -167,9 +155,7 @@ def test_first_append_of_zero_rows_creates_empty_store(tmp_path, fmt):
             src[0]
         w.append(_block("dict", 0, 4))
     assert src.refresh() == 4
-    _assert_trees_equal(
-        src.read_batch([3, 0]), _concat([_block("dict", 3, 1), _block("dict", 0, 1)])
-    )
+    assert_same_tree(src.read_batch([3, 0]), _concat([_block("dict", 3, 1), _block("dict", 0, 1)]))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -257,7 +243,7 @@ def test_close_commits_pending_rows_and_is_idempotent(tmp_path, fmt):
     w.close()
     n, got = _read_all(path)
     assert n == 7
-    _assert_trees_equal(got, _block("dict", 0, 7))
+    assert_same_tree(got, _block("dict", 0, 7))
     with pytest.raises(gr.GrainReplayError, match="closed"):
         w.append(_block("dict", 7, 1))
 
@@ -317,7 +303,7 @@ def test_reader_opened_during_appends_sees_only_committed_rows(tmp_path, fmt):
     src = gr.open_source(path)
     assert len(src) == 10
     got = src.read_batch(np.arange(10))
-    _assert_trees_equal(got, _block("namedtuple", 0, 10))
+    assert_same_tree(got, _block("namedtuple", 0, 10))
     for leaf in tree_lib.flatten(got)[0].values():
         assert len(leaf) == 10
     with pytest.raises(IndexError, match="10"):
@@ -326,10 +312,10 @@ def test_reader_opened_during_appends_sees_only_committed_rows(tmp_path, fmt):
         src.read_batch([10])
     w.flush()
     assert len(src) == 10  # a source is a snapshot until refresh()
-    _assert_trees_equal(src.read_batch(np.arange(10)), _block("namedtuple", 0, 10))
+    assert_same_tree(src.read_batch(np.arange(10)), _block("namedtuple", 0, 10))
     fresh = gr.open_source(path)
     assert len(fresh) == 16
-    _assert_trees_equal(fresh.read_batch(np.arange(16)), _block("namedtuple", 0, 16))
+    assert_same_tree(fresh.read_batch(np.arange(16)), _block("namedtuple", 0, 16))
     w.close()
 
 
@@ -348,7 +334,7 @@ def test_refresh_picks_up_newly_committed_rows(tmp_path, fmt):
         w.flush()
         assert src.refresh() == 43
         assert repr(src) != before and "43" in repr(src)
-        _assert_trees_equal(src.read_batch(np.arange(43)), _block("dict", 0, 43))
+        assert_same_tree(src.read_batch(np.arange(43)), _block("dict", 0, 43))
         np.testing.assert_array_equal(src[-1]["obs"], np.full(3, 42, np.float32))
 
 
@@ -421,7 +407,7 @@ def test_reopen_continues_after_committed_rows(tmp_path, fmt):
         w.append(_block("namedtuple", 6, 8))
     n, got = _read_all(path)
     assert n == 14
-    _assert_trees_equal(got, _block("namedtuple", 0, 14))
+    assert_same_tree(got, _block("namedtuple", 0, 14))
 
 
 _ABANDON = """
@@ -550,7 +536,7 @@ def test_append_mismatched_tree_raises_invalid_tree_error(tmp_path, fmt, case):
         w.append(_block("dict", 4, 2))
     n, got = _read_all(path)
     assert n == 6
-    _assert_trees_equal(got, _block("dict", 0, 6))
+    assert_same_tree(got, _block("dict", 0, 6))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -616,7 +602,7 @@ def test_append_to_one_shot_store_continues_it(tmp_path, fmt):
         w.append(_block("nested", 9, 4))
     n, got = _read_all(path)
     assert n == 13
-    _assert_trees_equal(got, _block("nested", 0, 13))
+    assert_same_tree(got, _block("nested", 0, 13))
     with gr.ReplayWriter(path) as w:
         w.append(_block("nested", 13, 1))
     assert _read_all(path)[0] == 14
@@ -632,7 +618,7 @@ def test_append_to_one_shot_contiguous_hdf5_raises_invalid_store_error(tmp_path)
     _assert_lock_free(path)
     n, got = _read_all(path)
     assert n == 4
-    _assert_trees_equal(got, _block("dict", 0, 4))
+    assert_same_tree(got, _block("dict", 0, 4))
 
 
 def test_append_to_one_shot_chunked_hdf5_continues_it(tmp_path):
@@ -642,7 +628,7 @@ def test_append_to_one_shot_chunked_hdf5_continues_it(tmp_path):
         w.append(_block("dict", 10, 7))
     n, got = _read_all(path)
     assert n == 17
-    _assert_trees_equal(got, _block("dict", 0, 17))
+    assert_same_tree(got, _block("dict", 0, 17))
 
 
 def test_append_to_one_shot_compressed_hdf5_is_refused_like_create(tmp_path):
@@ -707,4 +693,4 @@ def test_zarr_compression_zstd_round_trips(tmp_path):
     assert "zstd" in codecs
     n, got = _read_all(path)
     assert n == 50
-    _assert_trees_equal(got, _block("nested", 0, 50))
+    assert_same_tree(got, _block("nested", 0, 50))

@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import zarr
+from conformance import assert_same_tree
 
 import grain_replay as gr
 from grain_replay import tree as tree_lib
@@ -28,17 +29,8 @@ def _store(tmp_path, fmt: str) -> str:
     return str(tmp_path / SUFFIXES[fmt])
 
 
-def _assert_trees_equal(got, want) -> None:
-    got_leaves, got_def = tree_lib.flatten(got)
-    want_leaves, want_def = tree_lib.flatten(want)
-    assert got_def == want_def
-    assert list(got_leaves) == list(want_leaves)
-    for key, w in want_leaves.items():
-        g = got_leaves[key]
-        w = np.asarray(w)
-        assert isinstance(g, (np.ndarray, np.generic)), (key, type(g))
-        assert g.dtype == w.dtype, key
-        np.testing.assert_array_equal(g, w, err_msg=key)
+def _same(got, want) -> None:
+    assert_same_tree(got, want, numpy_scalars=True)
 
 
 def _index(tree, i):
@@ -79,10 +71,10 @@ def test_round_trip_equal_values_and_dtypes_each_format(tmp_path, fmt, kind):
     assert written == os.path.abspath(_store(tmp_path, fmt))
     with gr.open_source(written) as src:
         assert len(src) == 6
-        _assert_trees_equal(src.read_batch(np.arange(6)), tree)
+        _same(src.read_batch(np.arange(6)), tree)
         for i in (0, 3, -1):
-            _assert_trees_equal(src[i], _index(tree, i))
-        _assert_trees_equal(src.read_batch([5, 0, 5, -6]), _index(tree, np.array([5, 0, 5, 0])))
+            _same(src[i], _index(tree, i))
+        _same(src.read_batch([5, 0, 5, -6]), _index(tree, np.array([5, 0, 5, 0])))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -128,7 +120,7 @@ def test_round_trip_zero_records(tmp_path, fmt):
     tree = {"obs": np.zeros((0, 3), np.float32), "action": np.zeros(0, np.int32)}
     with gr.open_source(gr.write(_store(tmp_path, fmt), tree)) as src:
         assert len(src) == 0
-        _assert_trees_equal(src.read_batch([]), tree)
+        _same(src.read_batch([]), tree)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -198,7 +190,7 @@ def test_format_writers_write_their_format_whatever_suffix(tmp_path, writer, nam
     tree = {"obs": np.arange(8.0).reshape(4, 2), "t": (np.arange(4),)}
     path = writer(tmp_path / name, tree)
     with cls(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(4)), tree)
+        _same(src.read_batch(np.arange(4)), tree)
     with gr.open_source(path) as src:
         assert type(src) is cls
 
@@ -216,8 +208,8 @@ def test_hdf5_chunk_rows_and_compression_layout(tmp_path, compression):
             assert f[key].chunks[0] == 7
             assert f[key].compression == compression
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(20)), tree)
-        _assert_trees_equal(src.read_batch([19, 0, 7, 7]), _index(tree, np.array([19, 0, 7, 7])))
+        _same(src.read_batch(np.arange(20)), tree)
+        _same(src.read_batch([19, 0, 7, 7]), _index(tree, np.array([19, 0, 7, 7])))
 
 
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
@@ -228,7 +220,7 @@ def test_hdf5_compression_alone_gives_chunked_layout(tmp_path, compression):
         assert f["obs"].chunks is not None
         assert f["obs"].compression == compression
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(10)), tree)
+        _same(src.read_batch(np.arange(10)), tree)
 
 
 def test_hdf5_default_layout_contiguous_uncompressed(tmp_path):
@@ -258,8 +250,8 @@ def test_zarr_chunk_rows_and_compression_layout(tmp_path, compression, codec):
         else:
             assert [type(c) for c in arr.compressors] == [codec]
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(20)), tree)
-        _assert_trees_equal(src.read_batch([19, 0, 7, 7]), _index(tree, np.array([19, 0, 7, 7])))
+        _same(src.read_batch(np.arange(20)), tree)
+        _same(src.read_batch([19, 0, 7, 7]), _index(tree, np.array([19, 0, 7, 7])))
 
 
 @pytest.mark.parametrize(
@@ -293,14 +285,14 @@ def test_hdf5_chunked_round_trip_zero_size_record_dim(tmp_path, option):
     tree = {"a": np.zeros((4, 0), np.float32), "b": np.arange(4)}
     path = gr.write(tmp_path / "x.h5", tree, **option)
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(4)), tree)
+        _same(src.read_batch(np.arange(4)), tree)
 
 
 def test_zarr_chunked_round_trip_zero_size_record_dim(tmp_path):
     tree = {"a": np.zeros((4, 0), np.float32), "b": np.arange(4)}
     path = gr.write(tmp_path / "x.zarr", tree, chunk_rows=3, compression="zstd")
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(4)), tree)
+        _same(src.read_batch(np.arange(4)), tree)
 
 
 # -- jax and bare arrays ----------------------------------------------------------
@@ -314,7 +306,7 @@ def test_write_accepts_jax_arrays(tmp_path, fmt):
     want = {k: np.asarray(v) for k, v in tree.items()}
     with gr.open_source(gr.write(_store(tmp_path, fmt), tree)) as src:
         got = src.read_batch(np.arange(6))
-        _assert_trees_equal(got, want)
+        _same(got, want)
         assert all(type(v) is np.ndarray for v in got.values())
 
 
@@ -392,7 +384,7 @@ def test_write_overwrite_replaces_existing_store(tmp_path, fmt):
     assert gr.write(path, new, overwrite=True) == path
     with gr.open_source(path) as src:
         assert src.keys == ["b"]
-        _assert_trees_equal(src.read_batch(np.arange(5)), new)
+        _same(src.read_batch(np.arange(5)), new)
     if fmt != "hdf5":
         # The old store's files are gone, not merged with the new ones.
         names = set(os.listdir(path))
@@ -457,7 +449,7 @@ def test_write_failure_mid_write_leaves_old_store_intact(tmp_path, monkeypatch, 
     assert _snapshot(path) == before
     assert _partials(tmp_path) == []
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(3)), old)
+        _same(src.read_batch(np.arange(3)), old)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -615,7 +607,7 @@ def test_write_dot_segment_dict_key_refused_or_contained(tmp_path, fmt, key):
     # Accepted: then it must round-trip and stay inside the store.
     assert os.listdir(parent) == [SUFFIXES[fmt]]
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(3)), tree)
+        _same(src.read_batch(np.arange(3)), tree)
 
 
 def test_write_zarr_reserved_key_refused_or_round_trips(tmp_path):
@@ -627,7 +619,7 @@ def test_write_zarr_reserved_key_refused_or_round_trips(tmp_path):
         assert "'zarr.json'" in str(e) and "Fix" in str(e)  # noqa: PT017 - raising is allowed
         return
     with gr.open_source(path) as src:
-        _assert_trees_equal(src.read_batch(np.arange(3)), tree)
+        _same(src.read_batch(np.arange(3)), tree)
 
 
 @pytest.mark.parametrize(

@@ -13,29 +13,23 @@ from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, Invalid
 from grain_replay.layout import LeafSpec
 from grain_replay.rl._sequence_spec import frame_offset
 from grain_replay.rl.episodes import EpisodeIndex
-from grain_replay.rl.lerobot.columns import ColumnReader, ParquetFiles, Segments
-from grain_replay.rl.lerobot.images import EncodedCache, ImageReader
+from grain_replay.rl.lerobot.handle import FrameHandle
 from grain_replay.rl.lerobot.meta import (
     IMAGE,
     STRING,
     VIDEO,
-    LeRobotMeta,
     camera_shape,
     read_meta,
 )
-from grain_replay.rl.lerobot.video import VideoFiles, VideoReader
 from grain_replay.sources.base import Layout, ReplaySource
-from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from grain_replay.sources.reading.readers import Handle, LeafReader, window_rows
+from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
+from grain_replay.sources.reading.readers import Handle, window_rows
 
 __all__ = ["LeRobotDataSource", "DEFAULT_TOLERANCE_S", "DEFAULT_FRAME_CACHE_BYTES"]
 
 # LeRobotDataset's default: a video frame matches a timestamp within 0.1 ms.
 DEFAULT_TOLERANCE_S = 1e-4
 DEFAULT_FRAME_CACHE_BYTES = 64 * 2**20
-# A data file whose frames decode to more than this share of the cache is
-# decoded row group by row group instead of whole.
-_BLOCK_SHARE = 4
 
 
 def _leaf_spec(key: str, ft: Mapping[str, Any], where: str) -> LeafSpec:
@@ -64,58 +58,6 @@ def _seconds(delta: Any, path: Any) -> dict[str, list[float]]:
             f"{os.fspath(path)}: delta_timestamps must map feature names to lists of seconds, "
             f"got {delta!r}. Fix: e.g. delta_timestamps={{'action': [0.0, 0.1, 0.2]}}."
         ) from e
-
-
-class _FrameHandle(Handle):
-    """The per-process state: open parquet files and videos, the decoded-data caches."""
-
-    def __init__(
-        self,
-        meta: LeRobotMeta,
-        spec: Mapping[str, LeafSpec],
-        numeric_spec: Mapping[str, LeafSpec],
-        image_keys: Sequence[str],
-        cache_bytes: int,
-        frame_cache_bytes: int,
-        tolerance_s: float,
-    ):
-        self.files = ParquetFiles(meta.root, meta.data_files)
-        self.videos = VideoFiles(meta.root)
-        cameras = [k for k in spec if k in meta.cameras]
-        images = [k for k in spec if k in image_keys]
-        numeric = {k: s for k, s in spec.items() if k in numeric_spec}
-        if cameras and "timestamp" not in numeric:
-            numeric["timestamp"] = numeric_spec["timestamp"]
-        cache = ChunkCache(cache_bytes)
-        row_bytes = 0
-        for k, s in numeric.items():
-            nbytes = s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64))
-            cache.register(k, meta.num_frames * nbytes)
-            row_bytes += nbytes
-        segments = Segments(meta.data_files, row_bytes, max(1, cache.max_bytes // _BLOCK_SHARE))
-        readers: dict[str, LeafReader] = {
-            k: ColumnReader(k, s.shape, s.dtype, self.files, segments, cache)
-            for k, s in numeric.items()
-        }
-        frames = ChunkCache(frame_cache_bytes)
-        encoded = EncodedCache(frame_cache_bytes)
-        for key in images:
-            shape = spec[key].shape
-            readers[key] = ImageReader(
-                key, (shape[0], shape[1], shape[2]), self.files, segments, encoded, frames
-            )
-        for cam in cameras:
-            readers[cam] = VideoReader(
-                meta.cameras[cam], readers["timestamp"], meta.ends, meta.episode_index,
-                self.videos, frames, meta.fps, tolerance_s,
-            )  # fmt: skip
-        self.readers = readers
-        self.numeric_cache = cache
-        self.frame_cache = frames
-
-    def close(self) -> None:
-        self.files.close()
-        self.videos.close()
 
 
 class LeRobotDataSource(ReplaySource):
@@ -300,7 +242,7 @@ class LeRobotDataSource(ReplaySource):
     def _open(self) -> Handle:
         if self._seq is not None:
             return Handle()  # the reads go through the sequence view
-        return _FrameHandle(
+        return FrameHandle(
             self._meta, self._layout.spec, self._numeric_spec, self._image_keys,
             self._cache_bytes, self._frame_cache_bytes, self._tolerance_s,
         )  # fmt: skip

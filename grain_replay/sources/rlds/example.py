@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 __all__ = ["FeatureValues", "WireError", "decode_varints", "parse_example"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_NO_INTS = np.zeros(0, np.int64)
+_NO_INTS.flags.writeable = False
 
 
 class WireError(ValueError):
@@ -94,31 +97,43 @@ def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _bytes_list(buf: bytes, pos: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths of a BytesList's values (field 1, length-delimited)."""
+def _bytes_list(buf: Any, pos: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of a BytesList's values (field 1, length-delimited).
+
+    The per-value loop is the index build's hot path (one image a step): the tag is
+    compared as a byte and the length's varint decoded inline.
+    """
     offsets: list[int] = []
     lengths: list[int] = []
+    add_offset, add_length = offsets.append, lengths.append
     while pos < end:
-        key = buf[pos]
-        if key != 0x0A:  # field 1, LEN: the only field a BytesList has; skip others
+        if buf[pos] != 0x0A:  # field 1, LEN: the only field a BytesList has; skip others
             key, pos = _varint(buf, pos, end)
             if key >> 3 == 1:
                 raise WireError("a BytesList value is not length-delimited")
             pos = _skip(buf, pos, end, key & 7)
             continue
-        pos += 1
-        if pos >= end:
+        if pos + 1 >= end:
             raise WireError("a BytesList value runs past the end of its message")
-        n = buf[pos]
-        if n < 0x80:
-            pos += 1
-        else:
-            n, pos = _varint(buf, pos, end)
-        offsets.append(pos)
-        lengths.append(n)
+        n = buf[pos + 1]
+        pos += 2
+        if n >= 0x80:  # two- and three-byte lengths unrolled (images); longer ones by _varint
+            b1 = buf[pos] if pos < end else 0x80
+            if b1 < 0x80:
+                n = (n & 0x7F) | b1 << 7
+                pos += 1
+            else:
+                b2 = buf[pos + 1] if pos + 1 < end else 0x80
+                if b2 < 0x80:
+                    n = (n & 0x7F) | (b1 & 0x7F) << 7 | b2 << 14
+                    pos += 2
+                else:
+                    n, pos = _varint(buf, pos - 1, end)
+        add_offset(pos)
+        add_length(n)
         pos += n
-        if pos > end:
-            raise WireError("a BytesList value runs past the end of its message")
+    if pos > end:
+        raise WireError("a BytesList value runs past the end of its message")
     return np.array(offsets, np.int64), np.array(lengths, np.int64)
 
 
@@ -145,7 +160,46 @@ def decode_varints(data: bytes | memoryview | np.ndarray) -> np.ndarray:
     return np.bitwise_or.reduceat(parts, starts).view(np.int64)
 
 
-def _feature(buf: bytes, start: int, stop: int) -> FeatureValues:
+def _payload(buf: Any, pos: int, end: int) -> int:
+    """Where the payload of the length-delimited field whose length varint is at ``pos``
+    starts, if it ends exactly at ``end`` (a message's only field); else -1."""
+    n = buf[pos]
+    if n < 0x80:
+        pos += 1
+    else:
+        try:
+            n, pos = _varint(buf, pos, end)
+        except WireError:
+            return -1
+    return pos if pos + n == end else -1
+
+
+def _feature(buf: Any, start: int, stop: int) -> FeatureValues:
+    # The common layout first: one list field (tag 0x0A, 0x12 or 0x1A) filling the Feature,
+    # holding one packed run (or the BytesList's values).
+    if start + 1 < stop and buf[start] in (0x0A, 0x12, 0x1A):
+        kind = buf[start] >> 3
+        a = _payload(buf, start + 1, stop)
+        if a >= 0:
+            if kind == 1:
+                offsets, lengths = _bytes_list(buf, a, stop)
+                return FeatureValues("bytes", len(offsets), offsets=offsets, lengths=lengths)
+            if a == stop:  # an empty list
+                return (
+                    FeatureValues("float") if kind == 2 else FeatureValues("int64", values=_NO_INTS)
+                )
+            s = _payload(buf, a + 1, stop) if buf[a] == 0x0A and a + 1 < stop else -1
+            if s >= 0 and kind == 2:
+                if (stop - s) % 4:
+                    raise WireError("a packed FloatList is not a whole number of floats")
+                return FeatureValues("float", (stop - s) // 4, offset=s, stride=4)
+            if s >= 0:
+                ints = decode_varints(np.frombuffer(buf, np.uint8, stop - s, s))
+                return FeatureValues("int64", len(ints), values=ints)
+    return _feature_any(buf, start, stop)
+
+
+def _feature_any(buf: Any, start: int, stop: int) -> FeatureValues:
     fields = _fields(buf, start, stop)
     if not fields:
         return FeatureValues("none")
@@ -181,32 +235,48 @@ def _feature(buf: bytes, start: int, stop: int) -> FeatureValues:
                 raise WireError("an Int64List value is neither a varint nor packed")
             # A packed run's payload, or one unpacked varint's bytes: both decode alike.
             parts.append(decode_varints(memoryview(buf)[s:e]))
-        ints = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        ints = np.concatenate(parts) if parts else _NO_INTS
         return FeatureValues("int64", len(ints), values=ints)
     raise WireError(f"a Feature has the unknown field {kind}")
 
 
-def parse_example(buf: bytes, wanted: set[str] | None = None) -> dict[str, FeatureValues]:
-    """The features of the serialized ``tf.train.Example`` ``buf`` (only ``wanted`` ones).
+def parse_example(
+    buf: Any, wanted: set[str] | None = None, start: int = 0, end: int | None = None
+) -> dict[str, FeatureValues]:
+    """The features of the serialized ``tf.train.Example`` ``buf[start:end]`` (only
+    ``wanted`` ones); offsets are positions in ``buf`` (a ``bytes`` or a read-only map of
+    a whole shard, parsed in place).
 
     Raises:
-      WireError: ``buf`` is not a well-formed Example.
+      WireError: ``buf[start:end]`` is not a well-formed Example.
     """
     out: dict[str, FeatureValues] = {}
-    for field, wire, a, b in _fields(buf, 0, len(buf)):
+    names = None if wanted is None else {w.encode("utf-8"): w for w in wanted}
+    for field, wire, a, b in _fields(buf, start, len(buf) if end is None else end):
         if field != 1 or wire != _LEN:
             continue  # Example.features is field 1
         for entry, ewire, ea, eb in _fields(buf, a, b):
             if entry != 1 or ewire != _LEN:
                 continue  # Features.feature (a map) is field 1
-            name: str | None = None
+            raw: bytes | None = None
             value = (0, 0)
-            for kf, kw, ka, kb in _fields(buf, ea, eb):
-                if kf == 1 and kw == _LEN:
-                    name = buf[ka:kb].decode("utf-8", errors="replace")
-                elif kf == 2 and kw == _LEN:
-                    value = (ka, kb)
-            if name is None or (wanted is not None and name not in wanted):
+            n = buf[ea + 1] if buf[ea] == 0x0A and ea + 1 < eb else 0x80
+            p = ea + 2 + n
+            if n < 0x80 and p < eb and buf[p] == 0x12:  # the usual entry: key, then value
+                raw = buf[ea + 2 : p]
+                q = _payload(buf, p + 1, eb)
+                value = (q, eb) if q >= 0 else (0, 0)
+            if raw is None or value == (0, 0):
+                raw, value = None, (0, 0)
+                for kf, kw, ka, kb in _fields(buf, ea, eb):
+                    if kf == 1 and kw == _LEN:
+                        raw = buf[ka:kb]
+                    elif kf == 2 and kw == _LEN:
+                        value = (ka, kb)
+            if raw is None:
                 continue
-            out[name] = _feature(buf, *value)
+            if names is None:
+                out[bytes(raw).decode("utf-8", errors="replace")] = _feature(buf, *value)
+            elif raw in names:
+                out[names[raw]] = _feature(buf, *value)
     return out

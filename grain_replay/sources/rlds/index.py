@@ -7,6 +7,7 @@ dataset in ``.grain_replay_rlds/`` when the folder is writable, else in
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -22,7 +23,7 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
 from grain_replay.sources.rlds.example import FeatureValues, WireError, parse_example
 from grain_replay.sources.rlds.features import STEPS, Feature
-from grain_replay.sources.rlds.tfrecord import iter_records
+from grain_replay.sources.rlds.tfrecord import frame_records, map_shard
 
 __all__ = ["Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
 
@@ -76,25 +77,32 @@ def index_shard(
     """
     wanted = {f.name for f in features}
     step_feats = [f for f in features if f.level == STEPS]
+    # Per feature, once: (feature, values per record, whether per step, key names).
+    plan = [
+        (f, _per_record(f), f.level == STEPS, f.wire, f"{f.key}#off", f"{f.key}#stride",
+         f"{f.key}#val", f"{f.key}#len")
+        for f in features
+    ]  # fmt: skip
     n_steps: list[int] = []
-    parts: dict[str, list[np.ndarray]] = {}
+    parts: dict[str, list[Any]] = collections.defaultdict(list)
 
-    def add(name: str, value: Any) -> None:
-        parts.setdefault(name, []).append(np.asarray(value).reshape(-1))
-
-    records = (
-        iter_array_records(path)
-        if fmt == "array_record"
-        else iter_records(path, check_crc=check_crc)
-    )
-    for data_off, data in records:
+    # (where offsets in buf are addressed from, buf, the record's bounds in buf)
+    if fmt == "array_record":
+        records: Any = ((a, d, 0, len(d)) for a, d in iter_array_records(path))
+    else:  # parsed in place in a map of the shard: offsets in it are file offsets
+        mapping, address = map_shard(path)
+        records = (
+            (0, mapping, a, a + n)
+            for a, n in frame_records(path, mapping, address, check_crc=check_crc)
+        )
+    for data_off, buf, lo, hi in records:
         where = (
             f"{path}: record {data_off >> RECORD_SHIFT}"
             if fmt == "array_record"
-            else f"{path}: the episode at byte offset {data_off - 12}"
+            else f"{path}: the episode at byte offset {data_off + lo - 12}"
         )
         try:
-            parsed = parse_example(data, wanted)
+            parsed = parse_example(buf, wanted, lo, hi)
         except WireError as e:
             raise InvalidStoreError(
                 f"{where} is not a tf.train.Example ({e}). Fix: the shard is corrupt; copy it "
@@ -104,29 +112,36 @@ def index_shard(
         if n == 0:
             continue  # an empty episode holds no step; its metadata has no record to ride on
         n_steps.append(n)
-        for f in features:
-            count = n * _per_record(f) if f.level == STEPS else _per_record(f)
+        for f, per, per_step, wire, k_off, k_stride, k_val, k_len in plan:
+            count = n * per if per_step else per
             v = parsed.get(f.name)
             _check(v, f, count, where)
             assert v is not None
-            if f.wire == "float":
-                add(f"{f.key}#off", data_off + v.offset)
-                add(f"{f.key}#stride", np.uint8(v.stride))
-            elif f.wire == "int64":
+            if wire == "float":
+                parts[k_off].append(data_off + v.offset)
+                parts[k_stride].append(v.stride)
+            elif wire == "int64":
                 assert v.values is not None
-                add(f"{f.key}#val", _as_dtype(v.values, f.dtype))
+                parts[k_val].append(v.values)
             else:
                 assert v.offsets is not None and v.lengths is not None
-                add(f"{f.key}#off", data_off + v.offsets)
-                add(f"{f.key}#len", v.lengths.astype(np.uint32))
+                parts[k_off].append(v.offsets + data_off if data_off else v.offsets)
+                parts[k_len].append(v.lengths)
     arrays = {"n_steps": np.asarray(n_steps, np.int64)}
-    empty = {"#off": np.int64, "#stride": np.uint8, "#len": np.uint32}
     for f in features:
-        suffixes = {"float": ["#off", "#stride"], "int64": ["#val"]}.get(f.wire, ["#off", "#len"])
-        for s in suffixes:
-            got = parts.get(f.key + s)
-            dtype = f.dtype if s == "#val" else empty[s]
-            arrays[f.key + s] = np.concatenate(got) if got else np.zeros(0, dtype)
+        k = f.key
+        if f.wire == "float":  # one offset and stride an episode
+            arrays[k + "#off"] = np.asarray(parts[k + "#off"], np.int64)
+            arrays[k + "#stride"] = np.asarray(parts[k + "#stride"], np.uint8)
+        elif f.wire == "int64":
+            got = parts[k + "#val"]
+            arrays[k + "#val"] = _as_dtype(
+                np.concatenate(got) if got else np.zeros(0, np.int64), f.dtype
+            )
+        else:
+            for s, dtype in (("#off", np.int64), ("#len", np.uint32)):
+                got = parts[k + s]
+                arrays[k + s] = (np.concatenate(got) if got else np.zeros(0)).astype(dtype)
     return ShardIndex(arrays)
 
 

@@ -189,9 +189,26 @@ class _BytesReader(_Base):
             return out
         return self._images(blobs, episode, j)
 
-    def _cached_images(self, idx: np.ndarray, frames: FrameCache) -> np.ndarray:
+    def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """Images are read (cached frames) or decoded straight into ``out``."""
+        f = self.f
+        if f.kind != "image" or out.dtype != f.dtype or not out.flags.c_contiguous:
+            out[...] = self.take(indices)
+            return
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        frames = self.frames
+        if frames is not None and frames.enabled:
+            self._cached_images(idx, frames, out)
+        else:
+            blobs, episode, j = self._blobs(idx)
+            self._images(blobs, episode, j, out)
+
+    def _cached_images(
+        self, idx: np.ndarray, frames: FrameCache, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Frames from the cache; the others decoded (as without it) and stored there."""
-        out = np.empty((len(idx), *self.f.shape), self.f.dtype)
+        if out is None:
+            out = np.empty((len(idx), *self.f.shape), self.f.dtype)
         _, _, rec = self._records(idx)
         miss = np.flatnonzero(~frames.read(rec, out))
         if miss.size:
@@ -201,9 +218,16 @@ class _BytesReader(_Base):
             frames.write(rec[miss].tolist(), decoded)
         return out
 
-    def _images(self, blobs: list[bytes], episode: np.ndarray, j: np.ndarray) -> np.ndarray:
+    def _images(
+        self,
+        blobs: list[bytes],
+        episode: np.ndarray,
+        j: np.ndarray,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         f = self.f
-        out = np.empty((len(blobs), *f.shape), f.dtype)
+        if out is None:
+            out = np.empty((len(blobs), *f.shape), f.dtype)
         fast = jpeg_decoder()
 
         def decode(k: int) -> None:

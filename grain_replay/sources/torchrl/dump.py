@@ -15,7 +15,6 @@ __all__ = ["DumpLeaf", "TorchRLDump", "find_storage_dir", "numpy_dtype", "read_d
 
 STORAGE_METADATA = "storage_metadata.json"
 TD_METADATA = "meta.json"
-H5_CHECKPOINT = "checkpoint.h5"  # H5StorageCheckpointer's file
 WRITER_METADATA = os.path.join("writer", "metadata.json")
 # torchrl's name for the one tensor of a buffer that holds a bare tensor.
 SINGLE_TENSOR = "_-single-tensor-_"
@@ -125,15 +124,6 @@ def read_dump(path: str) -> TorchRLDump:
     data) is read.
     """
     storage = find_storage_dir(path)
-    for d in (path, os.path.join(path, "storage")):
-        h5 = os.path.join(d, H5_CHECKPOINT)
-        if storage is None and os.path.isfile(h5):
-            raise InvalidStoreError(
-                f"{h5}: a dump by torchrl's H5StorageCheckpointer (trajectories split into "
-                "traj_* groups), which grain_replay does not read yet. Fix: dump the buffer "
-                "with the default checkpointer (TensorStorageCheckpointer: ReplayBuffer(storage="
-                "LazyMemmapStorage(n)).dumps(path)), whose .memmap files are read in place."
-            )
     if storage is None:
         raise StoreNotFoundError(
             f"No torchrl buffer dump at {path}: neither it nor its storage/ holds "

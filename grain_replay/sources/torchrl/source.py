@@ -17,14 +17,15 @@ from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource, check_out
 from grain_replay.sources.reading.files import MappedFile, check_inside
 from grain_replay.sources.reading.readers import ArrayReader, Handle, window_rows
-from grain_replay.sources.torchrl.dump import TorchRLDump, read_dump
+from grain_replay.sources.torchrl.dump import TorchRLDump, find_storage_dir, read_dump
+from grain_replay.sources.torchrl.h5 import H5Checkpoint, find_h5, read_h5
+from grain_replay.sources.torchrl.h5_readers import H5Handle
 
 __all__ = ["TorchRLDataSource"]
 
 
 class _TorchRLHandle(Handle):
-    def __init__(self, source: TorchRLDataSource):
-        dump = source._dump
+    def __init__(self, source: TorchRLDataSource, dump: TorchRLDump):
         n = len(source)
         self.readers = {}
         self.mapped_files = {}
@@ -76,6 +77,11 @@ class TorchRLDataSource(ReplaySource):
     where the oldest one was overwritten. Dumps without a round-robin writer keep
     the storage order.
 
+    A dump by ``H5StorageCheckpointer`` (``checkpoint.h5`` in ``path`` or its
+    ``storage/``, or ``path`` the ``.h5`` file itself) is read in place too: records
+    are the steps of its ``traj_*`` groups, oldest first, with the leaves torchrl's
+    ``ReplayBuffer.loads`` restores (see ``sources/torchrl/h5.py``).
+
     Torch dtypes map to numpy's (``torch.bfloat16`` and the float8 types through
     ``ml_dtypes``); storages with ``ndim > 1``, jagged tensors and unknown dtypes
     are refused with the leaf named; non-tensor data and ``prefetch.pkl`` are
@@ -91,7 +97,7 @@ class TorchRLDataSource(ReplaySource):
       >>> src.read_batch([0, 1])["next"]["reward"].shape
     """
 
-    _dump: TorchRLDump
+    _dump: TorchRLDump | H5Checkpoint
 
     def __init__(
         self,
@@ -103,7 +109,9 @@ class TorchRLDataSource(ReplaySource):
         super().__init__(path, keys, allow_external=allow_external)
 
     def _open(self) -> Handle:
-        return _TorchRLHandle(self)
+        if isinstance(self._dump, H5Checkpoint):
+            return H5Handle(self._dump, self._keys)
+        return _TorchRLHandle(self, self._dump)
 
     # -- records oldest first: record i is storage row (i + start) % N, once per batch ---------
 
@@ -152,7 +160,8 @@ class TorchRLDataSource(ReplaySource):
         super().read_into(self._rows(idx), out, check=False)
 
     def _inspect(self) -> Layout:
-        dump = read_dump(self._path)
+        h5 = find_h5(self._path) if find_storage_dir(self._path) is None else None
+        dump: TorchRLDump | H5Checkpoint = read_dump(self._path) if h5 is None else read_h5(h5)
         if not dump.leaves:
             raise InvalidStoreError(
                 f"{self._path}: the torchrl dump holds no tensor. Fix: extend the buffer "
@@ -162,10 +171,15 @@ class TorchRLDataSource(ReplaySource):
         for k in keys:
             if dump.leaves[k].problem is not None:
                 raise InvalidStoreError(dump.leaves[k].problem)
-            check_inside(self._path, dump.leaves[k].file, k, self._allow_external)
-        spec = {
-            k: layout_lib.LeafSpec(dump.leaves[k].dtype, dump.leaves[k].shape[1:]) for k in keys
-        }
+            if isinstance(dump, TorchRLDump):
+                check_inside(self._path, dump.leaves[k].file, k, self._allow_external)
+        if isinstance(dump, TorchRLDump):
+            shapes = {k: dump.leaves[k].shape[1:] for k in keys}
+            where = {k: dump.leaves[k].file for k in keys}
+        else:
+            shapes = {k: dump.leaves[k].shape for k in keys}
+            where = {k: f"{dump.file}:traj_*/{dump.leaves[k].dataset}" for k in keys}
+        spec = {k: layout_lib.LeafSpec(dump.leaves[k].dtype, shapes[k]) for k in keys}
         treedef = tree_lib.treedef_from_keys(keys)
         ordered = tree_lib.leaf_keys(treedef)
         self._dump = dump
@@ -173,5 +187,5 @@ class TorchRLDataSource(ReplaySource):
             dump.length,
             {k: spec[k] for k in ordered},
             treedef,
-            {k: dump.leaves[k].file for k in ordered},
+            {k: where[k] for k in ordered},
         )

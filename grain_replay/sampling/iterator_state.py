@@ -1,0 +1,183 @@
+"""The checkpoint of a sampling iterator: one JSON document, priorities included.
+
+``get_state()`` of a mixture or replay loader's iterator is JSON bytes holding
+``version``, ``sampling`` (the stream's description), ``position`` (batches
+handed out), ``sampler`` (its state before the next batch), the store's commit
+``watermark``, a rate limit's counters (``rate_limit``) and, with prioritized
+replay, the ``priorities`` (numpy arrays as base64, the draws ahead included).
+Version 1 has none of watermark, rate limit and priorities; version 2 lacks the
+rate limit (its rows handed out are the position's batches).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from grain_replay.errors import ReplayCheckpointError
+from grain_replay.sampling.encoded import decode_arrays, json_pieces
+from grain_replay.sampling.replay import reaches
+from grain_replay.watermark import Watermark
+
+__all__ = [
+    "STATE_VERSION",
+    "Decoded",
+    "check_store",
+    "decode_state",
+    "drawn_arrays",
+    "encode_state",
+    "parse_drawn",
+    "store_watermark",
+]
+
+# 2: the state also holds the store's watermark and, with priorities, the priority state.
+# 3: and, with a rate limit, its counters (a state without them: rows handed out are
+# the position's batches).
+STATE_VERSION = 3
+_READS_VERSIONS = (1, 2, 3)
+
+
+class Decoded(NamedTuple):
+    """A decoded iterator state (checked against the iterator's description)."""
+
+    position: int
+    sampler: Any
+    watermark: Watermark | None
+    rate_limit: Any
+    priorities: dict[str, np.ndarray] | None
+
+
+def encode_state(
+    *,
+    sampling: dict[str, Any],
+    position: int,
+    sampler: Any,
+    watermark: Watermark | None,
+    rate_limit: Any,
+    priorities: Mapping[str, np.ndarray] | None,
+) -> bytes:
+    """The JSON bytes of a state (``priorities`` encoded at once, without a copy)."""
+    out: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "sampling": sampling,
+        "position": position,
+        "sampler": sampler,
+    }
+    if watermark is not None:
+        out["watermark"] = watermark.to_json()
+    if rate_limit is not None:
+        out["rate_limit"] = rate_limit
+    text = json.dumps(out).encode()
+    if priorities is None:
+        return text
+    return b"".join([text[:-1], b', "priorities": ', *json_pieces(priorities), b"}"])
+
+
+def decode_state(state: bytes, sampling: dict[str, Any]) -> Decoded:
+    """:func:`encode_state`'s bytes, for an iterator described by ``sampling``.
+
+    Raises:
+      ReplayCheckpointError: not such a state, or one of another mode, store, batch
+        size or seed.
+    """
+    try:
+        decoded = json.loads(bytes(state).decode())
+        version, described = decoded["version"], decoded["sampling"]
+        position, sampler = int(decoded["position"]), decoded["sampler"]
+        priorities = decoded.get("priorities")
+        if priorities is not None:
+            priorities = decode_arrays(priorities)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ReplayCheckpointError(
+            f"Not a state of a mixture or replay loader ({type(e).__name__}: {e}). "
+            "Fix: pass bytes from get_state() of a loader made with the same arguments."
+        ) from e
+    if version not in _READS_VERSIONS or described != sampling:
+        raise ReplayCheckpointError(
+            f"The state was saved by a loader with {described}; this one has "
+            f"{sampling}. Fix: resume with the same sources, sampling, "
+            "batch_size and seed."
+        )
+    mark = decoded.get("watermark")
+    watermark = None if mark is None else Watermark.from_json(mark)
+    return Decoded(position, sampler, watermark, decoded.get("rate_limit"), priorities)
+
+
+def store_watermark(sampler: Any, source: Any) -> Watermark:
+    """The rows ``sampler`` draws from ``source``, as the store's writers count them."""
+    store = str(getattr(source, "path", None) or repr(source))
+    # A bounded many-writer store names each writer's committed rows in the view:
+    # through commit_watermark(), or the writers' manifests of its snapshot.
+    view = getattr(sampler, "commit_watermark", None)
+    if callable(view):  # the writers' rows the draws come from, as the sampler saw them
+        return Watermark(store, writers=dict(view()))
+    per_writer = getattr(source, "commit_watermark", None)
+    if callable(per_writer):
+        return Watermark(store, writers=dict(per_writer()))
+    manifests = getattr(source, "writers", None)
+    if isinstance(manifests, list) and all(
+        hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
+    ):
+        return Watermark(store, writers={m.writer_id: int(m.committed) for m in manifests})
+    return Watermark(store, rows=int(sampler.bound))
+
+
+def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
+    """The checkpoint's store is this iterator's (``ours``), and holds the rows it covers.
+
+    Raises:
+      ReplayCheckpointError: another store, or rows the checkpoint replayed are gone.
+    """
+    if ours is None:
+        return
+    if saved.store != ours.store:
+        raise ReplayCheckpointError(
+            f"The checkpoint was saved replaying {saved.store}; this iterator replays "
+            f"{ours.store}. Fix: restore into a loader over the store it was saved with."
+        )
+    if saved.rows is not None and not reaches(source, saved.rows):
+        raise ReplayCheckpointError(
+            f"The checkpoint drew from the first {saved.rows} rows of {saved.store}, which "
+            f"holds {len(source)} committed rows now: rows it replayed are gone. Fix: "
+            "restore with the store as it was saved (a writer reopened with resume_from= "
+            "drops only rows after the checkpoint)."
+        )
+
+
+def drawn_arrays(drawn: Mapping[int, Any], next_draw: int) -> dict[str, np.ndarray]:
+    """The draws ahead of a prioritized iterator (``step -> (task, (index, weight), _)``)
+    as arrays: they were drawn with the priorities of their time, so they travel too."""
+    steps = sorted(drawn)
+    b = len(drawn[steps[0]][1][0]) if steps else 0
+    return {
+        "next_draw": np.array(next_draw, dtype=np.int64),
+        "drawn_step": np.array(steps, dtype=np.int64),
+        "drawn_index": np.array([drawn[s][1][0] for s in steps], dtype=np.int64).reshape(
+            len(steps), b
+        ),
+        "drawn_weight": np.array([drawn[s][1][1] for s in steps], dtype=np.float32).reshape(
+            len(steps), b
+        ),
+    }
+
+
+def parse_drawn(state: Mapping[str, Any]) -> tuple[int, dict[int, Any]]:
+    """:func:`drawn_arrays`' arrays back: the next draw and the draws ahead.
+
+    Raises:
+      ReplayCheckpointError: they are missing or do not convert.
+    """
+    try:
+        next_draw = int(state["next_draw"])
+        steps = np.asarray(state["drawn_step"], dtype=np.int64)
+        index = np.asarray(state["drawn_index"], dtype=np.int64)
+        weight = np.asarray(state["drawn_weight"], dtype=np.float32)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ReplayCheckpointError(
+            f"Not a prioritized-replay state ({type(e).__name__}: {e}). Fix: pass what "
+            "priority_state() returned."
+        ) from e
+    return next_draw, {int(s): (i, (i, w), {}) for s, i, w in zip(steps, index, weight)}

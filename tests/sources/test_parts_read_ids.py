@@ -1,0 +1,96 @@
+"""Reads by row id over several writer parts: the mapped fast path agrees with the rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import grain_replay as gr
+from grain_replay.sources.parts_snapshot import Snapshot
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from parts_child import check_rows, make_rows, tag_of
+
+SEQ = (1 << 40) - 1
+
+
+def _store(path: str, fmt: str, writers: int = 3) -> list[gr.ReplayWriter]:
+    """Writers whose segments are whole pages per leaf (512 rows): .npy parts map them."""
+    ws = []
+    for i in range(writers):
+        w = gr.ReplayWriter(path, fmt, capacity=1500, writer_id=f"w{i}", segment_rows=512)
+        w.append(make_rows(f"w{i}", 0, 2600 + 77 * i))  # evicts: live rows start past 0
+        w.flush()
+        ws.append(w)
+    return ws
+
+
+@pytest.mark.parametrize("fmt", ["npy", "hdf5"])
+@pytest.mark.parametrize("with_writer", [False, True])
+def test_ids_of_several_parts_read_their_own_rows_in_batch_order(
+    tmp_path: Path, fmt: str, with_writer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "store")
+    ws = _store(path, fmt)
+    if fmt == "npy":  # every live row is mapped: the fast path, never the segment walk
+
+        def walk(*args: object) -> None:
+            raise AssertionError("read through the segments")
+
+        monkeypatch.setattr(Snapshot, "readable", walk)
+    keys = ["seq", "tag", "vec", "_writer"] if with_writer else None
+    src = gr.open_source(path, keys=keys)
+    ids = src.ids(np.random.default_rng(0).integers(0, len(src), 300))
+    data, ok = src.read_ids_checked(ids)
+    assert ok.all()
+    check_rows(data)
+    np.testing.assert_array_equal(data["seq"], ids & SEQ)
+    tags = {src.writer_ordinals[f"w{i}"]: tag_of(f"w{i}") for i in range(3)}
+    np.testing.assert_array_equal(data["tag"], [tags[o] for o in (ids >> 40).tolist()])
+    if with_writer:
+        np.testing.assert_array_equal(data["_writer"], ids >> 40)
+    # the same rows one by one, through positions
+    for k in (0, 57, 299):
+        row = src[int(src.positions(ids[k : k + 1])[0])]
+        np.testing.assert_array_equal(row["vec"], data["vec"][k])
+    for w in ws:
+        w.close()
+
+
+def test_rows_of_the_snapshot_before_are_read_after_an_eviction(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    ws = _store(path, "npy")
+    src = gr.open_source(path)
+    ids = src.ids(np.arange(len(src)))
+    ws[0].append(make_rows("w0", ws[0].committed, 600))  # w0's oldest segment goes
+    ws[0].flush()
+    src.refresh()
+    data, ok = src.read_ids_checked(ids)  # old rows: outside the new maps, still open
+    assert ok.all()
+    check_rows(data)
+    np.testing.assert_array_equal(data["seq"], ids & SEQ)
+    for w in ws:
+        w.close()
+
+
+def test_an_unknown_writer_or_a_row_past_the_snapshot_leaves_the_fast_path(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "store")
+    ws = _store(path, "npy")
+    src = gr.open_source(path)
+    live = src.ids(np.arange(len(src)))
+    stranger = np.array([live[0], (77 << 40) | 3], dtype=np.int64)
+    with pytest.raises(gr.EvictedRowError, match=r"no writer with ordinal 77.*Fix"):
+        src.read_ids_checked(stranger)
+    ws[1].append(make_rows("w1", ws[1].committed, 5))  # committed after the snapshot
+    ws[1].flush()
+    newest = (np.int64(src.writer_ordinals["w1"]) << 40) | np.int64(ws[1].committed - 1)
+    data, ok = src.read_ids_checked(np.array([live[-1], newest], dtype=np.int64))
+    assert ok.all()  # the reader refreshed to read it
+    np.testing.assert_array_equal(data["seq"], [live[-1] & SEQ, ws[1].committed - 1])
+    for w in ws:
+        w.close()
