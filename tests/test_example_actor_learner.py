@@ -78,6 +78,9 @@ def test_actor_learner_runs_plots_and_prints_the_last_line(tmp_path: Path) -> No
     assert [m.committed for m in replay.writers] == [1000, 1000]  # every env step committed
     result = _result(done.stdout)
     assert result["updates"] == (2000 - 200) * 32 // 64
+    # The actors hold at their shares of --min-size until the learner's first batch:
+    # before it no rate limit holds them, and the first updates would see ~8k rows.
+    assert result["first_batch_at_env_step"] == 200
     assert (store / "ckpt" / str(result["updates"])).is_dir()  # the last checkpoint
 
 
@@ -181,3 +184,113 @@ def test_actor_learner_mean_of_the_last_20_episodes() -> None:
     )
     assert module.mean_last([]) == 0.0
     assert [module.actor_quota(10, 3, k) for k in range(3)] == [4, 3, 3]
+
+
+def test_actor_learner_epsilon_falls_to_final_then_to_end() -> None:
+    eps = _example().epsilon_at
+    quota = 1000  # exploration over the first 160 steps
+    assert eps(0, quota, 0.16, 0.04, 0.01) == 1.0
+    assert eps(80, quota, 0.16, 0.04, 0.01) == pytest.approx(0.52)
+    assert eps(160, quota, 0.16, 0.04, 0.01) == pytest.approx(0.04)
+    assert eps(580, quota, 0.16, 0.04, 0.01) == pytest.approx(0.025)
+    assert eps(999, quota, 0.16, 0.04, 0.01) == pytest.approx(0.01, abs=1e-4)
+    assert eps(5000, quota, 0.16, 0.04, 0.01) == pytest.approx(0.01)  # held past the quota
+    curve = [eps(s, quota, 0.16, 0.04, 0.01) for s in range(quota)]
+    assert (np.diff(curve) <= 0).all()
+    assert eps(500, quota, 0.16, 0.04, 0.04) == pytest.approx(0.04)  # end = final: the zoo's
+
+
+def test_actor_learner_actors_wait_for_the_learners_first_update(tmp_path: Path) -> None:
+    import threading
+
+    module = _example()
+    params = module.init_params(0, 8)
+    path = tmp_path / "params.npz"
+    module.publish_params(path, params, 0)  # what the learner publishes before any batch
+    timer = threading.Timer(0.3, module.publish_params, (path, params, 1))
+    start = time.monotonic()
+    timer.start()
+    try:
+        assert module.await_learner(path, os.getppid()) is True
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start >= 0.25  # it waited for updates >= 1
+    # A learner that is gone (the actor's parent changed) ends the wait: False.
+    module.publish_params(path, params, 0)
+    assert module.await_learner(path, -1) is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-size", "-1"], "--min-size must be 0 or more, got -1"),
+        (["--eval-every", "-5"], "--eval-every must be 0 (none) or positive, got -5"),
+        (["--eval-episodes", "0"], "--eval-episodes must be positive, got 0"),
+        (["--eval-every", "0"], "--keep-best needs evaluations"),
+        (["--end-epsilon", "1.5"], "--end-epsilon must be in [0, 1], got 1.5"),
+        (["--final-epsilon", "-0.1"], "--final-epsilon must be in [0, 1], got -0.1"),
+        (["--env-steps", "1000", "--min-size", "1000"], "must be below --env-steps 1000"),
+    ],
+)
+def test_actor_learner_refuses_bad_flags(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _example().parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def _controller(module: ModuleType, weights: list[float], hidden: int = 4) -> dict[str, np.ndarray]:
+    """Q parameters of a fixed linear controller: push right iff ``weights . obs > 0``."""
+    params = {k: np.zeros_like(v) for k, v in module.init_params(0, hidden).items()}
+    w = np.array(weights, np.float32)
+    params["w1"][:, 0], params["w1"][:, 1] = w, -w
+    params["w2"][0, 0] = params["w2"][1, 1] = 1.0
+    params["w3"][0, 1] = params["w3"][1, 0] = 1.0  # Q(right) = relu(z), Q(left) = relu(-z)
+    return params
+
+
+def test_actor_learner_greedy_return_scores_the_greedy_policy() -> None:
+    module = _example()
+    balance = _controller(module, [0.0, 0.0, 10.0, 1.0])  # pole angle and its velocity
+    assert module.greedy_return(balance, 3, seed=0) == 500.0  # CartPole-v1's cap, every time
+    left = _controller(module, [0.0, 0.0, 0.0, 0.0])
+    left["b3"][0] = 1.0  # always push left: the pole falls within a few steps
+    assert module.greedy_return(left, 3, seed=0) < 20
+    # A weaker controller: its score depends on the episodes, which the seed fixes.
+    weak = _controller(module, [0.0, 0.0, 1.0, 1.0])
+    scores = [module.greedy_return(weak, 3, seed=0) for _ in range(2)]
+    assert scores[0] == scores[1] and 100 < scores[0] < 500
+
+
+def test_actor_learner_keep_best_switches_the_actors_to_the_best_and_back(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    module = _example()
+    balance = _controller(module, [0.0, 0.0, 10.0, 1.0])  # scores 500
+    left = _controller(module, [0.0, 0.0, 0.0, 0.0])
+    left["b3"][0] = 1.0  # scores ~10
+    args = argparse.Namespace(eval_episodes=2, seed=0, keep_best=True)
+    path = tmp_path / "params.npz"
+    module.publish_params(path, left, 0)
+    first = {"params": left, "score": np.array(-1.0), "playing": np.array(False)}
+    # The newest parameters beat the best so far: they are the best, actors follow them.
+    best = module._evaluate(args, {"params": balance, "best": first}, 1000, path)
+    assert float(best["score"]) == 500.0 and not best["playing"]
+    np.testing.assert_array_equal(best["params"]["w1"], balance["w1"])
+    # Newer ones score worse: the actors get the best parameters, published now.
+    best = module._evaluate(args, {"params": left, "best": best}, 2000, path)
+    assert best["playing"] and float(best["score"]) == 500.0
+    published, stamp = module.load_params(path)
+    np.testing.assert_array_equal(published["w1"], balance["w1"])
+    assert stamp == 2000
+    # As good as the best again: it becomes the best, the actors follow the newest.
+    best = module._evaluate(args, {"params": balance, "best": best}, 3000, path)
+    assert not best["playing"]
+    # --no-keep-best: the actors always follow the newest parameters.
+    args.keep_best = False
+    best = module._evaluate(args, {"params": left, "best": best}, 4000, path)
+    assert not best["playing"] and float(best["score"]) == 500.0
+    assert module.load_params(path)[1] == 2000  # nothing published by the evaluation
