@@ -12,7 +12,7 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidArgumentError
-from grain_replay.formats import FORMATS, PAGE, format_from_path, import_h5py, import_zarr
+from grain_replay.formats import FORMATS, PAGE, format_from_path, import_h5py, import_zarr, is_url
 from grain_replay.integrity import Checksummer, as_bytes
 from grain_replay.writers.atomic import atomic_path
 
@@ -223,6 +223,20 @@ def _final(meta: layout_lib.StoreMetadata, summer: Checksummer | None) -> layout
 _STORES = {"hdf5": _write_hdf5_store, "npy": _write_npy_store, "zarr": _write_zarr_store}
 
 
+def _local(path: str | os.PathLike[str]) -> str:
+    """The absolute path of a store to write; URLs are refused, not written to a
+    local folder named after the scheme."""
+    text = os.fspath(path)
+    if is_url(text):
+        raise InvalidArgumentError(
+            f"{text}: gr.write, write_hdf5/npy/zarr and grain-replay convert write to a "
+            "local or shared file system only (the atomic commit renames a directory). "
+            "Fix: write to a local path, then upload the Zarr store and read it with "
+            "gr.ZarrDataSource(url, storage_options=...)."
+        )
+    return os.path.abspath(text)
+
+
 def write_blocks(
     path: str | os.PathLike[str],
     meta: layout_lib.StoreMetadata,
@@ -239,7 +253,7 @@ def write_blocks(
     The streaming core of :func:`write` and of ``grain-replay convert``: memory
     is bounded by one block. ``meta`` gives N, the leaves and the structure.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _local(path)
     _check_options(format, path, chunk_rows, compression)
     summer = Checksummer(meta.leaves) if checksum else None
     single_npy = format == "npy" and meta.treedef["type"] == "leaf" and path.endswith(".npy")
@@ -259,7 +273,7 @@ def _write(
     overwrite: bool,
     checksum: bool,
 ) -> str:
-    where = os.path.abspath(os.fspath(path))
+    where = _local(path)
     _check_options(fmt, where, chunk_rows, compression)
     arrays, treedef, n = layout_lib.prepare_leaves(tree, where=where)
     leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}

@@ -93,3 +93,13 @@ def test_a_writer_parts_folder_is_not_opened_over_an_url(s3: S3Server, tmp_path:
     url = s3.upload(path, BUCKET, "parts/replay.zarr")
     with pytest.raises(gr.GrainReplayError):
         gr.open_source(url, storage_options=s3.storage_options())
+
+
+@pytest.mark.parametrize("fmt", ["hdf5", "npy", "zarr"])
+def test_one_shot_writers_refuse_urls_and_write_nothing_locally(tmp_path, monkeypatch, fmt):
+    """gr.write("s3://...") once made a local folder named "s3:"."""
+    monkeypatch.chdir(tmp_path)
+    tree = {"obs": np.zeros((4, 2), np.float32)}
+    with pytest.raises(gr.InvalidArgumentError, match=r"s3://bucket/run\.store.*local.*Fix"):
+        gr.write("s3://bucket/run.store", tree, format=fmt)
+    assert os.listdir(tmp_path) == []
