@@ -359,3 +359,17 @@ class HTTPProxy:
     def _take_fault(self) -> str | None:
         with self._lock:
             return self._faults.popleft() if self._faults else None
+
+
+def serve_bucket(bucket: str) -> Iterator[S3Server]:
+    """A module fixture's body: a local S3 server with ``bucket`` created, stopped
+    afterwards; the test is skipped when moto cannot start on 127.0.0.1."""
+    import pytest
+
+    try:
+        server = S3Server().start()
+    except Exception as e:  # pragma: no cover - depends on the machine
+        pytest.skip(f"cannot start moto's S3 server on 127.0.0.1: {type(e).__name__}: {e}")
+    server.create_bucket(bucket)
+    yield server
+    server.stop()

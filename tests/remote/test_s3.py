@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 from conformance import DataSourceTests, N, assert_tree_equal, make_tree, take
-from s3_server import SECRET_KEY, HTTPProxy, S3Server, free_port, moto_unavailable_reason
+from s3_server import (
+    SECRET_KEY,
+    HTTPProxy,
+    S3Server,
+    free_port,
+    moto_unavailable_reason,
+    serve_bucket,
+)
 
 import grain_replay as gr
 from grain_replay import remote as remote_lib
@@ -27,13 +34,7 @@ BUCKET = "replay-tests"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    try:
-        server = S3Server().start()
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"cannot start moto's S3 server on 127.0.0.1: {type(e).__name__}: {e}")
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+    yield from serve_bucket(BUCKET)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from parts_child import check_rows, make_rows
-from s3_server import S3Server, moto_unavailable_reason
+from s3_server import S3Server, moto_unavailable_reason, serve_bucket
 
 import grain_replay as gr
 from grain_replay.cli import main as cli_main
@@ -30,13 +30,7 @@ BUCKET = "replay-writers"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     pytest.importorskip("zarr")
-    try:
-        server = S3Server().start()
-    except Exception as e:  # pragma: no cover - depends on the machine
-        pytest.skip(f"cannot start moto's S3 server on 127.0.0.1: {type(e).__name__}: {e}")
-    server.create_bucket(BUCKET)
-    yield server
-    server.stop()
+    yield from serve_bucket(BUCKET)
 
 
 def _many_writer_store(path: str) -> dict[str, np.ndarray]:
