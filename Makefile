@@ -97,13 +97,14 @@ bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_s3.py
 
 # torchrl and flashbax (which pulls torch and its own jax) live in a repo-local venv of
-# their own (git-ignored, like .venv-lerobot/).
+# their own (git-ignored, like .venv-lerobot/). torch is pinned to the release whose CPU
+# build the index serves: an unpinned torch resolves to a multi-GB CUDA build.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 
 $(PEERS_STAMP):
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install --quiet torchrl flashbax numpy
+	$(PEERS_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "torchrl==0.14.1" tensordict flashbax numpy
 	touch $(PEERS_STAMP)
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
