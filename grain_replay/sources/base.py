@@ -21,7 +21,7 @@ from grain_replay.errors import (
 )
 from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
-from grain_replay.sources.checks import as_record_index, check_indices, check_out
+from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.surface import BatchSource, SourceSurface
 
@@ -219,14 +219,7 @@ class ReplaySource(SourceSurface):
 
     def _check_index(self, index: Any) -> int:
         """``index`` as a non-negative record number, or the TypeError / RecordIndexError."""
-        i = as_record_index(index, self)
-        n = len(self)
-        if not -n <= i < n:
-            raise RecordIndexError(
-                f"{self._path}: record index {i} is out of range for a store of {n} records "
-                f"(valid: -{n} <= index < {n})."
-            )
-        return i + n if i < 0 else i
+        return record_in_range(as_record_index(index, self), len(self), self._path)
 
     def __getitem__(self, index: int) -> Any:
         """Record ``index`` (negative counts from the end) as a tree of numpy arrays."""

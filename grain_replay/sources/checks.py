@@ -16,7 +16,7 @@ from grain_replay.errors import (
 )
 from grain_replay.layout import LeafSpec
 
-__all__ = ["as_record_index", "check_indices", "check_out"]
+__all__ = ["as_record_index", "record_in_range", "check_indices", "check_out"]
 
 
 def as_record_index(index: Any, owner: object) -> int:
@@ -28,6 +28,20 @@ def as_record_index(index: Any, owner: object) -> int:
             f"{type(owner).__name__} indices must be integers, got {type(index).__name__}. "
             "Fix: use read_batch(indices) for several records."
         ) from e
+
+
+def record_in_range(i: int, n: int, where: str) -> int:
+    """Record ``i`` of a store of ``n`` as a number in ``[0, n)``; negative counts from the end.
+
+    Raises:
+      RecordIndexError: ``i`` is outside ``[-n, n)``, naming it, ``n`` and ``where``.
+    """
+    if not -n <= i < n:
+        raise RecordIndexError(
+            f"{where}: record index {i} is out of range for a store of {n} records "
+            f"(valid: -{n} <= index < {n})."
+        )
+    return i + n if i < 0 else i
 
 
 def check_indices(indices: Any, n: int, where: str) -> np.ndarray:

@@ -26,14 +26,13 @@ from grain_replay.errors import (
     EvictedRowError,
     GrainReplayError,
     InvalidStoreError,
-    RecordIndexError,
     UnknownLeafError,
 )
 from grain_replay.layout import LeafSpec
 from grain_replay.sources import parts_gather as gather
 from grain_replay.sources import parts_ids
 from grain_replay.sources import parts_snapshot as snapshots
-from grain_replay.sources.checks import as_record_index, check_indices, check_out
+from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
 from grain_replay.sources.parts_snapshot import WRITER_KEY, Part, Snapshot
 from grain_replay.sources.surface import SourceSurface
 
@@ -374,14 +373,8 @@ class PartsDataSource(SourceSurface):
         return None if out is None else {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
-        i = as_record_index(index, self)
-        n = len(self)
-        if not -n <= i < n:
-            raise RecordIndexError(
-                f"{self._path}: record index {i} is out of range for a store of {n} records "
-                f"(valid: -{n} <= index < {n})."
-            )
-        flat = self.read_flat(np.array([i % n], dtype=np.int64), check=False)
+        i = record_in_range(as_record_index(index, self), len(self), self._path)
+        flat = self.read_flat(np.array([i], dtype=np.int64), check=False)
         return self._build({k: v[0] for k, v in flat.items()})
 
     def close(self) -> None:

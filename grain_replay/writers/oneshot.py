@@ -255,6 +255,20 @@ def write_blocks(
     """
     path = _local(path)
     _check_options(format, path, chunk_rows, compression)
+    return _write_checked(path, meta, blocks, format, chunk_rows, compression, overwrite, checksum)
+
+
+def _write_checked(
+    path: str,
+    meta: layout_lib.StoreMetadata,
+    blocks: Blocks,
+    format: str,
+    chunk_rows: int | None,
+    compression: str | None,
+    overwrite: bool,
+    checksum: bool,
+) -> str:
+    """:func:`write_blocks` past its checks: ``path`` is absolute and local, the options valid."""
     summer = Checksummer(meta.leaves) if checksum else None
     single_npy = format == "npy" and meta.treedef["type"] == "leaf" and path.endswith(".npy")
     with atomic_path(
@@ -278,10 +292,10 @@ def _write(
     arrays, treedef, n = layout_lib.prepare_leaves(tree, where=where)
     leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
     meta = layout_lib.StoreMetadata(n, leaves, treedef)
-    return write_blocks(
-        path, meta, [(0, arrays)], format=fmt, chunk_rows=chunk_rows,
-        compression=compression, overwrite=overwrite, checksum=checksum,
-    )  # fmt: skip
+    # Checked above, before the leaves are fetched: not again.
+    return _write_checked(
+        where, meta, [(0, arrays)], fmt, chunk_rows, compression, overwrite, checksum
+    )
 
 
 def write_hdf5(

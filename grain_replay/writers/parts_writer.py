@@ -20,7 +20,6 @@ import numpy as np
 from grain_replay import layout as layout_lib
 from grain_replay import parts as parts_lib
 from grain_replay.errors import (
-    GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
@@ -30,6 +29,7 @@ from grain_replay.integrity import Checksummer
 from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
+from grain_replay.writers.lifecycle import LockedWriter
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.store_writer import check_tree_matches
 
@@ -58,7 +58,7 @@ class _Open:
         self.dirty = False
 
 
-class PartWriter:
+class PartWriter(LockedWriter):
     """Appends one writer's rows to its part of a bounded, many-writer store."""
 
     def __init__(
@@ -134,7 +134,7 @@ class PartWriter:
             self._drop_orphans()
             self._reopen_tail()
         except BaseException:
-            self._release()
+            self._release_lock()
             raise
 
     # -- reopening -----------------------------------------------------------------
@@ -240,8 +240,7 @@ class PartWriter:
     ) -> tuple[dict[str, Any], int]:
         """The tree's leaves and rows, checked against the store's (binding it on the first
         append); leaves ``keep`` accepts (device arrays) are checked without a copy."""
-        if self._lock_fd is None:
-            raise GrainReplayError(f"{self._where}: the ReplayWriter is closed.")
+        self._check_open(self._where)
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._where, keep=keep)
         leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
         if self._meta is None:
@@ -350,31 +349,16 @@ class PartWriter:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def _release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the lock file stays (see StoreWriter._release_lock)
-            self._lock_fd = None
+    def _finish(self) -> None:
+        self.flush()
 
-    @property
-    def closed(self) -> bool:
-        return self._lock_fd is None
-
-    def close(self) -> None:
-        if self._lock_fd is None:
-            return
-        try:
-            self.flush()
-        finally:
-            for seg in [*self._full, self._open]:
-                if seg is not None:
-                    seg.backend.close()
-            self._full, self._open = [], None
-            self._release()
-
-    def abandon(self) -> None:
-        """Releases the id without committing (the rows since the last flush are lost)."""
+    def _let_go(self) -> None:
         for seg in [*self._full, self._open]:
             if seg is not None:
                 seg.backend.close()
         self._full, self._open = [], None
-        self._release()
+
+    def abandon(self) -> None:
+        """Releases the id without committing (the rows since the last flush are lost)."""
+        self._let_go()
+        self._release_lock()

@@ -19,7 +19,6 @@ import numpy as np
 
 from grain_replay import layout as layout_lib
 from grain_replay.errors import (
-    GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
@@ -28,6 +27,7 @@ from grain_replay.errors import (
 from grain_replay.formats import FORMATS, detect_format, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
+from grain_replay.writers.lifecycle import LockedWriter
 
 __all__ = ["StoreWriter", "check_tree_matches"]
 
@@ -58,7 +58,7 @@ def check_tree_matches(
         )
 
 
-class StoreWriter:
+class StoreWriter(LockedWriter):
     """Appends to a plain store held with ``flock`` on ``<path>.lock`` (which stays).
 
     Args:
@@ -126,13 +126,6 @@ class StoreWriter:
             ) from e
         return fd
 
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            # The lock file stays: deleting it would let a writer waiting on the
-            # old inode and a new one on a fresh file both hold "the" lock.
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
     def _open_existing(self) -> Backend:
         cls = BACKENDS[self._format]
         meta = cls.read_metadata(self._path)
@@ -182,21 +175,13 @@ class StoreWriter:
             committed,
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._lock_fd is None
+    def _finish(self) -> None:
+        if self._backend is not None:
+            self.flush()
+            self._backend.close()
 
-    def close(self) -> None:
-        """Commits pending rows and releases the store."""
-        if self._lock_fd is None:
-            return
-        try:
-            if self._backend is not None:
-                self.flush()
-                self._backend.close()
-        finally:
-            self._backend = None
-            self._release_lock()
+    def _let_go(self) -> None:
+        self._backend = None
 
     def abandon(self) -> None:
         """Releases the store without committing (the rows since the last flush are lost)."""
@@ -231,8 +216,7 @@ class StoreWriter:
         Raises:
           InvalidTreeError: the tree's structure, dtypes or per-row shapes differ.
         """
-        if self._lock_fd is None:
-            raise GrainReplayError(f"{self._path}: the ReplayWriter is closed.")
+        self._check_open(self._path)
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._path, keep=keep)
         if self._backend is None:
             leaves = {

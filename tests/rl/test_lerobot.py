@@ -291,6 +291,15 @@ def test_delta_timestamps_match_lerobot_getitem_semantics(dataset: Any) -> None:
     assert src.frames.keys == [CAM, CAM2, *NUMERIC]
 
 
+def test_delta_timestamps_read_windows_are_the_records_of_each_window(dataset: Any) -> None:
+    src = gr.LeRobotDataSource(dataset[0], delta_timestamps=DELTA)
+    starts = [0, 4, 11]
+    got = src.read_windows("action", starts, 3)
+    assert got.shape == (3, 3, *src.spec["action"].shape)
+    for j, s in enumerate(starts):
+        np.testing.assert_array_equal(got[j], src.read_leaf("action", [s, s + 1, s + 2]))
+
+
 def test_frame_source_is_a_step_source_for_the_sequence_view(dataset: Any) -> None:
     root, expected = dataset
     frames = gr.LeRobotDataSource(root)

@@ -405,6 +405,22 @@ def test_missing_dataset_files_and_shards_are_named(ds: Any, tmp_path: Any) -> N
         gr.RLDSDataSource(root, progress=False)
 
 
+@pytest.mark.parametrize("name", ["features.json", "dataset_info.json"])
+def test_missing_or_invalid_dataset_json_is_named_with_the_fix(ds: Any, name: str) -> None:
+    root, _ = ds
+    where = os.path.join(root, name)
+    with open(where, "w") as f:
+        f.write("{not json")
+    with pytest.raises(InvalidStoreError, match="is not valid JSON") as bad:
+        gr.RLDSDataSource(root, progress=False)
+    assert where in str(bad.value)
+    os.unlink(where)
+    with pytest.raises(StoreNotFoundError, match="is missing") as missing:
+        gr.RLDSDataSource(root, progress=False)
+    msg = str(missing.value)
+    assert where in msg and "not a TFDS-built dataset directory" in msg and "Fix:" in msg
+
+
 def test_shard_that_changed_after_indexing_is_refused(ds: Any) -> None:
     root, _ = ds
     src = gr.RLDSDataSource(root, keys=["action"], progress=False)

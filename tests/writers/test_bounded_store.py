@@ -281,9 +281,12 @@ def test_empty_store_then_first_commit(tmp_path: Path) -> None:
     w.append(make_rows("a", 0, 4))
     w.flush()
     assert src.refresh() == 4 and set(src.spec) == {"seq", "tag", "vec"}
-    assert int(src[-1]["seq"]) == 3
-    with pytest.raises(gr.RecordIndexError, match="out of range"):
-        src[4]
+    assert int(src[-1]["seq"]) == 3 and int(src[-4]["seq"]) == 0
+    for bad in (4, -5):
+        with pytest.raises(gr.RecordIndexError, match=rf"index {bad} is out of range.* 4 records"):
+            src[bad]
+    with pytest.raises(TypeError, match="PartsDataSource indices must be integers"):
+        src[1.5]
     w.close()
 
 

@@ -248,6 +248,37 @@ def test_close_commits_pending_rows_and_is_idempotent(tmp_path, fmt):
         w.append(_block("dict", 7, 1))
 
 
+@pytest.mark.parametrize("writer_id", [None, "a"])
+def test_close_whose_commit_fails_still_closes_files_and_releases_lock(
+    tmp_path, monkeypatch, writer_id
+):
+    path = _store(tmp_path, "npy")
+    w = gr.ReplayWriter(path, writer_id=writer_id)
+    w.append(_block("dict", 0, 3))
+    w.flush()
+    w.append(_block("dict", 3, 2))
+    store = w._store
+    closed = []
+    if writer_id is not None:  # a part closes its segment files even when the commit fails
+        backend = store._open.backend
+        real = backend.close
+        monkeypatch.setattr(backend, "close", lambda: closed.append(1) or real())
+
+    def fail() -> int:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "flush", fail)
+    with pytest.raises(OSError, match="disk full"):
+        w.close()
+    assert store.closed and w._store.closed
+    assert closed == ([] if writer_id is None else [1])
+    w.close()  # closed: nothing more to do
+    with pytest.raises(gr.GrainReplayError, match="the ReplayWriter is closed"):
+        w.append(_block("dict", 5, 1))
+    with gr.ReplayWriter(path, writer_id=writer_id) as again:  # the lock was released
+        assert again.committed == 3
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_context_manager_commits_and_releases_lock(tmp_path, fmt):
     path = _store(tmp_path, fmt)

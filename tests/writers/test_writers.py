@@ -280,6 +280,29 @@ def test_write_npy_raises_value_error_chunking_or_compression(tmp_path, option):
     assert not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_checks_path_and_options_once_before_reading_leaves(tmp_path, monkeypatch, fmt):
+    from grain_replay.writers import oneshot
+
+    calls = []
+    for name in ("_local", "_check_options"):
+        real = getattr(oneshot, name)
+        monkeypatch.setattr(
+            oneshot, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)
+        )
+    monkeypatch.setattr(
+        oneshot.layout_lib,
+        "prepare_leaves",
+        lambda *a, _real=oneshot.layout_lib.prepare_leaves, **k: (
+            calls.append("prepare_leaves") or _real(*a, **k)
+        ),
+    )
+    path = gr.write(_store(tmp_path, fmt), {"a": np.arange(3)})
+    assert calls == ["_local", "_check_options", "prepare_leaves"]
+    assert path == os.path.abspath(_store(tmp_path, fmt))
+    np.testing.assert_array_equal(gr.open_source(path).read_batch([2, 0])["a"], [2, 0])
+
+
 @pytest.mark.parametrize("option", [{"compression": "gzip"}, {"chunk_rows": 2}])
 def test_hdf5_chunked_round_trip_zero_size_record_dim(tmp_path, option):
     tree = {"a": np.zeros((4, 0), np.float32), "b": np.arange(4)}

@@ -23,7 +23,7 @@ from grain_replay.rl.lerobot.meta import (
 )
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
-from grain_replay.sources.reading.readers import Handle, window_rows
+from grain_replay.sources.reading.readers import Handle, read_windows_as_rows
 
 __all__ = ["LeRobotDataSource", "DEFAULT_TOLERANCE_S", "DEFAULT_FRAME_CACHE_BYTES"]
 
@@ -332,9 +332,7 @@ class LeRobotDataSource(ReplaySource):
         if self._seq is None:
             return super().read_windows(key, starts, length, check=check)
         # Records are sequences read through the view: a window is read as its rows.
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        got = self.read_leaf(key, window_rows(starts, int(length)))
-        return got.reshape(len(starts), int(length), *got.shape[1:])
+        return read_windows_as_rows(self.read_leaf, key, starts, length)
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import mmap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -15,12 +15,29 @@ from grain_replay.sources.reading.files import MappedFile
 
 _Groups = list[list[tuple[str, MappedFile]]]
 
-__all__ = ["ArrayReader", "Handle", "LeafReader", "advise_random", "window_rows"]
+__all__ = [
+    "ArrayReader",
+    "Handle",
+    "LeafReader",
+    "advise_random",
+    "read_windows_as_rows",
+    "window_rows",
+]
 
 
 def window_rows(starts: np.ndarray, length: int) -> np.ndarray:
     """The rows of windows ``starts[i] .. starts[i] + length - 1``, window after window, flat."""
     return np.repeat(starts, length) + np.tile(np.arange(length, dtype=np.int64), len(starts))
+
+
+def read_windows_as_rows(
+    read_leaf: Callable[[str, np.ndarray], np.ndarray], key: str, starts: Any, length: int
+) -> np.ndarray:
+    """``read_windows`` of a source whose windows are not consecutive stored rows: each
+    window's records read with ``read_leaf(key, rows)``, ``(len(starts), length, ...)``."""
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    got = read_leaf(key, window_rows(starts, int(length)))
+    return got.reshape(len(starts), int(length), *got.shape[1:])
 
 
 class LeafReader(abc.ABC):

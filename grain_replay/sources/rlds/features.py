@@ -12,7 +12,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 
-__all__ = ["Feature", "read_features", "STEPS", "EPISODE"]
+__all__ = ["Feature", "read_dataset_json", "read_features", "STEPS", "EPISODE"]
 
 STEPS = "steps"
 EPISODE = "episode"
@@ -154,18 +154,17 @@ def _leaves(
     )
 
 
-def read_features(root: str) -> list[Feature]:
-    """The leaves of the RLDS dataset at ``root``: step features first, then episode ones.
+def read_dataset_json(root: str, name: str) -> tuple[str, Any]:
+    """``(path, parsed JSON)`` of the file ``name`` of the TFDS-built dataset at ``root``.
 
     Raises:
-      StoreNotFoundError: no ``features.json``.
-      InvalidStoreError: not an RLDS FeaturesDict with ``steps``, or a feature type
-        grain_replay does not read (the message names it).
+      StoreNotFoundError: no such file (``root`` is not a TFDS-built dataset directory).
+      InvalidStoreError: the file is not valid JSON.
     """
-    where = os.path.join(root, "features.json")
+    where = os.path.join(root, name)
     try:
         with open(where, "rb") as f:
-            doc = json.loads(f.read())
+            return where, json.loads(f.read())
     except FileNotFoundError as e:
         raise StoreNotFoundError(
             f"{where} is missing: {root} is not a TFDS-built dataset directory. Fix: point "
@@ -174,6 +173,17 @@ def read_features(root: str) -> list[Feature]:
         ) from e
     except ValueError as e:
         raise InvalidStoreError(f"{where} is not valid JSON ({e}).") from e
+
+
+def read_features(root: str) -> list[Feature]:
+    """The leaves of the RLDS dataset at ``root``: step features first, then episode ones.
+
+    Raises:
+      StoreNotFoundError: no ``features.json``.
+      InvalidStoreError: not an RLDS FeaturesDict with ``steps``, or a feature type
+        grain_replay does not read (the message names it).
+    """
+    where, doc = read_dataset_json(root, "features.json")
     top = doc.get("featuresDict", {}).get("features") if isinstance(doc, dict) else None
     if not isinstance(top, dict) or STEPS not in top:
         raise InvalidStoreError(

@@ -19,7 +19,7 @@ from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.rlds.arrayrecord import RecordCache
-from grain_replay.sources.rlds.features import STEPS, Feature, read_features
+from grain_replay.sources.rlds.features import STEPS, Feature, read_dataset_json, read_features
 from grain_replay.sources.rlds.frames import SLOT_HEADER, FrameCache, open_frame_cache
 from grain_replay.sources.rlds.images import decoder_name
 from grain_replay.sources.rlds.index import Index, build_index, cache_dirs
@@ -41,18 +41,7 @@ def dataset_shards(root: str, split: str | None) -> tuple[str, list[str], str]:
       StoreNotFoundError: no ``dataset_info.json``, or a shard it lists is missing.
       InvalidStoreError: the split is unknown, or the file format is not read here.
     """
-    where = os.path.join(root, "dataset_info.json")
-    try:
-        with open(where, "rb") as f:
-            info = json.loads(f.read())
-    except FileNotFoundError as e:
-        raise StoreNotFoundError(
-            f"{where} is missing: {root} is not a TFDS-built dataset directory. Fix: point at "
-            "the folder holding dataset_info.json, features.json and the shards (e.g. "
-            "~/tensorflow_datasets/NAME/VERSION)."
-        ) from e
-    except ValueError as e:
-        raise InvalidStoreError(f"{where} is not valid JSON ({e}).") from e
+    where, info = read_dataset_json(root, "dataset_info.json")
     splits = {s.get("name"): s for s in info.get("splits", [])}
     if split is None:
         split = "train" if "train" in splits or len(splits) != 1 else next(iter(splits))

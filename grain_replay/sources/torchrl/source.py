@@ -16,7 +16,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource, check_out
 from grain_replay.sources.reading.files import MappedFile, check_inside
-from grain_replay.sources.reading.readers import ArrayReader, Handle, window_rows
+from grain_replay.sources.reading.readers import ArrayReader, Handle, read_windows_as_rows
 from grain_replay.sources.torchrl.dump import TorchRLDump, find_storage_dir, read_dump
 from grain_replay.sources.torchrl.h5 import H5Checkpoint, find_h5, read_h5
 from grain_replay.sources.torchrl.h5_readers import H5Handle
@@ -135,9 +135,7 @@ class TorchRLDataSource(ReplaySource):
         self, key: str, starts: Sequence[int] | np.ndarray, length: int, *, check: bool = True
     ) -> np.ndarray:
         # Records wrap around the ring's start: a window is not consecutive rows.
-        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        got = self.read_leaf(key, window_rows(starts, int(length)))
-        return got.reshape(len(starts), int(length), *got.shape[1:])
+        return read_windows_as_rows(self.read_leaf, key, starts, length)
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
