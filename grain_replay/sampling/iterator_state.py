@@ -113,7 +113,9 @@ def store_watermark(sampler: Any, source: Any) -> Watermark:
     # through commit_watermark(), or the writers' manifests of its snapshot.
     view = getattr(sampler, "commit_watermark", None)
     if callable(view):  # the writers' rows the draws come from, as the sampler saw them
-        return Watermark(store, writers=dict(view()))
+        writers = view()
+        if writers is not None:
+            return Watermark(store, writers=dict(writers))
     per_writer = getattr(source, "commit_watermark", None)
     if callable(per_writer):
         return Watermark(store, writers=dict(per_writer()))

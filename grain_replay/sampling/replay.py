@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay import parts as parts_lib
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.rate_options import set_rate_limit
@@ -143,6 +144,11 @@ class StoreLength:
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
         self._probe = probe_copy(source)
+        # By-id stores: the snapshot's writers as [writer_id, ordinal, live_start,
+        # committed] (made once per look), and a restored checkpoint's layout that the
+        # positions map through until the next look (None: the probe's snapshot).
+        self._layout: list[list[Any]] | None = None
+        self._pinned: list[list[Any]] | None = None
 
     @property
     def by_id(self) -> bool:
@@ -156,10 +162,34 @@ class StoreLength:
         writers: list[Any] = self._probe.writers
         return writers
 
+    def layout(self) -> list[list[Any]]:
+        """The writers the positions map through (by-id stores), oldest row first each:
+        ``[writer_id, ordinal, live_start, committed]`` in reading order. Not to be mutated."""
+        if self._pinned is not None:
+            return self._pinned
+        if self._layout is None:
+            self._layout = [
+                [m.writer_id, int(m.ordinal), int(m.live_start), int(m.committed)]
+                for m in self.writers
+            ]
+        return self._layout
+
+    def pin(self, layout: list[list[Any]]) -> None:
+        """Maps positions through ``layout`` (a checkpoint's) until the next look, as the
+        run that saved it did: the rows drawn stay below its watermark until then."""
+        self._pinned = [[str(w), int(o), int(lo), int(hi)] for w, o, lo, hi in layout]
+
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
-        ids: np.ndarray = self._probe.ids(positions, check=False)
-        return ids
+        if self._pinned is None:
+            ids: np.ndarray = self._probe.ids(positions, check=False)
+            return ids
+        table = np.array([row[1:] for row in self._pinned], dtype=np.int64).reshape(-1, 3)
+        ordinal, lo, hi = table.T
+        starts = np.concatenate([[0], np.cumsum(hi - lo)])
+        pos = np.asarray(positions, dtype=np.int64)
+        p = np.searchsorted(starts, pos, side="right") - 1
+        return (ordinal[p] << parts_lib.ID_SHIFT) | (lo[p] + pos - starts[p])
 
     def _changed(self) -> bool:
         """False only when the local store's stat is what it was at the last look."""
@@ -197,6 +227,7 @@ class StoreLength:
             self.looks += 1
             refresh = getattr(self._probe, "refresh", None)
             n = int(refresh()) if callable(refresh) else len(self._probe)
+            self._layout = self._pinned = None
             # A reader never goes back: a store is only appended to (a bounded
             # store's positions are its snapshot's, whatever their count).
             self.n = n if self.by_id else max(self.n, n)
@@ -253,12 +284,25 @@ class UniformSampler:
             return IdTask(self._length.ids(rows))
         return rows, self.bound
 
+    def commit_watermark(self) -> dict[str, int] | None:
+        """Each writer's committed rows in the snapshot the draws come from (by-id stores;
+        None for a plain store, whose watermark is :attr:`bound`)."""
+        if not self._length.by_id:
+            return None
+        return {w: hi for w, _, _, hi in self._length.layout()}
+
     def state(self) -> dict[str, Any]:
-        return {"step": self._step, "n": self._length.n}
+        out: dict[str, Any] = {"step": self._step, "n": self._length.n}
+        if self._length.by_id:  # the positions' layout: a restore draws the same rows
+            out["writers"] = self._length.layout()
+        return out
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         self._step = int(state["step"])
         self._length.n = int(state["n"])
+        layout = state.get("writers")
+        if layout is not None and self._length.by_id:
+            self._length.pin(layout)
 
 
 class IdTask:
