@@ -14,11 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import grain
 import numpy as np
 import pytest
 
 import grain_replay as gr
+from tests.helpers.orbax_items import restore_item as _restore
+from tests.helpers.orbax_items import save_item as _save
 
 ocp = pytest.importorskip("orbax.checkpoint")  # in the test extra
 
@@ -80,15 +81,9 @@ def _step(it: Any, mode: str, step: int) -> tuple[np.ndarray, np.ndarray | None]
     return rows, np.asarray(batch.weight).copy()
 
 
-def _save(it: Any, directory: Path, step: int) -> None:
-    with ocp.CheckpointManager(directory, item_names=("data",)) as mgr:
-        mgr.save(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-        mgr.wait_until_finished()
-
-
-def _restore(it: Any, directory: Path, step: int) -> None:
-    with ocp.CheckpointManager(directory, item_names=("data",)) as mgr:
-        mgr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
+def _uniform(path: str) -> Any:
+    loader = gr.make_data_loader(gr.open_source(path), batch_size=B, sampling=gr.UniformReplay())
+    return iter(loader)
 
 
 def _below(rows: np.ndarray, mark: gr.Watermark) -> bool:
@@ -164,36 +159,31 @@ def test_restore_checks_every_writer_of_the_watermark(
 
 def test_a_replaced_store_of_the_other_kind_is_refused(tmp_path: Path) -> None:
     path = _store(tmp_path, "npy")
-    it = iter(gr.make_data_loader(gr.open_source(path), batch_size=B,
-                                  sampling=gr.UniformReplay()))  # fmt: skip
+    it = _uniform(path)
     next(it)
     state = it.get_state()
     it.close()
     shutil.rmtree(path)
     gr.write_npy(path, _rows(0, 0, 100))  # a plain store at the same path
-    plain = iter(gr.make_data_loader(gr.open_source(path), batch_size=B,
-                                     sampling=gr.UniformReplay()))  # fmt: skip
+    plain = _uniform(path)
     with pytest.raises(gr.ReplayCheckpointError, match="replaced"):
         plain.set_state(state)
     plain_state = plain.get_state()
     shutil.rmtree(path)
     _append(path, "npy", 40)  # and a many-writer store where a plain one was
-    many = iter(gr.make_data_loader(gr.open_source(path), batch_size=B,
-                                    sampling=gr.UniformReplay()))  # fmt: skip
+    many = _uniform(path)
     with pytest.raises(gr.ReplayCheckpointError, match="replaced"):
         many.set_state(plain_state)
 
 
 def test_a_writer_with_rows_only_after_the_checkpoint_is_allowed(tmp_path: Path) -> None:
     path = _store(tmp_path, "npy")
-    it = iter(gr.make_data_loader(gr.open_source(path), batch_size=B,
-                                  sampling=gr.UniformReplay()))  # fmt: skip
+    it = _uniform(path)
     next(it)
     state = it.get_state()
     with gr.ReplayWriter(path, "npy", capacity=CAP, writer_id="actor-9") as w:
         w.append(_rows(9, 0, 5))  # a writer that started after the checkpoint
-    fresh = iter(gr.make_data_loader(gr.open_source(path), batch_size=B,
-                                     sampling=gr.UniformReplay()))  # fmt: skip
+    fresh = _uniform(path)
     fresh.set_state(state)
     assert fresh.position == 1
 
