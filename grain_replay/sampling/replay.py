@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import parts as parts_lib
-from grain_replay.errors import InvalidSamplingError
+from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sources.base import ReplaySource
@@ -174,10 +174,11 @@ class StoreLength:
             ]
         return self._layout
 
-    def pin(self, layout: list[list[Any]]) -> None:
-        """Maps positions through ``layout`` (a checkpoint's) until the next look, as the
-        run that saved it did: the rows drawn stay below its watermark until then."""
-        self._pinned = [[str(w), int(o), int(lo), int(hi)] for w, o, lo, hi in layout]
+    def pin(self, layout: list[list[Any]] | None) -> None:
+        """Maps positions through ``layout`` (a checkpoint's, checked by :func:`parse_layout`)
+        until the next look, as the run that saved it did: the rows drawn stay below its
+        watermark until then. None: through the probe's snapshot."""
+        self._pinned = layout
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
@@ -298,11 +299,36 @@ class UniformSampler:
         return out
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        self._step = int(state["step"])
-        self._length.n = int(state["n"])
+        step, n = int(state["step"]), int(state["n"])
         layout = state.get("writers")
-        if layout is not None and self._length.by_id:
-            self._length.pin(layout)
+        pinned = parse_layout(layout, n) if layout is not None and self._length.by_id else None
+        self._step = step
+        self._length.n = n
+        self._length.pin(pinned)
+
+
+def parse_layout(layout: Any, n: int) -> list[list[Any]]:
+    """A saved positions' layout (``[writer_id, ordinal, live_start, committed]`` a writer)
+    as :meth:`StoreLength.pin` takes it.
+
+    Raises:
+      ReplayCheckpointError: it is malformed, or its live rows are not the state's ``n``.
+    """
+    try:
+        out: list[list[Any]] = [[str(w), int(o), int(lo), int(hi)] for w, o, lo, hi in layout]
+    except (TypeError, ValueError) as e:
+        raise ReplayCheckpointError(
+            f"Not a uniform replay state: its writers' layout is malformed ({e}). Fix: pass "
+            "bytes from get_state() of a loader made with the same arguments."
+        ) from None
+    bad = any(o < 0 or not 0 <= lo <= hi for _, o, lo, hi in out)
+    if bad or sum(hi - lo for _, _, lo, hi in out) != n:
+        raise ReplayCheckpointError(
+            f"Not a uniform replay state: its writers' layout {out} does not hold the {n} "
+            "live rows it drew from. Fix: pass bytes from get_state() of a loader made "
+            "with the same arguments."
+        )
+    return out
 
 
 class IdTask:

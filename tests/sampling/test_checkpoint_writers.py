@@ -10,6 +10,7 @@ deleted is refused, naming the store, the writer and the fix.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -215,3 +216,19 @@ def test_uniform_watermark_covers_every_row_drawn_while_writers_commit(
     assert (rows % 1000).max() >= 40  # rows committed while it drew were drawn
     assert _below(rows, mark)
     assert all(40 < mark.rows_for(w) <= 64 for w in WRITERS)
+
+
+def test_a_damaged_uniform_layout_is_refused(tmp_path: Path) -> None:
+    path = _store(tmp_path, "npy")
+    it = _uniform(path)
+    next(it)
+    state = json.loads(it.get_state())
+    assert [row[0] for row in state["sampler"]["writers"]] == list(WRITERS)
+    fresh = _uniform(path)
+    for bad in ([["actor-0", 0, 0, 40]], [["actor-0", 0, 10, 5], ["actor-1", 1, 0, 85]], "x"):
+        damaged = {**state, "sampler": {**state["sampler"], "writers": bad}}
+        with pytest.raises(gr.ReplayCheckpointError, match="layout"):
+            fresh.set_state(json.dumps(damaged).encode())
+        assert fresh.position == 0  # nothing changed
+    fresh.set_state(it.get_state())
+    np.testing.assert_array_equal(next(fresh)["id"], next(it)["id"])
