@@ -51,6 +51,7 @@ __all__ = [
     "check_capacity",
     "check_writer_id",
     "claim_ordinal",
+    "committed_rows",
     "create_store_file",
     "is_parts_store",
     "list_writers",
@@ -380,3 +381,16 @@ def list_writers(store: str) -> list[str]:
         )
     except FileNotFoundError:
         return []
+
+
+def committed_rows(store: str) -> dict[str, int]:
+    """Each writer's committed rows (evicted ones included) as its manifest says now.
+
+    A writer without a commit yet is left out. One small file read per writer.
+    """
+    out = {}
+    for wid in list_writers(store):
+        m = read_manifest(writer_dir(store, wid))
+        if m is not None:
+            out[wid] = m.committed
+    return out

@@ -268,6 +268,8 @@ class SamplingIterator:
         if priorities is not None:
             self._priority().check_state(priorities)
         with self._lock:
+            if self._stream.kind != "prioritized" and priorities is None:
+                self._stream.set_state(decoded.sampler)  # may refuse it: before any change
             if priorities is not None:
                 self._set_priority_state_locked(priorities)
             self._position = position
@@ -286,7 +288,6 @@ class SamplingIterator:
                         )
                 self._drawn = {s: e for s, e in self._drawn.items() if s >= position}
             else:
-                self._stream.set_state(decoded.sampler)
                 self._drawn.clear()
                 self._next_draw = position
             if self._limiter is not None:

@@ -113,7 +113,9 @@ def store_watermark(sampler: Any, source: Any) -> Watermark:
     # through commit_watermark(), or the writers' manifests of its snapshot.
     view = getattr(sampler, "commit_watermark", None)
     if callable(view):  # the writers' rows the draws come from, as the sampler saw them
-        return Watermark(store, writers=dict(view()))
+        writers = view()
+        if writers is not None:
+            return Watermark(store, writers=dict(writers))
     per_writer = getattr(source, "commit_watermark", None)
     if callable(per_writer):
         return Watermark(store, writers=dict(per_writer()))
@@ -128,8 +130,13 @@ def store_watermark(sampler: Any, source: Any) -> Watermark:
 def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
     """The checkpoint's store is this iterator's (``ours``), and holds the rows it covers.
 
+    A many-writer store must hold, for every writer the saved watermark names, at
+    least its marked committed rows (evicted ones count: eviction since the
+    checkpoint is expected; rows committed after the mark are allowed too).
+
     Raises:
-      ReplayCheckpointError: another store, or rows the checkpoint replayed are gone.
+      ReplayCheckpointError: another store, another kind of store (plain vs
+        many-writer), or rows the checkpoint replayed are gone.
     """
     if ours is None:
         return
@@ -138,6 +145,15 @@ def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
             f"The checkpoint was saved replaying {saved.store}; this iterator replays "
             f"{ours.store}. Fix: restore into a loader over the store it was saved with."
         )
+    if saved.writers is not None:
+        _check_writers(saved, ours, source)
+        return
+    if ours.writers is not None:
+        raise ReplayCheckpointError(
+            f"The checkpoint drew from the plain store {saved.store} ({saved.rows} rows); "
+            "a bounded many-writer store is there now: the store was replaced. Fix: "
+            "restore with the store as it was saved, or start the learner afresh."
+        )
     if saved.rows is not None and not reaches(source, saved.rows):
         raise ReplayCheckpointError(
             f"The checkpoint drew from the first {saved.rows} rows of {saved.store}, which "
@@ -145,6 +161,55 @@ def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
             "restore with the store as it was saved (a writer reopened with resume_from= "
             "drops only rows after the checkpoint)."
         )
+
+
+def _held_rows(source: Any) -> dict[str, int] | None:
+    """Each writer's committed rows in ``source``'s store now (None: not a many-writer one)."""
+    now = getattr(source, "committed_rows", None)
+    if callable(now):  # the manifests on disk, not a snapshot taken before the restore
+        return {str(k): int(v) for k, v in dict(now()).items()}
+    view = getattr(source, "commit_watermark", None)
+    if callable(view):
+        return {str(k): int(v) for k, v in dict(view()).items()}
+    manifests = getattr(source, "writers", None)
+    if isinstance(manifests, list) and all(
+        hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
+    ):
+        return {m.writer_id: int(m.committed) for m in manifests}
+    return None
+
+
+def _check_writers(saved: Watermark, ours: Watermark, source: Any) -> None:
+    """Every writer ``saved`` names still holds its marked rows (see :func:`check_store`)."""
+    assert saved.writers is not None
+    held = _held_rows(source) if ours.writers is not None else None
+    if held is None:
+        raise ReplayCheckpointError(
+            f"The checkpoint drew from the bounded many-writer store {saved.store} (writers "
+            f"{sorted(saved.writers)}); a plain store is there now: the store was replaced. "
+            "Fix: restore with the store as it was saved, or start the learner afresh."
+        )
+    for wid, rows in sorted(saved.writers.items()):
+        if rows <= 0:
+            continue
+        has = held.get(wid)
+        if has is None:
+            raise ReplayCheckpointError(
+                f"{saved.store}: writer {wid!r} committed {rows} rows the checkpoint drew "
+                "from, but its part is gone (the writer's folder or manifest was deleted, "
+                "or the store was replaced). Fix: restore with the store as it was saved "
+                "(rows evicted by capacity are fine, a deleted part is not), or resume "
+                "from a checkpoint taken after the part was removed."
+            )
+        if has < rows:
+            raise ReplayCheckpointError(
+                f"{saved.store}: writer {wid!r} holds {has} committed rows (evicted ones "
+                f"included), but the checkpoint drew from its first {rows}: its part was "
+                "cut back below the checkpoint (truncate_to_watermark or resume_from= an "
+                "older checkpoint) or replaced. Fix: restore a checkpoint the store still "
+                f"holds (an older one, with gr.read_watermark(ckpt).rows_for({wid!r}) <= "
+                f"{has}), or restore with the store as it was saved."
+            )
 
 
 def drawn_arrays(drawn: Mapping[int, Any], next_draw: int) -> dict[str, np.ndarray]:

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidSamplingError
+from grain_replay import parts as parts_lib
+from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.rate_options import set_rate_limit
 from grain_replay.sources.base import ReplaySource
@@ -143,6 +144,11 @@ class StoreLength:
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
         self._probe = probe_copy(source)
+        # By-id stores: the snapshot's writers as [writer_id, ordinal, live_start,
+        # committed] (made once per look), and a restored checkpoint's layout that the
+        # positions map through until the next look (None: the probe's snapshot).
+        self._layout: list[list[Any]] | None = None
+        self._pinned: list[list[Any]] | None = None
 
     @property
     def by_id(self) -> bool:
@@ -156,10 +162,35 @@ class StoreLength:
         writers: list[Any] = self._probe.writers
         return writers
 
+    def layout(self) -> list[list[Any]]:
+        """The writers the positions map through (by-id stores), oldest row first each:
+        ``[writer_id, ordinal, live_start, committed]`` in reading order. Not to be mutated."""
+        if self._pinned is not None:
+            return self._pinned
+        if self._layout is None:
+            self._layout = [
+                [m.writer_id, int(m.ordinal), int(m.live_start), int(m.committed)]
+                for m in self.writers
+            ]
+        return self._layout
+
+    def pin(self, layout: list[list[Any]] | None) -> None:
+        """Maps positions through ``layout`` (a checkpoint's, checked by :func:`parse_layout`)
+        until the next look, as the run that saved it did: the rows drawn stay below its
+        watermark until then. None: through the probe's snapshot."""
+        self._pinned = layout
+
     def ids(self, positions: np.ndarray) -> np.ndarray:
         """The row ids of ``positions`` in the snapshot the length was read from."""
-        ids: np.ndarray = self._probe.ids(positions, check=False)
-        return ids
+        if self._pinned is None:
+            ids: np.ndarray = self._probe.ids(positions, check=False)
+            return ids
+        table = np.array([row[1:] for row in self._pinned], dtype=np.int64).reshape(-1, 3)
+        ordinal, lo, hi = table.T
+        starts = np.concatenate([[0], np.cumsum(hi - lo)])
+        pos = np.asarray(positions, dtype=np.int64)
+        p = np.searchsorted(starts, pos, side="right") - 1
+        return (ordinal[p] << parts_lib.ID_SHIFT) | (lo[p] + pos - starts[p])
 
     def _changed(self) -> bool:
         """False only when the local store's stat is what it was at the last look."""
@@ -197,6 +228,7 @@ class StoreLength:
             self.looks += 1
             refresh = getattr(self._probe, "refresh", None)
             n = int(refresh()) if callable(refresh) else len(self._probe)
+            self._layout = self._pinned = None
             # A reader never goes back: a store is only appended to (a bounded
             # store's positions are its snapshot's, whatever their count).
             self.n = n if self.by_id else max(self.n, n)
@@ -253,12 +285,50 @@ class UniformSampler:
             return IdTask(self._length.ids(rows))
         return rows, self.bound
 
+    def commit_watermark(self) -> dict[str, int] | None:
+        """Each writer's committed rows in the snapshot the draws come from (by-id stores;
+        None for a plain store, whose watermark is :attr:`bound`)."""
+        if not self._length.by_id:
+            return None
+        return {w: hi for w, _, _, hi in self._length.layout()}
+
     def state(self) -> dict[str, Any]:
-        return {"step": self._step, "n": self._length.n}
+        out: dict[str, Any] = {"step": self._step, "n": self._length.n}
+        if self._length.by_id:  # the positions' layout: a restore draws the same rows
+            out["writers"] = self._length.layout()
+        return out
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        self._step = int(state["step"])
-        self._length.n = int(state["n"])
+        step, n = int(state["step"]), int(state["n"])
+        layout = state.get("writers")
+        pinned = parse_layout(layout, n) if layout is not None and self._length.by_id else None
+        self._step = step
+        self._length.n = n
+        self._length.pin(pinned)
+
+
+def parse_layout(layout: Any, n: int) -> list[list[Any]]:
+    """A saved positions' layout (``[writer_id, ordinal, live_start, committed]`` a writer)
+    as :meth:`StoreLength.pin` takes it.
+
+    Raises:
+      ReplayCheckpointError: it is malformed, or its live rows are not the state's ``n``.
+    """
+    try:
+        out: list[list[Any]] = [[str(w), int(o), int(lo), int(hi)] for w, o, lo, hi in layout]
+    except (TypeError, ValueError) as e:
+        raise ReplayCheckpointError(
+            f"Not a uniform replay state: its writers' layout is malformed ({e}). Fix: pass "
+            "bytes from get_state() of a loader made with the same arguments."
+        ) from None
+    bad = any(o < 0 or not 0 <= lo <= hi for _, o, lo, hi in out)
+    if bad or sum(hi - lo for _, _, lo, hi in out) != n:
+        raise ReplayCheckpointError(
+            f"Not a uniform replay state: its writers' layout {out} does not hold the {n} "
+            "live rows it drew from. Fix: pass bytes from get_state() of a loader made "
+            "with the same arguments."
+        )
+    return out
 
 
 class IdTask:

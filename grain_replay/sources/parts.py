@@ -198,6 +198,14 @@ class PartsDataSource(SourceSurface):
         """The manifest of each writer in the snapshot, in reading order."""
         return [m for m, _ in self._manifests]
 
+    def committed_rows(self) -> dict[str, int]:
+        """Each writer's committed rows (evicted ones included) in the store now.
+
+        Re-reads the manifests on disk, not the snapshot (which stays as it is): what a
+        restored checkpoint's watermark is checked against.
+        """
+        return parts_lib.committed_rows(self._path)
+
     @property
     def writer_ordinals(self) -> dict[str, int]:
         """Writer id -> its ordinal (the ``"_writer"`` leaf, the high bits of row ids)."""

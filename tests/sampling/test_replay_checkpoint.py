@@ -19,6 +19,8 @@ import pytest
 
 import grain_replay as gr
 from grain_replay import integrity
+from tests.helpers.orbax_items import restore_item as _restore
+from tests.helpers.orbax_items import save_item as _save
 
 ocp = pytest.importorskip("orbax.checkpoint")  # in the test extra
 
@@ -63,20 +65,6 @@ def _step(it: Any, mode: str, step: int) -> tuple[np.ndarray, np.ndarray | None]
     np.testing.assert_array_equal(np.asarray(batch.data["id"]), index)
     it.update_priorities(batch.index, 1.0 + (index * (step + 1)) % 7)
     return index.copy(), np.asarray(batch.weight).copy()
-
-
-def _save(it: Any, directory: Path, step: int) -> None:
-    with ocp.CheckpointManager(directory, item_names=("data",)) as mgr:
-        mgr.save(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-        mgr.wait_until_finished()
-
-
-def _restore(it: Any, directory: Path, step: int) -> None:
-    with ocp.CheckpointManager(directory, item_names=("data",)) as mgr:
-        restored = mgr.restore(
-            step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it))
-        )
-    assert restored["data"] is it
 
 
 @pytest.mark.parametrize(
