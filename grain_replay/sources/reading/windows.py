@@ -73,7 +73,7 @@ def compiled() -> Callable[..., None] | None:
     except ImportError:
         logger.info("numba is not installed: windows are copied in numpy (pip install numba)")
         return None
-    return numba.njit(cache=True, nogil=True)(_copy_windows)  # type: ignore[no-any-return]
+    return numba.njit(cache=True, nogil=True)(_copy_windows)
 
 
 def fix_windows(values: np.ndarray, near: np.ndarray | None, at: np.ndarray | None) -> None:
