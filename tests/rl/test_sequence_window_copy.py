@@ -8,6 +8,7 @@ npy, HDF5 and Zarr stores whose short episodes clip windows at both ends
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ def _reference(array: np.ndarray, starts: np.ndarray, k: int, near: Any, at: Any
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the compiled kernel's calls (from copiers made after this)."""
+    """Counts the compiled kernel's calls (from copiers made after this), loaded at once."""
     kernel = windows.compiled()
     assert kernel is not None
     calls: list[int] = []
@@ -43,8 +44,12 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         kernel(*args)
 
-    monkeypatch.setattr(windows, "compiled", lambda: counted)
+    monkeypatch.setattr(windows, "loaded", lambda wait=False: counted)
     return calls
+
+
+def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(windows, "loaded", lambda wait=False: None)
 
 
 LAYOUTS: list[tuple[Any, tuple[int, ...]]] = [
@@ -89,7 +94,7 @@ def test_compiled_copy_equals_numpy_and_the_reference(
 
 
 def test_without_numba_the_numpy_route_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(windows, "compiled", lambda: None)
+    _numpy_only(monkeypatch)
     array = np.arange(40, dtype=np.float32).reshape(20, 2)
     starts = np.array([0, 5, 16], np.int64)
     near, at = np.array([1], np.int64), np.array([[0, 0, 1, 2]], np.intp)
@@ -108,6 +113,28 @@ def test_no_numba_environment_variable_turns_the_compiled_copy_off(
     finally:
         monkeypatch.delenv("GRAIN_REPLAY_NO_NUMBA")
         windows.compiled.cache_clear()
+
+
+@needs_numba
+def test_the_copy_loads_in_the_background_and_reads_use_numpy_meanwhile(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    monkeypatch.setattr(windows, "_LOADED", [])
+    monkeypatch.setattr(windows, "_LOADING", {"pid": 0})
+    tree = step_tree(LENGTHS)
+    src = SequenceDataSource(gr.open_source(gr.write_npy(str(tmp_path / "s"), tree)), OFFSETS)
+    ids = np.arange(len(src), dtype=np.int64)
+    want = _expect(src, tree, ids, "edge")
+    for _ in range(3):  # cold, then warm while the copy loads (or once it has)
+        assert_flat_equal(flat(src.read_batch(ids)), want)
+    assert windows._LOADING["pid"] == os.getpid()
+    for thread in threading.enumerate():
+        if thread.name == "grain_replay-numba-load":
+            thread.join(60)
+    assert windows.loaded() is windows.compiled()
+    assert_flat_equal(flat(src.read_batch(ids)), want)
 
 
 # -- through SequenceDataSource on each format ----------------------------------------------
@@ -151,7 +178,7 @@ def test_sequence_batches_are_the_same_compiled_and_in_numpy(
     for mode in ("numpy", "compiled"):
         with monkeypatch.context() as m:
             if mode == "numpy":
-                m.setattr(windows, "compiled", lambda: None)
+                _numpy_only(m)
                 calls = None
             elif windows.compiled() is None:
                 continue

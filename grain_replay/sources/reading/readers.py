@@ -10,14 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.sources.reading import readahead
+from grain_replay.sources.reading import readahead, windows
 from grain_replay.sources.reading.files import MappedFile
-from grain_replay.sources.reading.windows import (
-    WindowCopier,
-    _window_view,
-    copier,
-    fix_windows,
-)
+from grain_replay.sources.reading.windows import WindowCopier, fix_windows, window_view
 
 _Groups = list[list[tuple[str, MappedFile]]]
 
@@ -209,7 +204,7 @@ class ArrayReader(LeafReader):
         cached = self._windows.get(length)
         if cached is None or cached[0] is not array:
             rows = np.dtype((array.dtype, (length, *array.shape[1:])))
-            cached = (array, _window_view(array, length), rows)
+            cached = (array, window_view(array, length), rows)
             self._windows[length] = cached  # a race only recomputes it
         view = cached[1]
         if view is None:
@@ -235,7 +230,9 @@ class ArrayReader(LeafReader):
         array = self._array
         cached = self._copier
         if cached is None or cached[0] is not array:
-            cached = self._copier = (array, copier(array))  # a race only recomputes it
+            if windows.loaded() is None:  # no numba, or it is still loading: numpy meanwhile
+                return super().take_windows_fixed(starts, length, near, at)
+            cached = self._copier = (array, windows.copier(array))  # a race only recomputes it
         copy = cached[1]
         if copy is None or len(array) < length:
             return super().take_windows_fixed(starts, length, near, at)

@@ -12,6 +12,12 @@ With numba installed (the ``fast`` extra), :func:`windows_fixed` does both in
 one compiled pass over the rows, in words of 8, 4, 2 or 1 bytes; without
 numba (or with ``GRAIN_REPLAY_NO_NUMBA=1``) it runs the numpy route. Both give
 the same results.
+
+Importing numba and loading the compiled copy from its cache takes a second or
+more (several on a loaded machine): a reader does not wait for it. Its first
+window read starts loading the copy in a daemon thread (:func:`loaded`), once
+per process, and reads in numpy until it is there, so a loader worker's first
+batches are not held up.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +35,10 @@ __all__ = [
     "WindowCopier",
     "compiled",
     "copier",
+    "loaded",
     "fix_windows",
     "windows_fixed",
+    "window_view",
     "windows_fixed_numpy",
 ]
 
@@ -76,13 +85,59 @@ def compiled() -> Callable[..., None] | None:
     return numba.njit(cache=True, nogil=True)(_copy_windows)
 
 
+_NO_NEAR = np.zeros(0, np.int64)
+_NO_AT = np.zeros((0, 1), np.intp)
+_ONE = np.zeros(1, np.int64)
+
+# The compiled copy once a process has loaded it ([kernel or None]), and the process
+# whose thread is loading it.
+_LOADED: list[Callable[..., None] | None] = []
+_LOADING = {"pid": 0}
+_LOCK = threading.Lock()
+
+
+def loaded(wait: bool = False) -> Callable[..., None] | None:
+    """:func:`compiled` once this process has loaded it, else None (the numpy route).
+
+    The first call starts loading it in a daemon thread (importing numba, loading
+    the copy from numba's cache and dispatching it once on the usual argument
+    types); ``wait=True`` loads it here instead.
+    """
+    if _LOADED:
+        return _LOADED[0]
+    if wait:
+        _load()
+        return _LOADED[0]
+    with _LOCK:
+        if _LOADING["pid"] != os.getpid():  # not started in this process (or started before a fork)
+            _LOADING["pid"] = os.getpid()
+            threading.Thread(target=_load, name="grain_replay-numba-load", daemon=True).start()
+    return None
+
+
+def _load() -> None:
+    kernel = compiled()
+    if kernel is not None:
+        try:
+            for word in (np.uint64, np.uint32):
+                src = np.zeros(4, word)
+                for writeable in (False, True):
+                    src.flags.writeable = writeable
+                    kernel(src, 1, _ONE, 2, _NO_NEAR, _NO_AT, np.zeros(4, word))
+        except Exception:  # never fatal: each read compiles what it needs
+            logger.exception("warming up the compiled window copy failed")
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(kernel)
+
+
 def fix_windows(values: np.ndarray, near: np.ndarray | None, at: np.ndarray | None) -> None:
     """Applies the fix-up in place: ``values[near[i], j] = values[near[i], at[i, j]]``."""
     if near is not None and at is not None and near.size:
         values[near] = values[near[:, None], at]
 
 
-def _window_view(array: np.ndarray, length: int) -> np.ndarray | None:
+def window_view(array: np.ndarray, length: int) -> np.ndarray | None:
     """``array``'s windows of ``length`` rows as items of one 1-d view; None if it has none."""
     n = array.shape[0] if array.ndim else 0
     row_bytes = array.strides[0] if array.ndim else 0
@@ -110,7 +165,7 @@ def windows_fixed_numpy(
     """:func:`windows_fixed` in numpy: the windows gathered whole (through ``view``, the
     array's windows of ``k`` rows as items, when given and possible), then fixed up."""
     if view is None:
-        view = _window_view(array, k)
+        view = window_view(array, k)
     if view is None:
         rows = np.repeat(starts, k) + np.tile(np.arange(k, dtype=np.int64), len(starts))
         got = array.take(rows, axis=0).reshape(len(starts), k, *array.shape[1:])
@@ -161,10 +216,11 @@ class WindowCopier:
         return out
 
 
-def copier(array: np.ndarray) -> WindowCopier | None:
+def copier(array: np.ndarray, wait: bool = False) -> WindowCopier | None:
     """A :class:`WindowCopier` of ``array``, or None where only numpy copies it (no numba,
-    not C-contiguous, objects, no rows)."""
-    copy = compiled()
+    not C-contiguous, objects, no rows) or, unless ``wait``, the compiled copy is still
+    loading (see :func:`loaded`)."""
+    copy = loaded(wait)
     if (
         copy is None
         or array.ndim == 0
@@ -198,11 +254,7 @@ def windows_fixed(
       window ``b`` holds ``array[starts[b] + j]`` at ``j``, except that window
       ``near[i]`` holds ``array[starts[near[i]] + at[i, j]]``.
     """
-    copy = copier(array) if array.ndim and array.shape[0] >= k else None
+    copy = copier(array, wait=True) if array.ndim and array.shape[0] >= k else None
     if copy is None:
         return windows_fixed_numpy(array, starts, k, near, at)
     return copy(np.asarray(starts, np.int64), k, near, at)
-
-
-_NO_NEAR = np.zeros(0, np.int64)
-_NO_AT = np.zeros((0, 1), np.intp)
