@@ -230,6 +230,16 @@ def _frame_stacks(
         )  # fmt: skip
 
 
+def _steady_window_copy() -> None:
+    """Times the steady state: a process loads the compiled window copy (numba) in the
+    background on its first window read and reads in numpy until then; wait for it here."""
+    try:
+        from grain_replay.sources.reading import windows
+    except ImportError:  # a tree from before the compiled copy (an A/B against it)
+        return
+    windows.loaded(wait=True)
+
+
 def _action_chunks(cfg: Config, root: str, rng: np.random.Generator, res: SectionResult) -> None:
     n_steps = 20_000 if cfg.quick else 200_000
     b = cfg.batch_size
@@ -247,6 +257,7 @@ def _action_chunks(cfg: Config, root: str, rng: np.random.Generator, res: Sectio
         return {k: np.take(memory[k], plan[k], axis=0) for k in plan}
 
     cases = {"memory": ("gather-same-rows", "limit", chunk_bytes, gather)}
+    _steady_window_copy()
     flat_plans = [{k: r.reshape(-1) for k, r in plan.items()} for plan in plans]
     for layout, path in paths.items():
         _warm(path)
