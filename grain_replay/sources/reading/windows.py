@@ -58,6 +58,13 @@ def _copy_windows(
     # Unsigned indices: no wrap-around test per word, so the inner loops vectorize.
     w = np.uint64(width)
     span = np.uint64(k) * w
+    # First one load at each window's ends: independent loads, whose cache (and TLB)
+    # misses overlap, where the copy below would meet them one window after the other.
+    touched = np.uint64(0)
+    last = span - np.uint64(1)
+    for b in range(starts.shape[0]):
+        s = np.uint64(starts[b]) * w
+        touched ^= src[s] ^ src[s + last]
     for b in range(starts.shape[0]):
         s = np.uint64(starts[b]) * w
         o = np.uint64(b) * span
@@ -70,6 +77,8 @@ def _copy_windows(
             o = (np.uint64(b) * np.uint64(k) + np.uint64(j)) * w
             for x in range(w):
                 out[o + x] = src[s + x]
+    if touched == np.uint64(0x5EED5EED5EED5EED) and out.shape[0] == 0:
+        out[0] = touched  # never runs: keeps the loads above from being optimized away
 
 
 @functools.cache
