@@ -15,6 +15,7 @@ from grain_replay.errors import ArgumentTypeError, InvalidStoreError
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.base import Layout, ReplaySource, select_keys
 from grain_replay.sources.reading.readers import window_rows
+from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import SourceSurface
 
 __all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
@@ -130,6 +131,27 @@ class LeafAccess:
             for key, (starts, length) in windows.items()
         }
         return self.take(rows)
+
+    def take_windows_fixed(
+        self, windows: Mapping[str, tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]]
+    ) -> dict[str, np.ndarray]:
+        """``{key: (starts, length, near, at)}`` -> :meth:`take_windows_flat` of the
+        ``(starts, length)``, where window ``near[i]`` takes at its position ``j`` the row
+        ``starts[near[i]] + at[i, j]`` (``near``/``at`` None: none).
+
+        A grain_replay source reads each leaf's windows and fix-up in one pass (one
+        compiled copy on a memory-mapped leaf, with numba); any other reads the windows
+        as :meth:`take_windows_flat` does and fixes them up in numpy.
+        """
+        if not windows:
+            return {}
+        src = self.source
+        if isinstance(src, ReplaySource):
+            return src._read_windows_fixed(windows)
+        got = self.take_windows_flat({k: (w[0], w[1]) for k, w in windows.items()})
+        for key, (_, _, near, at) in windows.items():
+            fix_windows(got[key], near, at)
+        return got
 
     def handle(self) -> Any:
         return getattr(self.source, "_handle", None)

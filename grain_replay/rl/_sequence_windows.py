@@ -24,12 +24,13 @@ def read_windowed(
 
     A windowed group's anchors read the window of its offsets' steps, from
     ``t + offsets[0]``, ``K`` rows: every windowed leaf of the batch in one
-    ``read_windows_flat`` (one copy per window on a memory-mapped leaf). The
-    anchors' codes (:class:`FixTables`, one lookup) give each group's mask,
-    and the few anchors whose offsets reach past their episode (about 6% at
-    16 offsets and episodes of 50-500 steps) are fixed up afterwards, in
-    memory: each of their positions takes the window's row of its clipped
-    step (which lies inside the window, as the offsets hold the anchor). A
+    ``LeafAccess.take_windows_fixed``. The anchors' codes (:class:`FixTables`,
+    one lookup) give each group's mask, and the few anchors whose offsets
+    reach past their episode (about 6% at 16 offsets and episodes of 50-500
+    steps) are fixed up in the same read: each of their positions takes the
+    window's row of its clipped step (which lies inside the window, as the
+    offsets hold the anchor); on a memory-mapped leaf with numba, window and
+    fix-up are one compiled copy (``sources/reading/windows.py``). A
     window that would leave the store (first or last episode) starts inside
     it. Other groups read their rows as before.
     """
@@ -41,12 +42,11 @@ def read_windowed(
         codes, near = fix.codes(t)
         if near.size:
             code = codes[near]
-            picked = near[:, None]
             top = int(code.max())
             at_edge = bool(fix.edges.size) and top >= fix.first_edge
         else:
             near = None
-    windows: dict[str, tuple[np.ndarray, int]] = {}
+    windows: dict[str, tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]] = {}
     # Per group: (its (B, K) rows and mask) or, windowed, (its (B,) window starts and mask),
     # and the rows of the window read that its near anchors take.
     plans: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
@@ -74,15 +74,11 @@ def read_windowed(
                     np.clip(start, 0, n - k, out=start)
         plans.append((start, mask, at))
         for key in group.keys:
-            windows[key] = (start, k)
-    got = access.take_windows_flat(windows)
+            windows[key] = (start, k, near if at is not None else None, at)
+    got = access.take_windows_fixed(windows)
     masks = []
-    for group, (rows, mask, at) in zip(groups, plans):
+    for group, (rows, mask, _) in zip(groups, plans):
         masks.append(mask)
         if rows.ndim == 2:
             got.update(access.take(dict.fromkeys(group.keys, rows)))
-        elif at is not None:
-            for key in group.keys:
-                values = got[key]
-                values[near] = values[picked, at]
     return got, masks

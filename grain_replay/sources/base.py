@@ -23,6 +23,7 @@ from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
 from grain_replay.sources.reading.readers import Handle
+from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface
 
 __all__ = [
@@ -312,6 +313,34 @@ class ReplaySource(SourceSurface):
         return {
             key: self._take_windows(handle, key, starts, n) for key, (starts, n) in asked.items()
         }
+
+    def _read_windows_fixed(
+        self, windows: Mapping[str, tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`read_windows_flat` with ``check=False`` and a fix-up per leaf: leaf key ->
+        ``(starts, length, near, at)``; window ``near[i]`` takes at its position ``j`` the
+        row ``starts[near[i]] + at[i, j]`` (``near``/``at`` None: none). For the views'
+        windowed reads (``rl/_sequence_windows.py``); the starts and ``at`` are in range."""
+        if getattr(self.read_windows, "__func__", None) is not ReplaySource.read_windows:
+            got = self.read_windows_flat({k: (w[0], w[1]) for k, w in windows.items()}, check=False)
+            for key, (_, _, near, at) in windows.items():
+                fix_windows(got[key], near, at)
+            return got
+        spec = self._layout.spec
+        for key in windows:
+            if key not in spec:
+                raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
+        handle = self._get_handle()
+        handle.check_mapped(windows)
+        out = {}
+        for key, (starts, n, near, at) in windows.items():
+            try:
+                out[key] = handle.readers[key].take_windows_fixed(starts, n, near, at)
+            except GrainReplayError:
+                raise
+            except _STORE_FAULTS as e:
+                raise self._corrupt(key, e) from e
+        return out
 
     def _window_starts(self, starts: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
         """``starts`` as int64, checked to hold windows of ``length`` rows inside the store."""

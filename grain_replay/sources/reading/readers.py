@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.sources.reading import readahead
+from grain_replay.sources.reading import readahead, windows
 from grain_replay.sources.reading.files import MappedFile
+from grain_replay.sources.reading.windows import WindowCopier, fix_windows, window_view
 
 _Groups = list[list[tuple[str, MappedFile]]]
 
@@ -59,6 +60,18 @@ class LeafReader(abc.ABC):
         """
         got = self.take(window_rows(starts, length))
         return got.reshape(len(starts), length, *got.shape[1:])
+
+    def take_windows_fixed(
+        self, starts: np.ndarray, length: int, near: np.ndarray | None, at: np.ndarray | None
+    ) -> np.ndarray:
+        """:meth:`take_windows`, then window ``near[i]`` takes at its position ``j`` the row
+        ``starts[near[i]] + at[i, j]`` (``0 <= at < length``); None: no fix-up.
+
+        The default fixes the windows up in numpy, after the read.
+        """
+        got = self.take_windows(starts, length)
+        fix_windows(got, near, at)
+        return got
 
     def row(self, index: int) -> np.ndarray:
         """Row ``index`` as a new array (not a view of a file mapping)."""
@@ -167,6 +180,8 @@ class ArrayReader(LeafReader):
         # Window length -> (the array it views, its windows as one item each or None, and
         # the dtype that views a gathered item as the window's rows).
         self._windows: dict[int, tuple[np.ndarray, np.ndarray | None, np.dtype[Any]]] = {}
+        # (the array, its compiled window copier or None where numpy copies): None until used.
+        self._copier: tuple[np.ndarray, WindowCopier | None] | None = None
 
     def _untimed(self, ahead: readahead.RowReadAhead | None, indices: np.ndarray) -> bool:
         """Whether this gather goes untimed: no read-ahead, cold rows just read ahead, or a
@@ -206,7 +221,7 @@ class ArrayReader(LeafReader):
         cached = self._windows.get(length)
         if cached is None or cached[0] is not array:
             rows = np.dtype((array.dtype, (length, *array.shape[1:])))
-            cached = (array, _window_view(array, length), rows)
+            cached = (array, window_view(array, length), rows)
             self._windows[length] = cached  # a race only recomputes it
         view = cached[1]
         if view is None:
@@ -219,6 +234,31 @@ class ArrayReader(LeafReader):
             ahead.finish(len(starts) * length, time.perf_counter() - t0)
         # (B,) items of a subarray dtype: a (B, length, ...) array of the leaf's dtype.
         return got.view(cached[2])
+
+    def take_windows_fixed(
+        self, starts: np.ndarray, length: int, near: np.ndarray | None, at: np.ndarray | None
+    ) -> np.ndarray:
+        """The windows and their fix-up in one compiled copy (``windows.windows_fixed``),
+        while the rows are page-cached and numba is there; else as :meth:`take_windows`
+        and the fix-up in numpy."""
+        ahead = self._ahead
+        if ahead is not None and ahead.cold:
+            return super().take_windows_fixed(starts, length, near, at)
+        array = self._array
+        cached = self._copier
+        if cached is None or cached[0] is not array:
+            if windows.loaded() is None:  # no numba, or it is still loading: numpy meanwhile
+                return super().take_windows_fixed(starts, length, near, at)
+            cached = self._copier = (array, windows.copier(array))  # a race only recomputes it
+        copy = cached[1]
+        if copy is None or len(array) < length:
+            return super().take_windows_fixed(starts, length, near, at)
+        if ahead is None:
+            return copy(starts, length, near, at)
+        t0 = time.perf_counter()
+        got = copy(starts, length, near, at)
+        ahead.finish(len(starts) * length, time.perf_counter() - t0)
+        return got
 
     def grow(self, array: np.ndarray) -> None:
         """Reads ``array`` from now on: the same rows and more, over the same memory.
@@ -253,20 +293,3 @@ class ArrayReader(LeafReader):
             self._ahead.read_ahead(np.array([index], dtype=np.int64))
         r = self._array[index]
         return r.copy() if isinstance(r, np.ndarray) else r
-
-
-def _window_view(array: np.ndarray, length: int) -> np.ndarray | None:
-    """``array``'s windows of ``length`` rows as items of one 1-d view; None if it has none."""
-    n = array.shape[0] if array.ndim else 0
-    row_bytes = array.strides[0] if array.ndim else 0
-    if (
-        not array.flags.c_contiguous
-        or array.dtype.hasobject
-        or length < 1
-        or n < length
-        or row_bytes <= 0
-        or row_bytes != array.itemsize * (array.size // max(n, 1))
-    ):
-        return None
-    item = np.dtype((np.void, row_bytes * length))
-    return np.ndarray((n - length + 1,), dtype=item, buffer=array, strides=(row_bytes,))
