@@ -351,10 +351,10 @@ class PartWriter(LockedWriter):
             for seg in staged:
                 seg.dirty = False
             fsync_dirs(dirs)
+            publish_text(text)  # the commit point
         except BaseException:
             text.discard()
             raise
-        publish_text(text)  # the commit point
         self._manifest, self._pending = manifest, 0
         for seg in self._full:
             seg.backend.close()
