@@ -62,19 +62,6 @@ class Backend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def create(
-        cls,
-        path: str,
-        meta: layout_lib.StoreMetadata,
-        chunk_rows: int | None,
-        compression: str | None,
-        *,
-        sync: bool = True,
-    ) -> None:
-        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``)."""
-
-    @classmethod
-    @abc.abstractmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
         """The committed metadata, or None for a store without it (foreign)."""
 
@@ -91,6 +78,7 @@ class Backend(abc.ABC):
         """Makes rows ``[0, n)`` durable, then records ``n`` (and checksums) in the metadata."""
 
     @classmethod
+    @abc.abstractmethod
     def create_open(
         cls,
         path: str,
@@ -100,10 +88,9 @@ class Backend(abc.ABC):
         *,
         sync: bool = True,
     ) -> Backend:
-        """:meth:`create`, then the store opened for appending; backends that can keep
-        what they just made open skip re-reading it."""
-        cls.create(path, meta, chunk_rows, compression, sync=sync)
-        return cls(path, meta)
+        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``) and
+        returns it opened for appending, without re-reading what was just written where
+        the backend can keep it open."""
 
     def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
         """The first half of a commit whose commit point is elsewhere (a writer part's
@@ -185,11 +172,6 @@ class NpyBackend(Backend):
         os.replace(tmp, file)
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
-        for fd in cls._create(path, meta, chunk_rows, compression, sync).values():
-            os.close(fd)
-
-    @classmethod
     def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         # The leaf files stay open across the swap into place, and they hold exactly an
         # empty header: nothing to re-read or repair (see __init__).
@@ -208,7 +190,7 @@ class NpyBackend(Backend):
         compression: str | None,
         sync: bool,
     ) -> dict[str, int]:
-        """Creates the store (N = 0, as :meth:`create`); returns its leaf files, open."""
+        """Creates the store (N = 0, as :meth:`create_open`); returns its leaf files, open."""
         if chunk_rows is not None or compression is not None:
             raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
@@ -335,14 +317,11 @@ class ZarrBackend(Backend):
                 arr.resize((n, *arr.shape[1:]))
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
-        with atomic_path(path, overwrite=False, sync=sync) as partial:
-            cls._make(partial, meta, chunk_rows, compression)
-
-    @classmethod
     def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
         if sync:  # zarr's arrays name their path: the swap into place would orphan them
-            return super().create_open(path, meta, chunk_rows, compression, sync=sync)
+            with atomic_path(path, overwrite=False, sync=sync) as partial:
+                cls._make(partial, meta, chunk_rows, compression)
+            return cls(path, meta)
         # Not durable until a later commit point names it (a writer part's segment): made
         # in place, which a crash leaves unnamed, so that reopening removes it as it
         # removes an unswapped .partial; the arrays just made are kept, not re-read.
@@ -432,10 +411,6 @@ class HDF5Backend(Backend):
                     "another tool), so rows cannot be appended. Fix: convert it, e.g. "
                     "`grain-replay convert` into a new store, or append to a Zarr store."
                 )
-
-    @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
-        cls.create_open(path, meta, chunk_rows, compression, sync=sync).close()
 
     @classmethod
     def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]

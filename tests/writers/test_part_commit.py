@@ -47,9 +47,7 @@ def _suffix(cls: type[Backend]) -> str:
 
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
-def test_create_open_appends_like_create_then_open(
-    tmp_path: Path, cls: type[Backend], sync: bool
-) -> None:
+def test_create_open_appends_and_reopens(tmp_path: Path, cls: type[Backend], sync: bool) -> None:
     tree = _tree(7)
     arrays, _, _ = layout_lib.check_leaves(tree, where="test")
     meta = _meta(tree)
@@ -83,7 +81,7 @@ def test_create_open_refuses_an_existing_path(
 ) -> None:
     meta = _meta(_tree(1))
     made = str(tmp_path / f"made{_suffix(cls)}")
-    cls.create(made, meta, None, None, sync=sync)
+    cls.create_open(made, meta, None, None, sync=sync).close()
     with pytest.raises(StoreExistsError, match="already exists"):
         cls.create_open(made, meta, None, None, sync=sync).close()
     assert cls.read_metadata(made) is not None  # untouched
