@@ -212,3 +212,41 @@ def test_a_writer_dead_before_the_commit_point_reopens_after_the_last_commit(
     np.testing.assert_array_equal(batch["seq"], np.arange(22))
     np.testing.assert_array_equal(batch["tag"][12:] >> 16, np.ones(10))
     check_rows(batch)
+
+
+def test_filled_segments_commit_ahead_of_the_flush_in_two_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device path's sync thread commits the segments it filled, all at once; no
+    manifest names them until the flush, which then syncs only the open segment."""
+    rounds: list[str] = []
+    real_all, real_dirs = parts_writer.fsync_all, parts_writer.fsync_dirs
+
+    def fsync_all(fds: list[int]) -> None:
+        rounds.append(f"files:{len(fds)}")
+        real_all(fds)
+
+    def fsync_dirs(paths: list[str]) -> None:
+        rounds.append(f"dirs:{len(paths)}")
+        real_dirs(paths)
+
+    path = str(tmp_path / "s")
+    w = PartWriter(path, "npy", writer_id="a", capacity=None, segment_rows=10,
+                   chunk_rows=None, compression=None)  # fmt: skip
+    try:
+        monkeypatch.setattr(parts_writer, "fsync_all", fsync_all)
+        monkeypatch.setattr(parts_writer, "fsync_dirs", fsync_dirs)
+        w.append(make_rows("a", 0, 25))  # two full segments and an open one
+        w.commit_filled()
+        assert rounds == ["files:8", "dirs:2"]  # 2 x (3 leaves + metadata); 2 folders
+        assert len(gr.open_source(path)) == 0  # nothing published yet
+        w.commit_filled()  # nothing left to commit
+        assert rounds[2:] == ["files:0", "dirs:0"]
+        assert w.flush() == 25
+        assert rounds[4:] == ["files:5", "dirs:1"]  # the open segment and the manifest
+    finally:
+        monkeypatch.undo()
+        w.close()
+    batch = gr.open_source(path).read_batch(np.arange(25))
+    np.testing.assert_array_equal(batch["seq"], np.arange(25))
+    check_rows(batch)
