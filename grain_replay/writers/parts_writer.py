@@ -279,24 +279,12 @@ class PartWriter(LockedWriter):
         manifest, the commit point), leaving less for the next ``flush`` to sync. Readers
         do not see them before that flush; a crash leaves files reopening removes."""
         named = {s.first for s in self._manifest.segments}
-        full = [
-            seg
-            for seg in [*self._full, self._open]
-            if seg is not None
-            and seg.dirty
-            and seg.first not in named
-            and seg.rows >= self._manifest.segment_rows
-        ]
-        # Two rounds of fsync for all of them (their files, then their folders): no
-        # manifest names them yet, so nothing is in force until a flush publishes one.
-        fds: list[int] = []
-        for seg in full:
-            fds += seg.backend.stage_commit(seg.rows, seg.summer.state() if seg.summer else None)
-        fsync_all(fds)
-        dirs = [d for seg in full if (d := seg.backend.finish_commit()) is not None]
-        fsync_dirs(dirs)
-        for seg in full:
-            seg.dirty = False
+        for seg in [*self._full, self._open]:
+            if seg is None or not seg.dirty or seg.first in named:
+                continue
+            if seg.rows >= self._manifest.segment_rows:
+                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
+                seg.dirty = False
 
     def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
         """The first writer's leaves bind the store: a later writer must match them."""
