@@ -10,15 +10,16 @@ Every number is a ratio measured in this run:
   (both: the median of blocks of 10 batches, the two stores' blocks interleaved);
 - disk use of the bounded store over its live bytes (target <= 1.1 plus the
   stated slack: two segments per writer, 2/16 of the capacity);
-- committed rows/s of two writer processes (flush every 1,000 rows) over one
-  (target >= 1.6; needs 2 free cores);
+- committed rows/s of two writer processes (flush every 1,000 rows, 600,000 rows
+  each, a few seconds a run) over one (target >= 1.6; needs 2 free cores), with
+  each side's time per phase (startup, append, flush, close);
 - ``refresh()`` after one writer's commit with 1, 8 and 64 writer parts (time,
   reader memory, uniform ``sample + read``; target: 64 parts <= 10 x 1 part).
 
 Usage::
 
     python benchmarks/bench_replay_store.py [--quick] [--live C] [--out DIR]
-        [--cases eviction,writers,refresh] [--repeats R]
+        [--cases eviction,writers,refresh] [--repeats R] [--writer-rows N]
     python benchmarks/run.py --quick --sections store
 """
 
@@ -159,7 +160,7 @@ def bench_eviction(tmp: str, live: int, repeats: int, log: Any) -> dict[str, Any
 
 
 _WRITER = r"""
-import sys, time, numpy as np
+import json, os, sys, time
 sys.path.insert(0, {here!r})
 from bench_common import transitions
 import grain_replay as gr
@@ -168,45 +169,86 @@ data = transitions(1000, 0)
 w = gr.ReplayWriter(path, capacity=rows, writer_id=wid)
 w.append(data); w.flush()  # warm: the store, the first segment
 print("ready", flush=True)
-while not __import__("os").path.exists(go):
+while not os.path.exists(go):
     time.sleep(0.001)
+append = flush = 0.0
 t = time.perf_counter()
 for _ in range(rows // 1000):
+    a = time.perf_counter()
     w.append(data)
+    b = time.perf_counter()
     w.flush()
-print(time.perf_counter() - t, flush=True)
+    append, flush = append + b - a, flush + time.perf_counter() - b
+loop = time.perf_counter() - t
+t = time.perf_counter()
 w.close()
+print(json.dumps(dict(loop=loop, append=append, flush=flush, close=time.perf_counter() - t)),
+      flush=True)
 """
 
 
-def bench_writers(tmp: str, rows: int, log: Any) -> dict[str, Any]:
-    def run(k: int) -> float:
-        path = os.path.join(tmp, f"writers{k}")
-        go = path + ".go"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE]))
-        code = _WRITER.format(here=HERE)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", code, path, f"w{i}", str(rows), go],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for i in range(k)
-        ]
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        t = time.perf_counter()
-        open(go, "w").close()
-        for p in procs:
-            assert p.stdout is not None
-            p.stdout.readline()
-            p.wait()
-        return k * rows / (time.perf_counter() - t)
+def _run_writers(tmp: str, k: int, rows: int, attempt: int) -> tuple[float, dict[str, float]]:
+    """Committed rows/s of ``k`` writer processes of ``rows`` rows each, timed from the
+    moment all are ready (imports, the store and a first segment made) to the last one's
+    exit; and the slowest writer's seconds in each phase (startup: spawn to ready)."""
+    path = os.path.join(tmp, f"writers{k}-{attempt}")
+    go = path + ".go"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE]))
+    code = _WRITER.format(here=HERE)
+    t = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, path, f"w{i}", str(rows), go],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(k)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    startup = time.perf_counter() - t
+    t = time.perf_counter()
+    open(go, "w").close()
+    phases: dict[str, float] = {}
+    for p in procs:
+        assert p.stdout is not None
+        for key, value in json.loads(p.stdout.readline()).items():
+            phases[key] = max(phases.get(key, 0.0), value)
+        p.wait()
+    rate = k * rows / (time.perf_counter() - t)
+    shutil.rmtree(path, ignore_errors=True)
+    return rate, {"startup": startup, **phases}
 
-    one, two = run(1), run(2)
-    log(f"  writers (flush every 1,000 rows): 1 {one:,.0f} rows/s, 2 {two:,.0f} rows/s")
-    return {"one_rows_per_s": one, "two_rows_per_s": two, "ratio": two / one}
+
+def bench_writers(tmp: str, rows: int, repeats: int, log: Any) -> dict[str, Any]:
+    """One writer, then two, ``repeats`` times interleaved (a shared machine's load moves
+    between runs); medians of each."""
+    runs: dict[int, list[tuple[float, dict[str, float]]]] = {1: [], 2: []}
+    for r in range(repeats):
+        for k in (1, 2):
+            runs[k].append(_run_writers(tmp, k, rows, r))
+    out: dict[str, Any] = {"rows_per_writer": rows, "repeats": repeats}
+    for k, name in ((1, "one"), (2, "two")):
+        out[f"{name}_rows_per_s"] = statistics.median(rate for rate, _ in runs[k])
+        out[f"{name}_phases_s"] = {
+            key: statistics.median(ph[key] for _, ph in runs[k]) for key in runs[k][0][1]
+        }
+    out["ratio"] = statistics.median(
+        two[0] / one[0] for one, two in zip(runs[1], runs[2], strict=True)
+    )
+    one, two = out["one_rows_per_s"], out["two_rows_per_s"]
+    log(
+        f"  writers (flush every 1,000 rows, {rows:,} rows each, median of {repeats}): "
+        f"1 {one:,.0f} rows/s, 2 {two:,.0f} rows/s, ratio {out['ratio']:.2f}"
+    )
+    for name in ("one", "two"):
+        ph = out[f"{name}_phases_s"]
+        log(
+            f"    {name}: startup {ph['startup']:.2f} s, append {ph['append']:.2f} s, "
+            f"flush {ph['flush']:.2f} s, close {ph['close']:.3f} s (of {ph['loop']:.2f} s)"
+        )
+    return out
 
 
 def bench_refresh(tmp: str, parts: int, rows: int, repeats: int, log: Any) -> dict[str, Any]:
@@ -261,6 +303,7 @@ def run_all(
     log: Any,
     cases: tuple[str, ...] = CASES,
     repeats: int | None = None,
+    writer_rows: int | None = None,
 ) -> dict[str, Any]:
     live = live or (20_000 if quick else 1_000_000)
     repeats = repeats or (3 if quick else 5)
@@ -270,7 +313,8 @@ def run_all(
         if "eviction" in cases:
             out["eviction"] = bench_eviction(tmp, live, repeats, log)
         if "writers" in cases:
-            out["writers"] = bench_writers(tmp, 20_000 if quick else 200_000, log)
+            rows = writer_rows or (20_000 if quick else 600_000)
+            out["writers"] = bench_writers(tmp, rows, min(repeats, 3), log)
         if "refresh" in cases:
             out["refresh"] = [
                 bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
@@ -326,11 +370,19 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}"
     )
     p.add_argument("--repeats", type=int, default=None, help="interleaved runs per case")
+    p.add_argument(
+        "--writer-rows",
+        type=int,
+        default=None,
+        help="rows of each writer of the writers case (a multiple of 1,000)",
+    )
     args = p.parse_args(argv)
     cases = tuple(c for c in args.cases.split(",") if c)
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         p.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if args.writer_rows is not None and (args.writer_rows <= 0 or args.writer_rows % 1000):
+        p.error(f"--writer-rows must be a positive multiple of 1000, got {args.writer_rows}")
     t0 = time.perf_counter()
     out = run_all(
         args.quick,
@@ -338,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", flush=True),
         cases,
         args.repeats,
+        args.writer_rows,
     )
     if args.out:
         os.makedirs(args.out, exist_ok=True)

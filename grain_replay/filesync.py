@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-__all__ = ["fsync_path", "replace_text"]
+__all__ = ["StagedText", "fsync_path", "publish_text", "replace_text", "stage_text"]
 
 
 def fsync_path(path: str) -> None:
@@ -22,10 +23,59 @@ def fsync_path(path: str) -> None:
 
 def replace_text(path: str, text: str) -> None:
     """Replaces ``path`` with ``text``: tmp + fsync + rename + fsync of the directory."""
+    staged = stage_text(path, text)
+    try:
+        os.fsync(staged.fd)
+    except BaseException:
+        staged.discard()
+        raise
+    publish_text(staged)
+
+
+@dataclasses.dataclass
+class StagedText:
+    """A replacement of ``path`` written to ``tmp`` (open as ``fd``), not yet synced nor
+    in place: :func:`publish_text` after an ``fsync`` of ``fd``, or :meth:`discard`."""
+
+    path: str
+    tmp: str
+    fd: int
+
+    def discard(self) -> None:
+        """Closes and removes the replacement; ``path`` stays as it was."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def stage_text(path: str, text: str) -> StagedText:
+    """Writes the replacement of ``path`` beside it; the caller syncs its ``fd`` (with
+    other files, in one round) before :func:`publish_text`."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(path))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    staged = StagedText(path, tmp, fd)
+    try:
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data) :]
+    except BaseException:
+        staged.discard()
+        raise
+    return staged
+
+
+def publish_text(staged: StagedText) -> None:
+    """Puts a staged replacement in place (its ``fd`` synced): rename + fsync of the
+    directory."""
+    os.close(staged.fd)
+    staged.fd = -1
+    try:
+        os.replace(staged.tmp, staged.path)
+    except BaseException:
+        staged.discard()
+        raise
+    fsync_path(os.path.dirname(staged.path))

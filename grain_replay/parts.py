@@ -38,7 +38,7 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
-from grain_replay.filesync import fsync_path, replace_text
+from grain_replay.filesync import StagedText, fsync_path, replace_text, stage_text
 
 __all__ = [
     "ID_SHIFT",
@@ -60,6 +60,7 @@ __all__ = [
     "read_owner",
     "read_store_file",
     "segment_name",
+    "stage_manifest",
     "write_manifest",
     "writer_dir",
 ]
@@ -358,6 +359,12 @@ class Manifest:
 def write_manifest(wdir: str, manifest: Manifest) -> None:
     """Commits ``manifest`` atomically: readers see the old one or this one, never a mix."""
     replace_text(os.path.join(wdir, MANIFEST_FILE), manifest.to_json())
+
+
+def stage_manifest(wdir: str, manifest: Manifest) -> StagedText:
+    """:func:`write_manifest` in two steps: written beside the old one now; the commit
+    (``publish_text`` after an ``fsync`` of its ``fd``) is the caller's."""
+    return stage_text(os.path.join(wdir, MANIFEST_FILE), manifest.to_json())
 
 
 def read_manifest(wdir: str) -> Manifest | None:

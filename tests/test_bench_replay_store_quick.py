@@ -41,6 +41,26 @@ def test_eviction_case_alone_reports_both_ratios(tmp_path: Path) -> None:
         assert math.isfinite(ev[key]) and ev[key] > 0, key
 
 
+def test_writers_case_reports_ratio_and_phases(tmp_path: Path) -> None:
+    proc = _bench("--quick", "--cases", "writers", "--writer-rows", "3000", "--repeats", "1",
+                  "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "writers (flush every 1,000 rows, 3,000 rows each, median of 1)" in proc.stdout
+    out = json.loads((tmp_path / "replay_store.json").read_text())["writers"]
+    assert out["rows_per_writer"] == 3000 and out["repeats"] == 1
+    assert math.isfinite(out["ratio"]) and out["ratio"] > 0
+    for side in ("one", "two"):
+        phases = out[f"{side}_phases_s"]
+        assert set(phases) == {"startup", "loop", "append", "flush", "close"}
+        assert 0 < phases["append"] <= phases["loop"] and 0 < phases["flush"] <= phases["loop"]
+
+
+def test_writer_rows_not_a_multiple_of_1000_is_refused() -> None:
+    proc = _bench("--quick", "--cases", "writers", "--writer-rows", "1500")
+    assert proc.returncode == 2
+    assert "--writer-rows must be a positive multiple of 1000, got 1500" in proc.stderr
+
+
 def test_an_unknown_case_is_refused_naming_the_choices() -> None:
     proc = _bench("--quick", "--cases", "eviction,nope")
     assert proc.returncode == 2

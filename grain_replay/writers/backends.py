@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError, StoreExistsError
 from grain_replay.formats import (
     PAGE,
     import_h5py,
@@ -62,19 +62,6 @@ class Backend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def create(
-        cls,
-        path: str,
-        meta: layout_lib.StoreMetadata,
-        chunk_rows: int | None,
-        compression: str | None,
-        *,
-        sync: bool = True,
-    ) -> None:
-        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``)."""
-
-    @classmethod
-    @abc.abstractmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
         """The committed metadata, or None for a store without it (foreign)."""
 
@@ -89,6 +76,35 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def commit(self, n: int, checksums: dict[str, Any] | None) -> None:
         """Makes rows ``[0, n)`` durable, then records ``n`` (and checksums) in the metadata."""
+
+    @classmethod
+    @abc.abstractmethod
+    def create_open(
+        cls,
+        path: str,
+        meta: layout_lib.StoreMetadata,
+        chunk_rows: int | None,
+        compression: str | None,
+        *,
+        sync: bool = True,
+    ) -> Backend:
+        """Creates an empty store (N = 0) atomically (durably unless ``sync=False``) and
+        returns it opened for appending, without re-reading what was just written where
+        the backend can keep it open."""
+
+    def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
+        """The first half of a commit whose commit point is elsewhere (a writer part's
+        manifest): records ``n`` and returns the descriptors whose ``fsync`` makes rows
+        ``[0, n)`` and that record durable; the caller syncs them (with its own, in one
+        round), then calls :meth:`finish_commit`. Readers may see ``n`` before the sync,
+        as with :meth:`commit`. Here: the whole commit, nothing left to sync."""
+        self.commit(n, checksums)
+        return []
+
+    def finish_commit(self) -> str | None:
+        """After :meth:`stage_commit`'s descriptors are synced: the rest of the commit;
+        returns a directory whose ``fsync`` makes it durable, or None."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional
         """Releases file handles."""
@@ -117,10 +133,8 @@ class NpyBackend(Backend):
     HEADER = NPY_HEADER  # bytes before the rows: fixed, so it is rewritten in place
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
-        super().__init__(path, meta)
-        self._files = {k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves}
+        self._setup(path, meta)
         n = meta.num_records
-        self._fds: dict[str, int] = {}
         for key, file in self._files.items():
             spec = meta.leaves[key]
             if read_npy_header(file, key, check_size=False)[3] != self.HEADER:
@@ -137,7 +151,13 @@ class NpyBackend(Backend):
                 os.fsync(fd)
                 os.truncate(fd, size)  # drop uncommitted rows
             self._fds[key] = fd
+
+    def _setup(self, path: str, meta: layout_lib.StoreMetadata) -> None:
+        super().__init__(path, meta)
+        self._files = {k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves}
+        self._fds: dict[str, int] = {}
         self.row_bytes = {k: row_bytes(spec) for k, spec in meta.leaves.items()}
+        self._staged: tuple[str, int] | None = None  # metadata written, not yet in place
 
     @classmethod
     def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
@@ -152,21 +172,49 @@ class NpyBackend(Backend):
         os.replace(tmp, file)
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+        # The leaf files stay open across the swap into place, and they hold exactly an
+        # empty header: nothing to re-read or repair (see __init__).
+        fds = cls._create(path, meta, chunk_rows, compression, sync)
+        backend = cls.__new__(cls)
+        backend._setup(path, meta)
+        backend._fds = fds
+        return backend
+
+    @classmethod
+    def _create(
+        cls,
+        path: str,
+        meta: layout_lib.StoreMetadata,
+        chunk_rows: int | None,
+        compression: str | None,
+        sync: bool,
+    ) -> dict[str, int]:
+        """Creates the store (N = 0, as :meth:`create_open`); returns its leaf files, open."""
         if chunk_rows is not None or compression is not None:
             raise InvalidArgumentError(
                 f"{path}: .npy stores cannot be chunked or compressed. Fix: drop "
                 "chunk_rows/compression, or use format='zarr'."
             )
-        with atomic_path(path, overwrite=False, sync=sync) as partial:
-            os.makedirs(partial)
-            for key, spec in meta.leaves.items():
-                file = os.path.join(partial, layout_lib.disk_name(key) + ".npy")
-                os.makedirs(os.path.dirname(file), exist_ok=True)
-                with open(file, "wb") as f:
-                    f.write(npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
-            with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
-                f.write(meta.to_json())
+        assert meta.num_records == 0
+        fds: dict[str, int] = {}
+        try:
+            with atomic_path(path, overwrite=False, sync=sync) as partial:
+                os.mkdir(partial)
+                for key, spec in meta.leaves.items():
+                    name = layout_lib.disk_name(key) + ".npy"
+                    if "/" in name:
+                        os.makedirs(os.path.join(partial, os.path.dirname(name)), exist_ok=True)
+                    fd = os.open(os.path.join(partial, name), os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                    fds[key] = fd
+                    os.write(fd, npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
+                with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
+                    f.write(meta.to_json())
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
@@ -202,7 +250,39 @@ class NpyBackend(Backend):
         os.replace(tmp, meta_file)
         fsync_path(self.path)
 
+    def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
+        # Data and headers are synced in one round with the caller's commit point staged
+        # beside them: a crash before that point leaves headers (and metadata) at most
+        # ahead of the commit point over rows not all on disk, which readers never read
+        # (they read the rows the commit point names) and reopening cuts back.
+        if self._staged is not None:  # the last one failed before finishing: redone
+            os.close(self._staged[1])
+            self._staged = None
+        for key, fd in self._fds.items():
+            spec = self.meta.leaves[key]
+            os.pwrite(fd, npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
+        self.meta = self._meta_with(n, checksums)
+        tmp = os.path.join(self.path, layout_lib.METADATA_FILE) + ".partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.write(fd, self.meta.to_json().encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        self._staged = (tmp, fd)
+        return [*self._fds.values(), fd]
+
+    def finish_commit(self) -> str | None:
+        assert self._staged is not None, "stage_commit() was not called"
+        (tmp, fd), self._staged = self._staged, None
+        os.close(fd)
+        os.replace(tmp, os.path.join(self.path, layout_lib.METADATA_FILE))
+        return self.path
+
     def close(self) -> None:
+        if self._staged is not None:  # a commit that did not finish: as after a crash
+            os.close(self._staged[1])
+            self._staged = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
@@ -237,18 +317,43 @@ class ZarrBackend(Backend):
                 arr.resize((n, *arr.shape[1:]))
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+        if sync:  # zarr's arrays name their path: the swap into place would orphan them
+            with atomic_path(path, overwrite=False, sync=sync) as partial:
+                cls._make(partial, meta, chunk_rows, compression)
+            return cls(path, meta)
+        # Not durable until a later commit point names it (a writer part's segment): made
+        # in place, which a crash leaves unnamed, so that reopening removes it as it
+        # removes an unswapped .partial; the arrays just made are kept, not re-read.
+        if os.path.lexists(path):
+            raise StoreExistsError(f"{path} already exists (a segment made twice).")
+        group, arrays = cls._make(path, meta, chunk_rows, compression)
+        backend = cls.__new__(cls)
+        Backend.__init__(backend, path, meta)
+        backend._group, backend._arrays = group, arrays
+        return backend
+
+    @classmethod
+    def _make(
+        cls,
+        path: str,
+        meta: layout_lib.StoreMetadata,
+        chunk_rows: int | None,
+        compression: str | None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """An empty group at ``path`` (N = 0); returns it and its arrays."""
         zarr = import_zarr()
         compressors = zarr_compressors(compression, path)
-        with atomic_path(path, overwrite=False, sync=sync) as partial:
-            group = zarr.open_group(partial, mode="w", zarr_format=3)
-            for key, spec in meta.leaves.items():
-                shape = (1, *spec.shape)
-                rows = chunk_rows or chunk_rows_for(
-                    shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
-                )
-                create_zarr_leaf(group, key, spec, 0, rows, compressors)
-            group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
+        group = zarr.open_group(path, mode="w", zarr_format=3)
+        arrays = {}
+        for key, spec in meta.leaves.items():
+            shape = (1, *spec.shape)
+            rows = chunk_rows or chunk_rows_for(
+                shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
+            )
+            arrays[key] = create_zarr_leaf(group, key, spec, 0, rows, compressors)
+        group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
+        return group, arrays
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
@@ -308,7 +413,9 @@ class HDF5Backend(Backend):
                 )
 
     @classmethod
-    def create(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+        # The file stays open across the swap into place (its handle follows the inode):
+        # what was just made is neither reopened nor checked again (see __init__).
         h5py = import_h5py()
         if compression is not None:
             raise InvalidArgumentError(
@@ -316,10 +423,12 @@ class HDF5Backend(Backend):
                 "on disk when rewritten, which a crash could leave half done). Fix: drop "
                 "compression, or use format='zarr' with compression."
             )
-        with atomic_path(path, overwrite=False, sync=sync) as partial:
-            with h5py.File(
-                partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
-            ) as f:
+        f = None
+        try:
+            with atomic_path(path, overwrite=False, sync=sync) as partial:
+                f = h5py.File(
+                    partial, "w", alignment_threshold=PAGE, alignment_interval=PAGE, locking=False
+                )
                 for key, spec in meta.leaves.items():
                     rows = chunk_rows or chunk_rows_for(
                         (1, *spec.shape), spec.dtype.itemsize, APPEND_CHUNK_BYTES,
@@ -337,6 +446,16 @@ class HDF5Backend(Backend):
                         dcpl=dcpl,
                     )
                 f.attrs.create(layout_lib.METADATA_ATTR, fixed_metadata(meta))
+                f.flush()  # on disk (in the OS) before the swap and its fsync
+        except BaseException:
+            if f is not None:
+                f.close()
+            raise
+        backend = cls.__new__(cls)
+        Backend.__init__(backend, path, meta)
+        backend._file = f
+        backend._dsets = {k: f[layout_lib.disk_name(k)] for k in meta.leaves}
+        return backend
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
@@ -367,6 +486,16 @@ class HDF5Backend(Backend):
         commit_metadata(self._file, self.meta)
         self._file.flush()
         os.fsync(self._file.id.get_vfd_handle())
+
+    def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
+        # The rows first (the metadata is rewritten in place, after them); its own sync
+        # is left to the caller's round, before the caller's commit point.
+        self._file.flush()
+        os.fsync(self._file.id.get_vfd_handle())
+        self.meta = self._meta_with(n, checksums)
+        commit_metadata(self._file, self.meta)
+        self._file.flush()
+        return [self._file.id.get_vfd_handle()]
 
     def close(self) -> None:
         self._file.close()

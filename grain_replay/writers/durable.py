@@ -25,6 +25,7 @@ __all__ = [
     "commit_metadata",
     "fixed_metadata",
     "fsync_all",
+    "fsync_dirs",
     "npy_header",
     "open_h5",
     "row_bytes",
@@ -68,6 +69,18 @@ def fsync_all(fds: list[int]) -> None:
             _FSYNC_POOL = (os.getpid(), pool)
         pool = _FSYNC_POOL[1]
     list(pool.map(os.fsync, fds))  # raises the first failure
+
+
+def fsync_dirs(paths: list[str]) -> None:
+    """``fsync`` of every directory (each once), at once."""
+    fds: list[int] = []
+    try:
+        for path in dict.fromkeys(paths):
+            fds.append(os.open(path, os.O_RDONLY))
+        fsync_all(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def fixed_metadata(meta: layout_lib.StoreMetadata, size: int | None = None) -> np.bytes_:

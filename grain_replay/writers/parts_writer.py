@@ -24,11 +24,13 @@ from grain_replay.errors import (
     InvalidStoreError,
     InvalidTreeError,
 )
+from grain_replay.filesync import publish_text
 from grain_replay.formats import FORMATS, format_from_path
 from grain_replay.integrity import Checksummer
 from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
+from grain_replay.writers.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.store_writer import check_tree_matches
@@ -317,28 +319,43 @@ class PartWriter(LockedWriter):
         remove_path(path)  # a leftover of a crash before this segment's first commit
         meta = self._segment_meta(0)
         cls = _segment_backend(self._format)
-        cls.create(path, meta, self._chunk_rows, self._compression, sync=False)
-        self._open = _Open(first, 0, cls(path, meta), Checksummer(meta.leaves))
+        backend = cls.create_open(path, meta, self._chunk_rows, self._compression, sync=False)
+        self._open = _Open(first, 0, backend, Checksummer(meta.leaves))
         return self._open
 
     def flush(self) -> int:
-        """Commits the segments, then the manifest (the commit point), then evicts."""
+        """Commits the segments, then the manifest (the commit point), then evicts.
+
+        Three rounds of ``fsync``: the segments' rows and headers with the new manifest
+        beside the old one (all files at once), the segments' directories, then the
+        manifest's rename. A crash before the last leaves the old manifest in force;
+        segments ahead of it are cut back on reopen (:meth:`_reopen_tail`)."""
         if self._lock_fd is None or not self._pending:
             return self.committed
         m = self._manifest
-        for seg in [*self._full, self._open]:
-            if seg is not None and seg.dirty:
-                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
-                seg.dirty = False
+        staged = [s for s in [*self._full, self._open] if s is not None and s.dirty]
+        fds: list[int] = []
+        for seg in staged:
+            fds += seg.backend.stage_commit(seg.rows, seg.summer.state() if seg.summer else None)
         rows = {s.first: s.rows for s in m.segments}
-        for seg in [*self._full, self._open]:
-            if seg is not None:
-                rows[seg.first] = seg.rows
+        for o in [*self._full, self._open]:
+            if o is not None:
+                rows[o.first] = o.rows
         assert self._meta is not None
         committed = m.committed + self._pending
-        self._manifest, dropped = part_manifest.committed(m, committed, rows, self._meta.to_json())
-        parts_lib.write_manifest(self._dir, self._manifest)
-        self._pending = 0
+        manifest, dropped = part_manifest.committed(m, committed, rows, self._meta.to_json())
+        text = parts_lib.stage_manifest(self._dir, manifest)
+        try:
+            fsync_all([*fds, text.fd])
+            dirs = [d for seg in staged if (d := seg.backend.finish_commit()) is not None]
+            for seg in staged:
+                seg.dirty = False
+            fsync_dirs(dirs)
+            publish_text(text)  # the commit point
+        except BaseException:
+            text.discard()
+            raise
+        self._manifest, self._pending = manifest, 0
         for seg in self._full:
             seg.backend.close()
         self._full = []

@@ -223,8 +223,9 @@ class StoreWriter(LockedWriter):
                 k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()
             }
             meta = layout_lib.StoreMetadata(0, leaves, treedef)
-            BACKENDS[self._format].create(self._path, meta, self._chunk_rows, self._compression)
-            self._backend = BACKENDS[self._format](self._path, meta)
+            self._backend = BACKENDS[self._format].create_open(
+                self._path, meta, self._chunk_rows, self._compression
+            )
             self._summer = Checksummer(leaves)
         check_tree_matches(self._path, arrays, treedef, self._backend.meta)
         return arrays, n
