@@ -93,7 +93,7 @@ def test_a_segment_is_made_without_reading_it_back(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a just-made segment was read back")
 
-    monkeypatch.setattr("grain_replay.writers.backends.read_npy_header", refuse)
+    monkeypatch.setattr("grain_replay.writers.npy_backend.read_npy_header", refuse)
     w = PartWriter(str(tmp_path / "s"), "npy", writer_id="a", capacity=None,
                    segment_rows=10, chunk_rows=None, compression=None)  # fmt: skip
     try:
