@@ -4,7 +4,8 @@ A store made by ``ReplayWriter(path, capacity=..., writer_id=...)`` is a
 directory::
 
     path/
-      replay_store.json            {"format": "npy" | "hdf5" | "zarr", "layout": 1}
+      replay_store.json            {"format": "npy" | "hdf5" | "zarr", "layout": 1,
+                                    "store_id": <random hex, made once at creation>}
       ordinals/<k>                 writer id holding row-id ordinal k (created O_EXCL)
       writers/<writer_id>/
         lock                       flock'ed by the live writer (released when it dies)
@@ -29,6 +30,7 @@ import os
 import re
 import socket
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,7 @@ __all__ = [
     "read_manifest",
     "read_owner",
     "read_store_file",
+    "read_store_id",
     "segment_name",
     "stage_manifest",
     "write_manifest",
@@ -133,13 +136,17 @@ def segment_name(first: int, fmt: str) -> str:
 
 
 def create_store_file(store: str, fmt: str) -> None:
-    """Creates ``store/replay_store.json`` once (``link`` fails if it exists: no overwrite)."""
+    """Creates ``store/replay_store.json`` once (``link`` fails if it exists: no overwrite).
+
+    Its ``store_id``, random and made here, tells this store from one made later at
+    the same path with the same writer ids (a checkpoint's watermark records it).
+    """
     os.makedirs(os.path.join(store, WRITERS_DIR), exist_ok=True)
     os.makedirs(os.path.join(store, ORDINALS_DIR), exist_ok=True)
     final = os.path.join(store, STORE_FILE)
     tmp = f"{final}.{os.getpid()}.{time.monotonic_ns()}.tmp"
     with open(tmp, "w") as f:
-        f.write(json.dumps({"format": fmt, "layout": LAYOUT_VERSION}))
+        f.write(json.dumps({"format": fmt, "layout": LAYOUT_VERSION, "store_id": uuid.uuid4().hex}))
         f.flush()
         os.fsync(f.fileno())
     try:
@@ -166,6 +173,17 @@ def read_store_file(store: str) -> str:
             "Fix: upgrade grain_replay, or restore the file."
         ) from e
     return str(fmt)
+
+
+def read_store_id(store: str) -> str | None:
+    """The ``store_id`` of the store at ``store``; None for a store made before there
+    was one (or no store file there: :func:`read_store_file` says why)."""
+    try:
+        with open(os.path.join(store, STORE_FILE)) as f:
+            found = json.load(f).get("store_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 # -- ordinals: the writer part of a row id --------------------------------------------

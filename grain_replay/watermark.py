@@ -37,11 +37,15 @@ class Watermark:
       rows: a plain (single-writer) store's committed length; None for a bounded one.
       writers: a bounded many-writer store's committed sequence number per writer id
         (rows ever committed by that writer); None for a plain store.
+      store_id: a many-writer store's id (made once when the store was created): a
+        store deleted and made again at the same path has another. None for a plain
+        store, or one made before stores had ids.
     """
 
     store: str
     rows: int | None = None
     writers: Mapping[str, int] | None = None
+    store_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"store": self.store}
@@ -49,6 +53,8 @@ class Watermark:
             out["rows"] = self.rows
         if self.writers is not None:
             out["writers"] = dict(self.writers)
+        if self.store_id is not None:
+            out["store_id"] = self.store_id
         return out
 
     @classmethod
@@ -57,8 +63,11 @@ class Watermark:
             store = value["store"]
             rows = value.get("rows")
             writers = value.get("writers")
+            store_id = value.get("store_id")
             if not isinstance(store, str):
                 raise TypeError(f"store {store!r}")
+            if store_id is not None and not isinstance(store_id, str):
+                raise TypeError(f"store_id {store_id!r}")
             if rows is not None and (not isinstance(rows, int) or rows < 0):
                 raise ValueError(f"rows {rows!r}")
             if writers is not None:
@@ -71,7 +80,7 @@ class Watermark:
                 "the state of a replay iterator (sampling=gr.UniformReplay() or "
                 "gr.PrioritizedReplay()), or the Orbax item directory it was saved to."
             ) from None
-        return cls(store, rows, writers)
+        return cls(store, rows, writers, store_id)
 
     def rows_for(self, writer_id: str | None = None) -> int:
         """The committed rows of ``writer_id`` (None: a plain store) the checkpoint covers.
@@ -85,7 +94,11 @@ class Watermark:
 
     def merge(self, other: Watermark) -> Watermark:
         """The rows either covers (processes of one learner each record their own view)."""
-        if other.store != self.store or (other.rows is None) != (self.rows is None):
+        if (
+            other.store != self.store
+            or (other.rows is None) != (self.rows is None)
+            or (None not in (self.store_id, other.store_id) and self.store_id != other.store_id)
+        ):
             raise CheckpointMismatchError(
                 f"The checkpoint's processes name different stores ({self.store} and "
                 f"{other.store}). Fix: pass the checkpoint of one replay iterator."
@@ -95,10 +108,10 @@ class Watermark:
         assert self.writers is not None and other.writers is not None
         ids = set(self.writers) | set(other.writers)
         merged = {i: max(self.writers.get(i, 0), other.writers.get(i, 0)) for i in ids}
-        return Watermark(self.store, writers=merged)
+        return Watermark(self.store, writers=merged, store_id=self.store_id or other.store_id)
 
 
-def _from_state(state: Any, where: str) -> Watermark:
+def _from_state(state: Any, where: str, store: Any = None) -> Watermark:
     if hasattr(state, "get_state") and callable(state.get_state):
         state = state.get_state()
     if isinstance(state, (bytes, bytearray, str)):
@@ -109,16 +122,62 @@ def _from_state(state: Any, where: str) -> Watermark:
                 f"{where} is not a replay iterator's state ({e}). Fix: pass what get_state() "
                 "returned, or the Orbax item directory it was saved to."
             ) from None
+    if isinstance(state, Mapping) and "watermarks" in state:  # a replay mixture's
+        return _pick(state["watermarks"], where, store)
     if not isinstance(state, Mapping) or "watermark" not in state:
         raise CheckpointMismatchError(
             f"{where} records no commit watermark: it is not the state of a replay iterator "
-            "(sampling=gr.UniformReplay() or gr.PrioritizedReplay()) saved by this version. "
-            "Fix: checkpoint the iterator of a replay loader."
+            "(sampling=gr.UniformReplay() or gr.PrioritizedReplay(), or a mixture with "
+            "sampling=gr.UniformReplay()) saved by this version. Fix: checkpoint the "
+            "iterator of a replay loader."
         )
-    return Watermark.from_json(state["watermark"], where)
+    mark = Watermark.from_json(state["watermark"], where)
+    if store is not None and not _same_store(mark.store, store):
+        raise CheckpointMismatchError(
+            f"{where} replayed {mark.store}, not {os.fspath(store)}. Fix: pass the store the "
+            "checkpoint replayed, or store=None."
+        )
+    return mark
 
 
-def read_watermark(checkpoint: Any) -> Watermark:
+def _same_store(a: str, b: Any) -> bool:
+    b = os.fspath(b)
+    if "://" in a or "://" in b:
+        return a == b
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _pick(marks: Any, where: str, store: Any) -> Watermark:
+    """The watermark of ``store`` among a mixture's (by source name); with no ``store``,
+    that of its one many-writer store, or of its one store."""
+    try:
+        found = {str(name): Watermark.from_json(m, where) for name, m in dict(marks).items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointMismatchError(
+            f"{where} holds no valid commit watermarks ({type(e).__name__}: {e}). Fix: pass "
+            "the state of a replay mixture, or the Orbax item directory it was saved to."
+        ) from None
+    stores = {name: m.store for name, m in found.items()}
+    if store is not None:
+        hits = [m for m in found.values() if _same_store(m.store, store)]
+        if not hits:
+            raise CheckpointMismatchError(
+                f"{where} is a mixture's checkpoint over {stores}; none is {os.fspath(store)}. "
+                "Fix: pass store= one of those."
+            )
+        return hits[0]
+    online = [m for m in found.values() if m.writers is not None]
+    if len(online) == 1:
+        return online[0]
+    if len(found) == 1:
+        return next(iter(found.values()))
+    raise CheckpointMismatchError(
+        f"{where} is a mixture's checkpoint over {stores}: say whose watermark you want. "
+        "Fix: gr.read_watermark(checkpoint, store=<the store's path>)."
+    )
+
+
+def read_watermark(checkpoint: Any, store: str | os.PathLike[str] | None = None) -> Watermark:
     """The commit watermark a replay checkpoint records, for restarting the writers there.
 
     Args:
@@ -126,12 +185,17 @@ def read_watermark(checkpoint: Any) -> Watermark:
         ``ckpt/1000/data``; with several learner processes the rows any of them
         drew from are covered), one of its ``process_<i>-of-<n>.json`` files, the
         bytes or dict ``get_state()`` returned, or the iterator itself.
+      store: the store whose watermark to return, for a replay mixture's checkpoint
+        (it records one per source). None: the mixture's one many-writer store (or
+        its one store); for one store's checkpoint, that store.
 
     Returns:
       A :class:`Watermark`; pass it to ``gr.ReplayWriter(path, resume_from=...)``.
 
     Raises:
-      CheckpointMismatchError: (a ``ValueError``) the checkpoint holds no replay state.
+      CheckpointMismatchError: (a ``ValueError``) the checkpoint holds no replay state,
+        or none of ``store``; or it is a mixture's over several many-writer stores
+        and ``store`` is None.
       FileNotFoundError: the path does not exist.
 
     Example:
@@ -139,11 +203,11 @@ def read_watermark(checkpoint: Any) -> Watermark:
       >>> writer = gr.ReplayWriter("replay.npy", resume_from=mark)  # doctest: +SKIP
     """
     if not isinstance(checkpoint, (str, os.PathLike)):
-        return _from_state(checkpoint, "the state")
+        return _from_state(checkpoint, "the state", store)
     path = os.fspath(checkpoint)
     if os.path.isfile(path):
         with open(path) as f:
-            return _from_state(f.read(), path)
+            return _from_state(f.read(), path, store)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"No checkpoint at {path}. Fix: pass the Orbax item directory.")
     files = sorted(n for n in os.listdir(path) if _PROCESS_FILE_RE.fullmatch(n))
@@ -155,7 +219,7 @@ def read_watermark(checkpoint: Any) -> Watermark:
     mark = None
     for name in files:
         with open(os.path.join(path, name)) as f:
-            one = _from_state(f.read(), os.path.join(path, name))
+            one = _from_state(f.read(), os.path.join(path, name), store)
         mark = one if mark is None else mark.merge(one)
     assert mark is not None
     return mark

@@ -25,7 +25,7 @@ from grain_replay.sampling.iterator_state import (
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.rate_limit import make_limiter
-from grain_replay.sampling.replay import UniformSampler
+from grain_replay.sampling.replay import StoreLength, UniformSampler
 from grain_replay.sampling.streams import Stream
 from grain_replay.watermark import Watermark
 
@@ -209,6 +209,21 @@ class SamplingIterator:
             return None
         return store_watermark(self._stream.sampler, source)  # type: ignore[attr-defined]
 
+    def _mixture_lengths(self) -> dict[str, StoreLength] | None:
+        """A replay mixture's sources' lengths by name (None: not a mixture with replay)."""
+        sampler = getattr(self._stream, "sampler", None)
+        if not isinstance(sampler, MixtureSampler) or sampler.lengths is None:
+            return None
+        return dict(zip(sampler.names, sampler.lengths))
+
+    def _watermarks(self) -> dict[str, Watermark] | None:
+        """A replay mixture's watermark of each source, by name (None: not a mixture
+        with replay): the offline sources' committed length, the online stores' writers."""
+        lengths = self._mixture_lengths()
+        if lengths is None:
+            return None
+        return {name: store_watermark(n, n.source) for name, n in lengths.items()}
+
     def get_state(self) -> bytes:
         """JSON bytes: resume at the identical next batch (schedule and priorities included)."""
         return self.get_state_at(self._position)
@@ -244,6 +259,7 @@ class SamplingIterator:
                 watermark=self._watermark(),
                 rate_limit=None if self._limiter is None else self._limiter.state(position),
                 priorities=priorities,
+                watermarks=self._watermarks(),
             )
 
     def set_state(self, state: bytes) -> None:
@@ -263,6 +279,12 @@ class SamplingIterator:
         position, priorities = decoded.position, decoded.priorities
         if decoded.watermark is not None:
             check_store(decoded.watermark, self._watermark(), self._source())
+        if decoded.watermarks is not None:
+            lengths = self._mixture_lengths() or {}
+            for name, saved in sorted(decoded.watermarks.items()):
+                if name in lengths:  # the sources' names are part of what must match
+                    n = lengths[name]
+                    check_store(saved, store_watermark(n, n.source), n.source)
         if self._limiter is not None and decoded.rate_limit is not None:
             self._limiter.check_state(decoded.rate_limit, position)
         if priorities is not None:

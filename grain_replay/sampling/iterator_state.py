@@ -3,8 +3,9 @@
 ``get_state()`` of a mixture or replay loader's iterator is JSON bytes holding
 ``version``, ``sampling`` (the stream's description), ``position`` (batches
 handed out), ``sampler`` (its state before the next batch), the store's commit
-``watermark``, a rate limit's counters (``rate_limit``) and, with prioritized
-replay, the ``priorities`` (numpy arrays as base64, the draws ahead included).
+``watermark`` (a replay mixture: ``watermarks``, one per source), a rate limit's
+counters (``rate_limit``) and, with prioritized replay, the ``priorities`` (numpy
+arrays as base64, the draws ahead included).
 Version 1 has none of watermark, rate limit and priorities; version 2 lacks the
 rate limit (its rows handed out are the position's batches).
 """
@@ -48,6 +49,7 @@ class Decoded(NamedTuple):
     watermark: Watermark | None
     rate_limit: Any
     priorities: dict[str, np.ndarray] | None
+    watermarks: dict[str, Watermark] | None = None  # a replay mixture's, by source name
 
 
 def encode_state(
@@ -58,6 +60,7 @@ def encode_state(
     watermark: Watermark | None,
     rate_limit: Any,
     priorities: Mapping[str, np.ndarray] | None,
+    watermarks: Mapping[str, Watermark] | None = None,
 ) -> bytes:
     """The JSON bytes of a state (``priorities`` encoded at once, without a copy)."""
     out: dict[str, Any] = {
@@ -68,6 +71,8 @@ def encode_state(
     }
     if watermark is not None:
         out["watermark"] = watermark.to_json()
+    if watermarks is not None:
+        out["watermarks"] = {name: mark.to_json() for name, mark in watermarks.items()}
     if rate_limit is not None:
         out["rate_limit"] = rate_limit
     text = json.dumps(out).encode()
@@ -101,29 +106,35 @@ def decode_state(state: bytes, sampling: dict[str, Any]) -> Decoded:
             f"{sampling}. Fix: resume with the same sources, sampling, "
             "batch_size and seed."
         )
-    mark = decoded.get("watermark")
+    mark, marks = decoded.get("watermark"), decoded.get("watermarks")
     watermark = None if mark is None else Watermark.from_json(mark)
-    return Decoded(position, sampler, watermark, decoded.get("rate_limit"), priorities)
+    watermarks = None
+    if isinstance(marks, Mapping):
+        watermarks = {str(k): Watermark.from_json(v) for k, v in marks.items()}
+    return Decoded(position, sampler, watermark, decoded.get("rate_limit"), priorities, watermarks)
 
 
 def store_watermark(sampler: Any, source: Any) -> Watermark:
     """The rows ``sampler`` draws from ``source``, as the store's writers count them."""
     store = str(getattr(source, "path", None) or repr(source))
+    sid = getattr(source, "store_id", None)
+    sid = sid if isinstance(sid, str) else None
     # A bounded many-writer store names each writer's committed rows in the view:
     # through commit_watermark(), or the writers' manifests of its snapshot.
     view = getattr(sampler, "commit_watermark", None)
     if callable(view):  # the writers' rows the draws come from, as the sampler saw them
         writers = view()
         if writers is not None:
-            return Watermark(store, writers=dict(writers))
+            return Watermark(store, writers=dict(writers), store_id=sid)
     per_writer = getattr(source, "commit_watermark", None)
     if callable(per_writer):
-        return Watermark(store, writers=dict(per_writer()))
+        return Watermark(store, writers=dict(per_writer()), store_id=sid)
     manifests = getattr(source, "writers", None)
     if isinstance(manifests, list) and all(
         hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
     ):
-        return Watermark(store, writers={m.writer_id: int(m.committed) for m in manifests})
+        writers = {m.writer_id: int(m.committed) for m in manifests}
+        return Watermark(store, writers=writers, store_id=sid)
     return Watermark(store, rows=int(sampler.bound))
 
 
@@ -188,6 +199,15 @@ def _check_writers(saved: Watermark, ours: Watermark, source: Any) -> None:
             f"The checkpoint drew from the bounded many-writer store {saved.store} (writers "
             f"{sorted(saved.writers)}); a plain store is there now: the store was replaced. "
             "Fix: restore with the store as it was saved, or start the learner afresh."
+        )
+    now = getattr(source, "current_store_id", None)
+    sid = now() if callable(now) else None
+    if None not in (saved.store_id, sid) and saved.store_id != sid:
+        raise ReplayCheckpointError(
+            f"The checkpoint drew from the store {saved.store_id} at {saved.store}; the store "
+            f"there now is another ({sid}): it was deleted and made again, with the same "
+            "writer ids. Its rows are not the ones the checkpoint replayed. Fix: restore "
+            "with the store as it was saved, or start the learner afresh."
         )
     for wid, rows in sorted(saved.writers.items()):
         if rows <= 0:

@@ -21,7 +21,7 @@ from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.batches import CACHED_ORDER_MAX_RECORDS
 from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.sampling.draws import Draws
-from grain_replay.sampling.replay import StoreLength
+from grain_replay.sampling.replay import StoreLength, parse_layout
 
 __all__ = ["apportion", "MixtureSampler"]
 
@@ -213,6 +213,11 @@ class MixtureSampler:
                     at += counts[s]
         self._ahead.extend((task, debt, given) for task, (_, debt, given) in zip(tasks, steps))
 
+    @property
+    def lengths(self) -> list[StoreLength] | None:
+        """With replay, each source's committed length, in mixture order (else None)."""
+        return self._lengths
+
     def refresh(self) -> None:
         """With replay: every source looks for new rows before the next draw."""
         for length in self._lengths or ():
@@ -273,6 +278,11 @@ class MixtureSampler:
         }
         if self._lengths is not None:
             state["n"] = [length.n for length in self._lengths]
+            if any(length.by_id for length in self._lengths):
+                # the by-id sources' positions' layouts: a restore draws the same rows
+                state["writers"] = [
+                    length.layout() if length.by_id else None for length in self._lengths
+                ]
         return state
 
     def set_state(self, state: Mapping[str, Any]) -> None:
@@ -282,9 +292,24 @@ class MixtureSampler:
                 f"The checkpoint is of a mixture of {len(given)} sources; this one has "
                 f"{len(self.names)} ({list(self.names)}). Fix: resume with the same sources."
             )
+        layouts = state.get("writers")
+        pinned: list[Any] = [None] * len(self.names)
+        if layouts is not None and self._lengths is not None:
+            if not isinstance(layouts, list) or len(layouts) != len(self.names):
+                raise InvalidSamplingError(
+                    f"The checkpoint's writers' layouts {layouts!r} are not one per source "
+                    f"of {list(self.names)}. Fix: pass bytes from get_state() of a loader "
+                    "made with the same arguments."
+                )
+            ns = state.get("n", ())
+            for s, (length, layout) in enumerate(zip(self._lengths, layouts)):
+                if layout is not None and length.by_id:
+                    pinned[s] = parse_layout(layout, int(ns[s]))
         self._step = int(state["step"])
         self._debt = [float(x) for x in debt]
         self._given = [int(x) for x in given]
         self._ahead.clear()
         for length, n in zip(self._lengths or (), state.get("n", ())):
             length.n = int(n)
+        for length, layout in zip(self._lengths or (), pinned):
+            length.pin(layout)

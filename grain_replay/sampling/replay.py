@@ -141,6 +141,7 @@ class StoreLength:
         self._forced = False
         self.looks = 0  # times the length was re-read
         self.n = len(source)
+        self.source = source  # the store (for its checkpoint's watermark)
         self._stamp: tuple[int, int, int] | None = None
         self._settled = False  # whether the stamp was seen after its tick had passed
         self._probe = probe_copy(source)
@@ -173,6 +174,18 @@ class StoreLength:
                 for m in self.writers
             ]
         return self._layout
+
+    @property
+    def bound(self) -> int:
+        """The length the last draw drew below (a plain store's watermark)."""
+        return self.n
+
+    def commit_watermark(self) -> dict[str, int] | None:
+        """Each writer's committed rows in the snapshot the draws come from (by-id stores;
+        None for a plain store, whose watermark is :attr:`bound`)."""
+        if not self.by_id:
+            return None
+        return {w: hi for w, _, _, hi in self.layout()}
 
     def pin(self, layout: list[list[Any]] | None) -> None:
         """Maps positions through ``layout`` (a checkpoint's, checked by :func:`parse_layout`)
@@ -288,9 +301,7 @@ class UniformSampler:
     def commit_watermark(self) -> dict[str, int] | None:
         """Each writer's committed rows in the snapshot the draws come from (by-id stores;
         None for a plain store, whose watermark is :attr:`bound`)."""
-        if not self._length.by_id:
-            return None
-        return {w: hi for w, _, _, hi in self._length.layout()}
+        return self._length.commit_watermark()
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self._step, "n": self._length.n}

@@ -62,6 +62,7 @@ class PartsDataSource(SourceSurface):
     ) -> None:
         self._path = os.path.abspath(os.fspath(path))
         self._format = parts_lib.read_store_file(self._path)
+        self._store_id = parts_lib.read_store_id(self._path)
         requested = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
         self._with_writer = requested is not None and WRITER_KEY in requested
         self._requested = None if requested is None else [k for k in requested if k != WRITER_KEY]
@@ -205,6 +206,16 @@ class PartsDataSource(SourceSurface):
         restored checkpoint's watermark is checked against.
         """
         return parts_lib.committed_rows(self._path)
+
+    @property
+    def store_id(self) -> str | None:
+        """The id the store had when this source opened it (None: made before ids)."""
+        return self._store_id
+
+    def current_store_id(self) -> str | None:
+        """The id of the store at :attr:`path` now: another one than :attr:`store_id`
+        once the store was deleted and made again there."""
+        return parts_lib.read_store_id(self._path)
 
     @property
     def writer_ordinals(self) -> dict[str, int]:

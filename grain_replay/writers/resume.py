@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidArgumentError
+from grain_replay.parts import read_store_id
 from grain_replay.watermark import Watermark
 
 __all__ = ["resume_rows"]
@@ -27,8 +28,9 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
       writer_id: the writer part being reopened, or None for a plain store.
 
     Raises:
-      InvalidArgumentError: ``mark`` is of another store, of the other kind of store
-        (plain vs many-writer), or neither a watermark nor a row count >= 0.
+      InvalidArgumentError: ``mark`` is of another store (another path, or a store
+        made again at the path since), of the other kind of store (plain vs
+        many-writer), or neither a watermark nor a row count >= 0.
     """
     who = store if writer_id is None else f"{store} (writer {writer_id!r})"
     if isinstance(mark, Watermark):
@@ -51,6 +53,15 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
                 "reopen the store the checkpoint replayed, or pass resume_from="
                 "mark.rows_for(...) to cut this one at the same row count."
             )
+        if writer_id is not None and mark.store_id is not None:
+            sid = read_store_id(store)
+            if sid is not None and sid != mark.store_id:
+                raise InvalidArgumentError(
+                    f"{who}: resume_from is the watermark of the store {mark.store_id} that "
+                    f"was at {store}; the store there now is another ({sid}): it was deleted "
+                    "and made again. Fix: reopen without resume_from= (the rows the "
+                    "checkpoint replayed are gone), or restore the store as it was saved."
+                )
         return mark.rows_for(writer_id)
     if isinstance(mark, (bool, np.bool_)) or not isinstance(mark, (int, np.integer)):
         raise InvalidArgumentError(
