@@ -23,23 +23,10 @@ import pytest
 import grain_replay as gr
 from tests.helpers.orbax_items import restore_item as _restore
 from tests.helpers.orbax_items import save_item as _save
+from tests.sampling.test_checkpoint_writers import CAP, WRITERS, _append, _rows
 
 B = 8
-CAP = 64
-SEG = 16
-WRITERS = ("actor-0", "actor-1")
 _LOOK = 3  # refresh_every: the restored mixture's first look is at step 6
-
-
-def _rows(k: int, start: int, n: int) -> dict[str, np.ndarray]:
-    ids = np.arange(start, start + n, dtype=np.int64) + 1000 * k
-    return {"id": ids, "obs": np.zeros((n, 2), np.float32) + ids[:, None]}
-
-
-def _append(path: str, fmt: str, n: int) -> None:
-    for k, wid in enumerate(WRITERS):
-        with gr.ReplayWriter(path, fmt, capacity=CAP, writer_id=wid, segment_rows=SEG) as w:
-            w.append(_rows(k, w.committed, n))
 
 
 def _stores(tmp_path: Path, fmt: str = "npy") -> tuple[str, str]:
