@@ -158,12 +158,16 @@ def create_store_file(store: str, fmt: str) -> None:
     fsync_path(store)
 
 
+def _store_json(store: str) -> Any:
+    with open(os.path.join(store, STORE_FILE)) as f:
+        return json.load(f)
+
+
 def read_store_file(store: str) -> str:
     """The format of the store at ``store``."""
     file = os.path.join(store, STORE_FILE)
     try:
-        with open(file) as f:
-            raw = json.load(f)
+        raw = _store_json(store)
         fmt = raw["format"]
         if fmt not in _SUFFIX or int(raw["layout"]) > LAYOUT_VERSION:
             raise ValueError(f"format {fmt!r}, layout {raw['layout']!r}")
@@ -179,8 +183,7 @@ def read_store_id(store: str) -> str | None:
     """The ``store_id`` of the store at ``store``; None for a store made before there
     was one (or no store file there: :func:`read_store_file` says why)."""
     try:
-        with open(os.path.join(store, STORE_FILE)) as f:
-            found = json.load(f).get("store_id")
+        found = _store_json(store).get("store_id")
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, str) else None
