@@ -330,12 +330,20 @@ def build_part(
     for s in m.segments:
         src = None if old is None else old.segments.get(s.first)
         try:
+            refreshed = False
             if src is not None and old is not None and old.rows.get(s.first, 0) < s.rows:
                 src.refresh()  # the tail grew: new pages mapped behind the old ones
+                refreshed = True
             if src is None:
                 src = open_segment(store, m, s.first, keys, kwargs)
             if len(src) < s.rows:
                 src.refresh()
+                refreshed = True
+            if refreshed:
+                # A refresh that cannot grow the maps in place closes them, and the next
+                # read would open the files then, perhaps after an eviction unlinked
+                # them: map them now, while this snapshot's manifest lists them.
+                src.open()
         except (OSError, GrainReplayError):
             if strict or not evicted(wdir, m, s.first):
                 raise  # a damaged segment, not an evicted one

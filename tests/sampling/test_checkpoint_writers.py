@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,21 @@ def _step(it: Any, mode: str, step: int) -> tuple[np.ndarray, np.ndarray | None]
     return rows, np.asarray(batch.weight).copy()
 
 
+def _wait_drawn(it: Any, steps: int) -> None:
+    """Waits until the loader under ``it`` has drawn its first ``steps`` batches.
+
+    Its workers draw ahead in the background; a draw that looks at the store (every
+    ``_LOOK`` steps) sees a later append or not depending on when it runs. Waiting
+    for the pipeline to fill before the test appends makes the uninterrupted run's
+    draws a function of the test, not of the machine's speed.
+    """
+    sampling = it._inner  # the SamplingIterator under sharded_device_put
+    deadline = time.monotonic() + 60
+    while sampling._next_draw < steps:
+        assert time.monotonic() < deadline, f"drew {sampling._next_draw} of {steps} batches"
+        time.sleep(0.005)
+
+
 def _uniform(path: str) -> Any:
     loader = gr.make_data_loader(gr.open_source(path), batch_size=B, sampling=gr.UniformReplay())
     return iter(loader)
@@ -105,6 +121,8 @@ def test_restore_checks_every_writer_of_the_watermark(
     with _batches(path, mode, workers) as it:
         for step in range(4):
             _step(it, mode, step)
+        if workers:  # 2 pulled ahead by sharded_device_put (4, 5), 1 by the workers (6)
+            _wait_drawn(it, 7)
         _save(it, ckpt, 4)
         _append(path, fmt, 8)  # (d) rows committed after the watermark: 48 each
         want = [_step(it, mode, step) for step in range(4, 10)]

@@ -94,3 +94,35 @@ def test_an_unknown_writer_or_a_row_past_the_snapshot_leaves_the_fast_path(
     np.testing.assert_array_equal(data["seq"], [live[-1] & SEQ, ws[1].committed - 1])
     for w in ws:
         w.close()
+
+
+@pytest.mark.parametrize("fmt", ["npy", "hdf5"])
+def test_a_tail_segment_whose_map_could_not_grow_is_mapped_again_at_refresh(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refresh that cannot grow a segment's map in place (its file replaced, or gone
+    between reading its metadata and growing) maps it again at once: the snapshot's rows
+    stay readable after the writer evicts the segment, never opened lazily after it."""
+    path = str(tmp_path / "store")
+    w = gr.ReplayWriter(path, fmt, capacity=40, writer_id="w0", segment_rows=16)
+    w.append(make_rows("w0", 0, 20))  # segment 16 holds 4 rows
+    w.flush()
+    src = gr.open_source(path, keys=["seq", "tag", "vec"])
+    src.read_batch(np.arange(len(src)))  # maps both segments
+    w.append(make_rows("w0", 20, 8))  # segment 16 grows to 12 rows
+    w.flush()
+    handle = type(src._snapshot().parts[0].segments[16]._get_handle())
+    monkeypatch.setattr(handle, "grow", lambda self, source, layout: False)
+    src.refresh()
+    ids = src.ids(np.arange(len(src)))  # no read here: a read would map the files again
+    w.append(make_rows("w0", 28, 120))  # segments 0 and 16 evicted and unlinked
+    w.flush()
+    segment = f"seg-{16:012d}" + ("" if fmt == "npy" else ".h5")
+    assert not (Path(path) / "writers" / "w0" / segment).exists()
+    got = src.read_batch(np.arange(len(src)))  # this snapshot still: no error, same rows
+    check_rows(got)
+    np.testing.assert_array_equal(got["seq"], np.arange(28 - len(src), 28))
+    data, ok = src.read_ids_checked(ids)
+    assert ok.all()
+    np.testing.assert_array_equal(data["seq"], ids & SEQ)
+    w.close()
