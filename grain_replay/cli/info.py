@@ -44,6 +44,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     writers = _writers(src)
     if writers is not None:
         info["format"] = getattr(src, "format", info["format"])
+        info["store_id"] = src.store_id
         info["writers"] = writers
         info["evicted_records"] = sum(w["evicted"] for w in writers)
     info["checksums"] = getattr(src, "checksums", None) is not None
@@ -66,6 +67,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     if "writers" in info:
         ws = info["writers"]
+        if info["store_id"] is not None:  # what checkpoints' watermarks name (None: older store)
+            print(f"  store id: {info['store_id']}")
         print(
             f"  writers: {len(ws)} (live records {info['num_records']:,}, evicted "
             f"{info['evicted_records']:,})"

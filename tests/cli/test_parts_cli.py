@@ -38,6 +38,7 @@ def test_info_shows_writers_live_and_evicted_rows_and_disk_use(
     assert main(["info", store, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["num_records"] == 300 and info["evicted_records"] == 100
+    assert info["store_id"] == gr.open_source(store).store_id and len(info["store_id"]) == 32
     a, b = info["writers"]
     assert (a["writer_id"], a["live"], a["evicted"], a["committed"]) == ("a", 100, 100, 200)
     assert (b["writer_id"], b["live"], b["evicted"], b["capacity"]) == ("b", 200, 0, None)
@@ -46,6 +47,7 @@ def test_info_shows_writers_live_and_evicted_rows_and_disk_use(
     assert main(["info", store]) == 0
     text = capsys.readouterr().out
     assert "writers: 2 (live records 300, evicted 100)" in text
+    assert f"store id: {info['store_id']}" in text
     assert "a: 100 live, 100 evicted, 200 committed, capacity 100" in text
 
 
