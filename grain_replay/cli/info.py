@@ -44,7 +44,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     writers = _writers(src)
     if writers is not None:
         info["format"] = getattr(src, "format", info["format"])
-        info["store_id"] = src.store_id
+        info["store_id"] = getattr(src, "store_id", None)  # a PartsDataSource here
         info["writers"] = writers
         info["evicted_records"] = sum(w["evicted"] for w in writers)
     info["checksums"] = getattr(src, "checksums", None) is not None
