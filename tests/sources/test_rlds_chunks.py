@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from rlds_fixture import write_rlds
+from rlds_fixture import expected_windows, flat_batch, write_rlds
 
 import grain_replay as gr
 from grain_replay.sources.rlds import readers as readers_lib
@@ -49,47 +49,6 @@ def _count_reads(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(readers_lib.Shards, "read", read)
     return calls
-
-
-def expected_windows(
-    data: dict[str, np.ndarray], lengths: Any, offsets: dict[str, list[int]], pad: str
-) -> tuple[list[int], dict[str, np.ndarray]]:
-    """The anchors and each leaf and mask of every record, built step by step."""
-    ends = np.cumsum(lengths)
-    starts = ends - np.asarray(lengths)
-    every = [o for offs in offsets.values() for o in offs]
-    lo, hi = min(min(every), 0), max(max(every), 0)
-    anchors = []
-    for a, e in zip(starts.tolist(), ends.tolist()):
-        for t in range(a, e):
-            if pad != "drop" or (t + lo >= a and t + hi < e):
-                anchors.append(t)
-    ep_of = {t: (a, e) for a, e in zip(starts.tolist(), ends.tolist()) for t in range(a, e)}
-    out: dict[str, Any] = {}
-    for key, offs in offsets.items():
-        rows, masks = [], []
-        for t in anchors:
-            a, e = ep_of[t]
-            steps = [t + o for o in offs]
-            mask = [not (a <= s < e) for s in steps]
-            vals = data[key][[min(max(s, a), e - 1) for s in steps]].copy()
-            if pad == "zero":
-                vals[np.array(mask)] = 0
-            rows.append(vals)
-            masks.append(mask)
-        out[key] = np.stack(rows)
-        out[key + "_is_pad"] = np.array(masks, bool)
-    return anchors, out
-
-
-def _flat(batch: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for k, v in batch.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}/"))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 # -- float rows in runs -----------------------------------------------------------------
@@ -167,7 +126,7 @@ def test_chunks_and_frame_stacks_equal_the_steps(sized: Any, pad: str) -> None:
     assert len(seq) == len(anchors)
     np.testing.assert_array_equal(seq.anchor_steps(np.arange(len(seq))), anchors)
     ids = np.concatenate([np.arange(len(seq)), np.arange(len(seq))[::-1]]).astype(np.int64)
-    got = _flat(seq.read_batch(ids))
+    got = flat_batch(seq.read_batch(ids))
     assert sorted(got) == sorted(want)
     for key, w in want.items():
         np.testing.assert_array_equal(got[key], np.concatenate([w, w[::-1]]), err_msg=key)
@@ -214,7 +173,7 @@ def test_read_into_reads_only_the_named_leaves(sized: Any, monkeypatch: Any) -> 
     for pad in ("edge", "zero"):
         seq = gr.SequenceDataSource(src, OFFSETS, pad=pad)
         ids = np.array([4, 2, 15], np.int64)
-        want = _flat(seq.read_batch(ids))
+        want = flat_batch(seq.read_batch(ids))
         decoded.clear()
         part = {
             "action": np.zeros((3, 4, 7), np.float32),
@@ -234,7 +193,7 @@ def test_read_into_arrays_not_contiguous_and_of_a_wrong_shape(big: Any) -> None:
     src = gr.RLDSDataSource(root, keys=list(OFFSETS), progress=False)
     seq = gr.SequenceDataSource(src, OFFSETS, pad="zero")
     ids = np.array([0, 9, 15], np.int64)
-    want = _flat(seq.read_batch(ids))
+    want = flat_batch(seq.read_batch(ids))
     wide = np.zeros((3, 2, 32, 64, 3), np.uint8)
     out = {"observation/image": wide[:, :, :, ::2], "action": np.zeros((3, 4, 7), np.float32)}
     assert not out["observation/image"].flags.c_contiguous
@@ -256,7 +215,7 @@ def test_loader_workers_read_chunks_into_their_slots(ds: Any) -> None:
         loader = gr.make_data_loader(seq, batch_size=4, shuffle=True, seed=1, worker_count=workers)
         seen = []
         for batch in loader:
-            flat = _flat(batch)
+            flat = flat_batch(batch)
             rows = [key_of[s.tobytes()] for s in np.asarray(flat["observation/state"])[:, 0]]
             for key, w in want.items():
                 np.testing.assert_array_equal(np.asarray(flat[key]), w[rows], err_msg=key)
