@@ -125,15 +125,16 @@ def test_chunks_and_frame_stacks_equal_the_steps(sized: Any, pad: str) -> None:
     anchors, want = expected_windows(data, LENGTHS, OFFSETS, pad)
     assert len(seq) == len(anchors)
     np.testing.assert_array_equal(seq.anchor_steps(np.arange(len(seq))), anchors)
-    ids = np.concatenate([np.arange(len(seq)), np.arange(len(seq))[::-1]]).astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(seq))  # first reads miss the frame cache
+    ids = np.concatenate([order, order[::-1]]).astype(np.int64)
     got = flat_batch(seq.read_batch(ids))
     assert sorted(got) == sorted(want)
     for key, w in want.items():
-        np.testing.assert_array_equal(got[key], np.concatenate([w, w[::-1]]), err_msg=key)
+        np.testing.assert_array_equal(got[key], w[ids], err_msg=key)
     out = {k: np.full((len(ids), *v.shape), 7, v.dtype) for k, v in seq.spec.items()}
     seq.read_into(ids, out)
     for key, w in want.items():
-        np.testing.assert_array_equal(out[key], np.concatenate([w, w[::-1]]), err_msg=key)
+        np.testing.assert_array_equal(out[key], w[ids], err_msg=key)
 
 
 def test_read_into_gathers_images_straight_into_the_arrays(big: Any, monkeypatch: Any) -> None:
@@ -221,3 +222,36 @@ def test_loader_workers_read_chunks_into_their_slots(ds: Any) -> None:
                 np.testing.assert_array_equal(np.asarray(flat[key]), w[rows], err_msg=key)
             seen += rows
         assert len(set(seen)) == len(seen) >= len(seq) // 4 * 4, workers
+
+
+@pytest.mark.parametrize("cache", [0, 1 << 30])
+def test_frame_stacks_decode_each_distinct_step_once(
+    big: Any, monkeypatch: Any, cache: int
+) -> None:
+    root, data = big
+    src = gr.RLDSDataSource(
+        root, keys=["observation/image"], progress=False, frame_cache_bytes=cache
+    )
+    seq = gr.SequenceDataSource(src, {"observation/image": [-2, -1, 0]}, pad="edge")
+    decoded: list[int] = []
+    real = readers_lib._BytesReader._images
+
+    def images(self: Any, blobs: list[bytes], *args: Any) -> np.ndarray:
+        decoded.append(len(blobs))
+        return real(self, blobs, *args)
+
+    monkeypatch.setattr(readers_lib._BytesReader, "_images", images)
+    # Starts of episodes 0, 1 and 3 (1 step), not in step order.
+    ids = np.array([15, 1, 0, 5, 2], np.int64)
+    want = data["observation/image"]
+    got = seq.read_batch(ids)["observation"]["image"]
+    # Steps 15 15 15 | 0 0 1 | 0 0 0 | 5 5 5 | 0 1 2: 5 distinct of 15.
+    assert decoded == [5]
+    np.testing.assert_array_equal(got[0], want[[15, 15, 15]])
+    np.testing.assert_array_equal(got[1], want[[0, 0, 1]])
+    np.testing.assert_array_equal(got[3], want[[5, 5, 5]])
+    np.testing.assert_array_equal(got[4], want[[0, 1, 2]])
+    out = np.zeros_like(got)
+    seq.read_into(ids, {"observation/image": out})
+    assert decoded == [5] if cache else decoded == [5, 5]  # the cache holds them now
+    np.testing.assert_array_equal(out, got)

@@ -206,8 +206,10 @@ class _BytesReader(_Base):
         frames = self.frames
         if frames is not None and frames.enabled:
             return self._cached_images(idx, frames)
-        blobs, episode, j = self._blobs(idx)
         f = self.f
+        if f.kind == "image":
+            return self._decoded(idx)
+        blobs, episode, j = self._blobs(idx)
         if f.kind == "text":
             return np.array(blobs, dtype=self.dtype).reshape(len(idx), *f.shape)
         if f.kind == "raw":
@@ -225,6 +227,21 @@ class _BytesReader(_Base):
             return out
         return self._images(blobs, episode, j)
 
+    def _decoded(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The images of steps ``idx``, each distinct step read and decoded once (a frame
+        stack's clipped repeats at an episode's start, the shared frames of overlapping
+        stacks), into ``out`` if given."""
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        if len(uniq) == len(idx):
+            blobs, episode, j = self._blobs(idx)
+            return self._images(blobs, episode, j, out)
+        blobs, episode, j = self._blobs(uniq)
+        decoded = self._images(blobs, episode, j)
+        if out is None:
+            return decoded.take(inverse.reshape(-1), axis=0)
+        np.take(decoded, inverse.reshape(-1), axis=0, out=out)
+        return out
+
     def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Images are read (cached frames) or decoded straight into ``out``."""
         f = self.f
@@ -236,8 +253,7 @@ class _BytesReader(_Base):
         if frames is not None and frames.enabled:
             self._cached_images(idx, frames, out)
         else:
-            blobs, episode, j = self._blobs(idx)
-            self._images(blobs, episode, j, out)
+            self._decoded(idx, out)
 
     def _cached_images(
         self, idx: np.ndarray, frames: FrameCache, out: np.ndarray | None = None
@@ -248,10 +264,12 @@ class _BytesReader(_Base):
         _, _, rec = self._records(idx)
         miss = np.flatnonzero(~frames.read(rec, out))
         if miss.size:
-            blobs, episode, j = self._blobs(idx[miss])
+            # Each distinct step decoded and stored once.
+            uniq, inverse = np.unique(idx[miss], return_inverse=True)
+            blobs, episode, j = self._blobs(uniq)
             decoded = self._images(blobs, episode, j)
-            out[miss] = decoded
-            frames.write(rec[miss].tolist(), decoded)
+            out[miss] = decoded[inverse.reshape(-1)]  # uniq is sorted: back in miss order
+            frames.write(self._records(uniq)[2].tolist(), decoded)
         return out
 
     def _images(
