@@ -100,6 +100,34 @@ class LeafAccess:
             out[key] = flat.reshape(rows.shape + flat.shape[1:])
         return out
 
+    def take_into(self, requests: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """``{key: (rows, out)}``: writes ``leaf[rows]`` into ``out`` (shape ``rows.shape +
+        leaf_shape``, the leaf's dtype); rows are in range.
+
+        A grain_replay source gathers straight into ``out`` (its ``read_into``: an
+        image leaf decodes or reads its cached frames into it, no batch allocated and
+        copied), one call for the leaves that share their rows; an ``out`` that is not
+        C-contiguous, or any other source, is read as :meth:`take` and copied in.
+        """
+        src = self.source
+        direct: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+        copied: dict[str, np.ndarray] = {}
+        for key, (rows, out) in requests.items():
+            if (
+                isinstance(src, ReplaySource)
+                and type(out) is np.ndarray
+                and out.flags.c_contiguous
+                and out.dtype == self.spec[key].dtype
+            ):
+                flat = out.reshape(rows.size, *self.spec[key].shape)  # a view: contiguous
+                direct.setdefault(id(rows), (rows.reshape(-1), {}))[1][key] = flat
+            else:
+                copied[key] = rows
+        for rows, outs in direct.values():
+            src.read_into(rows, outs, check=False)
+        for key, got in self.take(copied).items():
+            requests[key][1][...] = got
+
     def take_windows(self, key: str, starts: np.ndarray, length: int) -> np.ndarray:
         """``leaf[start : start + length]`` per start, ``(len(starts), length, ...)``.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ def read_windowed(
     spans: Anchors,
     ids: np.ndarray,
     pad: str,
+    into: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """The leaves and the groups' masks of a batch of a grain_replay source with a
     windowed group (see ``SequenceDataSource._group_plans``).
@@ -32,7 +33,10 @@ def read_windowed(
     offsets hold the anchor); on a memory-mapped leaf with numba, window and
     fix-up are one compiled copy (``sources/reading/windows.py``). A
     window that would leave the store (first or last episode) starts inside
-    it. Other groups read their rows as before.
+    it. Other groups read their rows as before; with ``into`` (leaf key -> the
+    ``(B, K, ...)`` array of a ``read_into``), their leaves named in it are
+    gathered straight into it and not returned; windowed leaves named in it
+    are returned. Leaves not named are not read.
     """
     episode, t = (None, ids) if spans.every_step else spans.locate(ids)
     b, n = len(t), spans.num_steps
@@ -74,11 +78,15 @@ def read_windowed(
                     np.clip(start, 0, n - k, out=start)
         plans.append((start, mask, at))
         for key in group.keys:
-            windows[key] = (start, k, near if at is not None else None, at)
+            if into is None or key in into:
+                windows[key] = (start, k, near if at is not None else None, at)
     got = access.take_windows_fixed(windows)
     masks = []
     for group, (rows, mask, _) in zip(groups, plans):
         masks.append(mask)
         if rows.ndim == 2:
-            got.update(access.take(dict.fromkeys(group.keys, rows)))
+            if into is None:
+                got.update(access.take(dict.fromkeys(group.keys, rows)))
+            else:
+                access.take_into({k: (rows, into[k]) for k in group.keys if k in into})
     return got, masks

@@ -34,6 +34,7 @@ from grain_replay.rl._sequence_spec import (
 from grain_replay.rl._sequence_windows import read_windowed
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.sources import ReplaySource
+from grain_replay.sources.checks import check_out
 
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 
@@ -329,6 +330,53 @@ class SequenceDataSource(DerivedSource):
                 for k in group.keys:
                     got[k] = np.take(read[k], where, axis=0)
         return self._finish(got, [is_pad for _, _, is_pad in plans])
+
+    def read_into(
+        self,
+        indices: Sequence[int] | np.ndarray,
+        out: Mapping[str, np.ndarray],
+        *,
+        check: bool = True,
+    ) -> None:
+        """Reads records ``indices`` of the leaves and masks named in ``out`` into those
+        arrays (see :meth:`SourceSurface.read_into`; a loader's workers read each batch
+        into their shared slot so).
+
+        On a grain_replay step source, a leaf read at rows (not as windows: images,
+        and any leaf whose offsets are not one run holding the anchor) is gathered by the
+        source straight into its ``out``: a batch of action chunks with the current
+        frames decodes or reads its cached frames into the slot, no batch of frames
+        allocated (its pages faulted in) and copied. Windowed leaves (the action chunks)
+        and masks are copied in; ``pad="zero"`` zeros the padded positions in place.
+        Leaves not named are not read.
+        """
+        ids = self._check_indices(indices)
+        if check:
+            check_out(out, self.spec, len(ids), repr(self))
+        if not self._per_leaf:
+            super().read_into(ids, out, check=False)
+            return
+        if self._windowed:
+            spans = cast(Anchors, self._derived()[1])
+            got, masks = read_windowed(self._groups, self._access, spans, ids, self._pad, out)
+        else:
+            plans = self._group_plans(ids)
+            self._access.take_into(
+                {k: (rows, out[k]) for group, rows, _ in plans for k in group.keys if k in out}
+            )
+            got, masks = {}, [is_pad for _, _, is_pad in plans]
+        for key, (g, _) in self._group_of.items():
+            mask = masks[g]
+            dst = out.get(key)
+            if dst is not None:
+                values = got.get(key)
+                if values is not None:
+                    dst[...] = values
+                if self._pad == "zero" and mask.any():
+                    dst[mask] = 0
+            dst = out.get(key + PAD_SUFFIX)
+            if dst is not None:
+                dst[...] = mask
 
     def _finish(self, got: dict[str, np.ndarray], masks: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The output of the leaves read (``got``) and their groups' masks, zeros padded."""

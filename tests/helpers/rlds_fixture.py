@@ -296,3 +296,48 @@ def write_rlds_columns(
     with open(os.path.join(root, "dataset_info.json"), "w") as f:
         json.dump(info, f)
     return root
+
+
+# -- sequences -------------------------------------------------------------------------
+
+
+def expected_windows(
+    data: dict[str, np.ndarray], lengths: Any, offsets: dict[str, list[int]], pad: str
+) -> tuple[list[int], dict[str, np.ndarray]]:
+    """The anchors and each leaf and mask of every record, built step by step."""
+    ends = np.cumsum(lengths)
+    starts = ends - np.asarray(lengths)
+    every = [o for offs in offsets.values() for o in offs]
+    lo, hi = min(min(every), 0), max(max(every), 0)
+    anchors = []
+    for a, e in zip(starts.tolist(), ends.tolist()):
+        for t in range(a, e):
+            if pad != "drop" or (t + lo >= a and t + hi < e):
+                anchors.append(t)
+    ep_of = {t: (a, e) for a, e in zip(starts.tolist(), ends.tolist()) for t in range(a, e)}
+    out: dict[str, Any] = {}
+    for key, offs in offsets.items():
+        rows, masks = [], []
+        for t in anchors:
+            a, e = ep_of[t]
+            steps = [t + o for o in offs]
+            mask = [not (a <= s < e) for s in steps]
+            vals = data[key][[min(max(s, a), e - 1) for s in steps]].copy()
+            if pad == "zero":
+                vals[np.array(mask)] = 0
+            rows.append(vals)
+            masks.append(mask)
+        out[key] = np.stack(rows)
+        out[key + "_is_pad"] = np.array(masks, bool)
+    return anchors, out
+
+
+def flat_batch(batch: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """A batch tree as ``{"a/b": array}``."""
+    out: dict[str, np.ndarray] = {}
+    for k, v in batch.items():
+        if isinstance(v, dict):
+            out.update(flat_batch(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("PIL")
 
+from rlds_fixture import expected_windows, flat_batch
+
 import grain_replay as gr
 from grain_replay.sources.rlds.images import jpeg_decoder
 
@@ -94,6 +96,33 @@ def test_random_batches_and_episodes_match_tfds(tfds_dataset: Any) -> None:
     ends = np.cumsum(lengths)
     terminated = want["is_terminal"][ends - 1]
     assert gr.build_episode_index(src) == gr.EpisodeIndex.from_lengths(lengths, terminated)
+
+
+@pytest.mark.parametrize("pad", ["edge", "zero", "drop"])
+def test_action_chunks_and_frame_stacks_match_tfds_step_by_step(
+    tfds_dataset: Any, pad: str
+) -> None:
+    # Windows (the chunk reaching past each 5-step episode), a frame stack read at rows
+    # (PNG, exact) and float64 text embeddings, against TFDS's steps picked one by one.
+    path, want = tfds_dataset
+    offsets = {
+        "action": list(range(4)),
+        "language_embedding": [0, 1],
+        "observation/state": [0],
+        "observation/wrist_image": [-1, 0],
+    }
+    src = gr.RLDSDataSource(path, keys=list(offsets), progress=False)
+    seq = gr.SequenceDataSource(src, offsets, pad=pad)
+    anchors, expect = expected_windows(want, want["__lengths__"], offsets, pad)
+    ids = np.arange(len(seq), dtype=np.int64)[::-1].copy()
+    assert len(seq) == len(anchors)
+    got = flat_batch(seq.read_batch(ids))
+    into = {k: np.empty((len(ids), *v.shape), v.dtype) for k, v in seq.spec.items()}
+    seq.read_into(ids, into)
+    for key, w in expect.items():
+        assert got[key].dtype == w.dtype, key
+        np.testing.assert_array_equal(got[key], w[ids], err_msg=key)
+        np.testing.assert_array_equal(into[key], w[ids], err_msg=key)
 
 
 def test_no_tensorflow_in_this_process() -> None:

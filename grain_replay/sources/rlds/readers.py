@@ -11,7 +11,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError, MissingDependencyError
 from grain_replay.sources.reading.pool import run_grouped
-from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.readers import LeafReader, window_rows
 from grain_replay.sources.rlds.arrayrecord import RecordCache
 from grain_replay.sources.rlds.features import STEPS, Feature
 from grain_replay.sources.rlds.frames import FrameCache
@@ -104,7 +104,8 @@ class _IntReader(_Base):
 
 
 class _FloatReader(_Base):
-    """Float-list leaves: ``prod(shape)`` float32 values per step, read with one pread each."""
+    """Float-list leaves: ``prod(shape)`` float32 values per step, an episode's steps one
+    after the other in its record, so a run of consecutive steps is one ``pread``."""
 
     def __init__(self, f: Feature, index: Index, shards: Shards | RecordCache):
         super().__init__(f, index, shards)
@@ -112,27 +113,62 @@ class _FloatReader(_Base):
         self.stride = index.arrays[f.key + "#stride"]
 
     def take(self, indices: np.ndarray) -> np.ndarray:
+        """The rows, read in runs: rows that follow each other in one episode with steps
+        ascending by 0 or 1 (a window of an action chunk, its edge-clipped repeats, an
+        episode leaf repeated on its steps) are one ``pread`` of the run's bytes, the rows
+        picked from it. Random rows are one ``pread`` each, as before."""
         idx = np.asarray(indices, np.int64).reshape(-1)
-        episode, j, _ = self._records(idx)
         size = self.f.size
-        shard = self.index.episode_shard[episode]
-        stride = self.stride[episode].astype(np.int64)
-        first = self.off[episode] + (j * size * stride if self.step_level else 0)
-        read = self.shards.read
-        if size == 0:
+        if size == 0 or not idx.size:
             return np.zeros((len(idx), *self.f.shape), self.f.dtype)
+        episode, j, _ = self._records(idx)
+        if not self.step_level:
+            j = np.zeros_like(j)  # one value per episode: every step of it reads the same
+        # Run boundaries: another episode, or a step that is not the last one or the next.
+        step = np.diff(j)
+        new = np.empty(len(idx), bool)
+        new[0] = True
+        np.logical_or(episode[1:] != episode[:-1], (step < 0) | (step > 1), out=new[1:])
+        heads = np.flatnonzero(new)
+        run = np.cumsum(new) - 1
+        first_j = j[heads]
+        last_j = np.maximum.reduceat(j, heads)
+        ep = episode[heads]
+        count = last_j - first_j + 1
+        stride = self.stride[ep].astype(np.int64)
+        width = size * stride  # bytes a step
+        shard = self.index.episode_shard[ep].tolist()
+        first = (self.off[ep] + first_j * width).tolist()
+        nbytes = (count * width).tolist()
+        read = self.shards.read
         if np.all(stride == 4):
-            raw = b"".join(
-                read(int(s), int(o), 4 * size) for s, o in zip(shard.tolist(), first.tolist())
-            )
-            vals = np.frombuffer(raw, "<f4")
+            raw = b"".join(read(int(s), int(o), int(n)) for s, o, n in zip(shard, first, nbytes))
+            vals = np.frombuffer(raw, "<f4").reshape(-1, size)
         else:
-            rows = []
-            for s, o, st in zip(shard.tolist(), first.tolist(), stride.tolist()):
-                b = np.frombuffer(read(int(s), int(o), st * size), np.uint8)
-                rows.append(b.reshape(size, st)[:, st - 4 :].copy().view("<f4").reshape(-1))
-            vals = np.concatenate(rows)
-        return vals.reshape(len(idx), *self.f.shape).astype(self.f.dtype)
+            parts = []
+            for s, o, n, st in zip(shard, first, nbytes, stride.tolist()):
+                b = np.frombuffer(read(int(s), int(o), int(n)), np.uint8).reshape(-1, st)
+                parts.append(np.ascontiguousarray(b[:, st - 4 :]).view("<f4").reshape(-1, size))
+            vals = np.concatenate(parts)
+        # Each row's place in the runs read: its run's first row there, plus its step's lead.
+        base = np.cumsum(count) - count
+        rows = base[run] + (j - first_j[run])
+        if len(heads) == len(idx):  # every row a run of its own: in order, copied once
+            return vals.reshape(len(idx), *self.f.shape).astype(self.f.dtype)
+        got = vals.take(rows, axis=0)
+        return got.reshape(len(idx), *self.f.shape).astype(self.f.dtype, copy=False)
+
+    def take_windows_fixed(
+        self, starts: np.ndarray, length: int, near: np.ndarray | None, at: np.ndarray | None
+    ) -> np.ndarray:
+        """The windows' rows with their fix-ups applied first, then read as runs: an
+        anchor's chunk clipped to its episode is one ``pread`` (the default would read
+        the rows past the episode's end too, from the next one, then replace them)."""
+        rows = window_rows(starts, length).reshape(len(starts), length)
+        if near is not None and at is not None and len(near):
+            rows[near] = starts[near, None] + at
+        got = self.take(rows.reshape(-1))
+        return got.reshape(len(starts), length, *got.shape[1:])
 
 
 class _BytesReader(_Base):
@@ -170,8 +206,10 @@ class _BytesReader(_Base):
         frames = self.frames
         if frames is not None and frames.enabled:
             return self._cached_images(idx, frames)
-        blobs, episode, j = self._blobs(idx)
         f = self.f
+        if f.kind == "image":
+            return self._decoded(idx)
+        blobs, episode, j = self._blobs(idx)
         if f.kind == "text":
             return np.array(blobs, dtype=self.dtype).reshape(len(idx), *f.shape)
         if f.kind == "raw":
@@ -189,6 +227,21 @@ class _BytesReader(_Base):
             return out
         return self._images(blobs, episode, j)
 
+    def _decoded(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The images of steps ``idx``, each distinct step read and decoded once (a frame
+        stack's clipped repeats at an episode's start, the shared frames of overlapping
+        stacks), into ``out`` if given."""
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        if len(uniq) == len(idx):
+            blobs, episode, j = self._blobs(idx)
+            return self._images(blobs, episode, j, out)
+        blobs, episode, j = self._blobs(uniq)
+        decoded = self._images(blobs, episode, j)
+        if out is None:
+            return decoded.take(inverse.reshape(-1), axis=0)
+        np.take(decoded, inverse.reshape(-1), axis=0, out=out)
+        return out
+
     def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Images are read (cached frames) or decoded straight into ``out``."""
         f = self.f
@@ -200,8 +253,7 @@ class _BytesReader(_Base):
         if frames is not None and frames.enabled:
             self._cached_images(idx, frames, out)
         else:
-            blobs, episode, j = self._blobs(idx)
-            self._images(blobs, episode, j, out)
+            self._decoded(idx, out)
 
     def _cached_images(
         self, idx: np.ndarray, frames: FrameCache, out: np.ndarray | None = None
@@ -212,10 +264,12 @@ class _BytesReader(_Base):
         _, _, rec = self._records(idx)
         miss = np.flatnonzero(~frames.read(rec, out))
         if miss.size:
-            blobs, episode, j = self._blobs(idx[miss])
+            # Each distinct step decoded and stored once.
+            uniq, inverse = np.unique(idx[miss], return_inverse=True)
+            blobs, episode, j = self._blobs(uniq)
             decoded = self._images(blobs, episode, j)
-            out[miss] = decoded
-            frames.write(rec[miss].tolist(), decoded)
+            out[miss] = decoded[inverse.reshape(-1)]  # uniq is sorted: back in miss order
+            frames.write(self._records(uniq)[2].tolist(), decoded)
         return out
 
     def _images(
