@@ -98,11 +98,12 @@ class BackgroundWriter:
         self,
         where: str,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        sync: Callable[[], None] | None = None,
+        sync: Callable[[Callable[[], bool]], None] | None = None,
     ):
         """``sync``: the store's step after writes (committing the segments they filled),
         run by a second thread while the next trees are copied and written, so its
-        ``fsync`` waits hold up neither the caller nor the writes."""
+        ``fsync`` waits hold up neither the caller nor the writes. It is passed a
+        callable saying whether a caller waits (then it may leave the rest to the flush)."""
         self._where = where
         self._max_bytes = max_inflight_bytes
         self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
@@ -238,6 +239,14 @@ class BackgroundWriter:
                     self._urgent -= 1
             self._raise_locked()
 
+    def request_sync(self) -> None:
+        """Has the sync thread run ``sync`` once more, soon (e.g. after a flush, for what
+        it left to the thread); nothing after the stop or a failure."""
+        with self._work:
+            if self._sync is None or self._stopped or self._error is not None:
+                return
+            self._start_sync_locked()
+
     def raise_pending(self) -> None:
         """Raises a failure not yet raised (once)."""
         with self._done:
@@ -329,16 +338,22 @@ class BackgroundWriter:
             if error is not None:
                 self._fail_locked(error)
             elif batch and self._sync is not None and not self._stopped:
-                self._sync_wanted = True
-                if self._sync_thread is None:
-                    self._sync_thread = threading.Thread(
-                        target=self._run_syncs,
-                        name="grain_replay-device-syncs",
-                        daemon=True,
-                    )
-                    self._sync_thread.start()
-                self._work.notify_all()
+                self._start_sync_locked()
             self._done.notify_all()
+
+    def _start_sync_locked(self) -> None:
+        self._sync_wanted = True
+        if self._sync_thread is None:
+            self._sync_thread = threading.Thread(
+                target=self._run_syncs, name="grain_replay-device-syncs", daemon=True
+            )
+            self._sync_thread.start()
+        self._work.notify_all()
+
+    def _caller_waits(self) -> bool:
+        """Whether a caller waits for the threads (flush, close, the bound): the sync
+        leaves what is left to the flush then (see PartWriter.commit_filled)."""
+        return self._urgent > 0
 
     def _run_syncs(self) -> None:
         """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
@@ -352,7 +367,7 @@ class BackgroundWriter:
                 self._sync_wanted, self._syncing = False, True
             error = None
             try:
-                self._sync()
+                self._sync(self._caller_waits)
             except Exception as e:
                 error = BackgroundWriteError(
                     f"{self._where}: committing the segments filled by rows appended earlier "
