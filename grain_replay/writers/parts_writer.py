@@ -284,28 +284,24 @@ class PartWriter(LockedWriter):
         removes the segments the last flush evicted. Readers do not see them before that
         flush; a crash leaves files reopening removes. ``stop``: asked before each
         segment; True (a flush waits) leaves the rest to the flush (whose one ``fsync``
-        round for all of them beats this commit's four a segment) or the next call."""
+        round for all of them beats this commit's four a segment) or the next call. The
+        removals are not stopped (frequent flushes would leave the disk space taken)."""
         named = {s.first for s in self._manifest.segments}
         for seg in [*self._full, self._open]:
             if seg is None or not seg.dirty or seg.first in named:
                 continue
             if seg.rows >= self._manifest.segment_rows:
                 if stop is not None and stop():
-                    return
+                    break
                 seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
                 seg.dirty = False
-        self.remove_evicted(quiet=True, stop=stop)
+        self.remove_evicted(quiet=True)
 
-    def remove_evicted(
-        self, *, quiet: bool = False, stop: Callable[[], bool] | None = None
-    ) -> None:
+    def remove_evicted(self, *, quiet: bool = False) -> None:
         """Removes the segments the last flushes evicted (their rows are out of the
         manifest already: a crash before leaves files reopening removes). ``quiet``:
-        a failure is logged, not raised (the next reopen removes what is left);
-        ``stop``: asked before each segment, True leaves the rest for the next call."""
+        a failure is logged, not raised (the next reopen removes what is left)."""
         while self._evicted:
-            if stop is not None and stop():
-                return
             path = self._evicted.pop(0)
             try:
                 remove_path(path)
