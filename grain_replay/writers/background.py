@@ -1,15 +1,18 @@
 """Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
 
 ``ReplayWriter.append`` starts each device leaf's copy (``copy_to_host_async``)
-and queues the tree; one background thread takes the trees in append order and
-waits for each one's host copies (``np.asarray``) as it comes, in a short stretch
-while the caller's next step computes, then writes them several at a time: once
-``WRITE_BATCH_BYTES`` are on the host (or a caller waits) it writes them as one
-block, one write per leaf. ``drain()`` (called by ``flush``/``close``) waits for
-the queue; the bytes queued are bounded, and ``submit`` waits beyond the bound. A
-failure in the thread stops it, drops what was queued after it, and is raised by
-the caller's next ``submit``/``drain`` naming the leaf. jax is never imported here
-(see :mod:`grain_replay.writers.device_leaves`).
+and queues the tree; one background thread sleeps until ``WRITE_BATCH_BYTES`` of
+trees are queued (or a caller waits, or the writer stops), then takes them in
+append order, waits for their host copies (``np.asarray``: by then most are done)
+and writes them as one block, one write per leaf, joined in buffers it keeps
+(no new memory per batch). One wake-up per batch, not per append: on a CPU
+backend, where the thread's CPU time is taken from the caller's steps, that is
+what the per-append cost comes down to. ``drain()`` (called by
+``flush``/``close``) waits for the queue; the bytes queued are bounded, and
+``submit`` waits beyond the bound. A failure in the thread stops it, drops what
+was queued after it, and is raised by the caller's next ``submit``/``drain``
+naming the leaf. jax is never imported here (see
+:mod:`grain_replay.writers.device_leaves`).
 """
 
 from __future__ import annotations
@@ -95,11 +98,12 @@ class BackgroundWriter:
         self,
         where: str,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-        sync: Callable[[], None] | None = None,
+        sync: Callable[[Callable[[], bool]], None] | None = None,
     ):
         """``sync``: the store's step after writes (committing the segments they filled),
         run by a second thread while the next trees are copied and written, so its
-        ``fsync`` waits hold up neither the caller nor the writes."""
+        ``fsync`` waits hold up neither the caller nor the writes. It is passed a
+        callable saying whether a caller waits (then it may leave the rest to the flush)."""
         self._where = where
         self._max_bytes = max_inflight_bytes
         self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
@@ -108,6 +112,7 @@ class BackgroundWriter:
         self._done = threading.Condition(lock)  # callers wait here for the thread
         self._queue: collections.deque[_Item | None] = collections.deque()  # None: stop
         self._bytes = 0  # queued, on host or being written
+        self._queued_bytes = 0  # queued, not yet taken by the thread
         self._rows = 0
         self._items = 0
         self._urgent = 0  # callers waiting for the thread (drain, the bound)
@@ -124,6 +129,8 @@ class BackgroundWriter:
         # is checked from its leaves' attributes (submit_like_last).
         self._signature: TreeSignature | None = None
         self._last_write: Write | None = None
+        # The thread's buffers joining a batch's rows, per leaf (reused batch after batch).
+        self._joins: dict[str, np.ndarray] = {}
 
     # -- the caller's side -------------------------------------------------------------
 
@@ -184,10 +191,14 @@ class BackgroundWriter:
         return True
 
     def _wait_for_room(self, nbytes: int) -> None:
+        # Unlocked first: only this side adds bytes (the thread only takes them away), so
+        # a tree that fits now still fits; a failure set meanwhile is raised at _enqueue.
+        if self._error is None and (not self._items or self._bytes + nbytes <= self._max_bytes):
+            return
         with self._done:
             if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
                 self._urgent += 1
-                self._work.notify()
+                self._work.notify_all()
                 try:
                     while (
                         self._error is None
@@ -204,6 +215,7 @@ class BackgroundWriter:
             self._raise_locked()
             self._queue.append(item)
             self._bytes += item.nbytes
+            self._queued_bytes += item.nbytes
             self._rows += item.rows
             self._items += 1
             if self._thread is None:
@@ -211,21 +223,29 @@ class BackgroundWriter:
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 self._thread.start()
-            elif self._idle:
-                self._work.notify()
+            elif self._idle and self._queued_bytes >= self._batch_bytes:
+                self._work.notify_all()  # a batch is queued (below one, the thread sleeps on)
 
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
         with self._done:
             if self._error is None and self._pending_locked():
                 self._urgent += 1
-                self._work.notify()
+                self._work.notify_all()
                 try:
                     while self._error is None and self._pending_locked():
                         self._done.wait()
                 finally:
                     self._urgent -= 1
             self._raise_locked()
+
+    def request_sync(self) -> None:
+        """Has the sync thread run ``sync`` once more, soon (e.g. after a flush, for what
+        it left to the thread); nothing after the stop or a failure."""
+        with self._work:
+            if self._sync is None or self._stopped or self._error is not None:
+                return
+            self._start_sync_locked()
 
     def raise_pending(self) -> None:
         """Raises a failure not yet raised (once)."""
@@ -254,68 +274,86 @@ class BackgroundWriter:
     # -- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Takes each tree as it comes and waits for its host copy (a short stretch holding
-        the GIL, while the caller's next step computes); writes the trees taken once
-        ``batch_bytes`` of them are on the host, when a caller waits, and at the stop."""
-        staged: list[_Item] = []  # on the host, not yet written
-        size = 0
-        while True:
-            with self._work:
-                while self._error is None and not self._queue and not (staged and self._urgent):
-                    self._idle = True
-                    self._work.wait()
-                self._idle = False
-                if self._error is not None:  # the sync thread failed
+        """Sleeps until a batch is queued (``batch_bytes`` of trees), a caller waits or the
+        writer stops; then takes up to a batch of trees in order, waits for their host
+        copies and writes them as one block, until the queue is below a batch again."""
+        try:
+            while True:
+                with self._work:
+                    while self._error is None and not self._ready_locked():
+                        self._idle = True
+                        self._work.wait()
+                    self._idle = False
+                    if self._error is not None:  # the sync thread failed
+                        return
+                    batch, stop = self._take_locked()
+                error = self._to_host(batch) if batch else None
+                if error is None and batch:
+                    error = self._write(batch)
+                if batch or error is not None:
+                    self._done_with(batch, error)
+                # Dropped outside the lock: the last reference to the writer may go with it.
+                del batch
+                if error is not None or stop:
                     return
-                if self._queue:
-                    item = self._queue.popleft()
-                    stop = item is None
-                else:
-                    item, stop = None, False
-                more = bool(self._queue)
-                urgent = self._urgent > 0
-            error = None
-            done: list[_Item] = []
-            if item is not None:
-                if staged and item.write != staged[0].write:  # another store's: write first
-                    error = self._write(staged)
-                    done, staged, size = staged, [], 0
-                if error is None:
-                    error = self._to_host(item)
-                staged.append(item)
-                size += item.nbytes
-            if (
-                error is None
-                and staged
-                and (stop or size >= self._batch_bytes or (urgent and not more))
-            ):
-                error = self._write(staged)
-                done, staged, size = [*done, *staged], [], 0
-            if error is not None:  # what was taken is dropped with the failure
-                done, staged, size = [*done, *staged], [], 0
-            if done or error is not None:
-                with self._done:
-                    for i in done:
-                        self._bytes -= i.nbytes
-                        self._rows -= i.rows
-                        self._items -= 1
-                    if error is not None:
-                        self._fail_locked(error)
-                    elif done and self._sync is not None and not self._stopped:
-                        self._sync_wanted = True
-                        if self._sync_thread is None:
-                            self._sync_thread = threading.Thread(
-                                target=self._run_syncs,
-                                name="grain_replay-device-syncs",
-                                daemon=True,
-                            )
-                            self._sync_thread.start()
-                        self._work.notify_all()
-                    self._done.notify_all()
-            # Dropped outside the lock: the last reference to the writer may go with it.
-            del done, item
-            if error is not None or stop:
-                return
+        finally:
+            self._joins = {}
+
+    def _ready_locked(self) -> bool:
+        """Whether the thread has trees to take now: a batch of them, a caller waiting
+        for them, or the stop behind them."""
+        q = self._queue
+        return bool(q) and (
+            self._queued_bytes >= self._batch_bytes or self._urgent > 0 or q[-1] is None
+        )
+
+    def _take_locked(self) -> tuple[list[_Item], bool]:
+        """Up to a batch of queued trees of one store, in order (at least one), and whether
+        the stop is next: ``([], True)`` once it is the queue's head."""
+        q = self._queue
+        batch: list[_Item] = []
+        size = 0
+        while q and size < self._batch_bytes:
+            head = q[0]
+            if head is None:
+                if not batch:
+                    q.popleft()
+                    return batch, True
+                break
+            if batch and head.write != batch[0].write:  # another store's: a batch of its own
+                break
+            q.popleft()
+            batch.append(head)
+            size += head.nbytes
+        self._queued_bytes -= size
+        return batch, False
+
+    def _done_with(self, batch: list[_Item], error: BackgroundWriteError | None) -> None:
+        """Counts a written (or, with ``error``, dropped) batch out; starts a sync."""
+        with self._done:
+            for i in batch:
+                self._bytes -= i.nbytes
+                self._rows -= i.rows
+                self._items -= 1
+            if error is not None:
+                self._fail_locked(error)
+            elif batch and self._sync is not None and not self._stopped:
+                self._start_sync_locked()
+            self._done.notify_all()
+
+    def _start_sync_locked(self) -> None:
+        self._sync_wanted = True
+        if self._sync_thread is None:
+            self._sync_thread = threading.Thread(
+                target=self._run_syncs, name="grain_replay-device-syncs", daemon=True
+            )
+            self._sync_thread.start()
+        self._work.notify_all()
+
+    def _caller_waits(self) -> bool:
+        """Whether a caller waits for the threads (flush, close, the bound): the sync
+        leaves what is left to the flush then (see PartWriter.commit_filled)."""
+        return self._urgent > 0
 
     def _run_syncs(self) -> None:
         """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
@@ -329,7 +367,7 @@ class BackgroundWriter:
                 self._sync_wanted, self._syncing = False, True
             error = None
             try:
-                self._sync()
+                self._sync(self._caller_waits)
             except Exception as e:
                 error = BackgroundWriteError(
                     f"{self._where}: committing the segments filled by rows appended earlier "
@@ -347,15 +385,18 @@ class BackgroundWriter:
             if error is not None:
                 return
 
-    def _to_host(self, item: _Item) -> BackgroundWriteError | None:
-        """Replaces the item's leaves by their host copies (waiting for them)."""
+    def _to_host(self, batch: list[_Item]) -> BackgroundWriteError | None:
+        """Replaces the items' leaves by their host copies (waiting for them), newest
+        first: the steps (and copies) finish in append order, so the first wait is the
+        only one, not one wake-up per tree."""
         key = ""
-        try:
-            arrays = item.arrays
-            for key in arrays:
-                arrays[key] = to_host(arrays[key])
-        except Exception as e:
-            return self._failure([item], e, copying=key)
+        for item in reversed(batch):
+            try:
+                arrays = item.arrays
+                for key in arrays:
+                    arrays[key] = to_host(arrays[key])
+            except Exception as e:
+                return self._failure([item], e, copying=key)
         return None
 
     def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
@@ -365,11 +406,29 @@ class BackgroundWriter:
             if len(batch) == 1:
                 host = batch[0].arrays
             else:
-                host = {k: np.concatenate([i.arrays[k] for i in batch]) for k in batch[0].arrays}
+                host = {
+                    k: self._join(k, [i.arrays[k] for i in batch], rows) for k in batch[0].arrays
+                }
             batch[0].write(host, rows)
         except Exception as e:
             return self._failure(batch, e)
         return None
+
+    def _join(self, key: str, parts: list[np.ndarray], rows: int) -> np.ndarray:
+        """``parts`` (one leaf's rows of a batch) joined in a buffer kept for the next batch
+        (the writes copy what they are given): no fresh pages to fault in per batch."""
+        first = parts[0]
+        buf = self._joins.get(key)
+        if (
+            buf is None
+            or buf.dtype != first.dtype
+            or buf.shape[1:] != first.shape[1:]
+            or (len(buf) < rows)
+        ):
+            buf = self._joins[key] = np.empty((rows, *first.shape[1:]), first.dtype)
+        out = buf[:rows]
+        np.concatenate(parts, out=out)
+        return out
 
     def _failure(
         self, batch: list[_Item], e: Exception, copying: str | None = None

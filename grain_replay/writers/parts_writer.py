@@ -110,6 +110,10 @@ class PartWriter(LockedWriter):
         self._full: list[_Open] = []  # filled since the last flush, not yet committed
         self._default_rows = segment_rows is None
         self._pending = 0
+        # Segments a flush evicted, not yet removed; with ``defer_evictions`` (a device
+        # writer's sync thread) they are removed by commit_filled, off the flush.
+        self._evicted: list[str] = []
+        self.defer_evictions = False
         try:
             manifest = parts_lib.read_manifest(self._dir)
             if manifest is None:
@@ -274,17 +278,41 @@ class PartWriter(LockedWriter):
             done += take
         self._pending += n
 
-    def commit_filled(self) -> None:
+    def commit_filled(self, stop: Callable[[], bool] | None = None) -> None:
         """Commits the filled segments that the manifest does not name yet (not the
-        manifest, the commit point), leaving less for the next ``flush`` to sync. Readers
-        do not see them before that flush; a crash leaves files reopening removes."""
+        manifest, the commit point), leaving less for the next ``flush`` to sync, then
+        removes the segments the last flush evicted. Readers do not see them before that
+        flush; a crash leaves files reopening removes. ``stop``: asked before each
+        segment; True (a flush waits) leaves the rest to the flush (whose one ``fsync``
+        round for all of them beats this commit's four a segment) or the next call. The
+        removals are not stopped (frequent flushes would leave the disk space taken)."""
         named = {s.first for s in self._manifest.segments}
         for seg in [*self._full, self._open]:
             if seg is None or not seg.dirty or seg.first in named:
                 continue
             if seg.rows >= self._manifest.segment_rows:
+                if stop is not None and stop():
+                    break
                 seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
                 seg.dirty = False
+        self.remove_evicted(quiet=True)
+
+    def remove_evicted(self, *, quiet: bool = False) -> None:
+        """Removes the segments the last flushes evicted (their rows are out of the
+        manifest already: a crash before leaves files reopening removes). ``quiet``:
+        a failure is logged, not raised (the next reopen removes what is left)."""
+        while self._evicted:
+            path = self._evicted.pop(0)
+            try:
+                remove_path(path)
+            except OSError as e:
+                if not quiet:
+                    raise
+                logger.warning(
+                    "%s: could not remove evicted segment %s (%s); reopening the writer "
+                    "removes it. Fix: check the directory's permissions.",
+                    self._where, path, e,
+                )  # fmt: skip
 
     def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
         """The first writer's leaves bind the store: a later writer must match them."""
@@ -359,15 +387,19 @@ class PartWriter(LockedWriter):
         for seg in self._full:
             seg.backend.close()
         self._full = []
-        # After the commit point: a crash here leaves files reopening removes.
-        for s in dropped:
-            remove_path(self._segment_path(s.first))
+        # After the commit point: a crash here leaves files reopening removes. Removing
+        # a segment gives its page cache back, milliseconds a file: a device writer's
+        # sync thread does it (commit_filled), so flush() holds up the caller less.
+        self._evicted += [self._segment_path(s.first) for s in dropped]
+        if not self.defer_evictions:
+            self.remove_evicted()
         return committed
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def _finish(self) -> None:
         self.flush()
+        self.remove_evicted()
 
     def _let_go(self) -> None:
         for seg in [*self._full, self._open]:

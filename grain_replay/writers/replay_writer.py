@@ -291,7 +291,10 @@ class ReplayWriter:
             if is_device is None or not any(is_device(a) for a in arrays.values()):
                 return False
         if bg is None:
-            sync = self._store.commit_filled if isinstance(self._store, PartWriter) else None
+            sync = None
+            if isinstance(self._store, PartWriter):
+                sync = self._store.commit_filled
+                self._store.defer_evictions = True  # removed by the sync thread
             bg = self._bg = background.BackgroundWriter(self._who, self._max_inflight, sync)
         bg.submit(arrays, n, len(self), self._write_queued, is_device or (lambda _: False), tree)
         self._flush_if_due(bg)
@@ -336,7 +339,10 @@ class ReplayWriter:
         assert store is not None
         if not store.closed:
             self._rate_waited += self._gate.wait(store.committed, store.pending)
-        return store.flush()
+        committed = store.flush()
+        if self._bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
+            self._bg.request_sync()  # removes the segments this flush evicted
+        return committed
 
     def __repr__(self) -> str:
         pending = 0 if self._store is None else self._store.pending

@@ -249,9 +249,11 @@ def test_failing_segment_commit_in_the_thread_raised(
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
     real = NpySegmentBackend.commit
     armed = {"on": False}
+    failed = threading.Event()
 
     def commit(self: Any, n: int, checksums: Any) -> None:
         if armed["on"]:
+            failed.set()
             raise OSError(errno.EIO, "Input/output error (injected)")
         real(self, n, checksums)
 
@@ -263,6 +265,9 @@ def test_failing_segment_commit_in_the_thread_raised(
     armed["on"] = True
     for i in range(1, 4):  # fills [32, 64): its commit in the thread fails
         w.append(_device(_block(i)))
+    # (before the flush: a sync that a waiting flush would find not started leaves the
+    # segment to the flush's own commit)
+    assert failed.wait(30), "the thread never committed the filled segment"
     with pytest.raises(gr.BackgroundWriteError, match=r"committing the segments filled") as info:
         w.flush()
     assert info.value.leaf == "" and "Input/output error" in str(info.value)
