@@ -10,7 +10,7 @@ import collections
 import numbers
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError, InvalidTreeError
@@ -240,6 +240,16 @@ def _compile(treedef: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any]:
 def compile_unflatten(treedef: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any]:
     """Returns a fast ``{key: leaf} -> tree`` function for a fixed structure."""
     return _compile(treedef)
+
+
+def is_flat_dict(treedef: Mapping[str, Any], keys: Sequence[str]) -> bool:
+    """Whether ``treedef`` is one dict whose children are the leaves ``keys``, in order: its
+    tree is the ``{key: leaf}`` dict itself."""
+    return (
+        treedef.get("type") == "dict"
+        and list(treedef.get("keys", ())) == list(keys)
+        and all(c.get("type") == "leaf" for c in treedef.get("children", ()))
+    )
 
 
 def treedef_of(tree: Any) -> dict[str, Any]:

@@ -129,6 +129,8 @@ class ReplaySource(SourceSurface):
         self._layout = select_keys(full, self._requested_keys, self._path)
         self._keys = list(self._layout.spec)
         self._build = tree_lib.compile_unflatten(self._layout.treedef)
+        # A tree that is one dict of the leaves, in key order: read_flat's dict is the tree.
+        self._flat_tree = tree_lib.is_flat_dict(self._layout.treedef, self._keys)
 
     def refresh(self) -> int:
         """Re-reads the store's metadata to see rows committed since; returns the new length.
@@ -386,18 +388,31 @@ class ReplaySource(SourceSurface):
         Raises:
           RecordIndexError: an index is outside ``[-N, N)``.
         """
-        return self._build(self.read_flat(indices, check=check))
+        flat = self.read_flat(indices, check=check)
+        return flat if self._flat_tree else self._build(flat)
 
     def read_flat(
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
     ) -> dict[str, np.ndarray]:
         """Like :meth:`read_batch` but returns ``{key: array}`` instead of the tree."""
-        idx = self._check_indices(indices) if check else np.asarray(indices)
+        return self._take_flat(self._check_indices(indices) if check else np.asarray(indices))
+
+    def _take_flat(self, rows: np.ndarray, wrap_at: int | None = None) -> dict[str, np.ndarray]:
+        """Stored rows ``rows`` of every selected leaf, after one truncation check (see
+        ``Handle.take_flat``; ``wrap_at``: rows of a ring, taken modulo its length)."""
         handle = self._get_handle()
-        handle.check_mapped(self._keys)
+        keys = self._keys
+        handle.check_mapped(keys)
+        try:
+            return handle.take_flat(keys, rows, wrap_at=wrap_at)
+        except GrainReplayError:
+            raise
+        except _STORE_FAULTS:
+            pass  # read again leaf by leaf, to name the leaf that fails
+        idx = rows if wrap_at is None else np.remainder(rows, max(wrap_at, 1))
         readers = handle.readers
         out = {}
-        for k in self._keys:
+        for k in keys:
             try:
                 out[k] = readers[k].take(idx)
             except GrainReplayError:

@@ -95,10 +95,14 @@ class _ByteRows(LeafReader):
         self._shape = array.shape[1:]
         self._void = np.dtype((np.void, math.prod(self._shape) * array.dtype.itemsize))
         self._rows = ArrayReader(array.reshape(len(array), -1).view(self._void).reshape(len(array)))
+        # One view turns the gathered void items into the rows: a subarray dtype's items
+        # expand into trailing axes of its base dtype.
+        self._as_rows = np.dtype((self._dtype, self._shape))
+        rows = self._rows.plan
+        self.plan = None if rows is None else (rows[0], self._as_rows, rows[2])
 
     def take(self, indices: np.ndarray) -> np.ndarray:
-        rows = self._rows.take(indices)
-        return rows.view(self._dtype).reshape(len(rows), *self._shape)
+        return self._rows.take(indices).view(self._as_rows)
 
     def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         if out.dtype != self._dtype or not out.flags.c_contiguous:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 import mmap
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -15,6 +15,11 @@ from grain_replay.sources.reading.files import MappedFile
 from grain_replay.sources.reading.windows import WindowCopier, fix_windows, window_view
 
 _Groups = list[list[tuple[str, MappedFile]]]
+# One check of a key set's files: (a file answering the group's size, the most its maps need).
+_SizeChecks = list[tuple[MappedFile, int]]
+# A leaf whose rows are one plain take: (the array, the dtype that views the gathered rows
+# as the leaf's or None, the read-ahead of a file mapping or None).
+GatherPlan = tuple[np.ndarray, "np.dtype[Any] | None", "readahead.RowReadAhead | None"]
 
 __all__ = [
     "ArrayReader",
@@ -43,6 +48,9 @@ def read_windows_as_rows(
 
 class LeafReader(abc.ABC):
     """Reads rows of one leaf. Implementations must be thread-safe."""
+
+    # Set by readers whose warm rows are one ``array.take`` (see :meth:`Handle.take_flat`).
+    plan: GatherPlan | None = None
 
     @abc.abstractmethod
     def take(self, indices: np.ndarray) -> np.ndarray:
@@ -85,32 +93,93 @@ class Handle(abc.ABC):
     # Leaf key -> files its reader maps; checked for truncation before each read.
     mapped_files: dict[str, list[MappedFile]]
     # (the mapped_files they group, key set -> groups of files sharing one fstat)
-    _check_plans: tuple[dict[str, list[MappedFile]], dict[tuple[str, ...], _Groups]] | None = None
+    _check_plans: (
+        tuple[dict[str, list[MappedFile]], dict[tuple[str, ...], tuple[_Groups, _SizeChecks]]]
+        | None
+    ) = None
+    # (keys, readers, [(key, reader)]) of the last take_flat; batches counted for its timing.
+    _flat_pairs: tuple[Sequence[str], dict[str, LeafReader], list[tuple[str, LeafReader]]] | None
+    _flat_pairs = None
+    _tick = 0
 
     def check_mapped(self, keys: Iterable[str]) -> None:
         """Raises InvalidStoreError if a file mapped for one of ``keys`` shrank under the map.
 
-        One ``fstat`` per mapped file per call, however many leaves share it: the
-        files of ``keys`` are grouped once per key set (the groups are kept while
-        ``mapped_files`` is the same dictionary).
+        One ``fstat`` (or ``lseek``) per mapped file per call, however many leaves
+        share it: the files of ``keys`` are grouped once per key set (the groups
+        are kept while ``mapped_files`` is the same dictionary), and a batch only
+        compares each group's size with the most its maps need; the error naming
+        the leaf is built when one falls short.
         """
         mapped = getattr(self, "mapped_files", None)
         if not mapped:
             return
-        names = tuple(keys)
+        names = keys if isinstance(keys, tuple) else tuple(keys)
         plans = self._check_plans
         if plans is None or plans[0] is not mapped:
             plans = (mapped, {})
             self._check_plans = plans
-        groups = plans[1].get(names)
-        if groups is None:
+        plan = plans[1].get(names)
+        if plan is None:
             groups = _group_files(mapped, names)
+            checks = [(g[0][1], max(f.needed for _, f in g)) for g in groups]
+            plan = (groups, checks)
             if len(plans[1]) < 64:  # a few key sets per source; a stream of new ones is not kept
-                plans[1][names] = groups
-        for group in groups:
-            size = group[0][1].size()
+                plans[1][names] = plan
+        for file, needed in plan[1]:
+            if file.size() < needed:
+                break
+        else:
+            return
+        for group in plan[0]:
+            now = group[0][1].size()
             for key, file in group:
-                file.check_size(key, size)
+                file.check_size(key, now)
+
+    def take_flat(
+        self, keys: Sequence[str], indices: np.ndarray, *, wrap_at: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """Rows ``indices`` of every leaf of ``keys``: ``{key: rows}`` in the order of ``keys``.
+
+        Leaves with a :attr:`LeafReader.plan` whose rows are warm (or in memory)
+        are one ``take`` each, straight from the array, with no per-leaf call;
+        one gather in ``TIME_EVERY`` is timed per handle, to notice evicted rows
+        as the readers do. Other leaves (cold rows, chunked readers) go through
+        their reader's ``take``.
+
+        Args:
+          keys: the leaves, a list kept by the caller (the pairing of keys and
+            readers is cached while it is the same object).
+          indices: int64 rows; with ``wrap_at``, rows ``r`` of a ring of ``wrap_at``
+            rows stand for ``r % wrap_at`` (a torchrl buffer's oldest-first order).
+        """
+        pairs = self._flat_pairs
+        if pairs is None or pairs[0] is not keys or pairs[1] is not self.readers:
+            readers = self.readers
+            pairs = self._flat_pairs = (keys, readers, [(k, readers[k]) for k in keys])
+        mode: Literal["raise", "wrap"] = "raise" if wrap_at is None else "wrap"
+        self._tick = tick = self._tick + 1
+        timed = tick % TIME_EVERY == 0
+        in_range: np.ndarray | None = None
+        out = {}
+        for key, reader in pairs[2]:
+            plan = reader.plan
+            if plan is not None:
+                array, view, ahead = plan
+                if ahead is None or not (ahead.cold or timed):
+                    got = array.take(indices, axis=0, mode=mode)
+                    out[key] = got if view is None else got.view(view)
+                    continue
+                if not ahead.cold:
+                    t0 = time.perf_counter()
+                    got = array.take(indices, axis=0, mode=mode)
+                    ahead.finish(len(indices), time.perf_counter() - t0)
+                    out[key] = got if view is None else got.view(view)
+                    continue
+            if in_range is None:
+                in_range = indices if wrap_at is None else np.remainder(indices, max(wrap_at, 1))
+            out[key] = reader.take(in_range)
+        return out
 
     def close_mapped(self) -> None:
         """Lets go of the descriptors kept for :meth:`check_mapped` (the maps stay valid).
@@ -177,6 +246,7 @@ class ArrayReader(LeafReader):
         self._array = array.view(np.ndarray)
         # Reads rows of a file mapping ahead while they are not page-cached.
         self._ahead = readahead.for_array(array)
+        self.plan = (self._array, None, self._ahead)
         # Window length -> (the array it views, its windows as one item each or None, and
         # the dtype that views a gathered item as the window's rows).
         self._windows: dict[int, tuple[np.ndarray, np.ndarray | None, np.dtype[Any]]] = {}
@@ -272,6 +342,7 @@ class ArrayReader(LeafReader):
             ahead = readahead.for_array(array)
         self._array = array.view(np.ndarray)
         self._ahead = ahead
+        self.plan = (self._array, None, ahead)
 
     def take_into(self, indices: np.ndarray, out: np.ndarray) -> None:
         if out.dtype != self._array.dtype:  # another byte order: numpy converts on copy

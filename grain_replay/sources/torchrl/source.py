@@ -141,7 +141,11 @@ class TorchRLDataSource(ReplaySource):
         self, indices: Sequence[int] | np.ndarray, *, check: bool = True
     ) -> dict[str, np.ndarray]:
         idx = self._check_indices(indices) if check else np.asarray(indices, dtype=np.int64)
-        return super().read_flat(self._rows(idx), check=False)
+        start = self._dump.start
+        if not start:
+            return self._take_flat(idx)
+        # One add a batch: each leaf's take wraps the rows past the end (mode="wrap").
+        return self._take_flat(idx + start, len(self))
 
     def read_into(
         self,
