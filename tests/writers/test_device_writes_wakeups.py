@@ -201,3 +201,44 @@ def test_segment_commits_give_way_to_a_waiting_flush(
     assert w.flush() == 3 * ROWS  # the flush commits the segment left
     w.close()
     np.testing.assert_array_equal(read_all(path)["action"], np.arange(3 * ROWS))
+
+
+class _NewestWaiterFirst(threading.Condition):
+    """A condition whose ``notify(n)`` wakes the ``n`` threads that waited last (any
+    waiters may be woken): a notify meant for one kind of waiter reaches the other."""
+
+    def notify(self, n: int = 1) -> None:
+        assert self._is_owned()  # type: ignore[attr-defined]
+        waiters = self._waiters  # type: ignore[attr-defined]
+        for _ in range(min(n, len(waiters))):
+            waiters.pop().release()
+
+
+def test_a_drain_wakes_the_writing_thread_when_the_sync_thread_waited_last() -> None:
+    """The writing thread and the sync thread wait on one condition: a caller's wake-up
+    must reach the writing thread whichever of them waited last (a ``notify()`` that
+    woke the sync thread instead left flush() waiting for ever)."""
+    bg = background.BackgroundWriter("store", sync=None)
+    bg._work = _NewestWaiterFirst(bg._done._lock)  # type: ignore[attr-defined]
+    written: list[int] = []
+
+    def sync(*caller_waits: Any) -> None:  # returns once the writing thread waits
+        deadline = time.monotonic() + 10
+        while not bg._idle and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    bg._sync = sync
+    write = lambda arrays, n: written.append(n)
+    host = lambda a: False
+    bg.submit(_block(0), ROWS, 0, write, host)
+    bg.drain()  # written; the sync thread runs, then waits after the writing thread
+    deadline = time.monotonic() + 10
+    while (bg._syncing or bg._sync_wanted) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)  # the sync thread is back in its wait
+    bg.submit(_block(1), ROWS, ROWS, write, host)
+    done = threading.Event()
+    threading.Thread(target=lambda: (bg.drain(), done.set()), daemon=True).start()
+    assert done.wait(10), "drain() never woke the writing thread"
+    assert written == [ROWS, ROWS]
+    bg.stop()
