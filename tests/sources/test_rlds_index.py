@@ -34,13 +34,18 @@ def _records(data: list[bytes], tmp_path: Any) -> str:
     return path
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_frame_records_match_iter_records_with_either_crc_path(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, in_place: bool
+@pytest.mark.parametrize("path_taken", ["hardware", "in_place", "copy"])
+def test_frame_records_match_iter_records_with_every_crc_path(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, path_taken: str
 ) -> None:
-    if not in_place:  # google_crc32c's value() on a copy, where the C library is not found
+    if path_taken == "hardware":  # the crc32c package (the fast extra)
+        if tfrecord_lib._CRC_HW is None:
+            pytest.skip("the crc32c package (the fast extra) is not installed, or not in hardware")
+    else:
+        monkeypatch.setattr(tfrecord_lib, "_CRC_HW", None)
+    if path_taken == "copy":  # google_crc32c's value() on a copy, where the C library is not found
         monkeypatch.setattr(tfrecord_lib, "_CRC_AT", None)
-    elif tfrecord_lib._CRC_AT is None:
+    elif path_taken == "in_place" and tfrecord_lib._CRC_AT is None:
         pytest.skip("google_crc32c's C library is not reachable through ctypes here")
     data = [b"", b"a" * 300, os.urandom(70_000), b"xyz"]
     path = _records(data, tmp_path)

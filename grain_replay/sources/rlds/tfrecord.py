@@ -63,6 +63,26 @@ def _crc_function() -> Any:
 _CRC_AT = _crc_function()
 
 
+def _hardware_crc() -> Any:
+    """``crc32c(buffer)`` of the ``crc32c`` package (the ``fast`` extra) where it computes
+    in hardware (SSE4.2 / ARMv8: ~10 GB/s, against ~2 GB/s for google_crc32c's portable
+    code on the wheels we get), else None. It reads a buffer in place and releases the
+    GIL for large ones, so shards are still checked in parallel threads."""
+    try:
+        import crc32c
+    except ImportError:
+        return None
+    if not getattr(crc32c, "hardware_based", False):
+        return None
+    fn = crc32c.crc32c
+    if fn(b"123456789") != 0xE3069283:  # the CRC-32C check value
+        return None
+    return fn
+
+
+_CRC_HW = _hardware_crc()
+
+
 def _fix(path: str) -> str:
     return (
         "Fix: the shard is truncated or corrupt; copy it again from the dataset's source "
@@ -103,6 +123,9 @@ def map_shard(path: str) -> tuple[mmap.mmap | None, int]:
 
 
 def _masked_crc_at(mapping: mmap.mmap, address: int, start: int, n: int) -> int:
+    if _CRC_HW is not None:
+        with memoryview(mapping) as view:  # released at once: the map may close later
+            return _mask(int(_CRC_HW(view[start : start + n])))
     if _CRC_AT is not None:
         return _mask(int(_CRC_AT(0, address + start, n)))
     return masked_crc(mapping[start : start + n])
