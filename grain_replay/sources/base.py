@@ -91,6 +91,9 @@ class ReplaySource(SourceSurface):
     """
 
     _PER_PROCESS: ClassVar[dict[str, Any]] = {"_handle": None, "_pid": None, "_opens": 0}
+    # Whether the layout _flat_for has a flat-dict tree (see read_batch).
+    _flat_for: Layout | None = None
+    _flat_tree = False
 
     def __init__(
         self,
@@ -129,8 +132,6 @@ class ReplaySource(SourceSurface):
         self._layout = select_keys(full, self._requested_keys, self._path)
         self._keys = list(self._layout.spec)
         self._build = tree_lib.compile_unflatten(self._layout.treedef)
-        # A tree that is one dict of the leaves, in key order: read_flat's dict is the tree.
-        self._flat_tree = tree_lib.is_flat_dict(self._layout.treedef, self._keys)
 
     def refresh(self) -> int:
         """Re-reads the store's metadata to see rows committed since; returns the new length.
@@ -389,6 +390,11 @@ class ReplaySource(SourceSurface):
           RecordIndexError: an index is outside ``[-N, N)``.
         """
         flat = self.read_flat(indices, check=check)
+        layout = self._layout
+        if self._flat_for is not layout:  # subclasses set layouts their own ways too
+            # A tree that is one dict of the leaves, in key order: read_flat's dict is it.
+            self._flat_tree = tree_lib.is_flat_dict(layout.treedef, self._keys)
+            self._flat_for = layout
         return flat if self._flat_tree else self._build(flat)
 
     def read_flat(
