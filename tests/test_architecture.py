@@ -45,6 +45,7 @@ LAYERS = {
     "grain_replay._flags": 0,
     "grain_replay.sources.reading": 1,
     "grain_replay.sources.checks": 1,
+    "grain_replay.sources.layouts": 1,
     "grain_replay.sources.base": 2,
     "grain_replay.sources.surface": 2,
     "grain_replay.sources.hdf5": 3,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import dataclasses
 import os
 import threading
 import zlib
@@ -22,6 +21,7 @@ from grain_replay.errors import (
 from grain_replay.formats import is_url
 from grain_replay.layout import LeafSpec
 from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
+from grain_replay.sources.layouts import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface
@@ -39,48 +39,6 @@ __all__ = [
 
 # Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
 _STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """What a source learns from the store when it is constructed."""
-
-    num_records: int
-    spec: dict[str, LeafSpec]
-    treedef: dict[str, Any]
-    # Leaf key -> location inside the store (dataset path, array path, file).
-    locations: dict[str, str]
-    # Per-leaf block checksums recorded by the writer, if any.
-    checksums: dict[str, Any] | None = None
-
-
-def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layout:
-    """Restricts ``layout`` to ``keys`` (leaf keys or group prefixes such as ``"obs"``)."""
-    if keys is None:
-        return layout
-    if isinstance(keys, str):
-        keys = [keys]
-    all_keys = list(layout.spec)
-    chosen: list[str] = []
-    for want in keys:
-        hits = [k for k in all_keys if k == want or k.startswith(want.rstrip("/") + "/")]
-        if not hits:
-            raise UnknownLeafError(
-                f"{where}: keys= names {want!r}, which is not a leaf or group of the store. "
-                f"Leaves: {all_keys}. Fix: pick keys from that list."
-            )
-        chosen.extend(k for k in hits if k not in chosen)
-    if len(chosen) == len(all_keys):
-        return layout
-    treedef = tree_lib.prune_treedef(layout.treedef, chosen)
-    ordered = tree_lib.leaf_keys(treedef)
-    return Layout(
-        layout.num_records,
-        {k: layout.spec[k] for k in ordered},
-        treedef,
-        {k: layout.locations[k] for k in ordered},
-        None if layout.checksums is None else {k: layout.checksums[k] for k in ordered},
-    )
 
 
 class ReplaySource(SourceSurface):
