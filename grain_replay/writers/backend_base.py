@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.writers.background import LeafWriteError
+from grain_replay.writers.write_errors import LeafWriteError
 
 __all__ = ["APPEND_CHUNK_BYTES", "Backend", "write_by_leaf"]
 
@@ -79,7 +79,7 @@ class Backend(abc.ABC):
 
 def write_by_leaf(backend: Backend, arrays: dict[str, np.ndarray], start: int) -> None:
     """``backend.write`` one leaf at a time; a failure is raised as a
-    :class:`~grain_replay.writers.background.LeafWriteError` naming the leaf."""
+    :class:`~grain_replay.writers.write_errors.LeafWriteError` naming the leaf."""
     for key, arr in arrays.items():
         try:
             backend.write({key: arr}, start)

@@ -30,10 +30,10 @@ from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
 from grain_replay.writers.device_leaves import (
     TreeSignature,
     device_leaf_test,
-    leaf_name,
     leaf_nbytes,
     start_copies,
 )
+from grain_replay.writers.write_errors import LeafWriteError, sync_error, write_error
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -54,14 +54,6 @@ DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 # of the bound): its per-write costs (a write and a checksum per leaf, the store's
 # bookkeeping) are paid once per batch, not once per append.
 WRITE_BATCH_BYTES = 2 << 20
-
-
-class LeafWriteError(Exception):
-    """Raised by a write path to say which leaf failed (the cause is chained)."""
-
-    def __init__(self, leaf: str):
-        super().__init__(leaf)
-        self.leaf = leaf
 
 
 def check_max_inflight_bytes(value: Any, where: str) -> int:
@@ -369,14 +361,7 @@ class BackgroundWriter:
             try:
                 self._sync(self._caller_waits)
             except Exception as e:
-                error = BackgroundWriteError(
-                    f"{self._where}: committing the segments filled by rows appended earlier "
-                    f"failed: {type(e).__name__}: {e}. The rows committed before (by the last "
-                    "flush) are intact; the rows appended since are dropped, as in a crash. "
-                    "Fix: remove the cause (disk space, permissions), then reopen the store "
-                    "with gr.ReplayWriter to append after its committed rows."
-                )
-                error.__cause__ = e
+                error = sync_error(self._where, e)
             with self._done:
                 self._syncing = False
                 if error is not None:
@@ -434,30 +419,8 @@ class BackgroundWriter:
         self, batch: list[_Item], e: Exception, copying: str | None = None
     ) -> BackgroundWriteError:
         """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
-        cause: BaseException = e
-        failed: str | None = None
-        if copying is not None:
-            failed = copying
-            what = f"copying it to host failed for leaf {leaf_name(copying)!r} of"
-        elif isinstance(e, LeafWriteError):
-            failed = e.leaf
-            cause = e.__cause__ or e
-            what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
-        else:  # the store's own step (a new segment, syncing filled ones): every leaf
-            what = "writing them failed for"
-        first = batch[0].first
         rows = sum(item.rows for item in batch)
-        error = BackgroundWriteError(
-            f"{self._where}: {what} rows [{first}, {first + rows}) appended earlier: "
-            f"{type(cause).__name__}: {cause}. The rows committed before (by the last "
-            "flush) are intact; the rows appended since are dropped, as in a crash. Fix: "
-            "remove the cause (disk space, permissions; arrays must not be donated or "
-            "deleted before flush()), then reopen the store with gr.ReplayWriter to "
-            "append after its committed rows.",
-            leaf="" if failed is None else leaf_name(failed),
-        )
-        error.__cause__ = cause
-        return error
+        return write_error(self._where, batch[0].first, rows, e, copying)
 
     def _fail_locked(self, error: BackgroundWriteError) -> None:
         if self._error is not None:  # the other thread failed first: that one is raised

@@ -1,0 +1,63 @@
+"""The errors of background device writes: which rows failed, which leaf, and the fix.
+
+A failed copy or write drops the rows appended since the last flush (as a crash
+would); the rows committed before stay intact. The messages say so, name the leaf
+where one is known, and say how to go on (reopen the store)."""
+
+from __future__ import annotations
+
+from grain_replay.errors import BackgroundWriteError
+from grain_replay.writers.device_leaves import leaf_name
+
+__all__ = ["LeafWriteError", "sync_error", "write_error"]
+
+_LOST = (
+    "The rows committed before (by the last flush) are intact; the rows appended since "
+    "are dropped, as in a crash."
+)
+_REOPEN = "then reopen the store with gr.ReplayWriter to append after its committed rows."
+
+
+class LeafWriteError(Exception):
+    """Raised by a write path to say which leaf failed (the cause is chained)."""
+
+    def __init__(self, leaf: str):
+        super().__init__(leaf)
+        self.leaf = leaf
+
+
+def write_error(
+    where: str, first: int, rows: int, e: Exception, copying: str | None = None
+) -> BackgroundWriteError:
+    """The error of a failed host copy (``copying``: the leaf) or write of rows
+    ``[first, first + rows)``; a :class:`LeafWriteError` names the leaf written."""
+    cause: BaseException = e
+    failed: str | None = None
+    if copying is not None:
+        failed = copying
+        what = f"copying it to host failed for leaf {leaf_name(copying)!r} of"
+    elif isinstance(e, LeafWriteError):
+        failed = e.leaf
+        cause = e.__cause__ or e
+        what = f"writing it failed for leaf {leaf_name(e.leaf)!r} of"
+    else:  # the store's own step (a new segment, syncing filled ones): every leaf
+        what = "writing them failed for"
+    error = BackgroundWriteError(
+        f"{where}: {what} rows [{first}, {first + rows}) appended earlier: "
+        f"{type(cause).__name__}: {cause}. {_LOST} Fix: remove the cause (disk space, "
+        "permissions; arrays must not be donated or deleted before flush()), " + _REOPEN,
+        leaf="" if failed is None else leaf_name(failed),
+    )
+    error.__cause__ = cause
+    return error
+
+
+def sync_error(where: str, e: Exception) -> BackgroundWriteError:
+    """The error of a failed commit of the segments the writes filled (the sync thread)."""
+    error = BackgroundWriteError(
+        f"{where}: committing the segments filled by rows appended earlier failed: "
+        f"{type(e).__name__}: {e}. {_LOST} Fix: remove the cause (disk space, "
+        "permissions), " + _REOPEN
+    )
+    error.__cause__ = e
+    return error
