@@ -221,14 +221,88 @@ def _run_writers(tmp: str, k: int, rows: int, attempt: int) -> tuple[float, dict
     return rate, {"startup": startup, **phases}
 
 
-def bench_writers(tmp: str, rows: int, repeats: int, log: Any) -> dict[str, Any]:
+_SYNCS = r"""
+import os, sys, time
+path, rounds, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+block = b"x" * (1000 * {row_bytes})
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+os.pwrite(fd, b"\0" * len(block) * rounds, 0)
+os.fsync(fd)
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.001)
+t = time.perf_counter()
+for i in range(rounds):
+    os.pwrite(fd, block, i * len(block))
+    os.fdatasync(fd)
+print(time.perf_counter() - t, flush=True)
+os.close(fd)
+"""
+
+
+def _run_syncs(tmp: str, k: int, rounds: int, attempt: int) -> float:
+    """``fdatasync``s per second of ``k`` processes at once, each overwriting its own
+    pre-written file in place, 1,000 rows (525 kB) before each sync: what the disk itself
+    gives a second process, with no file created, renamed or grown (no journal commit)."""
+    go = os.path.join(tmp, f"syncs{k}-{attempt}.go")
+    code = _SYNCS.format(row_bytes=ROW_BYTES)
+    paths = [os.path.join(tmp, f"syncs{k}-{attempt}-{i}") for i in range(k)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, p, str(rounds), go], stdout=subprocess.PIPE, text=True
+        )
+        for p in paths
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    open(go, "w").close()
+    slowest = 0.0
+    for p in procs:
+        assert p.stdout is not None
+        slowest = max(slowest, float(p.stdout.readline()))
+        p.wait()
+    for path in [*paths, go]:
+        os.unlink(path)
+    return k * rounds / slowest
+
+
+def memory_dir() -> str | None:
+    """A folder on a memory file system (``/dev/shm``) with room for the writers case, or
+    None: there ``fsync`` costs nothing, so the ratio shows the writers themselves."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize > 4 << 30 else None
+
+
+def bench_writers(
+    tmp: str, rows: int, repeats: int, log: Any, memory: str | None = None
+) -> dict[str, Any]:
     """One writer, then two, ``repeats`` times interleaved (a shared machine's load moves
-    between runs); medians of each."""
+    between runs); medians of each. Also, in the same rounds: the disk's own ``fdatasync``
+    rate with one and two processes (the ceiling that any commit protocol shares), and,
+    when ``memory`` names a memory file system, the same writers there."""
     runs: dict[int, list[tuple[float, dict[str, float]]]] = {1: [], 2: []}
-    for r in range(repeats):
-        for k in (1, 2):
-            runs[k].append(_run_writers(tmp, k, rows, r))
+    syncs: dict[int, list[float]] = {1: [], 2: []}
+    mem: dict[int, list[float]] = {1: [], 2: []}
+    mem_tmp = tempfile.mkdtemp(prefix="bench_replay_store_", dir=memory) if memory else None
+    try:
+        for r in range(repeats):
+            for k in (1, 2):
+                runs[k].append(_run_writers(tmp, k, rows, r))
+                syncs[k].append(_run_syncs(tmp, k, rows // 1000, r))
+                if mem_tmp is not None:
+                    mem[k].append(_run_writers(mem_tmp, k, rows, r)[0])
+    finally:
+        if mem_tmp is not None:
+            shutil.rmtree(mem_tmp, ignore_errors=True)
     out: dict[str, Any] = {"rows_per_writer": rows, "repeats": repeats}
+    out["disk_syncs_per_s"] = {str(k): statistics.median(v) for k, v in syncs.items()}
+    out["disk_sync_ratio"] = statistics.median(b / a for a, b in zip(syncs[1], syncs[2]))
+    if mem_tmp is not None:
+        out["memory_rows_per_s"] = {str(k): statistics.median(v) for k, v in mem.items()}
+        out["memory_ratio"] = statistics.median(b / a for a, b in zip(mem[1], mem[2]))
     for k, name in ((1, "one"), (2, "two")):
         out[f"{name}_rows_per_s"] = statistics.median(rate for rate, _ in runs[k])
         out[f"{name}_phases_s"] = {
@@ -247,6 +321,17 @@ def bench_writers(tmp: str, rows: int, repeats: int, log: Any) -> dict[str, Any]
         log(
             f"    {name}: startup {ph['startup']:.2f} s, append {ph['append']:.2f} s, "
             f"flush {ph['flush']:.2f} s, close {ph['close']:.3f} s (of {ph['loop']:.2f} s)"
+        )
+    s1, s2 = out["disk_syncs_per_s"]["1"], out["disk_syncs_per_s"]["2"]
+    log(
+        f"    the disk alone (in-place write + fdatasync of 1,000 rows): 1 process {s1:,.0f}"
+        f" syncs/s, 2 processes {s2:,.0f} syncs/s, ratio {out['disk_sync_ratio']:.2f}"
+    )
+    if "memory_ratio" in out:
+        m = out["memory_rows_per_s"]
+        log(
+            f"    the same writers on {memory} (fsync free): 1 {m['1']:,.0f} rows/s, "
+            f"2 {m['2']:,.0f} rows/s, ratio {out['memory_ratio']:.2f}"
         )
     return out
 
@@ -314,7 +399,7 @@ def run_all(
             out["eviction"] = bench_eviction(tmp, live, repeats, log)
         if "writers" in cases:
             rows = writer_rows or (20_000 if quick else 600_000)
-            out["writers"] = bench_writers(tmp, rows, min(repeats, 3), log)
+            out["writers"] = bench_writers(tmp, rows, min(repeats, 3), log, memory_dir())
         if "refresh" in cases:
             out["refresh"] = [
                 bench_refresh(tmp, k, 500 if quick else 4000, repeats, log) for k in (1, 8, 64)
@@ -355,7 +440,15 @@ def run_store(cfg: Any, stores: Any, res: Any, log: Any) -> None:
             1.0,
         )
     )
-    res.ratios.append(Ratio("store: 2 writers / 1 writer", "2", "1", out["writers"]["ratio"], 1.6))
+    wr = out["writers"]
+    res.ratios.append(Ratio("store: 2 writers / 1 writer", "2", "1", wr["ratio"], 1.6))
+    res.ratios.append(
+        Ratio("store: the disk's fdatasyncs, 2 processes / 1", "2", "1", wr["disk_sync_ratio"])
+    )
+    if "memory_ratio" in wr:
+        res.ratios.append(
+            Ratio("store: 2 writers / 1 writer, /dev/shm", "2", "1", wr["memory_ratio"], 1.6)
+        )
     res.ratios.append(
         Ratio("store: 10 x refresh@1 / refresh@64", "1", "64", 10 / out["refresh_64_over_1"], 1.0)
     )
