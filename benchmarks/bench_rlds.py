@@ -185,8 +185,12 @@ def _build(path: str, shards: list[str], feats: Any, threads: int | None, parser
     return time.perf_counter() - t
 
 
-# The parsers the index build is timed with (keyword arguments of build_index).
-_PARSERS: dict[str, dict[str, Any]] = {"python": {}}
+# The parsers the index build is timed with (keyword arguments of build_index): the
+# Python parser (before) and the compiled scan (after; the Python parser without numba).
+_PARSERS: dict[str, dict[str, Any]] = {
+    "python": {"compiled_scan": False},
+    "compiled": {"compiled_scan": True},
+}
 
 
 def index_build(

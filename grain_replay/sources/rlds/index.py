@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.rlds import example_scan
 from grain_replay.sources.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
 from grain_replay.sources.rlds.example import FeatureValues, WireError, parse_example
 from grain_replay.sources.rlds.features import STEPS, Feature
@@ -61,7 +62,12 @@ class ShardIndex:
 
 
 def index_shard(
-    path: str, features: Sequence[Feature], *, check_crc: bool = True, fmt: str = "tfrecord"
+    path: str,
+    features: Sequence[Feature],
+    *,
+    check_crc: bool = True,
+    fmt: str = "tfrecord",
+    compiled_scan: bool | None = None,
 ) -> ShardIndex:
     """Reads the shard ``path`` once and records where every value sits.
 
@@ -69,6 +75,10 @@ def index_shard(
     first value and the stride (4 packed, 5 unpacked); for each bytes leaf
     (images, text, encoded tensors) the offset and length of every element;
     int64 leaves (flags, ids) are decoded here, in their declared dtype.
+
+    ``compiled_scan``: how records are parsed (:func:`example_scan.scanner`): None, the
+    compiled scan once this process has loaded it; True, wait for it; False, in Python.
+    Each gives the same index and the same errors.
 
     Raises:
       InvalidStoreError: a bad CRC, a truncated record, a record that is not a
@@ -95,14 +105,24 @@ def index_shard(
             (0, mapping, a, a + n)
             for a, n in frame_records(path, mapping, address, check_crc=check_crc)
         )
+    scan = example_scan.scanner(compiled_scan)
+    names = {w.encode("utf-8"): w for w in wanted}
+    view: np.ndarray | None = None  # buf as uint8, for the compiled scan
     for data_off, buf, lo, hi in records:
         where = (
             f"{path}: record {data_off >> RECORD_SHIFT}"
             if fmt == "array_record"
             else f"{path}: the episode at byte offset {data_off + lo - 12}"
         )
+        if scan is None and compiled_scan is None:
+            scan = example_scan.scanner(None)  # loaded meanwhile?
         try:
-            parsed = parse_example(buf, wanted, lo, hi)
+            if scan is None:
+                parsed = parse_example(buf, wanted, lo, hi)
+            else:
+                if view is None or fmt == "array_record":
+                    view = np.frombuffer(buf, np.uint8)
+                parsed = scan.parse(view, buf, names, lo, hi)
         except WireError as e:
             raise InvalidStoreError(
                 f"{where} is not a tf.train.Example ({e}). Fix: the shard is corrupt; copy it "
@@ -127,6 +147,7 @@ def index_shard(
                 assert v.offsets is not None and v.lengths is not None
                 parts[k_off].append(v.offsets + data_off if data_off else v.offsets)
                 parts[k_len].append(v.lengths)
+    del view  # no export of the map left: it closes when its last user drops it
     arrays = {"n_steps": np.asarray(n_steps, np.int64)}
     for f in features:
         k = f.key
@@ -275,8 +296,10 @@ def build_index(
     progress: bool = True,
     threads: int | None = None,
     fmt: str = "tfrecord",
+    compiled_scan: bool | None = None,
 ) -> Index:
-    """The index of ``shards`` (paths, in read order), from the cache or built in threads."""
+    """The index of ``shards`` (paths, in read order), from the cache or built in threads
+    (``compiled_scan``: as :func:`index_shard`'s)."""
     dirs = cache_dirs(root)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0)), len(shards)))
     signatures = [_signature(p, features) for p in shards]
@@ -288,7 +311,9 @@ def build_index(
     bar = _progress(len(missing), progress and len(missing) > 1)
 
     def build(i: int) -> ShardIndex:
-        index = index_shard(shards[i], features, check_crc=check_crc, fmt=fmt)
+        index = index_shard(
+            shards[i], features, check_crc=check_crc, fmt=fmt, compiled_scan=compiled_scan
+        )
         if use_cache:
             _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
         return index
