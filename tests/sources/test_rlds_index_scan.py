@@ -255,6 +255,93 @@ def test_every_record_of_a_fixture_is_the_compiled_scans_own(tmp_path: Any) -> N
         del view
 
 
+@needs_numba
+def test_a_clean_shard_is_scanned_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_rlds(tmp_path, lengths=(3, 4, 2), shards=2, packed=False)
+    python = _index(tmp_path, False)
+
+    def by_record(*args: Any) -> None:
+        raise AssertionError("indexed record by record")
+
+    monkeypatch.setattr(index_lib, "_index_by_record", by_record)
+    _assert_same(python, _index(tmp_path, True))
+
+
+def _append(shard: str, records: list[bytes]) -> int:
+    """Appends the records to the shard; returns the byte offset of the first."""
+    offset = os.path.getsize(shard)
+    with open(shard, "ab") as f:
+        f.write(tfrecord(records))
+    return offset
+
+
+@pytest.mark.parametrize("compiled_scan", [False, True])
+def test_shard_errors_are_the_python_parsers_in_record_order(
+    tmp_path: Any, compiled_scan: bool
+) -> None:
+    write_rlds(tmp_path, lengths=(3, 4), shards=1)
+    (shard,) = gr.RLDSDataSource(str(tmp_path), progress=False).shards
+    good = open(shard, "rb").read()
+    cases = {}
+    # A record whose action has 5 values, not 7 a step: the check names the feature.
+    short = example({"steps/action": feature_floats(np.ones(5))})
+    cases["size"] = ([short], "'steps/action' holds 5 values, not a whole number of steps of 7")
+    # Two steps of action, and nothing else: the first feature missing is named.
+    alone = example({"steps/action": feature_floats(np.ones(14))})
+    cases["missing"] = ([alone], "is missing from the record. Fix: leave it out with keys=")
+    # A record with no step feature at all.
+    cases["no_steps"] = ([example({"other": feature_ints(np.ones(2))})], "none of the step")
+    # A malformed record, then one with a bad CRC: the first one's error.
+    bad = example({"steps/action": _len_field(2, _len_field(1, b"12345"))})
+    cases["first_error"] = ([bad, b"x" * 40], "not a whole number of floats")
+    for name, (records, message) in cases.items():
+        with open(shard, "wb") as f:
+            f.write(good)
+        offset = _append(shard, records)
+        if name == "first_error":  # the second record's data CRC flipped
+            with open(shard, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+        with pytest.raises(InvalidStoreError, match="Fix: ") as info:
+            _index(tmp_path, compiled_scan)
+        assert f"{shard}: the episode at byte offset {offset}" in str(info.value), name
+        assert message in str(info.value), name
+    # The bad CRC alone: named with its record's offset.
+    with open(shard, "wb") as f:
+        f.write(good)
+    offset = _append(shard, [b"x" * 40])
+    with open(shard, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\0")
+    with pytest.raises(
+        InvalidStoreError, match=f"bad CRC32C of the record data at byte offset {offset}"
+    ):
+        _index(tmp_path, compiled_scan)
+
+
+@pytest.mark.parametrize("compiled_scan", [False, True])
+def test_a_feature_of_another_kind_is_named(tmp_path: Any, compiled_scan: bool) -> None:
+    write_rlds_columns(tmp_path, {"a": np.ones((6, 2), np.float32)}, [2, 4], shards=1)
+    (shard,) = gr.RLDSDataSource(str(tmp_path), progress=False).shards
+    flags = {f"steps/{k}": feature_ints(np.zeros(2)) for k in ("is_first", "is_last")}
+    record = example(
+        {
+            "steps/a": feature_floats(np.ones(4)),
+            **flags,
+            "steps/is_terminal": feature_floats(np.ones(2)),
+        }
+    )
+    offset = _append(shard, [record])
+    with pytest.raises(InvalidStoreError) as info:
+        _index(tmp_path, compiled_scan)
+    assert (
+        f"{shard}: the episode at byte offset {offset}: feature 'steps/is_terminal' holds 2 "
+        "float values, but features.json declares 2 int64 values" in str(info.value)
+    )
+
+
 @pytest.mark.parametrize("compiled_scan", [False, True])
 def test_malformed_record_in_a_shard_names_the_file_and_the_fix(
     tmp_path: Any, compiled_scan: bool

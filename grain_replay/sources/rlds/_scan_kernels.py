@@ -235,19 +235,17 @@ def _feature(buf, start, stop, entry, values, lengths, row):  # type: ignore[no-
 
 
 @_jit
-def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-untyped-def]
-    """Scans the Example ``buf[start:end]``: one row of ``entries`` per feature map entry, in
-    record order (a later entry of the same name wins, as in Python), their values' rows in
-    ``values``/``lengths``. Returns the number of entries, or an error code."""
+def _scan(buf, start, end, entries, values, lengths, row):  # type: ignore[no-untyped-def]
+    """``(entries written or an error code, next row of values)`` (see :func:`scan_example`);
+    the values' rows from ``row`` on."""
     if start < 0 or end > buf.shape[0] or start > end:
-        return FALLBACK
+        return FALLBACK, row
     n_entries = 0
-    row = 0
     pos = start
     while pos < end:
         field, wire, a, b = _field(buf, pos, end)
         if b < 0:
-            return FALLBACK
+            return FALLBACK, row
         pos = b
         if field != 1 or wire != _LEN:
             continue  # Example.features is field 1
@@ -255,7 +253,7 @@ def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-
         while epos < b:
             entry, ewire, ea, eb = _field(buf, epos, b)
             if eb < 0:
-                return FALLBACK
+                return FALLBACK, row
             epos = eb
             if entry != 1 or ewire != _LEN:
                 continue  # Features.feature (a map) is field 1
@@ -276,7 +274,7 @@ def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-
                 while kpos < eb:
                     kf, kw, ka, kb = _field(buf, kpos, eb)
                     if kb < 0:
-                        return FALLBACK
+                        return FALLBACK, row
                     kpos = kb
                     if kf == 1 and kw == _LEN:
                         name, name_len = ka, kb - ka
@@ -285,7 +283,7 @@ def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-
             if name < 0:
                 continue
             if n_entries >= entries.shape[0]:
-                return ENTRIES_FULL
+                return ENTRIES_FULL, row
             e = entries[n_entries]
             e[0], e[1] = name, name_len
             if va == 0 and vb == 0:
@@ -293,6 +291,47 @@ def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-
             else:
                 row = _feature(buf, va, vb, e, values, lengths, row)
                 if row < 0:
-                    return row
+                    return row, 0
             n_entries += 1
-    return n_entries
+    return n_entries, row
+
+
+@_jit
+def scan_example(buf, start, end, entries, values, lengths):  # type: ignore[no-untyped-def]
+    """Scans the Example ``buf[start:end]``: one row of ``entries`` per feature map entry, in
+    record order (a later entry of the same name wins, as in Python), their values' rows in
+    ``values``/``lengths``. Returns the number of entries, or an error code."""
+    return _scan(buf, start, end, entries, values, lengths, 0)[0]
+
+
+@_jit
+def scan_shard(buf, bounds, names, name_ends, entries, slots, values, lengths):  # type: ignore[no-untyped-def]
+    """Scans the Examples ``buf[bounds[r, 0]:bounds[r, 1]]`` of a whole shard, keeping the
+    features named ``names[name_ends[j]:name_ends[j + 1]]``: ``slots[r, j]`` is record r's
+    feature j as (kind, count, where, stride) as in ``entries``, kind -1 where it is not in
+    the record (its last entry wins, as in Python). Returns the rows of ``values`` used, or
+    an error code (FALLBACK where any record is not the compiled scan's to take)."""
+    row = 0
+    n_names = name_ends.shape[0] - 1
+    for r in range(bounds.shape[0]):
+        for j in range(n_names):
+            slots[r, j, 0] = -1
+        n, row = _scan(buf, bounds[r, 0], bounds[r, 1], entries, values, lengths, row)
+        if n < 0:
+            return n
+        for i in range(n):
+            off, size = entries[i, 0], entries[i, 1]
+            for j in range(n_names):
+                a = name_ends[j]
+                if name_ends[j + 1] - a != size:
+                    continue
+                same = True
+                for t in range(size):
+                    if buf[off + t] != names[a + t]:
+                        same = False
+                        break
+                if same:
+                    for c in range(4):
+                        slots[r, j, c] = entries[i, 2 + c]
+                    break
+    return row

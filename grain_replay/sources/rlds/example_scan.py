@@ -29,7 +29,7 @@ import numpy as np
 
 from grain_replay.sources.rlds.example import FeatureValues, parse_example
 
-__all__ = ["ExampleScanner", "compiled", "loaded", "scanner"]
+__all__ = ["KINDS", "ExampleScanner", "compiled", "loaded", "scanner"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ def compiled() -> Any:
 
     return _scan_kernels
 
+
+# Kind codes of the compiled scan's results (those of ``_scan_kernels``), by wire kind.
+KINDS = {"bytes": 1, "float": 2, "int64": 3}
 
 # The kernels once this process has loaded them ([module or None]), and the process
 # whose thread is loading them.
@@ -86,7 +89,9 @@ def _load() -> None:
         try:  # a record of one float feature, read-only as a map's bytes are
             data = b"\x0a\x0f\x0a\x0d\x0a\x01f\x12\x08\x12\x06\x0a\x04\x00\x00\x80\x3f"
             record = np.frombuffer(data, np.uint8)
-            ExampleScanner(kernels).parse(record, record.tobytes(), None, 0, len(record))
+            scanner = ExampleScanner(kernels)
+            scanner.parse(record, data, None, 0, len(record))
+            scanner.scan_records(record, np.array([[0, len(data)]]), ["f"])
         except Exception:  # never fatal: each scan compiles what it needs
             logger.exception("warming up the compiled RLDS record scan failed")
     with _LOCK:
@@ -166,3 +171,38 @@ class ExampleScanner:
             else:
                 out[name] = FeatureValues("none")
         return out
+
+    def scan_records(
+        self, view: np.ndarray, bounds: np.ndarray, names: list[str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Scans every record ``view[bounds[r, 0]:bounds[r, 1]]`` of a shard at once, keeping
+        the features ``names``: ``(slots, values, lengths)``, ``slots[r, j]`` record r's
+        feature j as ``(kind, count, where, stride)`` (kind -1 where the record lacks it;
+        bytes and int64 features' rows ``where:where + count`` of ``values``/``lengths``,
+        a float feature's first value at byte ``where``). None where some record is not
+        the compiled scan's to take (the caller then goes record by record).
+        """
+        k = self._k
+        encoded = [n.encode("utf-8") for n in names]
+        name_bytes = np.frombuffer(b"".join(encoded), np.uint8).copy()
+        name_ends = np.cumsum([0] + [len(e) for e in encoded]).astype(np.int64)
+        slots = np.empty((len(bounds), len(names), 4), np.int64)
+        bounds = np.ascontiguousarray(bounds, np.int64)
+        if len(self._values) < 256 * len(bounds):  # a guess (images and texts a step)
+            self._values = np.empty(256 * len(bounds), np.int64)
+            self._lengths = np.empty(256 * len(bounds), np.int64)
+        while True:
+            n = k.scan_shard(
+                view, bounds, name_bytes, name_ends, self._entries, slots, self._values,
+                self._lengths,
+            )  # fmt: skip
+            if n >= 0:
+                return slots, self._values[:n], self._lengths[:n]
+            if n == k.ENTRIES_FULL:
+                self._entries = np.empty((2 * len(self._entries), k.COLUMNS), np.int64)
+            elif n == k.VALUES_FULL:
+                self._values = np.empty(4 * len(self._values), np.int64)
+                self._lengths = np.empty(4 * len(self._lengths), np.int64)
+            else:
+                self.fallbacks += 1
+                return None
