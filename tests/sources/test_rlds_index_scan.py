@@ -379,3 +379,37 @@ def test_python_parser_reports_a_tag_without_its_length() -> None:
     with pytest.raises(example_lib.WireError):
         example_lib.parse_example(b"\x0a\x02\x0a\x00"[:3])
     assert _varint(1 << 63) == b"\x80" * 9 + b"\x01"
+
+
+@needs_numba
+def test_array_record_shards_give_the_same_index_both_ways(tmp_path: Any) -> None:
+    ar = pytest.importorskip("array_record.python.array_record_module")
+    import json
+
+    from grain_replay.sources.rlds import tfrecord as tfrecord_lib
+
+    write_rlds(tmp_path, lengths=(3, 5, 2), shards=2)
+    for src_path in gr.RLDSDataSource(str(tmp_path), progress=False).shards:
+        writer = ar.ArrayRecordWriter(
+            src_path.replace(".tfrecord-", ".array_record-"), "group_size:1"
+        )
+        for _, rec in tfrecord_lib.iter_records(src_path):
+            writer.write(rec)
+        writer.close()
+        os.unlink(src_path)
+    info_path = os.path.join(tmp_path, "dataset_info.json")
+    with open(info_path) as f:
+        info = json.load(f)
+    info["fileFormat"] = "array_record"
+    with open(info_path, "w") as f:
+        json.dump(info, f)
+    src = gr.RLDSDataSource(str(tmp_path), progress=False)
+    python, compiled = (
+        index_lib.build_index(
+            str(tmp_path), src.shards, src.features, use_cache=False, progress=False,
+            fmt="array_record", compiled_scan=c,
+        )
+        for c in (False, True)
+    )  # fmt: skip
+    _assert_same(python, compiled)
+    assert python.num_steps == 10
