@@ -260,11 +260,11 @@ def parse_example(
                 continue  # Features.feature (a map) is field 1
             raw: bytes | None = None
             value = (0, 0)
-            n = buf[ea + 1] if buf[ea] == 0x0A and ea + 1 < eb else 0x80
+            n = buf[ea + 1] if ea + 1 < eb and buf[ea] == 0x0A else 0x80
             p = ea + 2 + n
             if n < 0x80 and p < eb and buf[p] == 0x12:  # the usual entry: key, then value
                 raw = buf[ea + 2 : p]
-                q = _payload(buf, p + 1, eb)
+                q = _payload(buf, p + 1, eb) if p + 1 < eb else -1
                 value = (q, eb) if q >= 0 else (0, 0)
             if raw is None or value == (0, 0):
                 raw, value = None, (0, 0)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.rlds import example_scan
 from grain_replay.sources.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
 from grain_replay.sources.rlds.example import FeatureValues, WireError, parse_example
 from grain_replay.sources.rlds.features import STEPS, Feature
@@ -61,7 +62,12 @@ class ShardIndex:
 
 
 def index_shard(
-    path: str, features: Sequence[Feature], *, check_crc: bool = True, fmt: str = "tfrecord"
+    path: str,
+    features: Sequence[Feature],
+    *,
+    check_crc: bool = True,
+    fmt: str = "tfrecord",
+    compiled_scan: bool | None = None,
 ) -> ShardIndex:
     """Reads the shard ``path`` once and records where every value sits.
 
@@ -70,11 +76,100 @@ def index_shard(
     (images, text, encoded tensors) the offset and length of every element;
     int64 leaves (flags, ids) are decoded here, in their declared dtype.
 
+    ``compiled_scan``: how records are parsed (:func:`example_scan.scanner`): None, the
+    compiled scan once this process has loaded it; True, wait for it; False, in Python.
+    With the compiled scan a TFRecord shard is framed (CRCs checked), then all its records
+    are scanned in one call and checked at once; a shard where a CRC, a record or a check
+    fails is then indexed record by record, as in Python. Each gives the same index and
+    the same errors, in record order.
+
     Raises:
       InvalidStoreError: a bad CRC, a truncated record, a record that is not a
         ``tf.train.Example``, or a feature missing or of the wrong size, naming
         the file, the record's offset and the feature.
     """
+    scan = example_scan.scanner(compiled_scan)
+    if scan is not None and fmt == "tfrecord":
+        done = _index_at_once(path, features, check_crc, scan)
+        if done is not None:
+            return done
+    return _index_by_record(path, features, check_crc, fmt, compiled_scan, scan)
+
+
+def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rows ``starts[i]:starts[i] + counts[i]`` of every i, in order."""
+    ends = np.cumsum(counts)
+    if not ends.size or ends[-1] == 0:
+        return np.zeros(0, np.int64)
+    return np.arange(ends[-1]) + np.repeat(starts - (ends - counts), counts)
+
+
+def _index_at_once(
+    path: str, features: Sequence[Feature], check_crc: bool, scan: example_scan.ExampleScanner
+) -> ShardIndex | None:
+    """The shard's index from one compiled scan of all its records, checked at once; None
+    where a record, a check or a CRC fails (or it is empty): then the shard is indexed
+    record by record, which gives the same index and the errors in record order."""
+    mapping, address = map_shard(path)
+    if mapping is None:
+        return None
+    try:
+        framed = list(frame_records(path, mapping, address, check_crc=check_crc))
+    except InvalidStoreError:
+        return None
+    bounds = np.array(framed, np.int64).reshape(-1, 2)
+    bounds[:, 1] += bounds[:, 0]
+    cols = {name: j for j, name in enumerate(dict.fromkeys(f.name for f in features))}
+    view = np.frombuffer(mapping, np.uint8)
+    got = scan.scan_records(view, bounds, list(cols))
+    del view  # no export of the map left: it closes when its last user drops it
+    if got is None:
+        return None
+    slots, values, lengths = got
+    kind, count, at, stride = (slots[:, :, c] for c in range(4))
+    n = np.full(len(bounds), -1, np.int64)  # as _episode_length: its first step feature there
+    for f in features:
+        per = _per_record(f)
+        if f.level != STEPS or per <= 0:
+            continue
+        j = cols[f.name]
+        take = (n < 0) & (kind[:, j] >= 0)
+        if np.any(count[take, j] % per):
+            return None
+        n[take] = count[take, j] // per
+    if np.any(n < 0):
+        return None
+    keep = n > 0  # an empty episode holds no step; its metadata has no record to ride on
+    steps = n[keep]
+    arrays = {"n_steps": steps}
+    for f in features:
+        j, per = cols[f.name], _per_record(f)
+        want = steps * per if f.level == STEPS else np.full(len(steps), per, np.int64)
+        if not np.all((kind[keep, j] == example_scan.KINDS[f.wire]) & (count[keep, j] == want)):
+            return None  # as _check: missing, or another kind or size
+        if f.wire == "float":
+            arrays[f.key + "#off"] = at[keep, j]
+            arrays[f.key + "#stride"] = stride[keep, j].astype(np.uint8)
+            continue
+        rows = _rows(at[keep, j], want)
+        if f.wire == "int64":
+            arrays[f.key + "#val"] = _as_dtype(values[rows], f.dtype)
+        else:
+            arrays[f.key + "#off"] = values[rows]
+            arrays[f.key + "#len"] = lengths[rows].astype(np.uint32)
+    return ShardIndex(arrays)
+
+
+def _index_by_record(
+    path: str,
+    features: Sequence[Feature],
+    check_crc: bool,
+    fmt: str,
+    compiled_scan: bool | None,
+    scan: example_scan.ExampleScanner | None,
+) -> ShardIndex:
+    """:func:`index_shard` one record after the other (``scan``: the compiled scan of each
+    record, else the Python parser; with ``compiled_scan=None`` taken once it has loaded)."""
     wanted = {f.name for f in features}
     step_feats = [f for f in features if f.level == STEPS]
     # Per feature, once: (feature, values per record, whether per step, key names).
@@ -95,14 +190,23 @@ def index_shard(
             (0, mapping, a, a + n)
             for a, n in frame_records(path, mapping, address, check_crc=check_crc)
         )
+    names = {w.encode("utf-8"): w for w in wanted}
+    view: np.ndarray | None = None  # buf as uint8, for the compiled scan
     for data_off, buf, lo, hi in records:
         where = (
             f"{path}: record {data_off >> RECORD_SHIFT}"
             if fmt == "array_record"
             else f"{path}: the episode at byte offset {data_off + lo - 12}"
         )
+        if scan is None and compiled_scan is None:
+            scan = example_scan.scanner(None)  # loaded meanwhile?
         try:
-            parsed = parse_example(buf, wanted, lo, hi)
+            if scan is None:
+                parsed = parse_example(buf, wanted, lo, hi)
+            else:
+                if view is None or fmt == "array_record":
+                    view = np.frombuffer(buf, np.uint8)
+                parsed = scan.parse(view, buf, names, lo, hi)
         except WireError as e:
             raise InvalidStoreError(
                 f"{where} is not a tf.train.Example ({e}). Fix: the shard is corrupt; copy it "
@@ -127,6 +231,7 @@ def index_shard(
                 assert v.offsets is not None and v.lengths is not None
                 parts[k_off].append(v.offsets + data_off if data_off else v.offsets)
                 parts[k_len].append(v.lengths)
+    del view  # no export of the map left: it closes when its last user drops it
     arrays = {"n_steps": np.asarray(n_steps, np.int64)}
     for f in features:
         k = f.key
@@ -275,8 +380,10 @@ def build_index(
     progress: bool = True,
     threads: int | None = None,
     fmt: str = "tfrecord",
+    compiled_scan: bool | None = None,
 ) -> Index:
-    """The index of ``shards`` (paths, in read order), from the cache or built in threads."""
+    """The index of ``shards`` (paths, in read order), from the cache or built in threads
+    (``compiled_scan``: as :func:`index_shard`'s)."""
     dirs = cache_dirs(root)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0)), len(shards)))
     signatures = [_signature(p, features) for p in shards]
@@ -288,7 +395,9 @@ def build_index(
     bar = _progress(len(missing), progress and len(missing) > 1)
 
     def build(i: int) -> ShardIndex:
-        index = index_shard(shards[i], features, check_crc=check_crc, fmt=fmt)
+        index = index_shard(
+            shards[i], features, check_crc=check_crc, fmt=fmt, compiled_scan=compiled_scan
+        )
         if use_cache:
             _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
         return index
