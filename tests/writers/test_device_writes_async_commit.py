@@ -379,7 +379,8 @@ while True:
     w.append({"x": jnp.arange(i * 16, i * 16 + 16, dtype=jnp.int32)})
     i += 1
     if i % 3 == 0:
-        print("Q", w.flush(wait=False), flush=True)
+        print("Q", len(w), flush=True)  # before the call: a kill may follow it at once
+        w.flush(wait=False)
     if w.committed != seen:
         seen = w.committed
         print("C", seen, flush=True)
