@@ -55,7 +55,8 @@ class ReplayWriter:
     ``append(tree)`` writes rows straight to the store (memory stays bounded);
     ``flush()`` makes them durable and commits them: the metadata's record
     count, which every source reads, moves only after the rows are on disk.
-    A crash loses at most the rows appended since the last flush. Reopening an
+    ``flush(wait=False)`` commits in the background instead (the caller goes on).
+    A crash loses at most the rows appended since the last completed commit. Reopening an
     existing store continues after its committed rows (uncommitted ones are
     dropped). One writer per store at a time (``flock`` on ``<path>.lock``, which stays),
     or one per ``writer_id`` of a many-writer store. The plain store's writer is
@@ -103,6 +104,8 @@ class ReplayWriter:
     the next ``append``/``flush``/``close`` as :class:`~grain_replay.BackgroundWriteError`
     naming the leaf; the committed rows stay intact and the writer must be reopened.
     Host-only appends to an idle writer are written in the call, as always.
+    ``flush(wait=False)`` queues a commit behind the trees appended so far: the thread
+    writes them, then commits while the caller steps on (docs/device_writes.md).
 
     Example:
       >>> with gr.ReplayWriter("replay.zarr") as w:
