@@ -1,12 +1,15 @@
 """Device writes: the device_actor loop saving every step against the same loop not saving.
 
 ``examples/device_actor.py`` steps 1,024 JAX CartPoles under ``jit`` and appends each
-step's transitions (``jax.Array``s, 41 B a row) to a bounded store, flushing every
-``flush_every`` steps. The ratio of steps/s with writing to without, interleaved
-repeats, median: the target is >= 0.85 on CPU (>= 0.95 on a GPU). The diagnostic
-rows say where a miss goes: the writer's own throughput on the same host arrays
-(what the background thread must keep up with), and the median time of one flush
-(the durability barrier the loop waits for).
+step's transitions (``jax.Array``s, 41 B a row) to a bounded store, committing every
+``flush_every`` steps with ``flush(wait=False)`` (in the background) as the example
+does. The ratio of steps/s with writing to without, interleaved repeats, median: the
+target is >= 0.85 on CPU (>= 0.95 on a GPU). Beside it, in the same run: the same loop
+with a blocking ``flush()`` every ``flush_every`` steps (the durability barrier in the
+loop) and with one flush at the end. The diagnostic rows say where a miss goes: the
+writer's own throughput on the same host arrays (what the background thread must
+keep up with), each thread's CPU per append, the time of one blocking flush, the
+caller's time in ``flush(wait=False)`` and how long its commit takes to be visible.
 
 Run:  python benchmarks/bench_device_writes.py [--quick]
 """
@@ -61,14 +64,18 @@ def _thread_cpu(prefix: str) -> float:
 
 
 def _profile(
-    da: ModuleType, step: Any, carry: Any, steps: int, flush_every: int, store: str
+    da: ModuleType, step: Any, carry: Any, steps: int, flush_every: int, store: str, wait: bool
 ) -> dict[str, float]:
     """One more writing loop, instrumented: the main thread's CPU per append, the writer's
-    threads' CPU per append (its own thread and the fsync pool), the time of one flush."""
+    threads' CPU per append (its own threads and the fsync pool), the caller's time in one
+    flush (``wait``: blocking, else ``flush(wait=False)``) and, without ``wait``, the time
+    from that call until its commit is visible (``committed`` seen moving, step by step)."""
     import jax
 
     main_cpu = 0.0
     flushes: list[float] = []
+    visible: list[float] = []
+    asked: tuple[int, float] | None = None  # (rows, when) of the commit not yet seen
     pool_before = _thread_cpu("grain_replay-fsync")
     with gr.ReplayWriter(store, format="npy", capacity=CAPACITY) as w:
         for i in range(steps):
@@ -76,18 +83,25 @@ def _profile(
             t = time.thread_time()
             w.append(transition)
             main_cpu += time.thread_time() - t
+            if asked is not None and w.committed >= asked[0]:
+                visible.append(time.perf_counter() - asked[1])
+                asked = None
             if (i + 1) % flush_every == 0:
                 t = time.perf_counter()
-                w.flush()
+                rows = w.flush(wait=wait)
                 flushes.append(time.perf_counter() - t)
+                if not wait and asked is None:
+                    asked = (rows, t)
         w.flush()
-        writer_cpu = _thread_cpu("grain_replay-device-writes")  # ends at close
+        writer_cpu = _thread_cpu("grain_replay-device")  # writes and syncs; end at close
     jax.block_until_ready(carry)
     pool_cpu = _thread_cpu("grain_replay-fsync") - pool_before
+    med = statistics.median
     return {
         "main_us": 1e6 * main_cpu / steps,
         "writer_us": 1e6 * (writer_cpu + pool_cpu) / steps,
-        "flush_ms": 1e3 * statistics.median(flushes) if flushes else float("nan"),
+        "flush_ms": 1e3 * med(flushes) if flushes else float("nan"),
+        "visible_ms": 1e3 * med(visible) if visible else float("nan"),
     }
 
 
@@ -112,11 +126,13 @@ def run(
     host = jax.tree.map(np.asarray, transition)
     root = tempfile.mkdtemp(prefix="bench_device_writes_")
     load = [os.getloadavg()[0]]
-    times: dict[str, list[float]] = {"off": [], "on": [], "once": []}
+    # off: not writing; on: flush(wait=False) every flush_every steps (as the example);
+    # blocking: flush() every flush_every steps; once: one flush at the end.
+    times: dict[str, list[float]] = {"off": [], "on": [], "blocking": [], "once": []}
     loop_cpu: list[float] = []  # CPU seconds (every thread) per step, not writing
     writer_rates: list[float] = []
     writer_cpu: list[float] = []  # CPU seconds per append of the writer alone
-    modes = ("off", "on", "once")
+    modes = ("off", "on", "blocking", "once")
 
     def loop(mode: str, tag: str) -> float:
         writer = None
@@ -126,7 +142,7 @@ def run(
         every = steps + 1 if mode == "once" else flush_every
         cpu = time.process_time()
         try:
-            _, seconds = da.run_loop(step, carry, steps, writer, every)
+            _, seconds = da.run_loop(step, carry, steps, writer, every, wait=mode != "on")
             if mode == "off" and tag != "warm":
                 loop_cpu.append((time.process_time() - cpu) / steps)
         finally:
@@ -154,29 +170,35 @@ def run(
                 writer_cpu.append((time.process_time() - cpu) / steps)
             shutil.rmtree(path, ignore_errors=True)
         load.append(os.getloadavg()[0])
-        prof = _profile(da, step, carry, steps, flush_every, os.path.join(root, "profile"))
+        prof = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-on"), False)
+        blocking = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-bl"), True)
         load.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     platform = jax.default_backend()
     med = statistics.median
     ratios = [off / on for off, on in zip(times["off"], times["on"])]
+    barrier = [off / on for off, on in zip(times["off"], times["blocking"])]
     overlap = [off / once for off, once in zip(times["off"], times["once"])]
     row_bytes = sum(a[0].nbytes for a in host.values())
     return [
         {
             "name": f"device writes: loop with writing / without ({platform}, {envs} envs, "
-            f"flush every {flush_every} steps)",
+            f"flush(wait=False) every {flush_every} steps, as examples/device_actor.py)",
             "value": med(ratios),
             "target": _target(platform),
             "unit": "x",
         },
+        {"name": f"same, a blocking flush() every {flush_every} steps (--blocking-flush)",
+         "value": med(barrier), "target": None, "unit": "x"},
         {"name": "same, one flush at the end (copy + write overlap, no barrier)",
          "value": med(overlap), "target": None, "unit": "x"},
         {"name": "device_actor loop without writing", "value": steps / med(times["off"]),
          "target": None, "unit": "steps/s"},
         {"name": "device_actor loop with writing", "value": steps / med(times["on"]),
          "target": None, "unit": "steps/s"},
+        {"name": "device_actor loop with writing, blocking flushes",
+         "value": steps / med(times["blocking"]), "target": None, "unit": "steps/s"},
         {"name": f"ReplayWriter alone, host arrays ({envs} rows x {row_bytes} B an append)",
          "value": med(writer_rates), "target": None, "unit": "appends/s"},
         {"name": "CPU time of a step, not writing (XLA threads included)",
@@ -186,9 +208,13 @@ def run(
         {"name": "main thread's CPU time in a device append (check, queue)",
          "value": prof["main_us"], "target": None, "unit": "us"},
         {"name": "writer threads' CPU time per device append (host copy, write, checksums, "
-         "segments, syncs)", "value": prof["writer_us"], "target": None, "unit": "us"},
+         "segments, syncs, commits)", "value": prof["writer_us"], "target": None, "unit": "us"},
         {"name": f"one flush() in the writing loop ({flush_every} steps of rows)",
+         "value": blocking["flush_ms"], "target": None, "unit": "ms"},
+        {"name": "one flush(wait=False) in the writing loop (the caller's time)",
          "value": prof["flush_ms"], "target": None, "unit": "ms"},
+        {"name": "flush(wait=False) until its rows are visible (committed moves; seen at "
+         "the next step)", "value": prof["visible_ms"], "target": None, "unit": "ms"},
         {"name": "1-min load average (highest seen)", "value": max(load), "target": None,
          "unit": ""},
     ]  # fmt: skip

@@ -5,9 +5,11 @@ in JAX) are stepped together under ``jit`` + ``vmap`` by an epsilon-greedy polic
 (a small random Q-network). Every step's transitions (``obs``, ``action``,
 ``reward``, ``next_obs``, ``done``) are appended, as ``jax.Array``s, to a bounded
 replay store: ``ReplayWriter.append`` starts the copies to host and returns, a
-background thread writes, and ``flush()`` every ``--flush-every`` steps is the
-durability barrier. ``--no-write`` runs the same loop without the writer (the
-cost of saving is the difference).
+background thread writes, and ``flush(wait=False)`` every ``--flush-every`` steps
+commits the rows so far in the background (they are visible and durable once it
+completes; the loop does not wait for it). ``--blocking-flush`` waits at every
+flush instead (the durability barrier in the loop); ``--no-write`` runs the same
+loop without the writer (the cost of saving is the difference).
 
 Run:  python examples/device_actor.py --envs 1024 --steps 2000 --store /tmp/actor_replay
 """
@@ -150,18 +152,20 @@ def run_loop(
     steps: int,
     writer: gr.ReplayWriter | None,
     flush_every: int,
+    wait: bool = False,
 ) -> tuple[Carry, float]:
-    """Steps ``steps`` times, appending every step from the device; returns the carry and
-    the seconds it took, the writer's last flush included."""
+    """Steps ``steps`` times, appending every step from the device and committing every
+    ``flush_every`` steps (in the background unless ``wait``); returns the carry and the
+    seconds it took, the writer's last (blocking) flush included."""
     start = time.perf_counter()
     for i in range(steps):
         carry, transition = step(carry)
         if writer is not None:
             writer.append(transition)
             if (i + 1) % flush_every == 0:
-                writer.flush()
+                writer.flush(wait=wait)
     if writer is not None:
-        writer.flush()
+        writer.flush()  # every row durable before the time is taken
     jax.block_until_ready(carry)
     return carry, time.perf_counter() - start
 
@@ -175,6 +179,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, default=1 << 20, help="rows the store keeps")
     p.add_argument("--flush-every", type=int, default=100, help="steps between flushes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--blocking-flush",
+        action="store_true",
+        help="wait for every flush in the loop (default: commit in the background)",
+    )
     p.add_argument("--no-write", action="store_true", help="step without saving")
     args = p.parse_args(argv)
     for name in ("envs", "steps", "capacity", "flush_every"):
@@ -197,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             store = os.path.join(tmp, "replay")
         writer = gr.ReplayWriter(store, format=args.format, capacity=args.capacity)
     try:
-        carry, seconds = run_loop(step, carry, args.steps, writer, args.flush_every)
+        carry, seconds = run_loop(
+            step, carry, args.steps, writer, args.flush_every, wait=args.blocking_flush
+        )
         rows = None if writer is None else writer.live
     finally:
         if writer is not None:

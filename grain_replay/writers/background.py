@@ -9,10 +9,12 @@ and writes them as one block, one write per leaf, joined in buffers it keeps
 backend, where the thread's CPU time is taken from the caller's steps, that is
 what the per-append cost comes down to. ``drain()`` (called by
 ``flush``/``close``) waits for the queue; the bytes queued are bounded, and
-``submit`` waits beyond the bound. A failure in the thread stops it, drops what
-was queued after it, and is raised by the caller's next ``submit``/``drain``
-naming the leaf. jax is never imported here (see
-:mod:`grain_replay.writers.device_leaves`).
+``submit`` waits beyond the bound. ``submit_commit`` queues a commit
+(``flush(wait=False)``) behind the trees appended before it: the thread writes
+them, then runs the commit, fsync waits included, while the caller goes on
+appending. A failure in the thread stops it, drops what was queued after it, and
+is raised by the caller's next ``submit``/``drain`` naming the leaf. jax is never
+imported here (see :mod:`grain_replay.writers.device_leaves`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
 from grain_replay.writers.device_leaves import (
     TreeSignature,
     device_leaf_test,
+    leaf_name,
     leaf_nbytes,
     start_copies,
 )
@@ -41,6 +44,7 @@ __all__ = [
     "BackgroundWriter",
     "LeafWriteError",
     "check_max_inflight_bytes",
+    "commit_error",
     "device_leaf_test",
     "to_host",
 ]
@@ -83,6 +87,34 @@ class _Item:
     write: Write
 
 
+@dataclasses.dataclass(slots=True)
+class _Commit:
+    """A commit queued behind the trees appended before it (``flush(wait=False)``)."""
+
+    commit: Callable[[], object]  # the store's flush: commits every row written so far
+    upto: int  # the writer's rows once it completes
+    committed: Callable[[], int]  # the rows committed before it, for messages
+    rows: int = 0
+    nbytes: int = 0
+
+
+def commit_error(where: str, before: int, upto: int, e: Exception) -> BackgroundWriteError:
+    """The error of a failed background commit of rows ``[before, upto)``."""
+    failed = e.leaf if isinstance(e, LeafWriteError) else None
+    cause: BaseException = (e.__cause__ or e) if failed is not None else e
+    what = "every leaf" if failed is None else f"leaf {leaf_name(failed)!r}"
+    error = BackgroundWriteError(
+        f"{where}: the background commit (flush(wait=False)) of rows [{before}, {upto}) "
+        f"failed for {what}: {type(cause).__name__}: {cause}. What the last completed "
+        f"commit made durable ({before} rows) is intact; the rows appended since are "
+        "dropped, as in a crash. Fix: remove the cause (disk space, permissions), then "
+        "reopen the store with gr.ReplayWriter to append after its committed rows.",
+        leaf="" if failed is None else leaf_name(failed),
+    )
+    error.__cause__ = cause
+    return error
+
+
 class BackgroundWriter:
     """One thread that converts queued trees to host arrays and writes them, in order."""
 
@@ -102,11 +134,13 @@ class BackgroundWriter:
         lock = threading.Lock()
         self._work = threading.Condition(lock)  # the thread waits here for trees
         self._done = threading.Condition(lock)  # callers wait here for the thread
-        self._queue: collections.deque[_Item | None] = collections.deque()  # None: stop
+        self._queue: collections.deque[_Item | _Commit | None] = collections.deque()  # None: stop
         self._bytes = 0  # queued, on host or being written
         self._queued_bytes = 0  # queued, not yet taken by the thread
         self._rows = 0
-        self._items = 0
+        self._items = 0  # trees and commits queued or under way
+        self._commits = 0  # commits queued, not yet taken by the thread
+        self._committing = False  # the thread runs a commit (the sync thread holds off)
         self._urgent = 0  # callers waiting for the thread (drain, the bound)
         self._idle = False  # the thread waits for work
         self._error: BackgroundWriteError | None = None
@@ -165,22 +199,32 @@ class BackgroundWriter:
             self._last_write = write
         self._enqueue(_Item(arrays, rows, first, nbytes, write))
 
-    def submit_like_last(self, tree: Any, first: int) -> bool:
+    def submit_like_last(self, tree: Any, first: int) -> int:
         """Queues ``tree`` if it is a flat dict of device arrays like the last tree
         submitted (same keys, array types, dtypes, per-row shapes and shardings): that
-        tree passed the store's checks, so this one does too. False (nothing queued)
-        for any other tree: the caller checks it in full and calls :meth:`submit`."""
+        tree passed the store's checks, so this one does too; returns its rows. 0
+        (nothing queued) for any other tree: the caller checks it in full and calls
+        :meth:`submit`."""
         signature, write = self._signature, self._last_write
         if signature is None or write is None:
-            return False
+            return 0
         checked = signature.check(tree)
         if checked is None:
-            return False
+            return 0
         rows, nbytes = checked
         self._wait_for_room(nbytes)
         signature.start_copies(tree)
         self._enqueue(_Item(dict(tree), rows, first, nbytes, write))
-        return True
+        return rows
+
+    def submit_commit(
+        self, commit: Callable[[], object], upto: int, committed: Callable[[], int]
+    ) -> None:
+        """Queues ``commit`` (the store's flush) behind every tree queued so far: the
+        thread writes them, then commits, without a caller waiting. ``upto``: the
+        writer's rows once it completes; ``committed``: the rows committed before it
+        (both for the error's message). A later ``drain`` waits for it too."""
+        self._enqueue(_Commit(commit, upto, committed))
 
     def _wait_for_room(self, nbytes: int) -> None:
         # Unlocked first: only this side adds bytes (the thread only takes them away), so
@@ -202,7 +246,7 @@ class BackgroundWriter:
                     self._urgent -= 1
             self._raise_locked()
 
-    def _enqueue(self, item: _Item) -> None:
+    def _enqueue(self, item: _Item | _Commit) -> None:
         with self._work:
             self._raise_locked()
             self._queue.append(item)
@@ -210,13 +254,16 @@ class BackgroundWriter:
             self._queued_bytes += item.nbytes
             self._rows += item.rows
             self._items += 1
+            commit = isinstance(item, _Commit)
+            self._commits += commit
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 self._thread.start()
-            elif self._idle and self._queued_bytes >= self._batch_bytes:
-                self._work.notify_all()  # a batch is queued (below one, the thread sleeps on)
+            elif self._idle and (commit or self._queued_bytes >= self._batch_bytes):
+                # A batch (or a commit) is queued; below a batch, the thread sleeps on.
+                self._work.notify_all()
 
     def drain(self) -> None:
         """Waits until every queued tree is written; raises a failure of the thread."""
@@ -266,9 +313,10 @@ class BackgroundWriter:
     # -- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Sleeps until a batch is queued (``batch_bytes`` of trees), a caller waits or the
-        writer stops; then takes up to a batch of trees in order, waits for their host
-        copies and writes them as one block, until the queue is below a batch again."""
+        """Sleeps until a batch is queued (``batch_bytes`` of trees), a commit is, a caller
+        waits or the writer stops; then takes up to a batch of trees in order, waits for
+        their host copies and writes them as one block, then runs the commit queued right
+        behind them if one is, until the queue is below a batch again."""
         try:
             while True:
                 with self._work:
@@ -278,39 +326,79 @@ class BackgroundWriter:
                     self._idle = False
                     if self._error is not None:  # the sync thread failed
                         return
-                    batch, stop = self._take_locked()
+                    batch, commit, stop = self._take_locked()
                 error = self._to_host(batch) if batch else None
                 if error is None and batch:
                     error = self._write(batch)
                 if batch or error is not None:
-                    self._done_with(batch, error)
+                    # The commit behind the batch syncs its segments: no sync of them before.
+                    self._done_with(batch, error, sync=commit is None)
                 # Dropped outside the lock: the last reference to the writer may go with it.
                 del batch
+                if error is None and commit is not None:
+                    error = self._run_commit(commit)
+                del commit
                 if error is not None or stop:
                     return
         finally:
             self._joins = {}
+
+    def _run_commit(self, commit: _Commit) -> BackgroundWriteError | None:
+        """Runs a queued commit once the sync thread is idle (it touches the segments the
+        commit closes; it leaves its other segments to the commit, as to a flush)."""
+        error = None
+        with self._done:
+            self._committing = True
+            while self._syncing and self._error is None:
+                self._done.wait()
+            proceed = self._error is None
+        try:
+            if proceed:
+                commit.commit()
+        except Exception as e:
+            error = commit_error(self._where, commit.committed(), commit.upto, e)
+        with self._done:
+            self._committing = False
+            self._items -= 1
+            if error is not None:
+                self._fail_locked(error)
+            elif self._sync is not None and not self._stopped and self._error is None:
+                self._start_sync_locked()  # removes the segments the commit evicted
+            else:
+                self._work.notify_all()  # a sync held off by the commit may go on
+            self._done.notify_all()
+        return error
 
     def _ready_locked(self) -> bool:
         """Whether the thread has trees to take now: a batch of them, a caller waiting
         for them, or the stop behind them."""
         q = self._queue
         return bool(q) and (
-            self._queued_bytes >= self._batch_bytes or self._urgent > 0 or q[-1] is None
+            self._queued_bytes >= self._batch_bytes
+            or self._urgent > 0
+            or self._commits > 0
+            or q[-1] is None
         )
 
-    def _take_locked(self) -> tuple[list[_Item], bool]:
-        """Up to a batch of queued trees of one store, in order (at least one), and whether
-        the stop is next: ``([], True)`` once it is the queue's head."""
+    def _take_locked(self) -> tuple[list[_Item], _Commit | None, bool]:
+        """Up to a batch of queued trees of one store, in order, then the commit queued
+        right behind them if one is (at least one of the two), and whether the stop is
+        next: ``([], None, True)`` once it is the queue's head."""
         q = self._queue
         batch: list[_Item] = []
+        commit = None
         size = 0
         while q and size < self._batch_bytes:
             head = q[0]
             if head is None:
                 if not batch:
                     q.popleft()
-                    return batch, True
+                    return batch, None, True
+                break
+            if isinstance(head, _Commit):
+                q.popleft()
+                self._commits -= 1
+                commit = head
                 break
             if batch and head.write != batch[0].write:  # another store's: a batch of its own
                 break
@@ -318,10 +406,13 @@ class BackgroundWriter:
             batch.append(head)
             size += head.nbytes
         self._queued_bytes -= size
-        return batch, False
+        return batch, commit, False
 
-    def _done_with(self, batch: list[_Item], error: BackgroundWriteError | None) -> None:
-        """Counts a written (or, with ``error``, dropped) batch out; starts a sync."""
+    def _done_with(
+        self, batch: list[_Item], error: BackgroundWriteError | None, *, sync: bool = True
+    ) -> None:
+        """Counts a written (or, with ``error``, dropped) batch out; starts a sync
+        (``sync``: unless a commit follows, which syncs what the batch filled)."""
         with self._done:
             for i in batch:
                 self._bytes -= i.nbytes
@@ -329,7 +420,7 @@ class BackgroundWriter:
                 self._items -= 1
             if error is not None:
                 self._fail_locked(error)
-            elif batch and self._sync is not None and not self._stopped:
+            elif sync and batch and self._sync is not None and not self._stopped:
                 self._start_sync_locked()
             self._done.notify_all()
 
@@ -343,18 +434,23 @@ class BackgroundWriter:
         self._work.notify_all()
 
     def _caller_waits(self) -> bool:
-        """Whether a caller waits for the threads (flush, close, the bound): the sync
-        leaves what is left to the flush then (see PartWriter.commit_filled)."""
-        return self._urgent > 0
+        """Whether a caller waits for the threads (flush, close, the bound) or a queued
+        commit does: the sync leaves what is left to the flush or the commit then (see
+        PartWriter.commit_filled)."""
+        return self._urgent > 0 or self._committing or self._commits > 0
 
     def _run_syncs(self) -> None:
         """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
         assert self._sync is not None
         while True:
             with self._work:
-                while not self._sync_wanted and self._sync_thread is not None and not self._error:
+                while (
+                    (not self._sync_wanted or self._committing)
+                    and self._sync_thread is not None
+                    and self._error is None
+                ):
                     self._work.wait()
-                if not self._sync_wanted or self._error is not None:
+                if not self._sync_wanted or self._committing or self._error is not None:
                     return
                 self._sync_wanted, self._syncing = False, True
             error = None
@@ -432,6 +528,7 @@ class BackgroundWriter:
             self._bytes -= i.nbytes
             self._rows -= i.rows
             self._items -= 1
+        self._commits = 0
         logger.error("%s", error)
         self._thread = None
         self._sync_thread = None

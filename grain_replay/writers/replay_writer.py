@@ -55,7 +55,8 @@ class ReplayWriter:
     ``append(tree)`` writes rows straight to the store (memory stays bounded);
     ``flush()`` makes them durable and commits them: the metadata's record
     count, which every source reads, moves only after the rows are on disk.
-    A crash loses at most the rows appended since the last flush. Reopening an
+    ``flush(wait=False)`` commits in the background instead (the caller goes on).
+    A crash loses at most the rows appended since the last completed commit. Reopening an
     existing store continues after its committed rows (uncommitted ones are
     dropped). One writer per store at a time (``flock`` on ``<path>.lock``, which stays),
     or one per ``writer_id`` of a many-writer store. The plain store's writer is
@@ -103,6 +104,8 @@ class ReplayWriter:
     the next ``append``/``flush``/``close`` as :class:`~grain_replay.BackgroundWriteError`
     naming the leaf; the committed rows stay intact and the writer must be reopened.
     Host-only appends to an idle writer are written in the call, as always.
+    ``flush(wait=False)`` queues a commit behind the trees appended so far: the thread
+    writes them, then commits while the caller steps on (docs/device_writes.md).
 
     Example:
       >>> with gr.ReplayWriter("replay.zarr") as w:
@@ -163,6 +166,8 @@ class ReplayWriter:
                 self._path, format, chunk_rows=chunk_rows, compression=compression, resume=resume
             )
         self._format = self._store.format
+        # Counted here, not from the store's counters, which the background thread moves.
+        self._appended = self._committed = self._flushed = self._store.committed
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -192,6 +197,7 @@ class ReplayWriter:
             if bg is not None:
                 bg.stop()
         store.close()  # commits without waiting for rate-limited learners
+        self._committed = self._appended  # every row: the store's count may be gone with it
 
     def _abandon(self) -> None:
         """Releases the store after a background failure, committing nothing more."""
@@ -221,15 +227,14 @@ class ReplayWriter:
 
     @property
     def committed(self) -> int:
-        """Rows readers can see (for a bounded writer: rows ever committed; see ``live``)."""
-        assert self._store is not None
-        return self._store.committed
+        """Rows readers can see (for a bounded writer: rows ever committed; see ``live``):
+        those of the last completed commit, a ``flush(wait=False)`` in the background's
+        included once it completes."""
+        return self._committed
 
     def __len__(self) -> int:
         """Rows appended so far, committed or not (device appends being written included)."""
-        assert self._store is not None
-        queued = 0 if self._bg is None else self._bg.rows
-        return self._store.committed + self._store.pending + queued
+        return self._appended
 
     @property
     def rate_limit_wait_s(self) -> float:
@@ -266,8 +271,10 @@ class ReplayWriter:
         if self._bg is not None:
             if self._bg.failed:
                 self._raise_failed()
-            if self._bg.submit_like_last(tree, len(self)):  # like the last device tree
-                self._flush_if_due(self._bg)
+            rows = self._bg.submit_like_last(tree, self._appended)  # like the last device tree
+            if rows:
+                self._appended += rows
+                self._flush_if_due()
                 return
         store = self._store
         assert store is not None
@@ -278,6 +285,7 @@ class ReplayWriter:
         if self._queue_if_needed(arrays, n, is_device, tree):
             return
         store.write(arrays, n)
+        self._appended += n
         if self._flush_every is not None and store.pending >= self._flush_every:
             self.flush()
 
@@ -290,21 +298,27 @@ class ReplayWriter:
         if bg is None or not bg.busy:
             if is_device is None or not any(is_device(a) for a in arrays.values()):
                 return False
-        if bg is None:
+        bg = self._background()
+        first = self._appended
+        bg.submit(arrays, n, first, self._write_queued, is_device or (lambda _: False), tree)
+        self._appended += n
+        self._flush_if_due()
+        return True
+
+    def _background(self) -> background.BackgroundWriter:
+        """The background threads, started on the first device append or non-blocking
+        flush."""
+        if self._bg is None:
             sync = None
             if isinstance(self._store, PartWriter):
                 sync = self._store.commit_filled
                 self._store.defer_evictions = True  # removed by the sync thread
-            bg = self._bg = background.BackgroundWriter(self._who, self._max_inflight, sync)
-        bg.submit(arrays, n, len(self), self._write_queued, is_device or (lambda _: False), tree)
-        self._flush_if_due(bg)
-        return True
+            self._bg = background.BackgroundWriter(self._who, self._max_inflight, sync)
+        return self._bg
 
-    def _flush_if_due(self, bg: background.BackgroundWriter) -> None:
-        if self._flush_every is not None:
-            assert self._store is not None
-            if self._store.pending + bg.rows >= self._flush_every:
-                self.flush()
+    def _flush_if_due(self) -> None:
+        if self._flush_every is not None and self._appended - self._flushed >= self._flush_every:
+            self.flush()
 
     def _write_queued(self, arrays: dict[str, np.ndarray], n: int) -> None:
         """The background thread's write of a queued tree (host arrays by now)."""
@@ -315,34 +329,68 @@ class ReplayWriter:
         assert self._bg is not None
         self._bg.raise_pending()  # the first call after the failure raises it
         raise GrainReplayError(
-            f"{self._path}: this ReplayWriter stopped after a failed device append (raised "
-            "earlier as BackgroundWriteError). Fix: close() it and reopen the store with "
-            "gr.ReplayWriter to append after its committed rows."
+            f"{self._path}: this ReplayWriter stopped after a failed background write or "
+            "commit (raised earlier as BackgroundWriteError). Fix: close() it and reopen the "
+            "store with gr.ReplayWriter to append after its committed rows."
         )
 
-    def flush(self) -> int:
+    def flush(self, wait: bool = True) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N.
 
         First waits for device appends still being copied or written; then, with a
         live rate-limited learner reading this store, waits while committing would put
         the learner more than its tolerance behind (see ``rate_limit_timeout``).
 
+        Args:
+          wait: False commits in the background instead (see docs/device_writes.md):
+            the rows appended so far are written and committed by the writer's thread
+            while the caller goes on appending, and become visible and durable when
+            that commit completes (``committed`` then moves); returns the N it will
+            commit. A SIGKILL before it completes loses the rows since the last
+            completed commit. A failure is raised by the next ``append``/``flush``/
+            ``close``; a later ``flush()`` or ``close()`` waits for it. The rate
+            limit's wait (above) stays in the call.
+
         Raises:
-          RateLimitTimeoutError: that wait passed ``rate_limit_timeout``.
-          BackgroundWriteError: a device append failed in the background.
+          RateLimitTimeoutError: that wait passed ``rate_limit_timeout`` (with
+            ``wait=False``: nothing is queued, the rows stay pending).
+          BackgroundWriteError: a device append or background commit failed.
         """
-        if self._bg is not None:
-            if self._bg.failed:
-                self._raise_failed()
-            self._bg.drain()
+        if self._bg is not None and self._bg.failed:
+            self._raise_failed()
         store = self._store
         assert store is not None
-        if not store.closed:
-            self._rate_waited += self._gate.wait(store.committed, store.pending)
-        committed = store.flush()
+        if not wait:
+            return self._flush_in_background(store)
+        if store.closed:
+            return self._committed
+        if self._bg is not None:
+            self._bg.drain()
+        self._rate_waited += self._gate.wait(store.committed, store.pending)
+        committed = self._committed = store.flush()
+        self._flushed = self._appended
         if self._bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
             self._bg.request_sync()  # removes the segments this flush evicted
         return committed
+
+    def _flush_in_background(self, store: PartWriter | StoreWriter) -> int:
+        """``flush(wait=False)``: queues a commit of every row appended so far behind them."""
+        upto = self._appended
+        if store.closed:
+            return self._committed
+        if upto == self._flushed:  # nothing appended since the last flush's snapshot
+            return upto
+        committed = self._committed  # a commit queued before may still be under way
+        self._rate_waited += self._gate.wait(committed, upto - committed)
+        self._background().submit_commit(
+            lambda: self._commit_queued(store), upto, lambda: self._committed
+        )
+        self._flushed = upto
+        return upto
+
+    def _commit_queued(self, store: PartWriter | StoreWriter) -> None:
+        """The background thread's commit (every row queued before it is written)."""
+        self._committed = store.flush()
 
     def __repr__(self) -> str:
         pending = 0 if self._store is None else self._store.pending

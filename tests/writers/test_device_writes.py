@@ -295,9 +295,9 @@ def test_failing_background_write_raised_naming_the_leaf(
     assert "rows [32, 48)" in msg and "reopen" in msg
     inject["armed"] = False
     if raised_by != "close":
-        with pytest.raises(gr.GrainReplayError, match="stopped after a failed device append"):
+        with pytest.raises(gr.GrainReplayError, match="stopped after a failed background"):
             w.append(_block(3))
-        with pytest.raises(gr.GrainReplayError, match="stopped after a failed device append"):
+        with pytest.raises(gr.GrainReplayError, match="stopped after a failed background"):
             w.flush()
         w.close()  # releases the store; the error was raised already
     w.close()  # twice is fine

@@ -272,7 +272,7 @@ def test_failing_segment_commit_in_the_thread_raised(
         w.flush()
     assert info.value.leaf == "" and "Input/output error" in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
-    with pytest.raises(gr.GrainReplayError, match="stopped after a failed device append"):
+    with pytest.raises(gr.GrainReplayError, match="stopped after a failed background"):
         w.append(_device(_block(4)))
     w.close()
     armed["on"] = False
