@@ -412,10 +412,17 @@ def run_sample_rounds(
             each.append(row)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    summary = summarize_rounds(each, list(pythons))
+    return {"params": dataclasses.asdict(p), "rounds": each, "summary": summary,
+            "loadavg_1min": load, "cpu_count": os.cpu_count()}  # fmt: skip
+
+
+def summarize_rounds(each: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Per peer: its samples/s, ours / theirs of each round, and the median of those."""
     summary: dict[str, Any] = {
         "ours_samples_per_s": [r["ours"]["samples_per_s"] for r in each],
     }
-    for name in pythons:
+    for name in names:
         theirs = [r[name].get("sample", {}).get("samples_per_s") for r in each]
         ratios = [r["ours"]["samples_per_s"] / t for r, t in zip(each, theirs, strict=True) if t]
         summary[name] = {
@@ -425,8 +432,7 @@ def run_sample_rounds(
             "skipped": next((r[name]["skipped"] for r in each if "skipped" in r[name]), None),
             "version": next((r[name].get("version") for r in each if "version" in r[name]), None),
         }
-    return {"params": dataclasses.asdict(p), "rounds": each, "summary": summary,
-            "loadavg_1min": load, "cpu_count": os.cpu_count()}  # fmt: skip
+    return summary
 
 
 def rounds_table(doc: dict[str, Any]) -> str:
