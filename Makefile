@@ -97,14 +97,21 @@ bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_s3.py
 
 # torchrl and flashbax (which pulls torch and its own jax) live in a repo-local venv of
-# their own (git-ignored, like .venv-lerobot/). torch is pinned to the release whose CPU
-# build the index serves: an unpinned torch resolves to a multi-GB CUDA build.
+# their own (git-ignored, like .venv-lerobot/). torchrl's prioritized sampler is its C++
+# extension, built against one torch: torchrl 0.14.1's loads on torch 2.14.1 and fails
+# on 2.13.0+cpu (undefined symbol torch::autograd::_wrap_outputs; torchrl ships no sdist
+# to build it against another torch). torch 2.14.1 is a CUDA build (~5.5 GB in the venv,
+# taken from this machine's disk where it lies there; it runs on the CPU). The last step
+# fails the install when the extension does not load.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_TORCH ?= torch==2.14.1
 
 $(PEERS_STAMP):
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "torchrl==0.14.1" tensordict flashbax numpy
+	$(PEERS_VENV)/bin/python -m pip install --quiet "$(PEERS_TORCH)" "torchrl==0.14.1" "tensordict>=0.14.3,<0.15" flashbax numpy
+	$(PEERS_VENV)/bin/python -c "from torchrl._torchrl import SumSegmentTreeFp32; SumSegmentTreeFp32(8)" \
+		|| { echo "==> torchrl's C++ extension does not load beside $(PEERS_TORCH): pick the torch its wheel was built for"; exit 1; }
 	touch $(PEERS_STAMP)
 
 bench-peers: $(STAMP) $(PEERS_STAMP)

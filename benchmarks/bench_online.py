@@ -286,7 +286,9 @@ def bench_latency(root: str, p: Params, log: Any) -> dict[str, Any]:
 # -- the peers ------------------------------------------------------------------
 
 
-def run_peer(name: str, python: str | None, p: Params, scratch: str, log: Any) -> dict[str, Any]:
+def run_peer(
+    name: str, python: str | None, p: Params, scratch: str, log: Any, cases: str = "inserts,sample"
+) -> dict[str, Any]:
     if not python:
         return {"skipped": "peers not asked for"}
     if not os.path.exists(python):
@@ -295,6 +297,7 @@ def run_peer(name: str, python: str | None, p: Params, scratch: str, log: Any) -
         python,
         str(HERE / "bench_online_peers.py"),
         f"--peer={name}",
+        f"--cases={cases}",
         f"--writers={','.join(map(str, p.peer_writers))}",
         f"--rows={p.peer_rows}",
         f"--envs={ENVS}",
@@ -384,6 +387,84 @@ def run_all(p: Params, out_dir: str, pythons: dict[str, str | None], log: Any) -
         "loadavg_1min": load,
         "cpu_count": os.cpu_count(),
     }
+
+
+def run_sample_rounds(
+    p: Params, out_dir: str, pythons: dict[str, str | None], rounds: int, log: Any
+) -> dict[str, Any]:
+    """The PER sample case only, ``rounds`` times, ours and each peer interleaved.
+
+    Each round runs ours, then each peer (never two systems at once); the ratio of a
+    peer is the median over rounds of ours / theirs of the same round.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="bench_online_", dir=out_dir)
+    load = [os.getloadavg()[0]]
+    each: list[dict[str, Any]] = []
+    try:
+        for r in range(rounds):
+            log(f"round {r + 1} of {rounds}")
+            row: dict[str, Any] = {"ours": bench_sample(root, p, log)}
+            for name, py in pythons.items():
+                row[name] = run_peer(name, py, p, root, log, cases="sample")
+            row["load"] = os.getloadavg()[0]
+            load.append(row["load"])
+            each.append(row)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary = summarize_rounds(each, list(pythons))
+    return {"params": dataclasses.asdict(p), "rounds": each, "summary": summary,
+            "loadavg_1min": load, "cpu_count": os.cpu_count()}  # fmt: skip
+
+
+def summarize_rounds(each: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Per peer: its samples/s, ours / theirs of each round, and the median of those."""
+    summary: dict[str, Any] = {
+        "ours_samples_per_s": [r["ours"]["samples_per_s"] for r in each],
+    }
+    for name in names:
+        theirs = [r[name].get("sample", {}).get("samples_per_s") for r in each]
+        ratios = [r["ours"]["samples_per_s"] / t for r, t in zip(each, theirs, strict=True) if t]
+        summary[name] = {
+            "samples_per_s": theirs,
+            "ratios": ratios,
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "skipped": next((r[name]["skipped"] for r in each if "skipped" in r[name]), None),
+            "version": next((r[name].get("version") for r in each if "version" in r[name]), None),
+        }
+    return summary
+
+
+def rounds_table(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    ours = s["ours_samples_per_s"]
+    lines = [
+        "| comparison | median ratio | each round | target | ours samples/s | theirs samples/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, target in (("reverb", 10.0), ("torchrl", 3.0)):
+        if name not in s:
+            continue
+        t = s[name]
+        label = f"PER sample+read {BATCH} while 2 writers insert, ours / {name}"
+        if t["median_ratio"] is None:
+            lines.append(f"| {label} | - | - | >= {target:g}x | - | {t['skipped']} |")
+            continue
+        lines.append(
+            f"| {label} | {t['median_ratio']:.2f} | "
+            f"{', '.join(f'{x:.2f}' for x in t['ratios'])} | >= {target:g}x | "
+            f"{', '.join(f'{x:,.0f}' for x in ours)} | "
+            f"{', '.join(f'{x:,.0f}' if x else '-' for x in t['samples_per_s'])} |"
+        )
+    lines.append("")
+    lines.append(
+        f"1-min load average {', '.join(f'{x:.1f}' for x in doc['loadavg_1min'])} (start, "
+        f"after each round) on {doc['cpu_count']} cores; peers: "
+        + "; ".join(
+            f"{k} {v['version'] or v['skipped']}" for k, v in s.items() if k != "ours_samples_per_s"
+        )
+    )
+    return "\n".join(lines)
 
 
 def _rows(doc: dict[str, Any]) -> list[tuple[str, float | None, float | None, str]]:
@@ -526,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         help="python of the venv with torchrl (.venv-peers)",
     )
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument(
+        "--sample-rounds",
+        type=int,
+        default=0,
+        help="only the PER sample case, N rounds of ours and the peers interleaved",
+    )
+    ap.add_argument("--peers", default="reverb,torchrl", help="which peers run (comma-separated)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -533,8 +621,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True)
 
     pythons: dict[str, str | None] = {"reverb": args.reverb_python, "torchrl": args.torchrl_python}
+    pythons = {k: v for k, v in pythons.items() if k in args.peers.split(",")}
     if args.no_peers:
         pythons = {k: None for k in pythons}
+    if args.sample_rounds:
+        doc = run_sample_rounds(Params.make(args.quick), args.out, pythons, args.sample_rounds, log)
+        text = rounds_table(doc)
+        print(text)
+        out = Path(args.out)
+        (out / "rounds.md").write_text(text + "\n")
+        (out / "rounds.json").write_text(json.dumps(doc, indent=1))
+        log(f"results in {out}")
+        return 0
     doc = run_all(Params.make(args.quick), args.out, pythons, log)
     text = table(doc, judge=not args.quick)
     print(text)

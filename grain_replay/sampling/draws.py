@@ -90,6 +90,7 @@ class Draws:
         # The block's integers in [0, n) for the last n asked (made on first use).
         self._ranged = np.empty((0, count), dtype=np.int64)
         self._ranged_n, self._ranged_first = 0, -1
+        self._units, self._units_first = np.empty((0, count)), -1
         # The per-step keys differ only in the step: hash the common prefix once.
         self._prefix = _prefix(seed, stream)
 
@@ -120,3 +121,12 @@ class Draws:
     def uniforms(self, step: int) -> np.ndarray:
         """``uniforms(seed, stream, step, count)``."""
         return _to_unit(self.bits(step))
+
+    def units(self, step: int) -> np.ndarray:
+        """``uniforms(seed, stream, step, count)`` as a read-only view of a cached block."""
+        self.bits(step)
+        if self._units_first != self._first:
+            self._units = _to_unit(self._block)  # the whole block at once, as integers
+            self._units.flags.writeable = False
+            self._units_first = self._first
+        return self._units[step - self._first]

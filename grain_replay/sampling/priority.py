@@ -149,7 +149,6 @@ class PrioritySampler:
         self._length = StoreLength(source, options.refresh_every)
         self._batch_size = batch_size
         self._draws = Draws(seed, shard_index, batch_size)
-        self._offsets = np.arange(batch_size, dtype=np.float64)  # stratum of each row
         self.lag = lag
         self._p = shard_index
         self._count = shard_count
@@ -224,11 +223,7 @@ class PrioritySampler:
                     f"of {self._count} to replay. Fix: append and flush rows with a "
                     "ReplayWriter before the first batch."
                 )
-            u = self._draws.uniforms(step)
-            u += self._offsets
-            u *= total / self._batch_size
-            slot = self._tree.find(u)
-            p = self._tree.get(slot)
+            slot, p = self._tree.find_stratified(self._draws.units(step))
             weight = (self._tree.min / p) ** self.options.beta_at(step)
             self._seen[slot] = True
             index = self._slots.index(slot)

@@ -10,7 +10,9 @@ levels but gathers ``B x 16`` per level; measured slower for B = 256.)
 With numba installed (the ``fast`` extra), the same walks run compiled, one row
 after the other: at B = 256 the numpy walk costs ~10 numpy calls per level, each
 mostly call overhead, while the compiled walk is ~20x faster. Both give the same
-results (a repeated index: the last one wins in both).
+results (a repeated index: the last one wins in both). A prioritized batch's
+stratified draw (:meth:`SumTree.find_stratified`) makes its targets, walks and
+reads the drawn values in one compiled call.
 """
 
 from __future__ import annotations
@@ -65,9 +67,48 @@ def _find_walk(sums: np.ndarray, depth: int, targets: np.ndarray, out: np.ndarra
             out[i] = node
 
 
+def _stratified_walk(
+    sums: np.ndarray,
+    depth: int,
+    cap: int,
+    unit: np.ndarray,
+    scale: float,
+    limit: float,
+    out: np.ndarray,
+    found: np.ndarray,
+) -> None:
+    # The targets (unit[i] + i) * scale, capped at limit, made here (the same float64
+    # operations as numpy's), then _find_walk's descent, then the leaves' values.
+    n = unit.shape[0]
+    u = np.empty(n)
+    for i in range(n):
+        x = (unit[i] + i) * scale
+        u[i] = x if x < limit else limit
+        out[i] = 1
+    for _ in range(depth):
+        for i in range(n):
+            node = out[i] << 1
+            left = sums[node]
+            if u[i] >= left and sums[node + 1] > 0:
+                u[i] -= left
+                node += 1
+            out[i] = node
+    for i in range(n):
+        found[i] = sums[out[i]]
+        out[i] -= cap
+
+
+@functools.lru_cache(maxsize=8)
+def _strata(count: int) -> np.ndarray:
+    strata = np.arange(count, dtype=np.float64)
+    strata.flags.writeable = False
+    return strata
+
+
 @functools.cache
-def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
-    """The numba-compiled walks, or None without numba (or with GRAIN_REPLAY_NO_NUMBA=1)."""
+def compiled() -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]] | None:
+    """The numba-compiled walks (set, find, stratified find), or None without numba (or
+    with GRAIN_REPLAY_NO_NUMBA=1)."""
     if os.environ.get("GRAIN_REPLAY_NO_NUMBA"):
         return None
     try:
@@ -76,7 +117,7 @@ def compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
         logger.info("numba is not installed: the sum tree walks in numpy (pip install numba)")
         return None
     jit = numba.njit(cache=True, nogil=True)
-    return jit(_set_walk), jit(_find_walk)
+    return jit(_set_walk), jit(_find_walk), jit(_stratified_walk)
 
 
 class SumTree:
@@ -211,3 +252,24 @@ class SumTree:
             u -= left * right
             node += right
         return node - self._cap
+
+    def find_stratified(self, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One draw in each of ``B = len(unit)`` equal slices of the total: the ``i`` of
+        :meth:`find` for the targets ``(unit + arange(B)) * total / B`` and their values.
+
+        ``unit`` holds numbers in ``[0, 1)`` (read only). Compiled, the targets, the
+        walk and the values are one call; either way the results are those of
+        ``find`` and ``get`` on the same float64 targets.
+        """
+        count = len(unit)
+        scale = self.total / count
+        if self._walks is not None:
+            out = np.empty(count, dtype=np.int64)
+            found = np.empty(count)
+            limit = float(np.nextafter(self.total, 0.0))
+            self._walks[2](self._sums, self._depth, self._cap, unit, scale, limit, out, found)
+            return out, found
+        u = unit + _strata(count)
+        u *= scale
+        index = self.find(u)
+        return index, self.get(index)
