@@ -121,15 +121,14 @@ def test_the_copy_loads_in_the_background_and_reads_use_numpy_meanwhile(
 ) -> None:
     import threading
 
-    monkeypatch.setattr(windows, "_LOADED", [])
-    monkeypatch.setattr(windows, "_LOADING", {"pid": 0})
+    monkeypatch.setattr(windows, "_LOADER", windows._LOADER.fresh())
     tree = step_tree(LENGTHS)
     src = SequenceDataSource(gr.open_source(gr.write_npy(str(tmp_path / "s"), tree)), OFFSETS)
     ids = np.arange(len(src), dtype=np.int64)
     want = _expect(src, tree, ids, "edge")
     for _ in range(3):  # cold, then warm while the copy loads (or once it has)
         assert_flat_equal(flat(src.read_batch(ids)), want)
-    assert windows._LOADING["pid"] == os.getpid()
+    assert windows._LOADER.started_in == os.getpid()
     for thread in threading.enumerate():
         if thread.name == "grain_replay-numba-load":
             thread.join(60)

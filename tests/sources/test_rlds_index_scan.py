@@ -22,6 +22,7 @@ from rlds_fixture import (
 
 import grain_replay as gr
 from grain_replay.errors import InvalidStoreError
+from grain_replay.sources.reading.kernel_load import BackgroundLoad
 from grain_replay.sources.rlds import example as example_lib
 from grain_replay.sources.rlds import example_scan
 from grain_replay.sources.rlds import index as index_lib
@@ -365,7 +366,9 @@ def test_without_numba_the_python_parser_indexes(
 ) -> None:
     monkeypatch.setenv("GRAIN_REPLAY_NO_NUMBA", "1")
     assert example_scan.compiled.__wrapped__() is None  # type: ignore[attr-defined]
-    monkeypatch.setattr(example_scan, "_LOADED", [None])  # as a process without numba has it
+    loader = BackgroundLoad(example_scan.compiled.__wrapped__, lambda _: None, "no numba")
+    assert loader.loaded(wait=True) is None  # as a process without numba has it
+    monkeypatch.setattr(example_scan, "_LOADER", loader)
     assert example_scan.scanner(True) is None and example_scan.scanner(None) is None
     assert example_scan.scanner(False) is None
     write_rlds(tmp_path, lengths=(3, 2), shards=2)

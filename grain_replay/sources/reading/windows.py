@@ -25,11 +25,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from grain_replay.sources.reading.kernel_load import BackgroundLoad
 
 __all__ = [
     "WindowCopier",
@@ -98,11 +99,16 @@ _NO_NEAR = np.zeros(0, np.int64)
 _NO_AT = np.zeros((0, 1), np.intp)
 _ONE = np.zeros(1, np.int64)
 
-# The compiled copy once a process has loaded it ([kernel or None]), and the process
-# whose thread is loading it.
-_LOADED: list[Callable[..., None] | None] = []
-_LOADING = {"pid": 0}
-_LOCK = threading.Lock()
+
+def _warm(kernel: Callable[..., None]) -> None:
+    for word in (np.uint64, np.uint32):
+        src = np.zeros(4, word)
+        for writeable in (False, True):
+            src.flags.writeable = writeable
+            kernel(src, 1, _ONE, 2, _NO_NEAR, _NO_AT, np.zeros(4, word))
+
+
+_LOADER = BackgroundLoad(compiled, _warm, "the compiled window copy")
 
 
 def loaded(wait: bool = False) -> Callable[..., None] | None:
@@ -112,32 +118,7 @@ def loaded(wait: bool = False) -> Callable[..., None] | None:
     the copy from numba's cache and dispatching it once on the usual argument
     types); ``wait=True`` loads it here instead.
     """
-    if _LOADED:
-        return _LOADED[0]
-    if wait:
-        _load()
-        return _LOADED[0]
-    with _LOCK:
-        if _LOADING["pid"] != os.getpid():  # not started in this process (or started before a fork)
-            _LOADING["pid"] = os.getpid()
-            threading.Thread(target=_load, name="grain_replay-numba-load", daemon=True).start()
-    return None
-
-
-def _load() -> None:
-    kernel = compiled()
-    if kernel is not None:
-        try:
-            for word in (np.uint64, np.uint32):
-                src = np.zeros(4, word)
-                for writeable in (False, True):
-                    src.flags.writeable = writeable
-                    kernel(src, 1, _ONE, 2, _NO_NEAR, _NO_AT, np.zeros(4, word))
-        except Exception:  # never fatal: each read compiles what it needs
-            logger.exception("warming up the compiled window copy failed")
-    with _LOCK:
-        if not _LOADED:
-            _LOADED.append(kernel)
+    return _LOADER.loaded(wait)
 
 
 def fix_windows(values: np.ndarray, near: np.ndarray | None, at: np.ndarray | None) -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
+from grain_replay.sources.reading.kernel_load import BackgroundLoad
 from grain_replay.sources.rlds.example import FeatureValues, parse_example
 
 __all__ = ["KINDS", "ExampleScanner", "compiled", "loaded", "scanner"]
@@ -57,11 +57,17 @@ def compiled() -> Any:
 # Kind codes of the compiled scan's results (those of ``_scan_kernels``), by wire kind.
 KINDS = {"bytes": 1, "float": 2, "int64": 3}
 
-# The kernels once this process has loaded them ([module or None]), and the process
-# whose thread is loading them.
-_LOADED: list[Any] = []
-_LOADING = {"pid": 0}
-_LOCK = threading.Lock()
+
+def _warm(kernels: Any) -> None:
+    # A record of one float feature, read-only as a map's bytes are.
+    data = b"\x0a\x0f\x0a\x0d\x0a\x01f\x12\x08\x12\x06\x0a\x04\x00\x00\x80\x3f"
+    record = np.frombuffer(data, np.uint8)
+    scanner = ExampleScanner(kernels)
+    scanner.parse(record, data, None, 0, len(record))
+    scanner.scan_records(record, np.array([[0, len(data)]]), ["f"])
+
+
+_LOADER = BackgroundLoad(compiled, _warm, "the compiled RLDS record scan")
 
 
 def loaded(wait: bool = False) -> Any:
@@ -71,32 +77,7 @@ def loaded(wait: bool = False) -> Any:
     scan from numba's cache and dispatching it once on the argument types the index
     build passes); ``wait=True`` loads it here instead.
     """
-    if _LOADED:
-        return _LOADED[0]
-    if wait:
-        _load()
-        return _LOADED[0]
-    with _LOCK:
-        if _LOADING["pid"] != os.getpid():  # not started in this process (or before a fork)
-            _LOADING["pid"] = os.getpid()
-            threading.Thread(target=_load, name="grain_replay-numba-load", daemon=True).start()
-    return None
-
-
-def _load() -> None:
-    kernels = compiled()
-    if kernels is not None:
-        try:  # a record of one float feature, read-only as a map's bytes are
-            data = b"\x0a\x0f\x0a\x0d\x0a\x01f\x12\x08\x12\x06\x0a\x04\x00\x00\x80\x3f"
-            record = np.frombuffer(data, np.uint8)
-            scanner = ExampleScanner(kernels)
-            scanner.parse(record, data, None, 0, len(record))
-            scanner.scan_records(record, np.array([[0, len(data)]]), ["f"])
-        except Exception:  # never fatal: each scan compiles what it needs
-            logger.exception("warming up the compiled RLDS record scan failed")
-    with _LOCK:
-        if not _LOADED:
-            _LOADED.append(kernels)
+    return _LOADER.loaded(wait)
 
 
 def scanner(compiled_scan: bool | None = None) -> ExampleScanner | None:
