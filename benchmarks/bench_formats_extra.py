@@ -2,12 +2,14 @@
 
 The target (issue 25): ``read_batch`` at >= 0.9x the in-memory numpy gather (``np.take`` of
 every leaf from arrays in RAM), each ratio measured in the same run. The stores are written
-here: ``np.savez`` (members mapped in place) and ``np.savez_compressed`` (inflated once), a
+here: ``np.savez`` (members mapped in place; as written, and again with its page cache
+dropped and then filled by the source's own page faults: ``npz-faulted``) and
+``np.savez_compressed`` (inflated once), a
 torchrl dump as ``ReplayBuffer.dumps`` lays it out (wrapped, so reads go through the
 oldest-first reorder) and a flashbax Vault (through tensorstore, decoded once).
 
-Alone: ``python benchmarks/bench_formats_extra.py [--quick]``; in the suite: ``run.py
---sections formats_extra``.
+Alone: ``python benchmarks/bench_formats_extra.py [--quick] [--formats npz,npz-faulted]``;
+in the suite: ``run.py --sections formats_extra``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def _write_stores(root: str, arrays: dict[str, np.ndarray]) -> dict[str, str]:
     paths["npy-reference"] = gr.write_npy(os.path.join(root, "npy"), arrays)
     np.savez(paths["npz"], **arrays)
     np.savez_compressed(paths["npz-deflated"], **arrays)
+    # The same archive, its page cache dropped first and filled by the source's own faults
+    # (as after a reboot or eviction): where the map's huge-page advice shows.
+    paths["npz-faulted"] = paths["npz"]
     # Wrapped: the writer's cursor at a third, so every read goes through the reorder.
     paths["torchrl"] = write_dump(
         os.path.join(root, "rb"), arrays, cursor=n // 3, write_count=n + n // 3
@@ -78,6 +83,19 @@ def _write_stores(root: str, arrays: dict[str, np.ndarray]) -> dict[str, str]:
     except ImportError:  # tensorstore missing: the vault case is left out
         pass
     return paths
+
+
+def _drop_page_cache(path: str) -> bool:
+    """Writes ``path`` back and drops its page cache; False where the OS cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _paired(cfg: Config, steps: list[Callable[[int], Any]]) -> tuple[int, list[list[float]]]:
@@ -111,7 +129,13 @@ def _case(
     )  # fmt: skip
 
 
-def run_formats_extra(cfg: Config, stores: Any, res: SectionResult, log: Any) -> None:
+def run_formats_extra(
+    cfg: Config,
+    stores: Any,
+    res: SectionResult,
+    log: Any,
+    formats: frozenset[str] | None = None,
+) -> None:
     n = cfg.transitions
     arrays = _arrays(n, cfg.seed)
     rec_bytes = sum(a[0].nbytes for a in arrays.values())
@@ -125,6 +149,10 @@ def run_formats_extra(cfg: Config, stores: Any, res: SectionResult, log: Any) ->
         return batches[i % len(batches)]
 
     for fmt, path in paths.items():
+        if formats is not None and fmt not in formats:
+            continue
+        if fmt == "npz-faulted" and not _drop_page_cache(path):
+            continue
         src = gr.open_source(path)
         src.read_batch(np.arange(min(n, 4096)))  # opened and decoded before timing
         # Page-cached: every page of the store touched once before the timed reads.
@@ -165,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transitions", type=int, default=0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    p.add_argument(
+        "--formats",
+        default="",
+        help="comma-separated cases to run (npz,npz-faulted,npz-deflated,npy-reference,"
+        "torchrl,vault); default all",
+    )
     args = p.parse_args(argv)
     _CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     t0 = time.perf_counter()
@@ -183,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             max_batches=20 if args.quick else 400,
         )
         res = SectionResult("formats_extra", log=lambda m: print(m, flush=True))
-        run_formats_extra(cfg, {}, res, print)
+        formats = frozenset(args.formats.split(",")) if args.formats else None
+        run_formats_extra(cfg, {}, res, print, formats)
     print(
         f"\nformats_extra, {cfg.transitions:,} transitions, batch {cfg.batch_size}, "
         f"{args.repeats} repeats (medians, {args.clock} time), {time.perf_counter() - t0:.0f}s"

