@@ -32,11 +32,10 @@ from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
 from grain_replay.writers.device_leaves import (
     TreeSignature,
     device_leaf_test,
-    leaf_name,
     leaf_nbytes,
     start_copies,
 )
-from grain_replay.writers.write_errors import LeafWriteError, sync_error, write_error
+from grain_replay.writers.write_errors import LeafWriteError, commit_error, sync_error, write_error
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -96,23 +95,6 @@ class _Commit:
     committed: Callable[[], int]  # the rows committed before it, for messages
     rows: int = 0
     nbytes: int = 0
-
-
-def commit_error(where: str, before: int, upto: int, e: Exception) -> BackgroundWriteError:
-    """The error of a failed background commit of rows ``[before, upto)``."""
-    failed = e.leaf if isinstance(e, LeafWriteError) else None
-    cause: BaseException = (e.__cause__ or e) if failed is not None else e
-    what = "every leaf" if failed is None else f"leaf {leaf_name(failed)!r}"
-    error = BackgroundWriteError(
-        f"{where}: the background commit (flush(wait=False)) of rows [{before}, {upto}) "
-        f"failed for {what}: {type(cause).__name__}: {cause}. What the last completed "
-        f"commit made durable ({before} rows) is intact; the rows appended since are "
-        "dropped, as in a crash. Fix: remove the cause (disk space, permissions), then "
-        "reopen the store with gr.ReplayWriter to append after its committed rows.",
-        leaf="" if failed is None else leaf_name(failed),
-    )
-    error.__cause__ = cause
-    return error
 
 
 class BackgroundWriter:

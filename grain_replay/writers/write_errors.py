@@ -9,7 +9,7 @@ from __future__ import annotations
 from grain_replay.errors import BackgroundWriteError
 from grain_replay.writers.device_leaves import leaf_name
 
-__all__ = ["LeafWriteError", "sync_error", "write_error"]
+__all__ = ["LeafWriteError", "commit_error", "sync_error", "write_error"]
 
 _LOST = (
     "The rows committed before (by the last flush) are intact; the rows appended since "
@@ -60,4 +60,21 @@ def sync_error(where: str, e: Exception) -> BackgroundWriteError:
         "permissions), " + _REOPEN
     )
     error.__cause__ = e
+    return error
+
+
+def commit_error(where: str, before: int, upto: int, e: Exception) -> BackgroundWriteError:
+    """The error of a failed background commit of rows ``[before, upto)``."""
+    failed = e.leaf if isinstance(e, LeafWriteError) else None
+    cause: BaseException = (e.__cause__ or e) if failed is not None else e
+    what = "every leaf" if failed is None else f"leaf {leaf_name(failed)!r}"
+    error = BackgroundWriteError(
+        f"{where}: the background commit (flush(wait=False)) of rows [{before}, {upto}) "
+        f"failed for {what}: {type(cause).__name__}: {cause}. What the last completed "
+        f"commit made durable ({before} rows) is intact; the rows appended since are "
+        "dropped, as in a crash. Fix: remove the cause (disk space, permissions), then "
+        "reopen the store with gr.ReplayWriter to append after its committed rows.",
+        leaf="" if failed is None else leaf_name(failed),
+    )
+    error.__cause__ = cause
     return error
