@@ -24,7 +24,7 @@ from grain_replay.sources.checks import as_record_index, check_indices, check_ou
 from grain_replay.sources.layouts import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.windows import fix_windows
-from grain_replay.sources.surface import BatchSource, SourceSurface
+from grain_replay.sources.surface import BatchSource, SourceSurface, current_pid
 
 __all__ = [
     "BatchSource",
@@ -101,7 +101,7 @@ class ReplaySource(SourceSurface):
         old = self._layout
         layout = select_keys(self._inspect(), self._requested_keys, self._path)
         with self._lock:
-            handle = self._handle if self._pid == os.getpid() else None
+            handle = self._handle if self._pid == current_pid() else None
             grown = (
                 handle is not None
                 and layout.num_records >= old.num_records
@@ -169,7 +169,7 @@ class ReplaySource(SourceSurface):
         """Releases the handle of this process; reading again reopens it."""
         with self._lock:
             handle, self._handle = self._handle, None
-            if handle is not None and self._pid == os.getpid():
+            if handle is not None and self._pid == current_pid():
                 handle.close()
                 handle.close_mapped()
             self._pid = None

@@ -34,7 +34,7 @@ from grain_replay.sources import parts_ids
 from grain_replay.sources import parts_snapshot as snapshots
 from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
 from grain_replay.sources.parts_snapshot import WRITER_KEY, Part, Snapshot
-from grain_replay.sources.surface import SourceSurface
+from grain_replay.sources.surface import SourceSurface, current_pid
 
 __all__ = ["WRITER_KEY", "PartsDataSource"]
 
@@ -165,7 +165,7 @@ class PartsDataSource(SourceSurface):
         Rows of the previous snapshot stay readable by id (:meth:`read_ids`) until
         the refresh after this one.
         """
-        pid = os.getpid()
+        pid = current_pid()
         with self._lock:
             previous = self._snap if self._pid == pid else None
             snap = self._take(previous)
@@ -400,7 +400,7 @@ class PartsDataSource(SourceSurface):
         """Drops this process's snapshot; reading again restores it (or refresh())."""
         with self._lock:
             snap, self._snap = self._snap, None
-            if snap is not None and self._pid == os.getpid():
+            if snap is not None and self._pid == current_pid():
                 for part in snap.parts:
                     for src in part.segments.values():
                         with contextlib.suppress(Exception):

@@ -18,6 +18,24 @@ __all__ = ["BatchSource", "SourceSurface"]
 
 T = TypeVar("T")
 
+# This process's id, kept by a fork hook: ``os.getpid()`` is a system call (glibc
+# does not cache it), and every batch read asks which process it runs in, to
+# find that process's handle. A child started by ``os.fork`` (multiprocessing's
+# "fork" included) sets its own in the hook; a spawned one imports afresh.
+_PID = [os.getpid()]
+
+
+def _pid_after_fork() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_pid_after_fork)
+
+
+def current_pid() -> int:
+    """``os.getpid()`` without the system call (see ``_PID``)."""
+    return _PID[0]
+
 
 @runtime_checkable
 class BatchSource(Protocol):
@@ -146,7 +164,7 @@ class SourceSurface(abc.ABC):
         After a fork the parent's value is dropped and the lock replaced: the
         parent's lock may have been held at fork time.
         """
-        pid = os.getpid()
+        pid = _PID[0]
         value = getattr(self, name)
         if value is not None and self._pid == pid:
             return value

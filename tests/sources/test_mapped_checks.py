@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,21 @@ import grain_replay as gr
 from grain_replay.sources.reading.files import MappedFile
 
 
-def _count_sizes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _patch_sizes(
+    monkeypatch: pytest.MonkeyPatch, src: Any, size: Callable[[MappedFile], int]
+) -> None:
+    """Every size check of ``src`` asks ``size(file)``: the batch's own (through
+    ``size_call``) and the one that names the leaf. The handle's kept plans hold the
+    old calls, so they are dropped (the next batch plans again)."""
+    monkeypatch.setattr(MappedFile, "size", size)
+    monkeypatch.setattr(MappedFile, "size_call", lambda self: functools.partial(size, self))
+    handle = src._handle
+    if handle is not None:
+        handle._check_plans = None
+        handle._last_check = None
+
+
+def _count_sizes(monkeypatch: pytest.MonkeyPatch, src: Any) -> list[str]:
     calls: list[str] = []
     real = MappedFile.size
 
@@ -23,7 +39,7 @@ def _count_sizes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append(self.path)
         return real(self)
 
-    monkeypatch.setattr(MappedFile, "size", size)
+    _patch_sizes(monkeypatch, src, size)
     return calls
 
 
@@ -38,7 +54,7 @@ def test_members_of_one_npz_are_checked_with_one_fstat_a_batch(
 ) -> None:
     src = gr.open_source(_npz(tmp_path))
     src.read_batch([0])
-    calls = _count_sizes(monkeypatch)
+    calls = _count_sizes(monkeypatch, src)
     for _ in range(3):
         src.read_batch([1, 999, 5])
     assert len(calls) == 3  # three batches, one archive
@@ -52,7 +68,7 @@ def test_leaves_in_separate_files_are_each_checked(
     store = gr.write_npy(str(tmp_path / "s"), {"a": np.arange(10.0), "b": np.arange(10)})
     src = gr.open_source(store)
     src.read_batch([0])
-    calls = _count_sizes(monkeypatch)
+    calls = _count_sizes(monkeypatch, src)
     src.read_batch([3])
     assert sorted(os.path.basename(c) for c in calls) == ["a.npy", "b.npy"]
     calls.clear()
@@ -72,7 +88,7 @@ def test_shrunk_archive_names_the_member_past_its_end(
     ends = {k: files[k][0].needed for k in ("a", "b", "c")}
     order = sorted(ends, key=ends.get)  # type: ignore[arg-type]
     cut = ends[order[0]]  # the first member still fits, the other two do not
-    monkeypatch.setattr(MappedFile, "size", lambda self: cut)
+    _patch_sizes(monkeypatch, src, lambda self: cut)
     with pytest.raises(gr.InvalidStoreError, match=rf"d\.npz: leaf '{order[1]}'.*truncated"):
         src.read_batch([0])
     assert src.read_leaf(order[0], [4]).tolist() == src.read_leaf(order[0], [4]).tolist()
@@ -85,7 +101,7 @@ def test_groups_follow_a_reopened_handle(tmp_path: Any, monkeypatch: pytest.Monk
     src = gr.open_source(path)
     first = src.read_batch([7])
     src.close()  # the handle and its file groups are dropped
-    calls = _count_sizes(monkeypatch)
+    calls = _count_sizes(monkeypatch, src)
     again = src.read_batch([7])
     assert len(calls) == 1
     for k in first:

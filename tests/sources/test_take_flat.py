@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,52 @@ def test_wrapped_torchrl_rows_wrap_inside_the_take(tmp_path: Any) -> None:
     # Unchecked indices out of range wrap, as the reorder's remainder did: never outside.
     got = src.read_batch(np.array([n + 2, -1]), check=False)
     np.testing.assert_array_equal(got["r"], oldest_first["r"][[2, n - 1]])
+
+
+def test_wrapped_torchrl_rows_through_a_leaf_reader_count_from_the_end(tmp_path: Any) -> None:
+    """A leaf without a plain take (cold rows, chunked readers) gets the negative rows
+    of the wrapped order resolved before its reader's take; other leaves take them as
+    they are. Both read the oldest-first records."""
+    n = 40
+    tree = {"obs": np.arange(n * 3, dtype=np.float32).reshape(n, 3), "r": np.arange(n)}
+    store = write_dump(str(tmp_path / "rb"), tree, cursor=13, write_count=n + 13)
+    src = gr.open_source(store)
+    handle = src._get_handle()
+    seen: list[np.ndarray] = []
+    reader = handle.readers["r"]
+    real_take = reader.take
+
+    def take(indices: np.ndarray) -> np.ndarray:
+        seen.append(indices.copy())
+        return real_take(indices)
+
+    reader.plan = None  # "r" through its reader
+    reader.take = take  # type: ignore[method-assign]
+    oldest_first = {k: np.concatenate([v[13:], v[:13]]) for k, v in tree.items()}
+    idx = np.array([0, 26, 27, n - 1, 3], np.int64)
+    got = src.read_batch(idx, check=False)
+    for k, v in oldest_first.items():
+        np.testing.assert_array_equal(got[k], v[idx])
+    assert seen and seen[0].min() >= 0  # rows in [0, N) for the reader
+    with pytest.raises(IndexError):  # past the negative rows: numpy refuses, nothing is read
+        src.read_batch(np.array([2 * n]), check=False)
+
+
+def test_the_process_id_is_kept_and_follows_a_fork() -> None:
+    """The handle's process is known without a getpid() system call a batch, and a forked
+    child (whose handle must be its own) knows its own id."""
+    code = (
+        "import os, sys\n"
+        "from grain_replay.sources.surface import current_pid\n"
+        "assert current_pid() == os.getpid()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if current_pid() == os.getpid() != os.getppid() else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr)
 
 
 def test_one_gather_in_time_every_is_timed_per_mapped_leaf(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import stat
 import weakref
+from collections.abc import Callable
 
 from grain_replay.errors import InvalidStoreError
 
@@ -117,6 +119,12 @@ class MappedFile:
         if self.mapping is not None:
             return self.mapping.size()  # fstat of the map's own descriptor
         return os.lseek(self.fd, 0, os.SEEK_END)
+
+    def size_call(self) -> Callable[[], int]:
+        """What :meth:`size` calls, as one builtin call (no Python frame a batch)."""
+        if self.mapping is not None:
+            return self.mapping.size
+        return functools.partial(os.lseek, self.fd, 0, os.SEEK_END)
 
     def check(self, key: str) -> None:
         self.check_size(key, self.size())

@@ -6,7 +6,7 @@ import abc
 import mmap
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -15,8 +15,8 @@ from grain_replay.sources.reading.files import MappedFile
 from grain_replay.sources.reading.windows import WindowCopier, fix_windows, window_view
 
 _Groups = list[list[tuple[str, MappedFile]]]
-# One check of a key set's files: (a file answering the group's size, the most its maps need).
-_SizeChecks = list[tuple[MappedFile, int]]
+# One check of a key set's files: (what answers the group's size, the most its maps need).
+_SizeChecks = list[tuple[Callable[[], int], int]]
 # A leaf whose rows are one plain take: (the array, the dtype that views the gathered rows
 # as the leaf's or None, the read-ahead of a file mapping or None).
 GatherPlan = tuple[np.ndarray, "np.dtype[Any] | None", "readahead.RowReadAhead | None"]
@@ -100,6 +100,9 @@ class Handle(abc.ABC):
     # (keys, readers, [(key, reader)]) of the last take_flat; batches counted for its timing.
     _flat_pairs: tuple[Sequence[str], dict[str, LeafReader], list[tuple[str, LeafReader]]] | None
     _flat_pairs = None
+    # (keys, mapped_files, plan) of the last check_mapped: its fast path.
+    _last_check: tuple[Iterable[str], dict[str, list[MappedFile]], tuple[_Groups, _SizeChecks]]
+    _last_check = None  # type: ignore[assignment]
     _tick = 0
 
     def check_mapped(self, keys: Iterable[str]) -> None:
@@ -109,11 +112,32 @@ class Handle(abc.ABC):
         share it: the files of ``keys`` are grouped once per key set (the groups
         are kept while ``mapped_files`` is the same dictionary), and a batch only
         compares each group's size with the most its maps need; the error naming
-        the leaf is built when one falls short.
+        the leaf is built when one falls short. The plan of the last key set
+        (the same object, as a source passes its own list) is found with two
+        identity checks, and each size is asked with a builtin call.
         """
         mapped = getattr(self, "mapped_files", None)
         if not mapped:
             return
+        last = self._last_check
+        if last is not None and last[0] is keys and last[1] is mapped:
+            plan = last[2]
+        else:
+            plan = self._check_plan(mapped, keys)
+        for size, needed in plan[1]:
+            if size() < needed:
+                break
+        else:
+            return
+        for group in plan[0]:
+            now = group[0][1].size()
+            for key, file in group:
+                file.check_size(key, now)
+
+    def _check_plan(
+        self, mapped: dict[str, list[MappedFile]], keys: Iterable[str]
+    ) -> tuple[_Groups, _SizeChecks]:
+        """The file groups of ``keys`` and each group's (size, most needed), kept per key set."""
         names = keys if isinstance(keys, tuple) else tuple(keys)
         plans = self._check_plans
         if plans is None or plans[0] is not mapped:
@@ -122,19 +146,12 @@ class Handle(abc.ABC):
         plan = plans[1].get(names)
         if plan is None:
             groups = _group_files(mapped, names)
-            checks = [(g[0][1], max(f.needed for _, f in g)) for g in groups]
+            checks = [(g[0][1].size_call(), max(f.needed for _, f in g)) for g in groups]
             plan = (groups, checks)
             if len(plans[1]) < 64:  # a few key sets per source; a stream of new ones is not kept
                 plans[1][names] = plan
-        for file, needed in plan[1]:
-            if file.size() < needed:
-                break
-        else:
-            return
-        for group in plan[0]:
-            now = group[0][1].size()
-            for key, file in group:
-                file.check_size(key, now)
+        self._last_check = (keys, mapped, plan)  # one tuple: a racing thread sees old or new
+        return plan
 
     def take_flat(
         self, keys: Sequence[str], indices: np.ndarray, *, wrap_at: int | None = None
@@ -150,14 +167,17 @@ class Handle(abc.ABC):
         Args:
           keys: the leaves, a list kept by the caller (the pairing of keys and
             readers is cached while it is the same object).
-          indices: int64 rows; with ``wrap_at``, rows ``r`` of a ring of ``wrap_at``
-            rows stand for ``r % wrap_at`` (a torchrl buffer's oldest-first order).
+          indices: int64 rows; with ``wrap_at``, the rows of a ring of ``wrap_at``
+            rows (every leaf's length), negative ones counted from its end, as
+            Python counts them (a torchrl buffer's oldest-first order: records
+            minus the rows from the oldest to the end). The plain takes resolve
+            them; numpy's ``mode="wrap"`` would branch on every row (measured
+            slower on random rows that miss the cache).
         """
         pairs = self._flat_pairs
         if pairs is None or pairs[0] is not keys or pairs[1] is not self.readers:
             readers = self.readers
             pairs = self._flat_pairs = (keys, readers, [(k, readers[k]) for k in keys])
-        mode: Literal["raise", "wrap"] = "raise" if wrap_at is None else "wrap"
         self._tick = tick = self._tick + 1
         timed = tick % TIME_EVERY == 0
         in_range: np.ndarray | None = None
@@ -167,12 +187,12 @@ class Handle(abc.ABC):
             if plan is not None:
                 array, view, ahead = plan
                 if ahead is None or not (ahead.cold or timed):
-                    got = array.take(indices, axis=0, mode=mode)
+                    got = array.take(indices, axis=0)
                     out[key] = got if view is None else got.view(view)
                     continue
                 if not ahead.cold:
                     t0 = time.perf_counter()
-                    got = array.take(indices, axis=0, mode=mode)
+                    got = array.take(indices, axis=0)
                     ahead.finish(len(indices), time.perf_counter() - t0)
                     out[key] = got if view is None else got.view(view)
                     continue
@@ -189,6 +209,7 @@ class Handle(abc.ABC):
         """
         self.mapped_files = {}
         self._check_plans = None
+        self._last_check = None  # type: ignore[assignment]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases OS resources; the default holds none."""

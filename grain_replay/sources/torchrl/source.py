@@ -144,8 +144,10 @@ class TorchRLDataSource(ReplaySource):
         start = self._dump.start
         if not start:
             return self._take_flat(idx)
-        # One add a batch: each leaf's take wraps the rows past the end (mode="wrap").
-        return self._take_flat(idx + start, len(self))
+        # One subtraction a batch: records from the oldest row to the end are negative rows
+        # counted from the end, the rest rows from 0 (see Handle.take_flat).
+        n = len(self)
+        return self._take_flat(idx - (n - start), n)
 
     def read_into(
         self,
