@@ -101,8 +101,9 @@ class Handle(abc.ABC):
     _flat_pairs: tuple[Sequence[str], dict[str, LeafReader], list[tuple[str, LeafReader]]] | None
     _flat_pairs = None
     # (keys, mapped_files, plan) of the last check_mapped: its fast path.
-    _last_check: tuple[Iterable[str], dict[str, list[MappedFile]], tuple[_Groups, _SizeChecks]]
-    _last_check = None  # type: ignore[assignment]
+    _last_check: (
+        tuple[Iterable[str], dict[str, list[MappedFile]], tuple[_Groups, _SizeChecks]] | None
+    ) = None
     _tick = 0
 
     def check_mapped(self, keys: Iterable[str]) -> None:
@@ -209,7 +210,7 @@ class Handle(abc.ABC):
         """
         self.mapped_files = {}
         self._check_plans = None
-        self._last_check = None  # type: ignore[assignment]
+        self._last_check = None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases OS resources; the default holds none."""
