@@ -20,7 +20,6 @@ imported here (see :mod:`grain_replay.writers.device_leaves`).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from grain_replay.writers.device_leaves import (
     start_copies,
 )
 from grain_replay.writers.write_errors import LeafWriteError, commit_error, sync_error, write_error
+from grain_replay.writers.write_queue import Commit, Item, JoinBuffers, Write, take_batch
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -74,29 +74,6 @@ def to_host(leaf: Any) -> np.ndarray:
     return np.asarray(leaf)
 
 
-Write = Callable[[dict[str, np.ndarray], int], None]
-
-
-@dataclasses.dataclass(slots=True)
-class _Item:
-    arrays: dict[str, Any]  # device arrays (copy under way) and host copies
-    rows: int
-    first: int  # the writer's row number of the first row, for messages
-    nbytes: int
-    write: Write
-
-
-@dataclasses.dataclass(slots=True)
-class _Commit:
-    """A commit queued behind the trees appended before it (``flush(wait=False)``)."""
-
-    commit: Callable[[], object]  # the store's flush: commits every row written so far
-    upto: int  # the writer's rows once it completes
-    committed: Callable[[], int]  # the rows committed before it, for messages
-    rows: int = 0
-    nbytes: int = 0
-
-
 class BackgroundWriter:
     """One thread that converts queued trees to host arrays and writes them, in order."""
 
@@ -116,7 +93,7 @@ class BackgroundWriter:
         lock = threading.Lock()
         self._work = threading.Condition(lock)  # the thread waits here for trees
         self._done = threading.Condition(lock)  # callers wait here for the thread
-        self._queue: collections.deque[_Item | _Commit | None] = collections.deque()  # None: stop
+        self._queue: collections.deque[Item | Commit | None] = collections.deque()  # None: stop
         self._bytes = 0  # queued, on host or being written
         self._queued_bytes = 0  # queued, not yet taken by the thread
         self._rows = 0
@@ -138,7 +115,7 @@ class BackgroundWriter:
         self._signature: TreeSignature | None = None
         self._last_write: Write | None = None
         # The thread's buffers joining a batch's rows, per leaf (reused batch after batch).
-        self._joins: dict[str, np.ndarray] = {}
+        self._joins = JoinBuffers()
 
     # -- the caller's side -------------------------------------------------------------
 
@@ -179,7 +156,7 @@ class BackgroundWriter:
         if tree is not None:
             self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
             self._last_write = write
-        self._enqueue(_Item(arrays, rows, first, nbytes, write))
+        self._enqueue(Item(arrays, rows, first, nbytes, write))
 
     def submit_like_last(self, tree: Any, first: int) -> int:
         """Queues ``tree`` if it is a flat dict of device arrays like the last tree
@@ -196,7 +173,7 @@ class BackgroundWriter:
         rows, nbytes = checked
         self._wait_for_room(nbytes)
         signature.start_copies(tree)
-        self._enqueue(_Item(dict(tree), rows, first, nbytes, write))
+        self._enqueue(Item(dict(tree), rows, first, nbytes, write))
         return rows
 
     def submit_commit(
@@ -206,7 +183,7 @@ class BackgroundWriter:
         thread writes them, then commits, without a caller waiting. ``upto``: the
         writer's rows once it completes; ``committed``: the rows committed before it
         (both for the error's message). A later ``drain`` waits for it too."""
-        self._enqueue(_Commit(commit, upto, committed))
+        self._enqueue(Commit(commit, upto, committed))
 
     def _wait_for_room(self, nbytes: int) -> None:
         # Unlocked first: only this side adds bytes (the thread only takes them away), so
@@ -228,7 +205,7 @@ class BackgroundWriter:
                     self._urgent -= 1
             self._raise_locked()
 
-    def _enqueue(self, item: _Item | _Commit) -> None:
+    def _enqueue(self, item: Item | Commit) -> None:
         with self._work:
             self._raise_locked()
             self._queue.append(item)
@@ -236,7 +213,7 @@ class BackgroundWriter:
             self._queued_bytes += item.nbytes
             self._rows += item.rows
             self._items += 1
-            commit = isinstance(item, _Commit)
+            commit = isinstance(item, Commit)
             self._commits += commit
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -323,9 +300,9 @@ class BackgroundWriter:
                 if error is not None or stop:
                     return
         finally:
-            self._joins = {}
+            self._joins.clear()
 
-    def _run_commit(self, commit: _Commit) -> BackgroundWriteError | None:
+    def _run_commit(self, commit: Commit) -> BackgroundWriteError | None:
         """Runs a queued commit once the sync thread is idle (it touches the segments the
         commit closes; it leaves its other segments to the commit, as to a flush)."""
         error = None
@@ -362,36 +339,16 @@ class BackgroundWriter:
             or q[-1] is None
         )
 
-    def _take_locked(self) -> tuple[list[_Item], _Commit | None, bool]:
-        """Up to a batch of queued trees of one store, in order, then the commit queued
-        right behind them if one is (at least one of the two), and whether the stop is
-        next: ``([], None, True)`` once it is the queue's head."""
-        q = self._queue
-        batch: list[_Item] = []
-        commit = None
-        size = 0
-        while q and size < self._batch_bytes:
-            head = q[0]
-            if head is None:
-                if not batch:
-                    q.popleft()
-                    return batch, None, True
-                break
-            if isinstance(head, _Commit):
-                q.popleft()
-                self._commits -= 1
-                commit = head
-                break
-            if batch and head.write != batch[0].write:  # another store's: a batch of its own
-                break
-            q.popleft()
-            batch.append(head)
-            size += head.nbytes
+    def _take_locked(self) -> tuple[list[Item], Commit | None, bool]:
+        """Up to a batch of queued trees, then the commit right behind them (see
+        :func:`write_queue.take_batch`), counted out of the queue's bytes and commits."""
+        batch, commit, stop, size = take_batch(self._queue, self._batch_bytes)
         self._queued_bytes -= size
-        return batch, commit, False
+        self._commits -= commit is not None
+        return batch, commit, stop
 
     def _done_with(
-        self, batch: list[_Item], error: BackgroundWriteError | None, *, sync: bool = True
+        self, batch: list[Item], error: BackgroundWriteError | None, *, sync: bool = True
     ) -> None:
         """Counts a written (or, with ``error``, dropped) batch out; starts a sync
         (``sync``: unless a commit follows, which syncs what the batch filled)."""
@@ -448,7 +405,7 @@ class BackgroundWriter:
             if error is not None:
                 return
 
-    def _to_host(self, batch: list[_Item]) -> BackgroundWriteError | None:
+    def _to_host(self, batch: list[Item]) -> BackgroundWriteError | None:
         """Replaces the items' leaves by their host copies (waiting for them), newest
         first: the steps (and copies) finish in append order, so the first wait is the
         only one, not one wake-up per tree."""
@@ -462,39 +419,17 @@ class BackgroundWriter:
                 return self._failure([item], e, copying=key)
         return None
 
-    def _write(self, batch: list[_Item]) -> BackgroundWriteError | None:
+    def _write(self, batch: list[Item]) -> BackgroundWriteError | None:
         """Writes host trees as one block: one write per leaf."""
-        rows = sum(item.rows for item in batch)
         try:
-            if len(batch) == 1:
-                host = batch[0].arrays
-            else:
-                host = {
-                    k: self._join(k, [i.arrays[k] for i in batch], rows) for k in batch[0].arrays
-                }
+            host, rows = self._joins.host_block(batch)
             batch[0].write(host, rows)
         except Exception as e:
             return self._failure(batch, e)
         return None
 
-    def _join(self, key: str, parts: list[np.ndarray], rows: int) -> np.ndarray:
-        """``parts`` (one leaf's rows of a batch) joined in a buffer kept for the next batch
-        (the writes copy what they are given): no fresh pages to fault in per batch."""
-        first = parts[0]
-        buf = self._joins.get(key)
-        if (
-            buf is None
-            or buf.dtype != first.dtype
-            or buf.shape[1:] != first.shape[1:]
-            or (len(buf) < rows)
-        ):
-            buf = self._joins[key] = np.empty((rows, *first.shape[1:]), first.dtype)
-        out = buf[:rows]
-        np.concatenate(parts, out=out)
-        return out
-
     def _failure(
-        self, batch: list[_Item], e: Exception, copying: str | None = None
+        self, batch: list[Item], e: Exception, copying: str | None = None
     ) -> BackgroundWriteError:
         """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
         rows = sum(item.rows for item in batch)
