@@ -175,7 +175,7 @@ class DerivedSource(SourceSurface):
         if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
             # The indices a sampler draws: in range is one reduction (negatives wrap to large
             # unsigned values), about a third of the full check.
-            if indices.size and int(indices.view(np.uint64).max()) < self._num_records:
+            if indices.size and int(indices.view(np.uint64).max()) < self._num_records:  # type: ignore[call-overload, unused-ignore]
                 return indices
         return check_indices(indices, len(self), f"{type(self).__name__}({self._access.where})")
 

@@ -310,10 +310,10 @@ class ReplaySource(SourceSurface):
         if idx.dtype.kind not in "iu" and idx.size:
             idx = self._check_indices(idx)  # raises the ArgumentTypeError
         idx = idx.astype(np.int64, copy=False).reshape(-1)
-        if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):
+        if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):  # type: ignore[call-overload, unused-ignore]
             raise RecordIndexError(
                 f"{self._path}: windows of {length} rows from starts "
-                f"{idx.min() if idx.size else ''}..{idx.max() if idx.size else ''} do not "
+                f"{np.min(idx) if idx.size else ''}..{np.max(idx) if idx.size else ''} do not "
                 f"fit a store of {n} records (valid: length >= 1, "
                 f"0 <= start <= {n - length}). Fix: clip the starts."
             )

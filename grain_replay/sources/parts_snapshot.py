@@ -139,7 +139,7 @@ class Snapshot:
         self.committed = np.array([p.manifest.committed for p in parts], dtype=np.int64)
         self.seg_rows = np.array([p.manifest.segment_rows for p in parts], dtype=np.int64)
         self.ordinals = np.array([p.manifest.ordinal for p in parts], dtype=np.int64)
-        size = int(self.ordinals.max()) + 1 if len(parts) else 0
+        size = int(np.max(self.ordinals)) + 1 if len(parts) else 0
         self.part_of_ordinal = np.full(size, -1, dtype=np.int64)
         self.part_of_ordinal[self.ordinals] = np.arange(len(parts))
 

@@ -144,8 +144,8 @@ def mix(
             w[s] * (p.leaves[key].m2 / max(p.count, 1) + (m - mean) ** 2)
             for s, p, m in zip(names, parts, means)
         )
-        lo = np.minimum.reduce([p.leaves[key].lo for p in parts])
-        hi = np.maximum.reduce([p.leaves[key].hi for p in parts])
+        lo = np.asarray([p.leaves[key].lo for p in parts]).min(axis=0)
+        hi = np.asarray([p.leaves[key].hi for p in parts]).max(axis=0)
         samples = [p.leaves[key].sample for p in parts]
         row_w = np.concatenate([np.full(len(x), w[s] / max(len(x), 1)) for s, x in
                                 zip(names, samples)])  # fmt: skip

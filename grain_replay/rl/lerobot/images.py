@@ -139,5 +139,5 @@ class ImageReader(LeafReader):
             frame.flags.writeable = False
             self._frames.put((self._key, row), frame)
             got[j] = frame
-        np.take(np.stack(got), inv.reshape(-1), axis=0, out=out)  # type: ignore[arg-type]
+        np.take(np.stack(got), inv.reshape(-1), axis=0, out=out)  # type: ignore[arg-type, unused-ignore]
         return out

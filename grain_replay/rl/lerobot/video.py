@@ -268,7 +268,7 @@ class VideoReader(LeafReader):
                 frame.flags.writeable = False
                 self._cache.put(self._key(f, float(uniq[j])), frame)
                 got[j] = frame
-        out[pos] = np.stack(got)[inv.reshape(-1)]  # type: ignore[arg-type]
+        out[pos] = np.stack(got)[inv.reshape(-1)]  # type: ignore[arg-type, unused-ignore]
 
     def _ep(self, e: Any) -> int:
         return int(self._episode_index[int(e)])

@@ -70,14 +70,14 @@ def _copy_windows(
         s = np.uint64(starts[b]) * w
         o = np.uint64(b) * span
         for x in range(span):
-            out[o + x] = src[s + x]
+            out[o + x] = src[s + x]  # type: ignore[index, unused-ignore]  # uint64 under numba
     for i in range(near.shape[0]):
         b = near[i]
         for j in range(k):
             s = np.uint64(starts[b] + at[i, j]) * w
             o = (np.uint64(b) * np.uint64(k) + np.uint64(j)) * w
             for x in range(w):
-                out[o + x] = src[s + x]
+                out[o + x] = src[s + x]  # type: ignore[index, unused-ignore]  # uint64 under numba
     if touched == np.uint64(0x5EED5EED5EED5EED) and out.shape[0] == 0:
         out[0] = touched  # never runs: keeps the loads above from being optimized away
 

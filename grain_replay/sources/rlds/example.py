@@ -152,7 +152,7 @@ def decode_varints(data: bytes | memoryview | np.ndarray) -> np.ndarray:
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     lens = ends - starts + 1
-    if lens.max() > 10:
+    if lens.max() > 10:  # type: ignore[call-overload, unused-ignore]
         raise WireError("a varint is longer than 10 bytes")
     group = np.repeat(np.arange(len(ends)), lens)
     shift = ((np.arange(b.size) - starts[group]) * 7).astype(np.uint64)
