@@ -4,8 +4,8 @@
 in JAX) are stepped together under ``jit`` + ``vmap`` by an epsilon-greedy policy
 (a small random Q-network). Every step's transitions (``obs``, ``action``,
 ``reward``, ``next_obs``, ``done``) are appended, as ``jax.Array``s, to a bounded
-replay store: ``ReplayWriter.append`` starts the copies to host and returns, a
-background thread writes, and ``flush(wait=False)`` every ``--flush-every`` steps
+replay store: ``ReplayWriter.append`` queues them and returns, a background thread
+copies them to host and writes, and ``flush(wait=False)`` every ``--flush-every`` steps
 commits the rows so far in the background (they are visible and durable once it
 completes; the loop does not wait for it). ``--blocking-flush`` waits at every
 flush instead (the durability barrier in the loop); ``--no-write`` runs the same

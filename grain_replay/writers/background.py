@@ -1,10 +1,11 @@
 """Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
 
-``ReplayWriter.append`` starts each device leaf's copy (``copy_to_host_async``)
-and queues the tree; one background thread sleeps until ``WRITE_BATCH_BYTES`` of
-trees are queued (or a caller waits, or the writer stops), then takes them in
-append order, waits for their host copies (``np.asarray``: by then most are done)
-and writes them as one block, one write per leaf, joined in buffers it keeps
+``ReplayWriter.append`` checks a tree's device leaves and queues the tree; one
+background thread sleeps until ``WRITE_BATCH_BYTES`` of trees are queued (or a
+caller waits, or the writer stops), then takes them in append order, copies them
+to host (a CPU device's arrays read in place; an accelerator's like trees stacked
+on the device and copied as one buffer a group, :mod:`device_pack`) and writes
+them as one block, one write per leaf, joined in buffers it keeps
 (no new memory per batch). One wake-up per batch, not per append: on a CPU
 backend, where the thread's CPU time is taken from the caller's steps, that is
 what the per-append cost comes down to. ``drain()`` (called by
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
+from grain_replay.writers import device_pack
 from grain_replay.writers.device_leaves import (
     TreeSignature,
     device_leaf_test,
@@ -70,7 +72,7 @@ def check_max_inflight_bytes(value: Any, where: str) -> int:
 
 
 def to_host(leaf: Any) -> np.ndarray:
-    """A queued leaf on the host: waits for the copy that ``copy_to_host_async`` started."""
+    """A queued leaf on the host (a device leaf's copy, waited for)."""
     return np.asarray(leaf)
 
 
@@ -172,7 +174,6 @@ class BackgroundWriter:
             return 0
         rows, nbytes = checked
         self._wait_for_room(nbytes)
-        signature.start_copies(tree)
         self._enqueue(Item(dict(tree), rows, first, nbytes, write))
         return rows
 
@@ -406,9 +407,14 @@ class BackgroundWriter:
                 return
 
     def _to_host(self, batch: list[Item]) -> BackgroundWriteError | None:
-        """Replaces the items' leaves by their host copies (waiting for them), newest
-        first: the steps (and copies) finish in append order, so the first wait is the
-        only one, not one wake-up per tree."""
+        """Replaces the items' leaves by their host copies: accelerator leaves of like
+        trees stacked on the device and copied as one buffer a group (device_pack), the
+        rest leaf by leaf, newest first (the steps finish in append order, so the first
+        wait is the only one); a failure is the leaf's whose copy failed."""
+        try:
+            device_pack.pack_batch(batch)
+        except Exception as e:  # the copies below meet the failure again and name the leaf
+            logger.debug("%s: stacked copies failed (%s); copying leaf by leaf", self._where, e)
         key = ""
         for item in reversed(batch):
             try:

@@ -1,5 +1,5 @@
-"""Device leaves of an append: recognising them, starting their copies to host, and the
-quick check of a tree shaped like the last one.
+"""Device leaves of an append: recognising them, checking they can be copied to host, and
+the quick check of a tree shaped like the last one.
 
 jax is never imported here: a leaf is a device array when ``jax`` is already loaded
 and the leaf is a ``jax.Array``.
@@ -75,9 +75,11 @@ def _refuse_dead(key: str, where: str, e: Exception) -> InvalidTreeError:
 
 
 def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where: str) -> None:
-    """Starts every device leaf's copy to host (none for a CPU device's array, which is
-    host memory already); host leaves are copied now (the caller may reuse its buffers
-    once ``append`` returns)."""
+    """Checks that every device leaf can be copied to host later (fully addressable, not
+    deleted); host leaves are copied now (the caller may reuse its buffers once
+    ``append`` returns). Device leaves are copied by the writer's thread: a CPU device's
+    array read in place, an accelerator's stacked with like trees into one transfer
+    (:mod:`grain_replay.writers.device_pack`)."""
     for key, leaf in arrays.items():
         if not is_device(leaf):
             arrays[key] = np.array(leaf, copy=True)
@@ -87,9 +89,6 @@ def start_copies(arrays: dict[str, Any], is_device: Callable[[Any], bool], where
         try:
             if leaf.is_deleted():
                 raise RuntimeError("Array has been deleted.")
-            if on_host(leaf):
-                continue  # a CPU device's array is host memory: np.asarray in the thread reads it
-            leaf.copy_to_host_async()
         except Exception as e:  # a deleted (donated) array, a broken device
             raise _refuse_dead(key, where, e) from e
 
@@ -102,7 +101,6 @@ class _Leaf:
     row_shape: tuple[int, ...]
     row_bytes: int
     sharding: Any  # a leaf with this sharding (or an equal one) needs no new look
-    on_host: bool
 
 
 class TreeSignature:
@@ -138,9 +136,7 @@ class TreeSignature:
             row_shape = tuple(leaf.shape[1:])
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
             sharding = getattr(leaf, "sharding", None)
-            leaves.append(
-                _Leaf(key, type(leaf), dtype, row_shape, row_bytes, sharding, on_host(leaf))
-            )
+            leaves.append(_Leaf(key, type(leaf), dtype, row_shape, row_bytes, sharding))
         return cls(tuple(leaves), where)
 
     def check(self, tree: Any) -> tuple[int, int] | None:
@@ -167,12 +163,3 @@ class TreeSignature:
                 return None
             nbytes += rows * spec.row_bytes
         return rows, nbytes
-
-    def start_copies(self, tree: dict[str, Any]) -> None:
-        """Starts the copies of a tree :meth:`check` accepted."""
-        for leaf, spec in zip(tree.values(), self._leaves):
-            if not spec.on_host:
-                try:
-                    leaf.copy_to_host_async()
-                except Exception as e:  # a broken device
-                    raise _refuse_dead(spec.key, self._where, e) from e

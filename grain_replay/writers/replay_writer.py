@@ -96,9 +96,10 @@ class ReplayWriter:
         waits as long as it takes, logging why every 30 s. ``close()`` never waits.
 
     Device arrays: ``append`` of a tree with ``jax.Array`` leaves (sharded or not, on
-    any device, mixed with numpy leaves or not) checks the tree at once, starts each
-    leaf's copy to host (``copy_to_host_async``) and returns; a background thread
-    writes the trees in append order. ``flush()`` waits for them (the durability
+    any device, mixed with numpy leaves or not) checks the tree at once, queues it and
+    returns; a background thread copies the trees to host (on an accelerator, runs of
+    like trees stacked on the device: one transfer a leaf for up to 64 appends) and
+    writes them in append order. ``flush()`` waits for them (the durability
     barrier). Host leaves of such a tree, and host trees appended while device ones
     are queued, are copied at ``append``. A failure in the background is raised by
     the next ``append``/``flush``/``close`` as :class:`~grain_replay.BackgroundWriteError`

@@ -111,27 +111,30 @@ def test_device_appends_round_trip_in_append_order(tmp_path: Any, fmt: str, boun
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_accelerator_path_starts_copy_to_host_async(
+def test_accelerator_path_copies_in_the_writers_thread_not_at_append(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A CPU device's array is host memory (no copy to start); on an accelerator every
-    # device leaf's copy starts at append. Take that path with CPU arrays.
+    # A CPU device's array is host memory (no copy); on an accelerator the writer's
+    # thread copies the leaves (like trees stacked into one transfer: test_device_pack.py),
+    # and append starts none. Take that path with CPU arrays.
     monkeypatch.setattr(device_leaves, "on_host", lambda leaf: False)
-    started: list[tuple[int, ...]] = []
+    started: list[str] = []
     array_type = type(_sharded(np.zeros((8, 1), np.float32)))
     real = array_type.copy_to_host_async
 
     def copy_to_host_async(self: Any) -> None:
-        started.append(self.shape)
+        started.append(threading.current_thread().name)
         real(self)
 
     monkeypatch.setattr(array_type, "copy_to_host_async", copy_to_host_async)
     path = _path(tmp_path, "hdf5")
+    main = threading.current_thread().name
     with gr.ReplayWriter(path) as w:
         for i in range(3):
             w.append(_on_device(_block(i), i))
-    assert started == [(16, 3), (16,), (16,), (16, 3), (16, 3), (16,)]
+            assert main not in started, "append started a copy in the caller's thread"
     np.testing.assert_array_equal(read_all(path)["obs"], _expected(3)["obs"])
+    np.testing.assert_array_equal(read_all(path)["done"], _expected(3)["done"])
 
 
 def test_device_append_reopened_store_continues(tmp_path: Any) -> None:
