@@ -158,7 +158,12 @@ class BackgroundWriter:
         if tree is not None:
             self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
             self._last_write = write
-        self._enqueue(Item(arrays, rows, first, nbytes, write))
+        signature = self._signature
+        if signature is not None:  # like trees after it are keyed by it (submit_like_last)
+            pack = ((signature, rows), signature.accel) if signature.accel else None
+        else:
+            pack = device_pack.group_of(arrays, is_device)
+        self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
 
     def submit_like_last(self, tree: Any, first: int) -> int:
         """Queues ``tree`` if it is a flat dict of device arrays like the last tree
@@ -174,7 +179,8 @@ class BackgroundWriter:
             return 0
         rows, nbytes = checked
         self._wait_for_room(nbytes)
-        self._enqueue(Item(dict(tree), rows, first, nbytes, write))
+        pack = ((signature, rows), signature.accel) if signature.accel else None
+        self._enqueue(Item(dict(tree), rows, first, nbytes, write, pack))
         return rows
 
     def submit_commit(

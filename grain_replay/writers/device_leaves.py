@@ -110,9 +110,11 @@ class TreeSignature:
     it the same answer. Anything else (nested trees, host leaves, a new sharding, zero
     rows, a deleted array) is left to the full path, which also words the errors."""
 
-    def __init__(self, leaves: tuple[_Leaf, ...], where: str):
+    def __init__(self, leaves: tuple[_Leaf, ...], where: str, accel: tuple[str, ...] = ()):
         self._leaves = leaves
         self._where = where
+        # The leaves on an accelerator (not host memory): what the writer's thread stacks.
+        self.accel = accel
 
     @classmethod
     def of(
@@ -127,6 +129,7 @@ class TreeSignature:
         if type(tree) is not dict or len(tree) != len(arrays):
             return None
         leaves = []
+        accel = []
         for (key, leaf), (k, arr) in zip(tree.items(), arrays.items()):
             if key != k or leaf is not arr or not is_device(leaf):
                 return None
@@ -137,7 +140,9 @@ class TreeSignature:
             row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
             sharding = getattr(leaf, "sharding", None)
             leaves.append(_Leaf(key, type(leaf), dtype, row_shape, row_bytes, sharding))
-        return cls(tuple(leaves), where)
+            if not on_host(leaf):
+                accel.append(key)
+        return cls(tuple(leaves), where, tuple(accel))
 
     def check(self, tree: Any) -> tuple[int, int] | None:
         """``(rows, nbytes)`` of a tree like the remembered one; None for any other."""

@@ -61,12 +61,17 @@ def _packer_fn() -> Callable[[Any], Any]:
         return _packer
 
 
-def _group_key(item: Item) -> tuple[Any, ...] | None:
-    """What trees must share to be stacked: their accelerator leaves' names, dtypes,
-    shapes and shardings (None: nothing to pack, or a leaf that cannot be keyed)."""
+def group_of(
+    arrays: dict[str, Any], is_device: Callable[[Any], bool]
+) -> tuple[Any, tuple[str, ...]] | None:
+    """What a queued tree shares with the trees it may be stacked with (its accelerator
+    leaves' names, dtypes, shapes and shardings) and those leaves' names; None when it
+    has none (CPU devices' arrays are host memory) or one that cannot be keyed. Trees
+    taken by the quick check of a tree like the last one are keyed by that check's
+    signature and their rows instead (the same guarantees, no look at the leaves)."""
     key = []
-    for name, leaf in item.arrays.items():
-        if isinstance(leaf, np.ndarray) or device_leaves.on_host(leaf):
+    for name, leaf in arrays.items():
+        if isinstance(leaf, np.ndarray) or not is_device(leaf) or device_leaves.on_host(leaf):
             continue
         try:
             sharding = leaf.sharding
@@ -74,7 +79,7 @@ def _group_key(item: Item) -> tuple[Any, ...] | None:
             key.append((name, np.dtype(leaf.dtype), tuple(leaf.shape), sharding))
         except Exception:  # not an array we know how to stack: the per-leaf path
             return None
-    return tuple(key) if key else None
+    return (tuple(key), tuple(k[0] for k in key)) if key else None
 
 
 def _sizes(n: int) -> list[int]:
@@ -91,7 +96,7 @@ def _groups(batch: list[Item]) -> list[tuple[Any, list[Item]]]:
     """Consecutive like trees of ``batch`` in power-of-two groups of 2 or more."""
     runs: list[tuple[Any, list[Item]]] = []
     for item in batch:
-        key = _group_key(item)
+        key = None if item.pack is None else item.pack[0]
         if key is None or key in _unpackable:
             runs.append((None, [item]))
         elif runs and runs[-1][0] == key:
@@ -109,9 +114,9 @@ def _groups(batch: list[Item]) -> list[tuple[Any, list[Item]]]:
     return groups
 
 
-def _unpack(stacked: list[np.ndarray], key: tuple[Any, ...], items: list[Item]) -> None:
+def _unpack(stacked: list[np.ndarray], want: list[tuple[str, Any, Any]], items: list[Item]) -> None:
     """Replaces each item's packed leaves by its view of the stacked host arrays."""
-    for (name, dtype, shape, _), host in zip(key, stacked, strict=True):
+    for (name, dtype, shape), host in zip(want, stacked, strict=True):
         if host.shape != (len(items), *shape) or host.dtype != dtype:
             raise ValueError(f"stacked {name!r} came back {host.dtype}{host.shape}")
         for i, item in enumerate(items):
@@ -126,6 +131,8 @@ def pack_batch(batch: list[Item]) -> int:
     caller's to copy one by one; a group whose packing fails is left whole to that path
     (which names the failing leaf), and its key is not tried again when the failure was
     the packer's (tracing, devices), not the arrays' (a deleted one)."""
+    if not any(item.pack is not None for item in batch):
+        return 0  # CPU devices' arrays (or lone host trees): nothing to stack
     groups = _groups(batch)
     if not groups:
         return 0
@@ -134,18 +141,28 @@ def pack_batch(batch: list[Item]) -> int:
     for key, items in groups:
         if key in _unpackable:  # refused by an earlier group of this batch
             continue
+        names = items[0].pack[1] if items[0].pack is not None else ()
         try:
-            out = pack([tuple(item.arrays[name] for name, *_ in key) for item in items])
+            first = items[0].arrays
+            want = [(n, np.dtype(first[n].dtype), tuple(first[n].shape)) for n in names]
+            out = pack([tuple(item.arrays[n] for n in names) for item in items])
             for leaf in out:
                 leaf.copy_to_host_async()
         except Exception as e:
-            if not any(item.arrays[name].is_deleted() for item in items for name, *_ in key):
+            if not any(_deleted(item.arrays[n]) for item in items for n in names):
                 _unpackable.add(key)
                 logger.info("device leaves not stacked (%s: %s); copied one by one", type(e), e)
             continue
-        started.append((key, items, out))
+        started.append((want, items, out))
     packed = 0
-    for key, items, out in started:
-        _unpack([np.asarray(leaf) for leaf in out], key, items)
+    for want, items, out in started:
+        _unpack([np.asarray(leaf) for leaf in out], want, items)
         packed += len(items)
     return packed
+
+
+def _deleted(leaf: Any) -> bool:
+    try:
+        return bool(leaf.is_deleted())
+    except Exception:
+        return False

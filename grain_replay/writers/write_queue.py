@@ -32,6 +32,9 @@ class Item:
     first: int  # the writer's row number of the first row, for messages
     nbytes: int
     write: Write
+    # Accelerator trees: what like trees share (consecutive items with an equal key are
+    # stacked on the device, device_pack) and the names of the leaves to stack.
+    pack: tuple[Any, tuple[str, ...]] | None = None
 
 
 @dataclasses.dataclass(slots=True)
