@@ -98,22 +98,41 @@ class ReplaySource(SourceSurface):
         grew and its format can (``.npy``: the new pages are mapped behind the
         old ones); otherwise it is closed and the next read reopens the store.
         """
-        old = self._layout
         layout = select_keys(self._inspect(), self._requested_keys, self._path)
+        grown = self._grow_handle(layout)
+        # The handle holds the new rows before the length says so.
+        self._set_layout(layout)
+        if not grown:
+            self.close()
+        return len(self)
+
+    def grow_in_place(self) -> bool:
+        """Like :meth:`refresh` where this process's open handle grows in place to the
+        rows committed since; where it cannot (or none is open), False and nothing
+        changes: the handle stays open as it was.
+
+        For a source that others read from too (a snapshot's segment, which the
+        snapshot before it still reads): never closed under them, so a file unlinked
+        since it was opened is never reopened.
+        """
+        layout = select_keys(self._inspect(), self._requested_keys, self._path)
+        if not self._grow_handle(layout):
+            return False
+        self._set_layout(layout)
+        return True
+
+    def _grow_handle(self, layout: Layout) -> bool:
+        """Extends this process's open handle to ``layout`` in place, if it can."""
+        old = self._layout
         with self._lock:
             handle = self._handle if self._pid == current_pid() else None
-            grown = (
+            return (
                 handle is not None
                 and layout.num_records >= old.num_records
                 and layout.spec == old.spec
                 and layout.locations == old.locations
                 and handle.grow(self, layout)
             )
-        # The handle holds the new rows before the length says so.
-        self._set_layout(layout)
-        if not grown:
-            self.close()
-        return len(self)
 
     @property
     def path(self) -> str:

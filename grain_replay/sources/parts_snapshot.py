@@ -330,20 +330,21 @@ def build_part(
     for s in m.segments:
         src = None if old is None else old.segments.get(s.first)
         try:
-            refreshed = False
-            if src is not None and old is not None and old.rows.get(s.first, 0) < s.rows:
-                src.refresh()  # the tail grew: new pages mapped behind the old ones
-                refreshed = True
+            if src is not None and len(src) < s.rows and not src.grow_in_place():
+                # The tail grew and its maps cannot grow in place. The source is the
+                # previous snapshot's too, which still reads from it (until the refresh
+                # after this one): closing it would have its next read reopen the files,
+                # perhaps after an eviction unlinked them. This snapshot opens its own.
+                src = None
             if src is None:
                 src = open_segment(store, m, s.first, keys, kwargs)
-            if len(src) < s.rows:
-                src.refresh()
-                refreshed = True
-            if refreshed:
-                # A refresh that cannot grow the maps in place closes them, and the next
-                # read would open the files then, perhaps after an eviction unlinked
-                # them: map them now, while this snapshot's manifest lists them.
-                src.open()
+                if len(src) < s.rows:
+                    src.refresh()
+                    # A refresh that cannot grow the maps in place closes them, and the
+                    # next read would open the files then, perhaps after an eviction
+                    # unlinked them: map them now, while this snapshot's manifest lists
+                    # them.
+                    src.open()
         except (OSError, GrainReplayError):
             if strict or not evicted(wdir, m, s.first):
                 raise  # a damaged segment, not an evicted one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,6 +76,43 @@ def test_rows_of_the_snapshot_before_are_read_after_an_eviction(tmp_path: Path) 
     np.testing.assert_array_equal(data["seq"], ids & SEQ)
     for w in ws:
         w.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
+def test_a_refresh_never_closes_a_segment_the_snapshot_before_reads(
+    tmp_path: Path, fmt: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grown tail segment is grown in place or, where its maps cannot grow so, opened
+    anew for the new snapshot. Closing the old one instead would have the snapshot before (still
+    read until the next refresh) reopen its files on its next read, perhaps after an
+    eviction unlinked them: a StoreNotFoundError in a loader worker under eviction."""
+    path = str(tmp_path / "store")
+    w = gr.ReplayWriter(path, fmt, capacity=1500, writer_id="w0", segment_rows=512)
+    w.append(make_rows("w0", 0, 100))
+    w.flush()
+    src = gr.open_source(path)
+    ids = src.ids(np.arange(100))
+    (before,) = src._snapshot().parts
+    tail = before.segments[0]
+    opens = tail._opens
+    if not in_place:  # e.g. a .npy map whose address space ran out
+        monkeypatch.setattr(type(tail._handle), "grow", lambda *args: False)
+    w.append(make_rows("w0", 100, 50))  # the tail segment grows
+    w.flush()
+    src.refresh()
+    (after,) = src._snapshot().parts
+    assert tail._handle is not None and tail._opens == opens  # neither closed nor reopened
+    assert (after.segments[0] is tail) == in_place
+    # The files unlinked under both snapshots (as an eviction does): both read on.
+    for _, _, _, seg in src.segments():
+        shutil.rmtree(seg) if os.path.isdir(seg) else os.remove(seg)
+    np.testing.assert_array_equal(tail.read_flat(np.arange(100), check=False)["seq"], ids & SEQ)
+    data, ok = src.read_ids_checked(src.ids(np.arange(150)))
+    assert ok.all()
+    check_rows(data)
+    np.testing.assert_array_equal(data["seq"], np.arange(150))
+    w.close()
 
 
 def test_an_unknown_writer_or_a_row_past_the_snapshot_leaves_the_fast_path(
