@@ -11,7 +11,34 @@ import numpy as np
 
 from grain_replay.layout import LeafSpec
 
-__all__ = ["Checksummer", "VerifyReport", "as_bytes", "block_rows_for", "verify_source"]
+__all__ = [
+    "Checksummer",
+    "VerifyReport",
+    "as_bytes",
+    "block_rows_for",
+    "crc32",
+    "verify_source",
+]
+
+
+def _crc32() -> Callable[..., int]:
+    """``crc32(data, value=0)``: libdeflate's (the optional ``deflate`` package, the
+    ``fast`` extra; about 10x zlib's speed on this machine with PCLMUL), else zlib's.
+    The same CRC-32 either way: stores written with one verify with the other."""
+    try:
+        import deflate
+    except ImportError:
+        return zlib.crc32
+    fast = deflate.crc32
+    try:
+        if fast(b"grain_replay", 7) != zlib.crc32(b"grain_replay", 7):
+            return zlib.crc32
+    except Exception:  # an incompatible release: its signature changed
+        return zlib.crc32
+    return fast
+
+
+crc32 = _crc32()
 
 # About 1 MiB of rows per checksum: a flipped byte is located to a small row
 # range, and the metadata stays small (1 KiB of checksums per GiB per leaf).
@@ -90,7 +117,7 @@ class Checksummer:
                 raise ValueError(f"leaf {key!r} has checksums of fewer than {n} rows")
             st["blocks"] = st["blocks"][:whole]
             if rest:
-                st["blocks"].append(zlib.crc32(as_bytes(read(key, whole * r, n))))
+                st["blocks"].append(crc32(as_bytes(read(key, whole * r, n))))
             out._rows[key] = n
         return out
 
@@ -105,9 +132,9 @@ class Checksummer:
                 take = min(r - in_block, len(arr) - pos)
                 chunk = as_bytes(arr[pos : pos + take])
                 if in_block:
-                    blocks[-1] = zlib.crc32(chunk, blocks[-1])
+                    blocks[-1] = crc32(chunk, blocks[-1])
                 else:
-                    blocks.append(zlib.crc32(chunk))
+                    blocks.append(crc32(chunk))
                 pos += take
                 done += take
             self._rows[key] = done
@@ -171,7 +198,7 @@ def verify_source(
                     f"leaf {key!r} rows [{start}, {stop}) cannot be read: {type(e).__name__}: {e}",
                     key, (start, stop),
                 )  # fmt: skip
-            if recorded is not None and zlib.crc32(as_bytes(rows)) != recorded[b]:
+            if recorded is not None and crc32(as_bytes(rows)) != recorded[b]:
                 return VerifyReport(
                     source.path, n, leaves_checked, blocks_checked, True,
                     f"leaf {key!r} rows [{start}, {stop}) do not match their recorded "
