@@ -11,7 +11,13 @@ writer's own throughput on the same host arrays (what the background thread must
 keep up with), each thread's CPU per append, the time of one blocking flush, the
 caller's time in ``flush(wait=False)`` and how long its commit takes to be visible.
 
-Run:  python benchmarks/bench_device_writes.py [--quick]
+Loops of 6,000 steps by default (about 1.2 s each on a 2-core VM): each timed loop ends
+with a blocking ``flush()`` (every row durable before the clock stops), a fixed ~15 ms
+there, which is ~4% of a 2,000-step loop but ~1% of this one; an actor that runs for
+hours pays it once. ``--steps 2000`` gives the shorter loops (same code, noisier here:
+0.82-0.93 against 0.85-0.88 in three runs each, docs/device_writes.md).
+
+Run:  python benchmarks/bench_device_writes.py [--quick] [--steps N] [--repeats N]
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ def run(
     import jax
 
     da = _example()
-    steps = steps or (300 if quick else 2000)
+    steps = steps or (300 if quick else 6000)
     repeats = repeats or (3 if quick else 5)
     flush_every = 100 if quick else 500
     step, carry = da.make_actor(envs)
