@@ -330,7 +330,11 @@ def build_part(
     for s in m.segments:
         src = None if old is None else old.segments.get(s.first)
         try:
-            if src is not None and len(src) < s.rows and not src.grow_in_place():
+            if (
+                src is not None
+                and len(src) < s.rows
+                and not (src.grow_in_place() and len(src) >= s.rows)
+            ):
                 # The tail grew and its maps cannot grow in place. The source is the
                 # previous snapshot's too, which still reads from it (until the refresh
                 # after this one): closing it would have its next read reopen the files,
