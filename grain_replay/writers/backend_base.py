@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from grain_replay import layout as layout_lib
-from grain_replay.writers.durable import fsync_all, fsync_dirs
 from grain_replay.writers.write_errors import LeafWriteError
 
 __all__ = ["APPEND_CHUNK_BYTES", "Backend", "write_by_leaf"]
@@ -69,20 +68,6 @@ class Backend(abc.ABC):
         """After :meth:`stage_commit`'s descriptors are synced: the rest of the commit;
         returns a directory whose ``fsync`` makes it durable, or None."""
         return None
-
-    def commit_unnamed(self, n: int, checksums: dict[str, Any] | None) -> None:
-        """Commits rows ``[0, n)`` of a store that no commit point names yet (a writer
-        part's filled segment, before the flush whose manifest names it), as a flush
-        commits it: :meth:`stage_commit`'s descriptors (rows, headers and the staged
-        metadata) synced in one round, then :meth:`finish_commit`'s directory. Rows and
-        headers need no order between them: until a manifest names the store, reopening
-        cuts back what none names. :meth:`commit`'s four rounds (rows, headers,
-        metadata, directory) cost a bounded store of small rows, which fills a segment
-        every few appends, several percent of a device actor's steps on 2 cores."""
-        fsync_all(self.stage_commit(n, checksums))
-        done = self.finish_commit()
-        if done is not None:
-            fsync_dirs([done])
 
     def close(self) -> None:  # noqa: B027 - optional
         """Releases file handles."""

@@ -284,11 +284,8 @@ class PartWriter(LockedWriter):
         removes the segments the last flush evicted. Readers do not see them before that
         flush; a crash leaves files reopening removes. ``stop``: asked before each
         segment; True (a flush waits) leaves the rest to the flush (whose one ``fsync``
-        round for all of them beats this commit's two a segment) or the next call. The
-        removals are not stopped (frequent flushes would leave the disk space taken).
-
-        Each segment is committed as a flush commits it, in two rounds of ``fsync``
-        (``Backend.commit_unnamed``)."""
+        round for all of them beats this commit's four a segment) or the next call. The
+        removals are not stopped (frequent flushes would leave the disk space taken)."""
         named = {s.first for s in self._manifest.segments}
         for seg in [*self._full, self._open]:
             if seg is None or not seg.dirty or seg.first in named:
@@ -296,7 +293,7 @@ class PartWriter(LockedWriter):
             if seg.rows >= self._manifest.segment_rows:
                 if stop is not None and stop():
                     break
-                seg.backend.commit_unnamed(seg.rows, seg.summer.state() if seg.summer else None)
+                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
                 seg.dirty = False
         self.remove_evicted(quiet=True)
 

@@ -247,7 +247,7 @@ def test_failing_segment_commit_in_the_thread_raised(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
-    real = NpySegmentBackend.commit_unnamed
+    real = NpySegmentBackend.commit
     armed = {"on": False}
     failed = threading.Event()
 
@@ -257,7 +257,7 @@ def test_failing_segment_commit_in_the_thread_raised(
             raise OSError(errno.EIO, "Input/output error (injected)")
         real(self, n, checksums)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit_unnamed", commit)
+    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
     path = str(tmp_path / "s")
     w = gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=2 * ROWS)
     w.append(_device(_block(0)))
@@ -323,7 +323,7 @@ def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
     release, started = threading.Event(), threading.Event()
     threads: list[str] = []
-    real = NpySegmentBackend.commit_unnamed
+    real = NpySegmentBackend.commit
 
     def commit(self: Any, n: int, checksums: Any) -> None:
         threads.append(threading.current_thread().name)
@@ -339,7 +339,7 @@ def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
         real_write(self, arrays, n, **kwargs)
         writes.append(n)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit_unnamed", commit)
+    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
     monkeypatch.setattr(PartWriter, "write", write)
     path = str(tmp_path / "s")
     w = gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=2 * ROWS)

@@ -179,13 +179,13 @@ def test_segment_commits_give_way_to_a_waiting_flush(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     commits: list[int] = []
-    real = NpySegmentBackend.commit_unnamed
+    real = NpySegmentBackend.commit
 
     def commit(self: Any, n: int, checksums: Any) -> None:
         commits.append(n)
         real(self, n, checksums)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit_unnamed", commit)
+    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
     path = str(tmp_path / "s")
     w = PartWriter(
         path, "npy", writer_id="a", capacity=1000, segment_rows=ROWS, chunk_rows=None,
@@ -242,37 +242,3 @@ def test_a_drain_wakes_the_writing_thread_when_the_sync_thread_waited_last() -> 
     assert done.wait(10), "drain() never woke the writing thread"
     assert written == [ROWS, ROWS]
     bg.stop()
-
-
-@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
-def test_a_filled_segment_is_committed_in_two_fsync_rounds(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fmt: str
-) -> None:
-    """As a flush commits a segment: rows, headers and the staged metadata in one round,
-    then the directory; and a crash-free reopen reads every committed row back."""
-    from grain_replay.writers import backend_base, durable
-
-    rounds: list[int] = []
-    real = durable.fsync_all
-
-    def fsync_all(fds: list[int]) -> None:
-        rounds.append(len(fds))
-        real(fds)
-
-    monkeypatch.setattr(backend_base, "fsync_all", fsync_all)
-    monkeypatch.setattr(durable, "fsync_all", fsync_all)  # fsync_dirs' round
-    path = str(tmp_path / "s")
-    w = PartWriter(
-        path, fmt, writer_id="a", capacity=1000, segment_rows=ROWS, chunk_rows=None,
-        compression=None,
-    )  # fmt: skip
-    for i in range(3):  # fills [0, 16), [16, 32) and [32, 48)
-        w.append(_block(i))
-    w.commit_filled()
-    if fmt == "npy":  # each leaf's file and the metadata, then the directory, a segment
-        assert rounds == [len(_block(0)) + 1, 1] * 3
-    else:  # at most the same two rounds a segment
-        assert len(rounds) <= 2 * 3
-    assert w.flush() == 3 * ROWS
-    w.close()
-    np.testing.assert_array_equal(read_all(path)["action"], np.arange(3 * ROWS))
