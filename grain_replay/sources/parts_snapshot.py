@@ -330,16 +330,13 @@ def build_part(
     for s in m.segments:
         src = None if old is None else old.segments.get(s.first)
         try:
-            if (
-                src is not None
-                and len(src) < s.rows
-                and not (src.grow_in_place() and len(src) >= s.rows)
-            ):
-                # The tail grew and its maps cannot grow in place. The source is the
-                # previous snapshot's too, which still reads from it (until the refresh
-                # after this one): closing it would have its next read reopen the files,
-                # perhaps after an eviction unlinked them. This snapshot opens its own.
-                src = None
+            if src is not None and len(src) < s.rows:
+                # The tail grew. The source is the previous snapshot's too, which still
+                # reads from it (until the refresh after this one): closing it would have
+                # its next read reopen the files, perhaps after an eviction unlinked them.
+                # Grown in place, or this snapshot opens its own.
+                if not src.grow_in_place() or len(src) < s.rows:
+                    src = None
             if src is None:
                 src = open_segment(store, m, s.first, keys, kwargs)
                 if len(src) < s.rows:
