@@ -22,7 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import numpy as np
@@ -146,7 +146,7 @@ class _Pool:
             msg = self._recv(index, w)
             kind, generation, element = msg[0], msg[1], msg[2]
             if kind == _SLOT:  # a new or larger slot: its fd follows the message
-                fd = multiprocessing.reduction.recv_handle(w.conn)
+                fd = self._recv_fd(index, w)
                 try:
                     w.slots.add_map(msg[3], fd, msg[4])
                 finally:
@@ -188,6 +188,16 @@ class _Pool:
                 return msg
         except (EOFError, ConnectionResetError):
             pass
+        self._died(index, w)
+
+    def _recv_fd(self, index: int, w: _Worker) -> int:
+        """The fd that follows a ``_SLOT`` message; a worker killed between the two died."""
+        try:
+            return multiprocessing.reduction.recv_handle(w.conn)
+        except (EOFError, ConnectionResetError):
+            self._died(index, w)
+
+    def _died(self, index: int, w: _Worker) -> NoReturn:
         w.process.join(_JOIN_S)
         self.close()
         if not w.heard and w.process.exitcode == 1 and main_guard_missing():

@@ -149,3 +149,41 @@ class IntoFails(MarkedInto):
 
     def read_into(self, indices: Any, out: Any) -> None:
         raise ValueError("this source cannot read into arrays")
+
+
+class KillWorkerOnce(grain.transforms.Map):
+    """SIGKILLs loader worker 0 at its ``nth`` batch (counted from 1), once per ``marker``.
+
+    ``before_fd``: instead, worker 0 dies inside its ``nth`` batch's slot hand-over,
+    after the slot message and before the slot's file descriptor (the batch must be
+    its first in that slot). The marker file, removed by the kill, keeps the workers
+    started after the death alive.
+    """
+
+    def __init__(self, marker: str, nth: int, before_fd: bool = False) -> None:
+        self.marker = marker
+        self.nth = nth
+        self.before_fd = before_fd
+        self.calls = 0
+
+    def map(self, element: Any) -> Any:
+        import multiprocessing
+        import multiprocessing.reduction
+        import signal
+
+        self.calls += 1
+        name = multiprocessing.current_process().name
+        if self.calls != self.nth or not name.endswith("_worker_0"):
+            return element
+        try:
+            os.unlink(self.marker)
+        except FileNotFoundError:
+            return element  # a worker started after the death
+
+        def die(*args: Any, **kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if not self.before_fd:
+            die()
+        multiprocessing.reduction.send_handle = die
+        return element

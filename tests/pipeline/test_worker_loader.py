@@ -15,6 +15,7 @@ from loader_ops import (
     CacheShare,
     FailOnce,
     Grow,
+    KillWorkerOnce,
     Pid,
     PythonLeaves,
     Shapes,
@@ -214,24 +215,55 @@ def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: st
     wait_no_new_children(before)  # an exhausted iterator stops its workers
 
 
-def test_batches_a_killed_worker_left_in_shared_memory_arrive_then_its_death(path: str) -> None:
+def test_batches_a_killed_worker_left_in_shared_memory_arrive_then_its_death(
+    path: str, tmp_path: Any
+) -> None:
     reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
-    it = iter(_loader(gr.open_source(path), num_epochs=1))
-    got = [next(it)["id"].tolist()]  # worker 0's first batch; it reads its next ones
-    assert it._pool is not None
-    worker = it._pool.workers[0]
-    deadline = time.monotonic() + 60
-    while not worker.conn.poll() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.conn.poll(), "worker 0 wrote no second batch within 60 s"
-    os.kill(worker.process.pid, signal.SIGKILL)
-    worker.process.join(10)
+    marker = tmp_path / "kill"
+    marker.touch()
+    # Worker 0 (elements 0, 2, 4, ...) has three slots: it writes its first two batches
+    # whole and dies reading its third, whether or not element 2 was handed out yet.
+    it = iter(
+        _loader(
+            gr.open_source(path),
+            num_epochs=1,
+            worker_buffer_size=3,
+            operations=[KillWorkerOnce(str(marker), nth=3)],
+        )
+    )
+    got: list[list[int]] = []
     # Its written batch is whole in shared memory: handed out, though its slot cannot
     # be given back to a dead worker; then its death, then new workers at that batch.
     with pytest.raises(gr.WorkerDiedError, match=r"terminated unexpectedly with exit code -9"):
         while True:
             got.append(next(it)["id"].tolist())
-    assert len(got) >= 3
+    assert not marker.exists()
+    assert got == reference[:4]
+    got += _ids(list(it))
+    assert got == reference
+
+
+def test_a_worker_killed_between_a_slot_and_its_descriptor_is_reported_dead(
+    path: str, tmp_path: Any
+) -> None:
+    reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
+    marker = tmp_path / "kill"
+    marker.touch()
+    # Worker 0's second batch goes into its second slot, new: the message naming the
+    # slot is sent, its descriptor never is.
+    it = iter(
+        _loader(
+            gr.open_source(path),
+            num_epochs=1,
+            operations=[KillWorkerOnce(str(marker), nth=2, before_fd=True)],
+        )
+    )
+    got: list[list[int]] = []
+    with pytest.raises(gr.WorkerDiedError, match=r"terminated unexpectedly with exit code -9"):
+        while True:
+            got.append(next(it)["id"].tolist())
+    assert not marker.exists()
+    assert got == reference[:2]
     got += _ids(list(it))
     assert got == reference
 
