@@ -6,6 +6,7 @@ import contextlib
 import math
 import mmap
 import os
+import time
 from collections.abc import Mapping
 from typing import cast
 
@@ -32,7 +33,10 @@ class _NpyHandle(Handle):
         self._growing: dict[str, tuple[GrowingMap, int]] = {}
         for key, file in source._layout.locations.items():
             spec = source._layout.spec[key]
-            _, _, fortran, offset = read_npy_header(file, key, rows=n)
+            if key in source._headers:  # a store with metadata: a writer may rewrite it
+                fortran, offset = _committed_header(file, key, spec, n)
+            else:
+                _, _, fortran, offset = read_npy_header(file, key, rows=n)
             shape = (n, *spec.shape)
             if n == 0 or spec.dtype.itemsize == 0 or 0 in spec.shape:
                 array = np.zeros(shape, spec.dtype)  # np.memmap refuses empty maps
@@ -65,7 +69,7 @@ class _NpyHandle(Handle):
 
     def grow(self, source: NpyDataSource, layout: Layout) -> bool:
         """Extends every leaf's map to ``layout``'s rows in place; False: reopen instead."""
-        offsets: Mapping[str, int] = source._offsets  # as its _inspect read them
+        headers: Mapping[str, tuple[bool, int]] = source._headers  # as its _inspect read them
         n = layout.num_records
         if set(layout.locations) != set(self._growing):
             return False
@@ -73,7 +77,7 @@ class _NpyHandle(Handle):
             grows, offset = self._growing[key]
             spec = layout.spec[key]
             needed = offset + n * math.prod(spec.shape) * spec.dtype.itemsize
-            if grows.path != file or offsets.get(key) != offset or not grows.grow(needed):
+            if grows.path != file or headers.get(key) != (False, offset) or not grows.grow(needed):
                 return False
         for key, (grows, offset) in self._growing.items():
             spec = layout.spec[key]
@@ -81,6 +85,37 @@ class _NpyHandle(Handle):
                 grows.array(offset, (n, *spec.shape), spec.dtype)
             )
         return True
+
+
+# A writer rewrites each leaf's header in place at every commit, and a read of the
+# page cache is not ordered against a write to it: a header read while it is rewritten
+# can be a mix of the two (rows 1383 from 1385 and 1393; 100 from 999 and 1000; a
+# trailing dimension shifted). Such a read is made again; a store whose header keeps
+# disagreeing with its metadata is corrupt.
+_HEADER_READS = 8
+
+
+def _committed_header(
+    file: str, key: str, want: layout_lib.LeafSpec, rows: int
+) -> tuple[bool, int]:
+    """``(fortran order, data offset)`` of leaf ``key``'s file, whose header must declare
+    ``want`` and at least the ``rows`` committed (a writer's header may run ahead)."""
+    for attempt in range(_HEADER_READS):
+        if attempt:
+            time.sleep(0.0005 * attempt)  # a rewrite takes microseconds
+        try:
+            shape, dtype, fortran, offset = read_npy_header(file, key, rows=rows)
+        except InvalidStoreError:  # unparsable or short: perhaps torn, read again
+            if attempt == _HEADER_READS - 1:
+                raise
+            continue
+        if shape[:1] >= (rows,) and shape[1:] == want.shape and dtype == want.dtype:
+            return fortran, offset
+    raise InvalidStoreError(
+        f"{file}: leaf {key!r} holds {dtype}{list(shape)} but the metadata "
+        f"says {want.dtype}[{rows}, ...{list(want.shape)}]. "
+        "The store is corrupt; re-create it."
+    )
 
 
 def _map_file(path: str, key: str, needed: int) -> mmap.mmap:
@@ -113,14 +148,15 @@ class NpyDataSource(ReplaySource):
       >>> src[0]["obs"].shape
     """
 
-    _offsets: dict[str, int]  # leaf -> data offset in its file, as _inspect read it
+    # Leaf -> (fortran order, data offset) of its file, as _inspect read the header.
+    _headers: dict[str, tuple[bool, int]]
 
     def _open(self) -> Handle:
         return _NpyHandle(self)
 
     def _inspect(self) -> Layout:
         path = self._path
-        self._offsets = {}  # filled for stores with metadata: only they grow
+        self._headers = {}  # filled for stores with metadata: only they grow
         if os.path.isfile(path):
             shape, dtype, _, _ = read_npy_header(path, tree_lib.ROOT_KEY)
             if len(shape) == 0:
@@ -143,19 +179,9 @@ class NpyDataSource(ReplaySource):
             check_inside(path, meta_path, "<metadata>", self._allow_external)
             for key, file in locations.items():
                 check_inside(path, file, key, self._allow_external)
-                shape, dtype, _, offset = read_npy_header(file, key, rows=meta.num_records)
-                self._offsets[key] = offset
-                want = meta.leaves[key]
-                if (
-                    shape[:1] < (meta.num_records,)
-                    or shape[1:] != want.shape
-                    or dtype != want.dtype
-                ):
-                    raise InvalidStoreError(
-                        f"{file}: leaf {key!r} holds {dtype}{list(shape)} but the metadata "
-                        f"says {want.dtype}[{meta.num_records}, ...{list(want.shape)}]. "
-                        "The store is corrupt; re-create it."
-                    )
+                self._headers[key] = _committed_header(
+                    file, key, meta.leaves[key], meta.num_records
+                )
             return Layout(
                 meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
             )
