@@ -248,9 +248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefetch",
         type=int,
         default=2,
-        help="batches put on the devices ahead of the step (sharded_device_put); 0 on "
-        "jax 0.10 with several CPU devices, where puts in flight can deadlock the "
-        "step's all-reduce",
+        help="batches put on the devices ahead of the step (sharded_device_put)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100)

@@ -215,13 +215,7 @@ def test_rlds_bc_learns_action_chunks_from_a_toy_rlds_dataset(tmp_path: Path) ->
     dataset = rlds_bc.write_toy_dataset(str(tmp_path / "toy" / "1.0.0"), episodes=12, seed=0)
     src = gr.open_source(dataset)
     assert isinstance(src, gr.RLDSDataSource) and len(src.episode_ends) == 12
-    # Device puts in the consuming thread (--prefetch 0): on jaxlib 0.10.2 with 8 CPU
-    # devices, puts in flight from the prefetch thread beside the step's all-reduce
-    # deadlock it on an idle 2-core machine (XLA aborts the process after 40 s: "Expected
-    # 8 threads to join the rendezvous, but only 7 of them arrived"), every run with 2
-    # ahead and often with 1; under load, or on jax 0.12, it passes.
-    argv = ["--dataset", dataset, "--steps", "300", "--log-every", "0", "--workers", "0",
-            "--prefetch", "0"]  # fmt: skip
+    argv = ["--dataset", dataset, "--steps", "300", "--log-every", "0", "--workers", "0"]
     result = rlds_bc.main(argv)
     assert result["steps"] == 300 and result["records"] == len(src)
     assert result["final_loss"] < 0.6 * result["initial_loss"], result

@@ -418,3 +418,97 @@ def test_loader_batches_are_fresh_arrays_so_device_arrays_never_change(tmp_path:
     for k, out in enumerate(outs):
         want = np.arange(k * 16 * 4096, (k + 1) * 16 * 4096, dtype=np.float32).reshape(16, 4096)
         np.testing.assert_array_equal(np.asarray(out["x"]), want)
+
+
+# -- puts beside collectives (jaxlib < 0.12 on CPU) -------------------------------------------
+
+
+def _put_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that put batches on the devices, as they put them."""
+    from grain_replay.pipeline import converter
+
+    threads: list[str] = []
+    real = converter.Converter.__call__
+
+    def call(self: Any, batch: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(self, batch)
+
+    monkeypatch.setattr(converter.Converter, "__call__", call)
+    return threads
+
+
+@needs_8_devices
+@pytest.mark.parametrize("jaxlib_version", [(0, 10, 2), (0, 11, 2), (0, 12, 0, 1)])
+def test_puts_run_in_the_consuming_thread_where_jaxlib_deadlocks_them(
+    monkeypatch: pytest.MonkeyPatch, jaxlib_version: tuple[int, ...]
+) -> None:
+    from grain_replay.pipeline import device_put
+
+    monkeypatch.setattr(device_put, "_JAXLIB", jaxlib_version)
+    threads = _put_threads(monkeypatch)
+    fixed = jaxlib_version >= (0, 12)
+    assert device_put.puts_in_consumer_thread() is not fixed
+    want = [_dict_batch(i) for i in range(6)]
+    with sharded_device_put(iter(want), prefetch=2) as it:
+        got = [jax.tree_util.tree_map(np.asarray, b) for b in it]
+    for g, w in zip(got, want, strict=True):
+        jax.tree_util.tree_map(np.testing.assert_array_equal, g, w)
+    caller = threading.current_thread().name
+    assert set(threads) == ({"sharded_device_put"} if fixed else {caller})
+
+
+def test_a_put_failing_in_the_consuming_thread_stops_the_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from grain_replay.pipeline import device_put
+
+    monkeypatch.setattr(device_put, "puts_in_consumer_thread", lambda: True)
+    batches = [_dict_batch(0), _dict_batch(1, rows=15)]  # 15 rows: not on 8 devices
+    it = sharded_device_put(iter(batches), prefetch=2)
+    next(it)
+    with pytest.raises(BatchShardingError):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert not any(t.name == "sharded_device_put" for t in threading.enumerate())
+
+
+_STEPS_BESIDE_PUTS = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+import grain_replay as gr
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+host = [np.random.default_rng(i).random((256, 64), np.float32) for i in range(8)]
+
+@jax.jit
+def step(w, x):
+    g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)  # an all-reduce over the 8 devices
+    return w - 1e-3 * g, jnp.sum(g)
+
+w = jax.device_put(np.ones((64, 64), np.float32), replicated)
+losses = []
+with gr.sharded_device_put((host[i % 8] for i in range(3000)), mesh, prefetch=2) as batches:
+    for x in batches:  # never blocks: the steps queue up behind the puts
+        w, loss = step(w, x)
+        losses.append(loss)
+print("steps", len(losses), float(losses[-1]))
+"""
+
+
+def test_jitted_steps_with_an_all_reduce_run_beside_prefetched_puts(tmp_path: Any) -> None:
+    # On jaxlib 0.10.2 and 0.11.2, puts from the prefetch thread made XLA abort this
+    # within seconds on an idle 2-core machine; a subprocess, so an abort fails only this.
+    import subprocess
+    import sys
+
+    script = tmp_path / "steps.py"
+    script.write_text(_STEPS_BESIDE_PUTS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("steps 3000 ")
