@@ -49,6 +49,10 @@ CHUNK = 16
 SIZE = 32
 POOL = 8  # the image is average-pooled to POOL x POOL before the MLP
 _TFDS = "tensorflow_datasets.core.features."
+# Training steps dispatched ahead of the host before it waits for one to finish: on
+# jaxlib before 0.12 with several CPU devices, more queued steps with an all-reduce can
+# make XLA abort ("Expected 8 threads to join the rendezvous, but only 7 of them arrived").
+_MAX_IN_FLIGHT = 8
 
 
 # -- a toy RLDS dataset in TFDS's layout (what TFDS's writer produces, minus TensorFlow) ---
@@ -291,6 +295,8 @@ def train(args: argparse.Namespace, dataset: str) -> dict[str, Any]:
         for step, batch in zip(range(args.steps), batches):
             params, velocity, loss = train_step(params, velocity, scale, batch)
             losses.append(loss)
+            if len(losses) > _MAX_IN_FLIGHT:
+                losses[-_MAX_IN_FLIGHT - 1].block_until_ready()
             if step == 0:
                 print(f"step     0  loss {float(loss):.4f}  (initial)", flush=True)
                 start = time.perf_counter()

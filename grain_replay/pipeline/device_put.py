@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import grain
 import jax
-import jaxlib.version
 import numpy as np
 
 from grain_replay.errors import (
@@ -32,7 +31,6 @@ __all__ = [
     "InvalidShardingError",
     "ShardedDevicePutIterator",
     "UnsupportedStateError",
-    "puts_in_consumer_thread",
     "sharded_device_put",
 ]
 
@@ -54,23 +52,6 @@ def _pinned_if_available(pinned: bool) -> bool:
         )
         return False
     return pinned
-
-
-_JAXLIB: tuple[int, ...] = tuple(jaxlib.version.__version_info__)
-
-
-def puts_in_consumer_thread() -> bool:
-    """Whether :func:`sharded_device_put` puts batches on the devices in the consuming
-    thread (its background thread then only reads host batches ahead).
-
-    True on jaxlib before 0.12 with several CPU devices: there, device puts issued from a
-    second thread while jitted steps with a collective (a gradient all-reduce) are queued
-    leave the collective's rendezvous a participant short, and XLA aborts the process after
-    40 s ("Expected 8 threads to join the rendezvous, but only 7 of them arrived").
-    Reproduced with plain ``jax.device_put`` from a thread on jaxlib 0.10.2 and 0.11.2,
-    not on 0.12.0.1. On the CPU backend a put is a host copy: little is lost.
-    """
-    return _JAXLIB < (0, 12) and jax.default_backend() == "cpu" and jax.local_device_count() > 1
 
 
 def _local_rows(x: Any) -> np.ndarray:
@@ -100,10 +81,6 @@ def _keep_row_ids(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return put
 
 
-def _host_batch(batch: Any) -> Any:
-    return batch
-
-
 class ShardedDevicePutIterator(Iterator[Any]):
     """Iterator of sharded ``jax.Array`` batches; see :func:`sharded_device_put`.
 
@@ -129,7 +106,6 @@ class ShardedDevicePutIterator(Iterator[Any]):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
         self._prefetcher: Prefetcher | None = None
-        self._put_here = False  # set when the producer starts: see puts_in_consumer_thread
         self._convert = _keep_row_ids(Converter(sharding, _pinned_if_available(pinned)))
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
@@ -174,20 +150,11 @@ class ShardedDevicePutIterator(Iterator[Any]):
             self._finished = True
             self._prefetcher = None  # it has stopped
             raise
-        if self._put_here:  # the thread read the host batch; it is put here
-            try:
-                arrays = self._convert(arrays)
-            except BaseException:
-                self._finished = True
-                self._halt()
-                raise
         self._handed += 1
         return arrays
 
     def _start(self) -> None:
-        self._put_here = puts_in_consumer_thread()
-        convert = _host_batch if self._put_here else self._convert
-        self._prefetcher = Prefetcher(self._inner, convert, self._prefetch, self._capture)
+        self._prefetcher = Prefetcher(self._inner, self._convert, self._prefetch, self._capture)
 
     def _halt(self, timeout: float | None = None) -> None:
         """Stops the producer and drops what it prefetched."""
@@ -358,8 +325,6 @@ def sharded_device_put(
             ``jax.sharding.Mesh`` to shard over its first axis; a ``jax.sharding.Sharding``
             used for every leaf; or a pytree of shardings that is a prefix of the batch tree.
         prefetch: Batches kept in flight by the background thread; 0 runs synchronously.
-            On jaxlib before 0.12 with several CPU devices the thread only reads host
-            batches ahead and ``next()`` puts them (:func:`puts_in_consumer_thread`).
         pinned: Stage each numpy leaf in pinned host memory (``memory_kind="pinned_host"``)
             before the device copy. Off by default: not yet measured to pay on a GPU (the
             ``device`` benchmark section measures it); on a backend without pinned host
