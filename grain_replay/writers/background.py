@@ -13,9 +13,10 @@ what the per-append cost comes down to. ``drain()`` (called by
 ``submit`` waits beyond the bound. ``submit_commit`` queues a commit
 (``flush(wait=False)``) behind the trees appended before it: the thread writes
 them, then runs the commit, fsync waits included, while the caller goes on
-appending. A failure in the thread stops it, drops what was queued after it, and
-is raised by the caller's next ``submit``/``drain`` naming the leaf. jax is never
-imported here (see :mod:`grain_replay.writers.device_leaves`).
+appending. A many-writer store's sync after writes runs on a second thread
+(:mod:`sync_thread`). A failure in either thread stops both, drops what was queued
+after it, and is raised by the caller's next ``submit``/``drain`` naming the leaf.
+jax is never imported here (see :mod:`grain_replay.writers.device_leaves`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from grain_replay.writers.device_leaves import (
     leaf_nbytes,
     start_copies,
 )
-from grain_replay.writers.write_errors import LeafWriteError, commit_error, sync_error, write_error
+from grain_replay.writers.sync_thread import SyncThread
+from grain_replay.writers.write_errors import LeafWriteError, commit_error, write_error
 from grain_replay.writers.write_queue import Commit, Item, JoinBuffers, Write, take_batch
 
 __all__ = [
@@ -107,10 +109,19 @@ class BackgroundWriter:
         self._error: BackgroundWriteError | None = None
         self._raised = False
         self._thread: threading.Thread | None = None
-        self._sync = sync
-        self._sync_wanted = False  # a write finished since the last sync started
-        self._syncing = False
-        self._sync_thread: threading.Thread | None = None
+        # The store's sync after writes, on a thread of its own (sync_thread.py).
+        self._syncs: SyncThread | None = None
+        if sync is not None:
+            self._syncs = SyncThread(
+                sync,
+                where,
+                self._work,
+                self._done,
+                held=lambda: self._committing,
+                failed=lambda: self._error is not None,
+                fail_locked=self._fail_locked,
+                caller_waits=self._caller_waits,
+            )
         self._stopped = False
         # The last tree queued, when a flat dict of device arrays: the next one like it
         # is checked from its leaves' attributes (submit_like_last).
@@ -128,7 +139,7 @@ class BackgroundWriter:
 
     def _pending_locked(self) -> bool:
         """Trees queued or being written, or a sync asked for or running."""
-        return self._items > 0 or self._sync_wanted or self._syncing
+        return self._items > 0 or (self._syncs is not None and self._syncs.pending_locked())
 
     @property
     def rows(self) -> int:
@@ -248,9 +259,9 @@ class BackgroundWriter:
         """Has the sync thread run ``sync`` once more, soon (e.g. after a flush, for what
         it left to the thread); nothing after the stop or a failure."""
         with self._work:
-            if self._sync is None or self._stopped or self._error is not None:
+            if self._syncs is None or self._stopped or self._error is not None:
                 return
-            self._start_sync_locked()
+            self._syncs.start_locked()
 
     def raise_pending(self) -> None:
         """Raises a failure not yet raised (once)."""
@@ -268,7 +279,7 @@ class BackgroundWriter:
         with self._work:
             self._stopped = True
             thread, self._thread = self._thread, None
-            syncer, self._sync_thread = self._sync_thread, None
+            syncer = None if self._syncs is None else self._syncs.detach_locked()
             if thread is not None:
                 self._queue.append(None)
             self._work.notify_all()  # the sync thread waits on it too
@@ -315,7 +326,7 @@ class BackgroundWriter:
         error = None
         with self._done:
             self._committing = True
-            while self._syncing and self._error is None:
+            while self._syncs is not None and self._syncs.running and self._error is None:
                 self._done.wait()
             proceed = self._error is None
         try:
@@ -328,8 +339,8 @@ class BackgroundWriter:
             self._items -= 1
             if error is not None:
                 self._fail_locked(error)
-            elif self._sync is not None and not self._stopped and self._error is None:
-                self._start_sync_locked()  # removes the segments the commit evicted
+            elif self._syncs is not None and not self._stopped and self._error is None:
+                self._syncs.start_locked()  # removes the segments the commit evicted
             else:
                 self._work.notify_all()  # a sync held off by the commit may go on
             self._done.notify_all()
@@ -366,51 +377,15 @@ class BackgroundWriter:
                 self._items -= 1
             if error is not None:
                 self._fail_locked(error)
-            elif sync and batch and self._sync is not None and not self._stopped:
-                self._start_sync_locked()
+            elif sync and batch and self._syncs is not None and not self._stopped:
+                self._syncs.start_locked()
             self._done.notify_all()
-
-    def _start_sync_locked(self) -> None:
-        self._sync_wanted = True
-        if self._sync_thread is None:
-            self._sync_thread = threading.Thread(
-                target=self._run_syncs, name="grain_replay-device-syncs", daemon=True
-            )
-            self._sync_thread.start()
-        self._work.notify_all()
 
     def _caller_waits(self) -> bool:
         """Whether a caller waits for the threads (flush, close, the bound) or a queued
         commit does: the sync leaves what is left to the flush or the commit then (see
         PartWriter.commit_filled)."""
         return self._urgent > 0 or self._committing or self._commits > 0
-
-    def _run_syncs(self) -> None:
-        """Runs ``sync`` after writes, one at a time, until the stop or a failure."""
-        assert self._sync is not None
-        while True:
-            with self._work:
-                while (
-                    (not self._sync_wanted or self._committing)
-                    and self._sync_thread is not None
-                    and self._error is None
-                ):
-                    self._work.wait()
-                if not self._sync_wanted or self._committing or self._error is not None:
-                    return
-                self._sync_wanted, self._syncing = False, True
-            error = None
-            try:
-                self._sync(self._caller_waits)
-            except Exception as e:
-                error = sync_error(self._where, e)
-            with self._done:
-                self._syncing = False
-                if error is not None:
-                    self._fail_locked(error)
-                self._done.notify_all()
-            if error is not None:
-                return
 
     def _to_host(self, batch: list[Item]) -> BackgroundWriteError | None:
         """Replaces the items' leaves by their host copies: accelerator leaves of like
@@ -460,5 +435,6 @@ class BackgroundWriter:
         self._commits = 0
         logger.error("%s", error)
         self._thread = None
-        self._sync_thread = None
+        if self._syncs is not None:
+            self._syncs.detach_locked()
         self._work.notify_all()  # the other thread stops too

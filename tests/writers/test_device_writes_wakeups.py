@@ -218,22 +218,24 @@ def test_a_drain_wakes_the_writing_thread_when_the_sync_thread_waited_last() -> 
     """The writing thread and the sync thread wait on one condition: a caller's wake-up
     must reach the writing thread whichever of them waited last (a ``notify()`` that
     woke the sync thread instead left flush() waiting for ever)."""
-    bg = background.BackgroundWriter("store", sync=None)
-    bg._work = _NewestWaiterFirst(bg._done._lock)  # type: ignore[attr-defined]
-    written: list[int] = []
 
     def sync(*caller_waits: Any) -> None:  # returns once the writing thread waits
         deadline = time.monotonic() + 10
         while not bg._idle and time.monotonic() < deadline:
             time.sleep(0.001)
 
-    bg._sync = sync
+    bg = background.BackgroundWriter("store", sync=sync)
+    # Both threads wait on the one condition, which wakes the newest waiter first.
+    bg._work = _NewestWaiterFirst(bg._done._lock)  # type: ignore[attr-defined]
+    assert bg._syncs is not None
+    bg._syncs._work = bg._work
+    written: list[int] = []
     write = lambda arrays, n: written.append(n)
     host = lambda a: False
     bg.submit(_block(0), ROWS, 0, write, host)
     bg.drain()  # written; the sync thread runs, then waits after the writing thread
     deadline = time.monotonic() + 10
-    while (bg._syncing or bg._sync_wanted) and time.monotonic() < deadline:
+    while bg._syncs.pending_locked() and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(0.05)  # the sync thread is back in its wait
     bg.submit(_block(1), ROWS, ROWS, write, host)
