@@ -248,12 +248,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--workers", type=int, default=0, help="grain worker processes")
-    parser.add_argument(
-        "--prefetch",
-        type=int,
-        default=2,
-        help="batches put on the devices ahead of the step (sharded_device_put)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100)
     args = parser.parse_args(argv)
@@ -291,7 +285,7 @@ def train(args: argparse.Namespace, dataset: str) -> dict[str, Any]:
     train_step = make_train_step(args.learning_rate, args.momentum)
     losses = []
     start = time.perf_counter()
-    with gr.sharded_device_put(loader, mesh, prefetch=args.prefetch) as batches:
+    with gr.sharded_device_put(loader, mesh, prefetch=2) as batches:
         for step, batch in zip(range(args.steps), batches):
             params, velocity, loss = train_step(params, velocity, scale, batch)
             losses.append(loss)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.reduction
 import os
+import signal
 from typing import Any
 
 import grain
@@ -167,10 +170,6 @@ class KillWorkerOnce(grain.transforms.Map):
         self.calls = 0
 
     def map(self, element: Any) -> Any:
-        import multiprocessing
-        import multiprocessing.reduction
-        import signal
-
         self.calls += 1
         name = multiprocessing.current_process().name
         if self.calls != self.nth or not name.endswith("_worker_0"):
