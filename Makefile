@@ -52,7 +52,7 @@ $(LEROBOT_STAMP):
 
 test-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	LEROBOT_PYTHON=$(abspath $(LEROBOT_VENV))/bin/python $(PY) -m pytest -q \
-		tests/rl/test_lerobot_peer.py tests/rl/test_lerobot.py
+		tests/datasets/test_lerobot_peer.py tests/datasets/test_lerobot.py
 
 # TensorFlow + tensorflow-datasets (only to write and read back the RLDS peer datasets) in a
 # venv of their own; grain_replay reads RLDS without them. tensorflow-cpu 2.21 needs Python 3.11+.
@@ -67,7 +67,7 @@ $(RLDS_STAMP):
 
 test-rlds: $(STAMP) $(RLDS_STAMP)
 	RLDS_PYTHON=$(abspath $(RLDS_VENV))/bin/python $(PY) -m pytest -q \
-		tests/sources/test_rlds_peer.py tests/sources/test_rlds_source.py
+		tests/datasets/test_rlds_peer.py tests/datasets/test_rlds_source.py
 
 # torch, torchrl and flashbax in a venv of their own: they write real buffer dumps and Vaults,
 # and the main venv's tests compare our reads with theirs (FORMATS_PYTHON, formats_peer.py).
@@ -81,8 +81,8 @@ $(FORMATS_STAMP):
 
 test-formats: $(STAMP) $(FORMATS_STAMP)
 	FORMATS_PYTHON=$(abspath $(FORMATS_VENV))/bin/python $(PY) -m pytest -q -n 0 \
-		tests/sources/test_formats_peer.py tests/sources/test_npz_source.py \
-		tests/sources/test_torchrl_source.py tests/sources/test_vault_source.py
+		tests/datasets/test_formats_peer.py tests/sources/test_npz_source.py \
+		tests/datasets/test_torchrl_source.py tests/datasets/test_vault_source.py
 
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python

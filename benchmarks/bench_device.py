@@ -197,7 +197,7 @@ def run_device(
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from grain_replay.pipeline.device_put import has_pinned_host
+    from grain_replay.device.put import has_pinned_host
 
     backend = jax.default_backend()
     on_accelerator = backend in ("gpu", "cuda", "rocm", "tpu")

@@ -84,7 +84,7 @@ def _measure(root: str, fmt: str, steps: int, batch: int, repeats: int) -> str:
     import minari
     from PIL import Image
 
-    from grain_replay.rl import MinariDataSource
+    from grain_replay.datasets import MinariDataSource
 
     dataset_id = f"bench/{fmt}-v0"
     _record(dataset_id, steps, fmt)

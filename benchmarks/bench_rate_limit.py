@@ -85,8 +85,8 @@ def _writer(path: str, writer_id: str, rows: int, pause: float, report: str) -> 
 
 def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) -> dict[str, Any]:
     import grain_replay as gr
-    from grain_replay.learners import InsertedCount
-    from grain_replay.sampling.rate_options import default_tolerance
+    from grain_replay.sampling.rate.options import default_tolerance
+    from grain_replay.store.progress import InsertedCount
 
     root = tempfile.mkdtemp(prefix="bench_rate_limit_")
     path = os.path.join(root, "store")

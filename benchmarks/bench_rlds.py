@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))  # the layout writers
 import rlds_fixture as fx  # noqa: E402
 
 import grain_replay as gr  # noqa: E402
-from grain_replay.sources.rlds import index as index_lib  # noqa: E402
-from grain_replay.sources.rlds.images import jpeg_decoder  # noqa: E402
-from grain_replay.sources.rlds.source import DEFAULT_FRAME_CACHE_BYTES  # noqa: E402
+from grain_replay.datasets.rlds import index as index_lib  # noqa: E402
+from grain_replay.datasets.rlds.images import jpeg_decoder  # noqa: E402
+from grain_replay.datasets.rlds.source import DEFAULT_FRAME_CACHE_BYTES  # noqa: E402
 
 BATCH = 256
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rlds_peer.py")

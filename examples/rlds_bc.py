@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import grain_replay as gr
-from grain_replay.sources.rlds.tfrecord import masked_crc
+from grain_replay.datasets.rlds.tfrecord import masked_crc
 
 CHUNK = 16
 SIZE = 32

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import (
     ArgumentTypeError,
     BackgroundWriteError,
@@ -39,19 +38,25 @@ from grain_replay.errors import (
     WorkerDiedError,
     WriterBusyError,
 )
+from grain_replay.pipeline.flags import ensure_absl_flags_parsed
 
 if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
-    from grain_replay.layout import LeafSpec
-    from grain_replay.loading import make_data_loader, replay_dataset
-    from grain_replay.pipeline.batches import LoaderOptions
-    from grain_replay.pipeline.device_put import sharded_device_put
-    from grain_replay.pipeline.distributed import shutdown_distributed
-    from grain_replay.remote import RetryOptions
-    from grain_replay.rl import (
+    from grain_replay.datasets import (
         D4RLDataSource,
-        EpisodeIndex,
         LeRobotDataSource,
         MinariDataSource,
+        RLDSDataSource,
+        TorchRLDataSource,
+        VaultDataSource,
+    )
+    from grain_replay.device.distributed import shutdown_distributed
+    from grain_replay.device.put import sharded_device_put
+    from grain_replay.loading import make_data_loader, replay_dataset
+    from grain_replay.opening import open_source
+    from grain_replay.pipeline.batches import LoaderOptions
+    from grain_replay.remote import RetryOptions
+    from grain_replay.rl import (
+        EpisodeIndex,
         NStepDataSource,
         SequenceDataSource,
         TransitionDataSource,
@@ -65,14 +70,11 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
         NpzDataSource,
         PartsDataSource,
         ReplaySource,
-        RLDSDataSource,
-        TorchRLDataSource,
-        VaultDataSource,
         ZarrDataSource,
-        open_source,
     )
     from grain_replay.stats import compute_stats
-    from grain_replay.watermark import Watermark, read_watermark
+    from grain_replay.store.layout import LeafSpec
+    from grain_replay.store.watermark import Watermark, read_watermark
     from grain_replay.writers import (
         ReplayWriter,
         truncate_to_watermark,
@@ -168,22 +170,30 @@ __all__ = [
 # Public name -> the module that defines it, imported on first use: a spawned
 # loader worker imports this package and only the modules its reads need.
 _LAZY = {
-    "LeafSpec": "grain_replay.layout",
+    "LeafSpec": "grain_replay.store.layout",
     **{
         name: "grain_replay.sources"
         for name in (
             "HDF5DataSource",
             "NpyDataSource",
-            "RLDSDataSource",
             "NpzDataSource",
             "PartsDataSource",
-            "TorchRLDataSource",
-            "VaultDataSource",
             "ZarrDataSource",
             "ReplaySource",
         )
     },
-    "open_source": "grain_replay.sources",
+    **{
+        name: "grain_replay.datasets"
+        for name in (
+            "D4RLDataSource",
+            "LeRobotDataSource",
+            "MinariDataSource",
+            "RLDSDataSource",
+            "TorchRLDataSource",
+            "VaultDataSource",
+        )
+    },
+    "open_source": "grain_replay.opening",
     **{
         name: "grain_replay.writers"
         for name in (
@@ -199,14 +209,14 @@ _LAZY = {
     "replay_dataset": "grain_replay.loading",
     "LoaderOptions": "grain_replay.pipeline.batches",
     "RetryOptions": "grain_replay.remote",
-    "sharded_device_put": "grain_replay.pipeline.device_put",
-    "shutdown_distributed": "grain_replay.pipeline.distributed",
+    "sharded_device_put": "grain_replay.device.put",
+    "shutdown_distributed": "grain_replay.device.distributed",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
     "compute_stats": "grain_replay.stats",
-    "Watermark": "grain_replay.watermark",
-    "read_watermark": "grain_replay.watermark",
+    "Watermark": "grain_replay.store.watermark",
+    "read_watermark": "grain_replay.store.watermark",
     **{
         name: "grain_replay.rl"
         for name in (
@@ -215,9 +225,6 @@ _LAZY = {
             "WindowDataSource",
             "NStepDataSource",
             "TransitionDataSource",
-            "MinariDataSource",
-            "D4RLDataSource",
-            "LeRobotDataSource",
             "SequenceDataSource",
         )
     },

@@ -12,8 +12,8 @@ from typing import Any
 
 import grain
 
-from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.pipeline.arguments import LoaderArguments
+from grain_replay.pipeline.flags import ensure_absl_flags_parsed
 from grain_replay.pipeline.loader import epoch_dataset, make_epoch_loader
 from grain_replay.sampling.loader import make_sampling_dataset, make_sampling_loader
 from grain_replay.sources.base import BatchSource

@@ -1,18 +1,19 @@
-"""The package's shape: every module imports on its own, and imports run one way.
+"""The package's shape, as folder rules: every module imports on its own, imports run one way,
+and each room keeps to what it may import (docs/architecture.md is the map).
 
-The layers, bottom first (see docs/architecture.md):
+The rooms, bottom first:
 
-0. errors, tree, layout, parts, filesync, formats, remote/, integrity, watermark, learners,
-   _flags: no source, no writer.
-1. sources/reading/ and sources/checks.py: the shared reading layer; imports no format.
-2. sources/surface.py (the source surface) and sources/base.py (stores as sources).
-3. sources/hdf5/, sources/zarr/, sources/npy.py, sources/rlds/ (never each other) and
-   writers/ (no source).
-4. sources/__init__.py: ``open_source`` over the formats.
-5. rl/, stats/, pipeline/ and any other module not listed.
-6. sampling/: mixtures and replay streams, read through pipeline/'s iterators.
-7. loading: the facade a user calls (make_data_loader), over pipeline/ and sampling/.
-8. cli, and the package itself.
+0. errors, tree, _flags, store/ (the on-disk contract), remote/ (fsspec access).
+1. sources/reading/, sources/checks.py, sources/keys.py: the shared reading layer.
+2. sources/surface.py, sources/base.py, sources/access.py: the source surface.
+3. sources/<format>/ (hdf5, zarr, npy, npz: never each other) and writers/.
+4. sources/parts/ (the many-writer reader, over every format's segments) and
+   sources/__init__.py.
+5. rl/ (views) and pipeline/ (the host loader and its workers).
+6. datasets/<name>/: other libraries' datasets (never each other; may offer rl/'s views).
+7. opening (open_source), sampling/, stats/.
+8. device/ (everything jax), loading (make_data_loader).
+9. cli/, and the package itself.
 
 Every import counts, also those inside functions and under ``TYPE_CHECKING``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -34,43 +36,48 @@ PACKAGE = pathlib.Path(grain_replay.__file__).parent
 LAYERS = {
     "grain_replay.errors": 0,
     "grain_replay.tree": 0,
-    "grain_replay.layout": 0,
-    "grain_replay.parts": 0,
-    "grain_replay.filesync": 0,
-    "grain_replay.formats": 0,
+    "grain_replay.pipeline.flags": 0,
+    "grain_replay.store": 0,
     "grain_replay.remote": 0,
-    "grain_replay.integrity": 0,
-    "grain_replay.watermark": 0,
-    "grain_replay.learners": 0,
-    "grain_replay._flags": 0,
     "grain_replay.sources.reading": 1,
     "grain_replay.sources.checks": 1,
-    "grain_replay.sources.layouts": 1,
+    "grain_replay.sources.keys": 1,
     "grain_replay.sources.base": 2,
     "grain_replay.sources.surface": 2,
+    "grain_replay.sources.access": 2,
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,
-    "grain_replay.sources.rlds": 3,
     "grain_replay.sources.npz": 3,
-    "grain_replay.sources.torchrl": 3,
-    "grain_replay.sources.vault": 3,
+    "grain_replay.sources.parts": 4,
     "grain_replay.writers": 3,
     "grain_replay.sources": 4,
-    "grain_replay.sampling": 6,
-    "grain_replay.loading": 7,
-    "grain_replay.cli": 8,
+    "grain_replay.rl": 5,
+    "grain_replay.pipeline": 5,
+    "grain_replay.datasets": 6,
+    "grain_replay.opening": 7,
+    "grain_replay.sampling": 7,
+    "grain_replay.stats": 7,
+    "grain_replay.device": 8,
+    "grain_replay.loading": 8,
+    "grain_replay.cli": 9,
 }
-DEFAULT_LAYER = 5  # rl, stats, pipeline and whatever joins them
 FORMAT_ROOMS = (
     "grain_replay.sources.hdf5",
     "grain_replay.sources.zarr",
     "grain_replay.sources.npy",
-    "grain_replay.sources.rlds",
     "grain_replay.sources.npz",
-    "grain_replay.sources.torchrl",
-    "grain_replay.sources.vault",
+    "grain_replay.datasets.rlds",
+    "grain_replay.datasets.torchrl",
+    "grain_replay.datasets.vault",
+    "grain_replay.datasets.lerobot",
+    "grain_replay.datasets.minari",
+    "grain_replay.datasets.d4rl",
 )
+# Folders whose modules may import jax: the device room, the device writer, and the facades
+# above every room (the package, cli/).
+JAX_ROOMS = ("grain_replay.device", "grain_replay.writers.device", "grain_replay.cli")
+DATASET_NAMES = re.compile(r"rlds|torchrl|vault|flashbax|lerobot|minari|d4rl", re.IGNORECASE)
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -120,9 +127,14 @@ GRAPH = {name: _imports(name) for name in MODULES}
 
 def _layer(name: str) -> int:
     if name == "grain_replay":
-        return 8
+        return 9
     best = max((p for p in LAYERS if name == p or name.startswith(p + ".")), key=len, default=None)
-    return DEFAULT_LAYER if best is None else LAYERS[best]
+    assert best is not None, f"{name} is in no room: add its folder to LAYERS"
+    return LAYERS[best]
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
 
 
 def _room(name: str) -> str | None:
@@ -131,11 +143,13 @@ def _room(name: str) -> str | None:
 
 def test_every_module_is_known_to_the_layering_test() -> None:
     assert len(MODULES) > 40
-    assert {"grain_replay.formats", "grain_replay.remote", "grain_replay.sources.base"} <= set(
-        GRAPH
-    )
+    assert {
+        "grain_replay.store.formats",
+        "grain_replay.remote",
+        "grain_replay.sources.base",
+    } <= set(GRAPH)
     # A parse that found nothing would make the layering tests pass trivially.
-    assert "grain_replay.formats" in GRAPH["grain_replay.sources.hdf5.source"]
+    assert "grain_replay.store.formats" in GRAPH["grain_replay.sources.hdf5.source"]
     assert "grain_replay.sources.reading.readers" in GRAPH["grain_replay.sources.npy"]
 
 
@@ -149,12 +163,19 @@ def test_imports_run_from_higher_layers_to_lower_ones() -> None:
     assert not upward, "\n".join(upward)
 
 
+def _crosses_rooms(a: str, b: str) -> bool:
+    """Two format rooms of one folder (sources/ or datasets/): a dataset may read through an
+    array store's room (D4RL is an HDF5 file), never through another dataset's."""
+    ra, rb = _room(a), _room(b)
+    return bool(ra and rb and ra != rb and _parent(ra) == _parent(rb))
+
+
 def test_format_rooms_never_import_each_other_and_writers_import_no_source() -> None:
     crossing = [
         f"{a} imports {b}"
         for a, deps in GRAPH.items()
         for b in deps
-        if (_room(a) and _room(b) and _room(a) != _room(b))
+        if _crosses_rooms(a, b)
         or (a.startswith("grain_replay.writers") and b.startswith("grain_replay.sources"))
         or (a.startswith("grain_replay.sources.reading") and _room(b))
     ]
@@ -208,3 +229,133 @@ def test_every_module_imports_first_in_a_fresh_package() -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _trees() -> dict[str, ast.AST]:
+    return {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+
+
+TREES = _trees()
+
+
+def _folder(name: str) -> str:
+    """The package a module lives in (a package's own ``__init__`` lives in itself)."""
+    return name if _is_package(name) else name.rpartition(".")[0]
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def test_readers_never_import_writers() -> None:
+    readers = ("grain_replay.sources", "grain_replay.datasets", "grain_replay.rl")
+    crossing = [
+        f"{a} imports {b}"
+        for a, deps in GRAPH.items()
+        if a.startswith(readers)
+        for b in deps
+        if b.startswith("grain_replay.writers")
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def _private_imports(name: str) -> list[str]:
+    out = []
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if not node.module.startswith("grain_replay"):
+                continue
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                module = target if target in MODULES else node.module
+                private = [p for p in module.split(".") if _is_private(p)]
+                if module != target and _is_private(alias.name):
+                    private.append(alias.name)
+                if private and _folder(module) != _folder(name):
+                    out.append(f"{name} imports {target}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "grain_replay" and any(map(_is_private, parts)):
+                    if _folder(alias.name) != _folder(name):
+                        out.append(f"{name} imports {alias.name}")
+    return out
+
+
+def test_no_module_imports_another_rooms_private_module_or_name() -> None:
+    # A private module or name is its folder's business: another folder that needs it
+    # needs a public name.
+    found = [line for name in MODULES for line in _private_imports(name)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_import_rule_sees_a_break() -> None:
+    # The rule above, fed a module that breaks it, must say so.
+    name = "grain_replay.rl.episodes"
+    saved = TREES[name]
+    try:
+        TREES[name] = ast.parse("from grain_replay.pipeline.shuffle import _permutation\n")
+        assert _private_imports(name) == [
+            f"{name} imports grain_replay.pipeline.shuffle._permutation"
+        ]
+        TREES[name] = ast.parse("from grain_replay.rl import _derived\n")
+        assert _private_imports(name) == []  # its own folder's private module
+    finally:
+        TREES[name] = saved
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.alias):
+            out.add(node.name)
+            out.add(node.asname or "")
+        elif isinstance(node, ast.ImportFrom):
+            out.add(node.module or "")
+    return out
+
+
+@pytest.mark.parametrize("room", ["grain_replay.rl", "grain_replay.sources"])
+def test_views_and_array_stores_name_no_other_librarys_dataset(room: str) -> None:
+    # rl/ is views over any step source and sources/ array stores only: a dataset's own
+    # rules live in datasets/<name>/ (docstrings may still cite them).
+    named = sorted(
+        f"{name}: {ident}"
+        for name in MODULES
+        if name == room or name.startswith(room + ".")
+        for ident in _identifiers(TREES[name])
+        if DATASET_NAMES.search(ident)
+    )
+    assert not named, "\n".join(named)
+
+
+def _imports_jax(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] in ("jax", "jaxlib") for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+            "jax",
+            "jaxlib",
+        ):
+            return True
+    return False
+
+
+def test_only_the_device_rooms_import_jax() -> None:
+    # The loader workers' "no jax" rule as a folder rule: pipeline/, sources/, sampling/ and
+    # the rest run in spawned workers or below them.
+    outside = sorted(
+        name
+        for name in MODULES
+        if name != "grain_replay" and not name.startswith(JAX_ROOMS) and _imports_jax(TREES[name])
+    )
+    assert not outside, "\n".join(outside)
+    assert _imports_jax(TREES["grain_replay.device.put"])  # the check sees an import

@@ -374,7 +374,7 @@ def test_import_optional_names_the_fix_for_a_missing_or_blocked_package(
 ) -> None:
     import email.mime.text  # a submodule already imported, then its package blocked
 
-    from grain_replay.formats import import_optional
+    from grain_replay.store.formats import import_optional
 
     assert import_optional("email.mime.text", "unused") is email.mime.text
     with pytest.raises(gr.MissingDependencyError, match="Fix: pip install nothing") as info:

@@ -336,7 +336,10 @@ def test_allowed_exceptions_are_still_needed() -> None:
         ("from zarr.core.sync import sync", "zarr's internal zarr.core.sync"),
         ("import zarr.core.buffer", "zarr's internal zarr.core.buffer"),
         ("from zarr import core", "zarr's internal zarr.core"),
-        ("from grain_replay.formats import import_zarr\nz = import_zarr()\nz.core.sync", "z.core"),
+        (
+            "from grain_replay.store.formats import import_zarr\nz = import_zarr()\nz.core.sync",
+            "z.core",
+        ),
         ("import zarr\ndef f(a):\n    return zarr.core.array.AsyncArray", "zarr.core"),
         ("import zarr\ndef f(g: zarr.Group):\n    return g._async_group", "g._async_group"),
     ],

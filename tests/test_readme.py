@@ -24,9 +24,9 @@ NOT_RUN = re.compile(r"<!-- not run: ([^>]+) -->\s*\n$")
 # The only reasons a block may give for not running here: data or services from outside.
 REASONS = {
     "needs an S3 endpoint and credentials": "s3://",
-    "needs a LeRobot dataset from the Hugging Face Hub (tests/rl/test_lerobot.py runs it "
+    "needs a LeRobot dataset from the Hugging Face Hub (tests/datasets/test_lerobot.py runs it "
     "on a toy one)": "LeRobotDataSource",
-    "needs an RLDS dataset built by TFDS (tests/sources/test_rlds_source.py runs it on a "
+    "needs an RLDS dataset built by TFDS (tests/datasets/test_rlds_source.py runs it on a "
     "toy one)": "tensorflow_datasets/",
 }
 

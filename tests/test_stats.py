@@ -12,7 +12,7 @@ from rl_fixtures import ArraySource
 
 import grain_replay as gr
 import grain_replay.stats.cache as stats_store
-from grain_replay.rl._access import LeafAccess
+from grain_replay.sources.access import LeafAccess
 from grain_replay.stats import quantile_error, quantile_name, stats_cache_path
 
 SUFFIX = {"hdf5": ".h5", "npy": "", "zarr": ".zarr"}

@@ -35,8 +35,8 @@ def _open(path: str) -> Any:
 
 def _is_plain(path: str) -> bool:
     """False for a D4RL-layout HDF5 file without grain_replay metadata."""
-    from grain_replay.formats import format_from_path, import_h5py
-    from grain_replay.layout import METADATA_ATTR
+    from grain_replay.store.formats import format_from_path, import_h5py
+    from grain_replay.store.layout import METADATA_ATTR
 
     if format_from_path(path) != "hdf5" or not os.path.isfile(path):
         return True
@@ -82,7 +82,7 @@ def _leaf_bytes(specs: Iterable[Any]) -> list[int]:
 
 def _storable(spec: Any) -> Any:
     """``spec`` as written: fixed-width bytes (RLDS text) become uint8 ``(*shape, width)``."""
-    from grain_replay import layout as layout_lib
+    from grain_replay.store import layout as layout_lib
 
     if spec.dtype.kind == "S":
         return layout_lib.LeafSpec(np.dtype(np.uint8), (*spec.shape, spec.dtype.itemsize))
@@ -97,10 +97,10 @@ def _as_storable(a: np.ndarray) -> np.ndarray:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Streams SRC into a new store at DST, bit-exactly, in bounded memory."""
-    from grain_replay import layout as layout_lib
     from grain_replay import tree as tree_lib
     from grain_replay.errors import StoreExistsError
-    from grain_replay.formats import format_from_path
+    from grain_replay.store import layout as layout_lib
+    from grain_replay.store.formats import format_from_path
     from grain_replay.writers.oneshot import write_blocks
 
     if os.path.lexists(args.dst) and not args.overwrite:
@@ -157,8 +157,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Checks metadata, lengths and every leaf's recorded checksums."""
-    from grain_replay.integrity import verify_source
     from grain_replay.sources import PartsDataSource
+    from grain_replay.store.integrity import verify_source
 
     src = _open(args.path)
     if isinstance(src, PartsDataSource):
@@ -193,7 +193,7 @@ def _verify_parts(src: Any, args: argparse.Namespace) -> int:
     """Verifies every live segment of every writer of a many-writer store, and the manifests."""
     import grain_replay as gr
     from grain_replay.errors import GrainReplayError
-    from grain_replay.integrity import verify_source
+    from grain_replay.store.integrity import verify_source
 
     problems = []
     for m in src.writers:

@@ -46,8 +46,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import jax
 
+    from grain_replay.device.put import sharded_device_put
     from grain_replay.loading import make_data_loader
-    from grain_replay.pipeline.device_put import sharded_device_put
 
     devices = jax.devices()
     expected = (n // b) * b

@@ -91,8 +91,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _writers(src: Any) -> list[dict[str, Any]] | None:
     """Per-writer rows, segments and disk use of a bounded, many-writer store, else None."""
-    from grain_replay import parts as parts_lib
     from grain_replay.sources import PartsDataSource
+    from grain_replay.store import parts as parts_lib
 
     if not isinstance(src, PartsDataSource):
         return None

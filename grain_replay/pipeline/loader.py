@@ -12,11 +12,11 @@ from typing import Any
 
 import grain
 
-from grain_replay._flags import ensure_absl_flags_parsed
 from grain_replay.errors import InvalidArgumentError
 from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.batches import BatchedReads, LoaderOptions, _as_int
 from grain_replay.pipeline.defaults import default_read_options, default_shard_options
+from grain_replay.pipeline.flags import ensure_absl_flags_parsed
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator

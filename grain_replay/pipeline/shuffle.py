@@ -24,7 +24,7 @@ import numpy as np
 
 __all__ = ["epoch_order", "permute"]
 
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 _ROUNDS = 6
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -37,15 +37,15 @@ _BLOCK = 1 << 14
 _GRID_MAX = 1 << 22
 
 
-def _mix_int(x: int) -> int:
+def mix_int(x: int) -> int:
     """splitmix64's finalizer on a Python int (used to derive round keys)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer, vectorized on uint64 (multiplication wraps)."""
     x = x ^ (x >> np.uint64(30))
     x = x * _M1
@@ -55,8 +55,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _round_keys(seed: int, epoch: int) -> list[np.uint64]:
-    base = _mix_int(_mix_int(seed & _MASK64) ^ (epoch & _MASK64))
-    return [np.uint64(_mix_int(base + r)) for r in range(_ROUNDS)]
+    base = mix_int(mix_int(seed & MASK64) ^ (epoch & MASK64))
+    return [np.uint64(mix_int(base + r)) for r in range(_ROUNDS)]
 
 
 def _feistel(x: np.ndarray, half_bits: int, keys: list[np.uint64]) -> np.ndarray:
@@ -64,7 +64,7 @@ def _feistel(x: np.ndarray, half_bits: int, keys: list[np.uint64]) -> np.ndarray
     mask = np.uint64((1 << half_bits) - 1)
     left, right = x >> shift, x & mask
     for k in keys:
-        left, right = right, left ^ (_mix(right ^ k) & mask)
+        left, right = right, left ^ (mix(right ^ k) & mask)
     return (left << shift) | right
 
 
@@ -75,7 +75,7 @@ def _tables(half_bits: int, seed: int, epoch: int) -> tuple[np.ndarray, ...]:
     mask = np.uint64((1 << half_bits) - 1)
     out = []
     for k in _round_keys(seed, epoch):
-        table = (_mix(inputs ^ k) & mask).view(np.int64)
+        table = (mix(inputs ^ k) & mask).view(np.int64)
         table.flags.writeable = False
         out.append(table)
     return tuple(out)
@@ -122,7 +122,7 @@ def _encrypter(n: int, seed: int, epoch: int) -> tuple[int, Callable[[np.ndarray
     bits += bits & 1
     half = bits // 2
     if half <= _TABLE_BITS:
-        tables = _tables(half, seed & _MASK64, epoch & _MASK64)
+        tables = _tables(half, seed & MASK64, epoch & MASK64)
         return half, lambda x: _feistel_tables(x, half, tables)
     keys = _round_keys(seed, epoch)
     return half, lambda x: _feistel(x.astype(np.uint64), half, keys).astype(np.int64)
@@ -144,7 +144,7 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     width = 1 << half
     if half > _TABLE_BITS or width * width > _GRID_MAX:
         return permute(np.arange(n), n, seed, epoch).astype(dtype)
-    tables = _tables(half, seed & _MASK64, epoch & _MASK64)
+    tables = _tables(half, seed & MASK64, epoch & MASK64)
     columns = np.arange(width, dtype=np.int64)
     per_block = max(1, _BLOCK // width)
     grid = np.empty(width * width, np.int32)  # at most _GRID_MAX values, all < 2**31

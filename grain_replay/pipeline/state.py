@@ -295,9 +295,11 @@ def handed_out_from_state(ident: LoaderIdentity, state: Any) -> int:
 
 def _process_file(directory: Any) -> Any:
     """Where grain's Orbax handler keeps this process's state in a checkpoint directory."""
-    import jax  # here, not at the top: spawned loader workers import this module
+    # Orbax's own view of the processes (it calls this module's save and restore): this
+    # module imports no jax, as spawned loader workers import it.
+    from orbax.checkpoint import multihost
 
-    return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    return directory / f"process_{multihost.process_index()}-of-{multihost.process_count()}.json"
 
 
 _PROCESS_FILE_RE = re.compile(r"process_(\d+)-of-(\d+)\.json")
@@ -321,9 +323,9 @@ def _saved_file(directory: Any) -> Any:
             "iterator was saved to."
         )
     saved = counts.pop()
-    import jax
+    from orbax.checkpoint import multihost
 
-    return directory / f"process_{jax.process_index() % saved}-of-{saved}.json"
+    return directory / f"process_{multihost.process_index() % saved}-of-{saved}.json"
 
 
 async def save_text(directory: Any, text: str) -> None:

@@ -19,8 +19,8 @@ from grain_replay.errors import (
     StoreNotFoundError,
     StoreUnreachableError,
 )
-from grain_replay.formats import import_fsspec
 from grain_replay.remote.options import endpoint_of, protocol_of, redact_url
+from grain_replay.store.formats import import_fsspec
 
 __all__ = ["Remote", "RetryOptions", "classify", "is_transient", "retry_options"]
 

@@ -11,15 +11,15 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess
 from grain_replay.rl.episodes import (
     EpisodeFlags,
     EpisodeIndex,
     build_episode_index,
     source_episodes,
 )
+from grain_replay.sources.access import LeafAccess
 from grain_replay.sources.base import SourceSurface, as_record_index, check_indices
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["DerivedSource", "Spans"]
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grain_replay.layout import LeafSpec
 from grain_replay.rl._derived import Spans
 from grain_replay.rl.episodes import EpisodeIndex
+from grain_replay.store.layout import LeafSpec
 
 __all__ = [
     "FIX_TABLE_ENTRIES",

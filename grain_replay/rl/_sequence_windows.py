@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._sequence_plan import Anchors, OffsetGroup, rows_plan
+from grain_replay.sources.access import LeafAccess
 
 __all__ = ["read_windowed"]
 

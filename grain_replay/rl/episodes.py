@@ -17,8 +17,8 @@ from grain_replay.errors import (
     InvalidStoreError,
     UnknownLeafError,
 )
-from grain_replay.rl._access import LeafAccess, local_path, save_cache
 from grain_replay.rl.episode_index import EpisodeIndex
+from grain_replay.sources.access import LeafAccess, local_path, save_cache
 
 __all__ = [
     "EpisodeIndex",
@@ -35,7 +35,7 @@ _TERMINATED_NAMES = ("terminated", "terminations", "terminals", "terminal")
 _TRUNCATED_NAMES = ("truncated", "truncations", "timeouts", "timeout")
 _DONE_NAMES = ("done", "dones")
 # RLDS's step flags: is_last ends every episode, is_terminal the terminated ones.
-_RLDS_LAST, _RLDS_TERMINAL = "is_last", "is_terminal"
+_IS_LAST, _IS_TERMINAL = "is_last", "is_terminal"
 # Rows of a flag leaf read at a time while building: bounds memory on huge stores.
 _BLOCK_ROWS = 1 << 20
 _CACHE_VERSION = 1
@@ -85,9 +85,9 @@ class EpisodeFlags:
             term = next((k for k in _TERMINATED_NAMES if k in spec), None)
             trunc = next((k for k in _TRUNCATED_NAMES if k in spec), None)
             done = next((k for k in _DONE_NAMES if k in spec), None)
-            if term is None and trunc is None and done is None and _RLDS_LAST in spec:
-                terminal = _RLDS_TERMINAL if _RLDS_TERMINAL in spec else None
-                return EpisodeFlags(done=_RLDS_LAST, terminated=terminal).resolve(spec, where)
+            if term is None and trunc is None and done is None and _IS_LAST in spec:
+                terminal = _IS_TERMINAL if _IS_TERMINAL in spec else None
+                return EpisodeFlags(done=_IS_LAST, terminated=terminal).resolve(spec, where)
             if term is None and trunc is None and done is None:
                 raise InvalidStoreError(
                     f"{where}: no end-of-episode flag leaf found; the leaves are {leaves}. "

@@ -9,8 +9,6 @@ from typing import Any, cast
 import numpy as np
 
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess
 from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl._sequence_plan import (
     WINDOW_ROW_BYTES,
@@ -21,7 +19,9 @@ from grain_replay.rl._sequence_plan import (
     rows_plan,
     tables_fit,
 )
-from grain_replay.rl._sequence_spec import (
+from grain_replay.rl._sequence_windows import read_windowed
+from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
+from grain_replay.rl.sequence_spec import (
     PAD_SUFFIX,
     TOLERANCE_S,
     check_leaves,
@@ -31,10 +31,10 @@ from grain_replay.rl._sequence_spec import (
     resolve_fps,
     sequence_treedef,
 )
-from grain_replay.rl._sequence_windows import read_windowed
-from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.sources import ReplaySource
+from grain_replay.sources.access import LeafAccess
 from grain_replay.sources.checks import check_out
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
 

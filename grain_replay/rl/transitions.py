@@ -10,10 +10,10 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError, UnknownLeafError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess, subtree, with_entries
 from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
+from grain_replay.sources.access import LeafAccess, subtree, with_entries
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["NStepDataSource", "TransitionDataSource", "NStepOptions"]
 

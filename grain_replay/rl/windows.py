@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import with_entries
 from grain_replay.rl._derived import DerivedSource, Spans
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
+from grain_replay.sources.access import with_entries
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["WindowDataSource", "WindowOptions"]
 

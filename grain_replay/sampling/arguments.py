@@ -12,8 +12,8 @@ import numpy as np
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
 from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_shard_options
-from grain_replay.sampling.rate_limit import make_limiter
-from grain_replay.sampling.rate_options import is_rate_limited
+from grain_replay.sampling.rate.limit import make_limiter
+from grain_replay.sampling.rate.options import is_rate_limited
 from grain_replay.sampling.streams import Stream, make_stream
 
 __all__ = ["check_int", "stream_factory"]

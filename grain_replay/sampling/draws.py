@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from grain_replay.pipeline.shuffle import _MASK64, _mix, _mix_int
+from grain_replay.pipeline.shuffle import MASK64, mix, mix_int
 
 __all__ = ["Draws", "uniforms", "integers"]
 
@@ -35,15 +35,15 @@ def _counter(count: int) -> np.ndarray:
 
 def _prefix(seed: int, stream: int) -> int:
     """The part of a step's key that all steps of ``(seed, stream)`` share."""
-    return _mix_int(_mix_int(seed & _MASK64) ^ (stream & _MASK64))
+    return mix_int(mix_int(seed & MASK64) ^ (stream & MASK64))
 
 
 def _key(seed: int, stream: int, step: int) -> int:
-    return _mix_int(_prefix(seed, stream) ^ (step & _MASK64))
+    return mix_int(_prefix(seed, stream) ^ (step & MASK64))
 
 
 def _bits(seed: int, stream: int, step: int, count: int) -> np.ndarray:
-    return _mix(_counter(count) + np.uint64(_key(seed, stream, step)))
+    return mix(_counter(count) + np.uint64(_key(seed, stream, step)))
 
 
 def _to_unit(bits: np.ndarray) -> np.ndarray:
@@ -99,9 +99,9 @@ class Draws:
         first = step - step % BLOCK
         if first != self._first:
             steps = np.arange(first, first + BLOCK, dtype=np.uint64)
-            # _mix_int on the array: add the golden ratio, then the finalizer (wrapping).
-            keys = _mix((steps ^ np.uint64(self._prefix)) + np.uint64(_GOLDEN))
-            block = _mix(_counter(self._count)[None, :] + keys[:, None])
+            # mix_int on the array: add the golden ratio, then the finalizer (wrapping).
+            keys = mix((steps ^ np.uint64(self._prefix)) + np.uint64(_GOLDEN))
+            block = mix(_counter(self._count)[None, :] + keys[:, None])
             block.flags.writeable = False
             self._block, self._first = block, first
         return self._block[step - first]

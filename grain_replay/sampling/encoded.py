@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.integrity import as_bytes
+from grain_replay.store.integrity import as_bytes
 
 __all__ = ["decode_arrays", "encode_arrays", "encode_arrays_json", "json_pieces"]
 

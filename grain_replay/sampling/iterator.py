@@ -24,10 +24,10 @@ from grain_replay.sampling.iterator_state import (
 )
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
-from grain_replay.sampling.rate_limit import make_limiter
+from grain_replay.sampling.rate.limit import make_limiter
 from grain_replay.sampling.replay import StoreLength, UniformSampler
 from grain_replay.sampling.streams import Stream
-from grain_replay.watermark import Watermark
+from grain_replay.store.watermark import Watermark
 
 __all__ = ["ENDLESS", "SamplingIterator"]
 
@@ -68,7 +68,7 @@ class SamplingIterator:
 
     ``get_state()`` returns JSON bytes that hold the whole replay state: the
     position, the sampler's state before the next batch, the commit watermark of
-    the store (the rows the sampler draws from; see :mod:`grain_replay.watermark`)
+    the store (the rows the sampler draws from; see :mod:`grain_replay.store.watermark`)
     and, with prioritized replay, the priorities and the draws ahead (numpy arrays
     as base64, ~11 bytes a row of this process). The rows themselves are never
     copied. :meth:`priority_state` still returns the priorities alone.

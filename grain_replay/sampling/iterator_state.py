@@ -21,7 +21,7 @@ import numpy as np
 from grain_replay.errors import ReplayCheckpointError
 from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.replay import reaches
-from grain_replay.watermark import Watermark
+from grain_replay.store.watermark import Watermark
 
 __all__ = [
     "STATE_VERSION",

@@ -17,7 +17,7 @@ from grain_replay.errors import (
 )
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.priority_state import KINDS, parse_common, pending_updates
-from grain_replay.sampling.rate_options import set_rate_limit
+from grain_replay.sampling.rate.options import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
 from grain_replay.sampling.sumtree import SumTree

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import parts as parts_lib
 from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.sampling.draws import Draws
-from grain_replay.sampling.rate_options import set_rate_limit
+from grain_replay.sampling.rate.options import set_rate_limit
 from grain_replay.sources.base import ReplaySource
+from grain_replay.store import parts as parts_lib
 
 __all__ = [
     "UniformReplay",

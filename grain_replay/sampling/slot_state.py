@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import parts as parts_lib
 from grain_replay.sampling.slots import owned_seqs
+from grain_replay.store import parts as parts_lib
 
 __all__ = ["STATE_VERSION", "held_ids", "parse_tables", "table_problem"]
 

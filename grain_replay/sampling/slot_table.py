@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import parts as parts_lib
 from grain_replay.errors import ReplayCheckpointError
 from grain_replay.sampling.slot_state import STATE_VERSION, held_ids, parse_tables, table_problem
 from grain_replay.sampling.slots import Moves, never_handed_out, owned_seqs
 from grain_replay.sampling.sumtree import compiled
+from grain_replay.store import parts as parts_lib
 
 __all__ = ["CHUNK", "SlotTable", "owned_seqs"]
 

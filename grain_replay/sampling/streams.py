@@ -8,7 +8,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
-from grain_replay.parts import RowIds
 from grain_replay.sampling.mixture import MixtureSampler, Weights
 from grain_replay.sampling.mixture_reader import MixtureReader
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
@@ -20,6 +19,7 @@ from grain_replay.sampling.replay import (
     UniformReplay,
     UniformSampler,
 )
+from grain_replay.store.parts import RowIds
 
 __all__ = ["Stream", "make_stream"]
 

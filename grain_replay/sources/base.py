@@ -18,13 +18,13 @@ from grain_replay.errors import (
     RecordIndexError,
     UnknownLeafError,
 )
-from grain_replay.formats import is_url
-from grain_replay.layout import LeafSpec
 from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
-from grain_replay.sources.layouts import Layout, select_keys
+from grain_replay.sources.keys import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface, current_pid
+from grain_replay.store.formats import is_url
+from grain_replay.store.layout import LeafSpec
 
 __all__ = [
     "BatchSource",

@@ -14,7 +14,7 @@ from grain_replay.errors import (
     RecordIndexError,
     UnknownLeafError,
 )
-from grain_replay.layout import LeafSpec
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["as_record_index", "record_in_range", "check_indices", "check_out"]
 

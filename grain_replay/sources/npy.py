@@ -12,14 +12,14 @@ from typing import cast
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.formats import GROWING_NPY_HEADER, PAGE, read_npy_header, read_npy_metadata
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.files import MappedFile, check_inside
 from grain_replay.sources.reading.growing import GrowingMap, map_file
 from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import GROWING_NPY_HEADER, PAGE, read_npy_header, read_npy_metadata
 
 __all__ = ["NpyDataSource"]
 

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.layout import LeafSpec
 from grain_replay.sources.checks import check_out
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["BatchSource", "SourceSurface"]
 

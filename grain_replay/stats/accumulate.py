@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess
+from grain_replay.sources.access import LeafAccess
+from grain_replay.store.layout import LeafSpec
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
-from grain_replay.layout import LeafSpec
-from grain_replay.rl._access import LeafAccess, local_path, save_cache
+from grain_replay.sources.access import LeafAccess, local_path, save_cache
 from grain_replay.stats.accumulate import (
     SAMPLE_BYTES,
     LeafState,
@@ -20,6 +19,7 @@ from grain_replay.stats.accumulate import (
     scan,
     stats_cache_path,
 )
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["store_state"]
 

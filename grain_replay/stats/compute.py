@@ -106,7 +106,7 @@ def compute_stats(
 
 def _as_source(source: Any) -> Any:
     if isinstance(source, (str, os.PathLike)):
-        from grain_replay.sources import open_source
+        from grain_replay.opening import open_source
 
         return open_source(source)
     return source

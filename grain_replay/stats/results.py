@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from grain_replay.layout import LeafSpec
 from grain_replay.stats.accumulate import StoreState, quantile_name, worker_threads
+from grain_replay.store.layout import LeafSpec
 
 __all__ = ["finalize", "mix"]
 

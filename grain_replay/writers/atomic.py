@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 from grain_replay.errors import StoreExistsError
-from grain_replay.filesync import fsync_path
+from grain_replay.store.filesync import fsync_path
 
 __all__ = ["atomic_path", "fsync_path", "fsync_tree", "remove_path"]
 

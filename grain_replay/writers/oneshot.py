@@ -9,11 +9,18 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidArgumentError
-from grain_replay.formats import FORMATS, PAGE, format_from_path, import_h5py, import_zarr, is_url
-from grain_replay.integrity import Checksummer, as_bytes
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import (
+    FORMATS,
+    PAGE,
+    format_from_path,
+    import_h5py,
+    import_zarr,
+    is_url,
+)
+from grain_replay.store.integrity import Checksummer, as_bytes
 from grain_replay.writers.atomic import atomic_path
 
 __all__ = [

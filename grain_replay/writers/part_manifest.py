@@ -1,6 +1,6 @@
 """A writer part's manifest arithmetic: segment sizes, what a commit evicts, what a resume cuts.
 
-Pure functions of :class:`~grain_replay.parts.Manifest`; the files they describe are
+Pure functions of :class:`~grain_replay.store.parts.Manifest`; the files they describe are
 written and removed by :class:`~grain_replay.writers.parts_writer.PartWriter`.
 """
 
@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
-from grain_replay import parts as parts_lib
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError
-from grain_replay.formats import PAGE
+from grain_replay.store import layout as layout_lib
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.formats import PAGE
 
 __all__ = ["check_reopen", "committed", "cut", "default_segment_rows"]
 

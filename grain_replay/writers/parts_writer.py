@@ -17,20 +17,20 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
-from grain_replay import parts as parts_lib
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
 )
-from grain_replay.filesync import publish_text
-from grain_replay.formats import FORMATS, format_from_path
-from grain_replay.integrity import Checksummer
+from grain_replay.store import layout as layout_lib
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.filesync import publish_text
+from grain_replay.store.formats import FORMATS, format_from_path
+from grain_replay.store.integrity import Checksummer
 from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
-from grain_replay.writers.durable import fsync_all, fsync_dirs
+from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.store_writer import check_tree_matches

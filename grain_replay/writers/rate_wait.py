@@ -1,6 +1,6 @@
 """A writer's side of a rate limit: ``flush()`` waits while it would run ahead of a learner.
 
-See :mod:`grain_replay.learners` for what the learners publish and
+See :mod:`grain_replay.store.progress` for what the learners publish and
 docs/rate_limits.md for the rule. Without a live rate-limited learner the cost
 is one failed ``scandir`` of the learners' folder per flush.
 """
@@ -12,7 +12,7 @@ import math
 import time
 
 from grain_replay.errors import InvalidArgumentError, RateLimitTimeoutError
-from grain_replay.learners import InsertedCount, LearnerWatch, Progress, learners_dir
+from grain_replay.store.progress import InsertedCount, LearnerWatch, Progress, learners_dir
 
 __all__ = ["LOG_EVERY_S", "WriterGate", "check_rate_limit_timeout"]
 

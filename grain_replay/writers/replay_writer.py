@@ -17,10 +17,10 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
-from grain_replay.formats import is_url
-from grain_replay.parts import is_parts_store
-from grain_replay.watermark import Watermark
-from grain_replay.writers import background
+from grain_replay.store.formats import is_url
+from grain_replay.store.parts import is_parts_store
+from grain_replay.store.watermark import Watermark
+from grain_replay.writers.device import background
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout
 from grain_replay.writers.resume import resume_rows

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from grain_replay import parts as parts_lib
 from grain_replay.errors import InvalidStoreError, WriterBusyError
-from grain_replay.watermark import Watermark
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.watermark import Watermark
 from grain_replay.writers import part_manifest
 from grain_replay.writers.replay_writer import ReplayWriter
 from grain_replay.writers.resume import resume_rows

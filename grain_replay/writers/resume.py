@@ -1,6 +1,6 @@
 """``resume_from=``: the committed rows a writer reopened at a replay checkpoint keeps.
 
-See :mod:`grain_replay.watermark` for what a checkpoint records and
+See :mod:`grain_replay.store.watermark` for what a checkpoint records and
 docs/checkpointing.md for restarting a whole run (actors and learner) from one.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidArgumentError
-from grain_replay.parts import read_store_id
-from grain_replay.watermark import Watermark
+from grain_replay.store.parts import read_store_id
+from grain_replay.store.watermark import Watermark
 
 __all__ = ["resume_rows"]
 

@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
     InvalidTreeError,
     WriterBusyError,
 )
-from grain_replay.formats import FORMATS, detect_format, format_from_path
-from grain_replay.integrity import Checksummer
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import FORMATS, detect_format, format_from_path
+from grain_replay.store.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 from grain_replay.writers.lifecycle import LockedWriter
 

@@ -7,7 +7,7 @@ where one is known, and say how to go on (reopen the store)."""
 from __future__ import annotations
 
 from grain_replay.errors import BackgroundWriteError
-from grain_replay.writers.device_leaves import leaf_name
+from grain_replay.writers.device.leaves import leaf_name
 
 __all__ = ["LeafWriteError", "commit_error", "sync_error", "write_error"]
 

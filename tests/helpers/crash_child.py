@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.checksum_block_bytes:
         # Tiny checksum blocks: the metadata grows fast (HDF5: past its attribute).
-        from grain_replay import integrity
+        from grain_replay.store import integrity
 
         integrity.CHECKSUM_BLOCK_BYTES = args.checksum_block_bytes
     if args.die_at:

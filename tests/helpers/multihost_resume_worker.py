@@ -1,4 +1,4 @@
-"""One JAX process of the 2- and 4-process tests in tests/pipeline/test_multihost_scale.py.
+"""One JAX process of the 2- and 4-process tests in tests/device/test_multihost_scale.py.
 
 Run as a script: ``python multihost_resume_worker.py --port P --process-id I
 --num-processes K --store S --batch-size B --num-epochs E --out OUT.json

@@ -1,4 +1,4 @@
-"""One JAX process of tests/pipeline/test_multihost_sampling.py: a mixture and prioritized replay.
+"""One JAX process of tests/device/test_multihost_sampling.py: a mixture and prioritized replay.
 
 Run as ``python multihost_sampling_worker.py --port P --process-id I --a A --b B --out OUT``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. The process joins a

@@ -1,4 +1,4 @@
-"""One JAX process of tests/pipeline/test_multihost_shutdown.py: a job that only synchronizes.
+"""One JAX process of tests/device/test_multihost_shutdown.py: a job that only synchronizes.
 
 Run as ``python multihost_shutdown_worker.py --port P --process-id I --num-processes K
 --out OUT.json`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. The process

@@ -1,4 +1,4 @@
-"""One JAX process of the two-process test in tests/pipeline/test_multihost.py.
+"""One JAX process of the two-process test in tests/device/test_multihost.py.
 
 Run as a script: ``python multihost_worker.py --port P --process-id I --store S
 --batch-size B --out OUT.json``, with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.layout import LeafSpec
+from grain_replay.store.layout import LeafSpec
 
 # -- step stores with episodes ---------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.sources.rlds.tfrecord import masked_crc
+from grain_replay.datasets.rlds.tfrecord import masked_crc
 
 INSTRUCTIONS = ("pick up the red block", "open the drawer", "")
 P = "tensorflow_datasets.core.features."
@@ -152,7 +152,7 @@ def _encode_image(img: np.ndarray, fmt: str) -> bytes:
 def _decode_image(data: bytes) -> np.ndarray:
     # As the reader decodes (simplejpeg when installed, else Pillow): tested apart in
     # test_rlds_source.py against Pillow and, in make test-rlds, against TensorFlow.
-    from grain_replay.sources.rlds.images import decode_image, jpeg_decoder
+    from grain_replay.datasets.rlds.images import decode_image, jpeg_decoder
 
     return decode_image(data, (*np.asarray(_shape_of(data)), 3), np.dtype(np.uint8), jpeg_decoder())
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python tests/helpers/soak_multihost.py --runs 20 [--limit 30] [pytest args]
 
-Each run is one ``pytest -s -n 0 tests/pipeline/test_multihost*.py``; the job runner
+Each run is one ``pytest -s -n 0 tests/device/test_multihost*.py``; the job runner
 (``procs.run_job``) prints one ``multihost job:`` line per job. Prints each run's
 job times, then the median and maximum over all jobs, and exits non-zero when a run
 fails or any job took ``--limit`` seconds or more.
@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--limit", type=float, default=30.0, help="seconds a job must stay under")
     args, pytest_args = parser.parse_known_args()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    default = sorted(glob.glob(os.path.join(root, "tests/pipeline/test_multihost*.py")))
+    default = sorted(glob.glob(os.path.join(root, "tests/device/test_multihost*.py")))
     files = pytest_args or default
     times: list[float] = []
     bad = 0

@@ -39,7 +39,7 @@ import pytest
 import grain_replay as gr
 
 try:
-    from grain_replay.integrity import verify_source
+    from grain_replay.store.integrity import verify_source
 except ImportError:  # checksums are optional to these tests
     verify_source = None
 

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grain_replay as gr
-from grain_replay import layout
 from grain_replay import tree as tree_lib
-from grain_replay.formats import read_npy_header
+from grain_replay.store import layout
+from grain_replay.store.formats import read_npy_header
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -282,7 +282,8 @@ def test_read_npy_header_refuses_header_when_longer_than_numpy_limit(npy_file: s
 _ESCAPE = (
     "BUG: layout.StoreMetadata.from_json catches only (ValueError, KeyError, TypeError, "
     "AttributeError); {exc} escapes raw. Fix: add RecursionError and OverflowError to the "
-    "except clause (grain_replay/layout.py, from_json) and parse counts with an exact-int helper."
+    "except clause (grain_replay/store/layout.py, from_json) and parse counts with an "
+    "exact-int helper."
 )
 
 

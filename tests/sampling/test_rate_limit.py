@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import learners as learners_lib
-from grain_replay.sampling import rate_limit
+from grain_replay.sampling.rate import limit as rate_limit
+from grain_replay.store import progress as learners_lib
 from grain_replay.writers import rate_wait
 
 HELPERS = Path(__file__).parent.parent / "helpers"
@@ -216,7 +216,7 @@ def test_waiting_sides_log_why(tmp_path: Path, monkeypatch: Any, caplog: Any) ->
     next(it)  # 16 <= 16
     with caplog.at_level(logging.WARNING), pytest.raises(gr.RateLimitTimeoutError):
         next(it)
-    lines = [r for r in caplog.records if r.name == "grain_replay.sampling.rate_limit"]
+    lines = [r for r in caplog.records if r.name == "grain_replay.sampling.rate.limit"]
     assert 3 <= len(lines) <= 12, len(lines)  # one per (shortened) interval
     assert "the learner waited" in lines[0].getMessage()
     caplog.clear()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import integrity
+from grain_replay.store import integrity
 from tests.helpers.orbax_items import restore_item as _restore
 from tests.helpers.orbax_items import save_item as _save
 

@@ -7,8 +7,8 @@ import io
 import numpy as np
 import pytest
 
-from grain_replay import formats
 from grain_replay.errors import InvalidStoreError
+from grain_replay.store import formats
 
 
 def _flaky(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:

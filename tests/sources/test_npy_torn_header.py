@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import layout as layout_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources import npy as npy_source
-from grain_replay.writers.durable import NPY_HEADER, npy_header
+from grain_replay.store import layout as layout_lib
+from grain_replay.writers.backends.durable import NPY_HEADER, npy_header
 
 
 def _store(path: str, rows: int) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.sources.parts_snapshot import Snapshot
+from grain_replay.sources.parts.snapshot import Snapshot
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
 from parts_child import check_rows, make_rows, tag_of

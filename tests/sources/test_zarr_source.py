@@ -77,7 +77,7 @@ def test_open_source_reads_bare_zarr_array_as_one_root_leaf(tmp_path, zarr_forma
     arr = zarr.create_array(path, shape=data.shape, chunks=(128, 3), dtype=data.dtype,
                             zarr_format=zarr_format)  # fmt: skip
     arr[:] = data
-    from grain_replay.sources import detect_format
+    from grain_replay.store.formats import detect_format
 
     assert detect_format(path) == "zarr"
     src = gr.open_source(path)

@@ -13,7 +13,7 @@ import pytest
 from parts_child import check_rows, make_rows, spawn_writer
 
 import grain_replay as gr
-from grain_replay import parts as parts_lib
+from grain_replay.store import parts as parts_lib
 
 FORMATS = ["npy", "hdf5", "zarr"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import integrity
+from grain_replay.store import integrity
 
 
 def test_the_fast_crc_is_zlibs_crc32() -> None:

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
-from grain_replay.writers import device_leaves, device_pack
+from grain_replay.writers.device import leaves as device_leaves
+from grain_replay.writers.device import pack as device_pack
 from tests.helpers.store_reads import read_all
 
 THREAD = "grain_replay-device-writes"

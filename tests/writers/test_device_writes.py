@@ -18,8 +18,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
-from grain_replay.writers import background, device_leaves
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
+from grain_replay.writers.device import background
+from grain_replay.writers.device import leaves as device_leaves
 from tests.helpers.store_reads import read_all
 
 SUFFIXES = {"npy": "s", "hdf5": "s.h5", "zarr": "s.zarr"}

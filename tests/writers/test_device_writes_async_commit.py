@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import learners as learners_lib
-from grain_replay import parts as parts_lib
+from grain_replay.store import parts as parts_lib
+from grain_replay.store import progress as learners_lib
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.store_writer import StoreWriter

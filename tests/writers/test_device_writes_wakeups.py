@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import parts as parts_lib
-from grain_replay.writers import background, parts_writer
+from grain_replay.store import parts as parts_lib
+from grain_replay.writers import parts_writer
 from grain_replay.writers.backends import NpyBackend, NpySegmentBackend
+from grain_replay.writers.device import background
 from grain_replay.writers.parts_writer import PartWriter
 from tests.helpers.store_reads import read_all
 

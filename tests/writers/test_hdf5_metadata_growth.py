@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 
 import grain_replay as gr
-from grain_replay import layout as layout_lib
-from grain_replay.integrity import verify_source
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.integrity import verify_source
 
 
 def _block(i: int, rows: int = 3000) -> dict[str, Any]:

@@ -12,10 +12,10 @@ import pytest
 from parts_child import check_rows, make_rows
 
 import grain_replay as gr
-from grain_replay import layout as layout_lib
-from grain_replay import parts as parts_lib
 from grain_replay.errors import StoreExistsError
-from grain_replay.filesync import fsync_path as fsync_path_
+from grain_replay.store import layout as layout_lib
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.filesync import fsync_path as fsync_path_
 from grain_replay.writers import parts_writer
 from grain_replay.writers.backends import (
     Backend,
@@ -93,7 +93,7 @@ def test_a_segment_is_made_without_reading_it_back(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a just-made segment was read back")
 
-    monkeypatch.setattr("grain_replay.writers.npy_backend.read_npy_header", refuse)
+    monkeypatch.setattr("grain_replay.writers.backends.npy.read_npy_header", refuse)
     w = PartWriter(str(tmp_path / "s"), "npy", writer_id="a", capacity=None,
                    segment_rows=10, chunk_rows=None, compression=None)  # fmt: skip
     try:
@@ -128,7 +128,7 @@ def test_a_flush_syncs_in_three_rounds(tmp_path: Path, monkeypatch: pytest.Monke
         w.flush()
         monkeypatch.setattr(parts_writer, "fsync_all", fsync_all)
         monkeypatch.setattr(parts_writer, "fsync_dirs", fsync_dirs)
-        monkeypatch.setattr("grain_replay.filesync.fsync_path", fsync_path)
+        monkeypatch.setattr("grain_replay.store.filesync.fsync_path", fsync_path)
         w.append(make_rows("a", 5, 5))
         w.flush()
     finally:

@@ -606,7 +606,7 @@ def test_append_to_foreign_store_raises_invalid_store_error(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_metadata_growing_with_checksums_stays_readable(tmp_path, monkeypatch, fmt):
     """Many leaves and many checksum blocks: the committed metadata outgrows its first size."""
-    integrity = pytest.importorskip("grain_replay.integrity")
+    integrity = pytest.importorskip("grain_replay.store.integrity")
     monkeypatch.setattr(integrity, "CHECKSUM_BLOCK_BYTES", 16)
     path = _store(tmp_path, fmt)
     leaves = {f"leaf_with_a_long_name_{j}": np.arange(j, j + 10) for j in range(8)}

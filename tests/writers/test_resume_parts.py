@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay import integrity
-from grain_replay import parts as parts_lib
+from grain_replay.store import integrity
+from grain_replay.store import parts as parts_lib
 from grain_replay.writers import part_manifest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))

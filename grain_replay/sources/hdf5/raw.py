@@ -11,12 +11,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, ReferenceRefusedError
-from grain_replay.layout import LeafSpec
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.reading.stitch import headroom_for
+from grain_replay.store.layout import LeafSpec
 
 __all__ = [
     "MAX_RUNS",

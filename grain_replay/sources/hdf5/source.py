@@ -11,17 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.formats import (
-    HDF5_SIGNATURE,
-    import_h5py,
-    is_url,
-    metadata_from_attrs,
-    require_regular_file,
-)
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.hdf5 import filters as hdf5_filters
@@ -32,6 +24,14 @@ from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, grow_stitched, stitched_map
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import (
+    HDF5_SIGNATURE,
+    import_h5py,
+    is_url,
+    metadata_from_attrs,
+    require_regular_file,
+)
 
 __all__ = ["HDF5DataSource"]
 

@@ -14,15 +14,15 @@ from typing import IO, Literal
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.formats import parse_npy_header, require_regular_file
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.npz.zipdir import DEFLATED, STORED, Member, read_members
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.files import MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle, LeafReader
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import parse_npy_header, require_regular_file
 
 __all__ = ["NpzDataSource"]
 

@@ -16,9 +16,9 @@ import os
 
 import numpy as np
 
-from grain_replay.formats import PAGE
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.stitch import _Reservation, headroom_for, place, reserve
+from grain_replay.store.formats import PAGE
 
 __all__ = ["GrowingMap", "map_file"]
 

@@ -40,7 +40,7 @@ import sys
 
 import numpy as np
 
-from grain_replay.formats import PAGE
+from grain_replay.store.formats import PAGE
 
 __all__ = ["RowReadAhead", "available", "for_array", "is_file_mapping"]
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grain_replay.formats import PAGE
+from grain_replay.store.formats import PAGE
 
 __all__ = ["Stitched", "can_stitch", "headroom_for", "place", "reserve", "stitch"]
 

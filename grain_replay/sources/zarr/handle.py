@@ -12,7 +12,6 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
-from grain_replay.formats import import_zarr, is_url
 from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.chunked import (
@@ -28,6 +27,7 @@ from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import meta as zarr_meta
 from grain_replay.sources.zarr import remote as zarr_remote
+from grain_replay.store.formats import import_zarr, is_url
 
 __all__ = ["ZarrHandle", "lookup", "open_local"]
 

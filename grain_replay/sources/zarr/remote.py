@@ -10,7 +10,7 @@ import numpy as np
 
 from grain_replay import remote as remote_lib
 from grain_replay.errors import StoreNotFoundError
-from grain_replay.formats import import_zarr
+from grain_replay.store.formats import import_zarr
 
 __all__ = ["fetch_arrays", "open_remote_group", "remote_block_reader"]
 

@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from grain_replay import layout as layout_lib
 from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
@@ -17,7 +16,6 @@ from grain_replay.errors import (
     InvalidStoreError,
     StoreNotFoundError,
 )
-from grain_replay.formats import import_zarr, is_url, metadata_from_attrs
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
@@ -25,6 +23,8 @@ from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import remote as zarr_remote
 from grain_replay.sources.zarr.handle import ZarrHandle, lookup, open_local
+from grain_replay.store import layout as layout_lib
+from grain_replay.store.formats import import_zarr, is_url, metadata_from_attrs
 
 __all__ = ["ZarrDataSource"]
 

@@ -1,0 +1,347 @@
+"""Samples-per-insert rate limits: the learner's side (options, refusals, waits, progress).
+
+The rule (Reverb's ``SampleToInsertRatio``): rows handed out stay within
+``r * (inserted - min_size) +- e``. The learner gates its *draws* (a batch is
+drawn in the consuming process, before any worker reads it): batch ``t`` is
+drawn only once ``(t + 1) * B <= r * (inserted - min_size) + e`` (``B`` the
+global batch) and ``min_size`` rows are live, so neither a batch handed out nor
+one drawn ahead for the loader's workers is ever past the ceiling. Writers wait
+for the floor (``grain_replay.writers.rate_wait``), reading the progress this
+module publishes into the store (:mod:`grain_replay.store.progress`). See
+docs/rate_limits.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from grain_replay.errors import (
+    InvalidSamplingError,
+    RateLimitTimeoutError,
+    ReplayCheckpointError,
+)
+from grain_replay.sampling.rate.options import default_tolerance, is_rate_limited, least_tolerance
+from grain_replay.sampling.rate.publish import ProgressPublisher
+from grain_replay.sampling.replay import probe_copy
+from grain_replay.store import progress as learners_lib
+from grain_replay.store.parts import is_parts_store
+
+__all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter"]
+
+logger = logging.getLogger(__name__)
+
+# A waiting learner says why every this many seconds (timeout=None).
+LOG_EVERY_S = 30.0
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.01
+
+
+class _Counts:
+    """Rows inserted (ever committed, evicted ones included) and live in the store."""
+
+    def __init__(self, source: Any) -> None:
+        self.parts = callable(getattr(source, "read_ids", None)) and isinstance(
+            getattr(source, "path", None), str
+        )
+        self._inserted: learners_lib.InsertedCount | None = None
+        self._probe: Any = None
+        self.grows = True
+        if self.parts:
+            self._inserted = learners_lib.InsertedCount(source.path)
+            return
+        self._probe = probe_copy(source)
+        self.grows = callable(getattr(self._probe, "refresh", None))
+
+    def read(self) -> tuple[int, int]:
+        if self._inserted is not None:
+            return self._inserted.read()
+        refresh = getattr(self._probe, "refresh", None)
+        n = int(refresh()) if callable(refresh) else len(self._probe)
+        return n, n
+
+    def capacities(self) -> list[int | None]:
+        if self._inserted is None:
+            return []
+        return [m.capacity for m in self._inserted.manifests()]
+
+
+class RateLimiter:
+    """The learner's side of a rate limit, in the process that hands batches out.
+
+    Counts are global rows: this process's batches times ``batch_size * shard_count``
+    (the processes of one learner step in lockstep). Batch ``t`` may be drawn once
+    ``(t + 1) * B <= r * (inserted - min_size) + e`` and ``min_size`` rows are live.
+
+    Args:
+      source: the replayed store.
+      options: a ``UniformReplay`` or ``PrioritizedReplay`` with rate-limit fields.
+      batch_size: rows per batch of this process.
+      shard_index, shard_count: this process among the learner's processes.
+      refresh: asks the sampler to look for new rows before its next draw.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        options: Any,
+        *,
+        batch_size: int,
+        shard_index: int,
+        shard_count: int,
+        refresh: Callable[[], None],
+    ) -> None:
+        self.owner = type(options).__name__
+        self.min_size = int(options.min_size)
+        self.r: float | None = options.samples_per_insert
+        self.timeout: float | None = options.timeout
+        self.batch = int(batch_size) * int(shard_count)
+        self._process = (int(shard_index), int(shard_count))
+        self._refresh = refresh
+        self._source_name = str(getattr(source, "path", None) or repr(source))
+        self._counts = _Counts(source)
+        self.tolerance: float | None = None
+        if self.r is not None:
+            given = options.tolerance
+            self.tolerance = (
+                default_tolerance(self.batch, self.r, self.min_size) if given is None else given
+            )
+        self._check(source)
+        self.inserted = 0  # as last counted
+        self.live = 0
+        self._handed = 0  # batches handed out / drawn by this process
+        self._drawn = 0
+        self._ready = False  # min_size reached and one batch drawn: no more refresh requests
+        # Publishing (from the first batch on, only with a ratio).
+        path = getattr(source, "path", None)
+        self._publisher: ProgressPublisher | None = None
+        if self.r is not None and isinstance(path, str) and "://" not in path:
+            self._publisher = ProgressPublisher(
+                learners_lib.learners_dir(path, parts=is_parts_store(path)),
+                f"process-{shard_index}-of-{shard_count}.json",
+            )
+        self._waiting = False
+
+    # -- refusals -------------------------------------------------------------------
+
+    def _check(self, source: Any) -> None:
+        """Refuses settings that cannot make progress, before any batch, naming the numbers."""
+        if self.r is not None:
+            assert self.tolerance is not None
+            least = least_tolerance(self.batch, self.r)
+            if self.tolerance < least:
+                raise InvalidSamplingError(
+                    f"{self.owner}(samples_per_insert={self.r:g}, tolerance={self.tolerance:g}) "
+                    f"over {self._source_name}: a tolerance of {self.tolerance:g} rows cannot "
+                    f"make progress with batches of {self.batch} rows (batch_size "
+                    f"{self.batch // self._process[1]} x {self._process[1]} processes): the "
+                    f"band of +-tolerance rows must hold one batch and one insert's "
+                    f"{self.r:g} samples, so tolerance >= max(batch, (batch + "
+                    f"samples_per_insert) / 2) = {least:g}. Fix: tolerance >= {least:g} (or "
+                    "None: the default), or a smaller batch_size."
+                )
+        if not self.min_size:
+            return
+        caps = self._counts.capacities()
+        if caps and all(c is not None for c in caps):
+            total = sum(c for c in caps if c is not None)
+            if total < self.min_size:
+                raise InvalidSamplingError(
+                    f"{self.owner}(min_size={self.min_size}) over {self._source_name}: its "
+                    f"{len(caps)} writers keep at most {total} rows (capacities {caps}), so "
+                    f"{self.min_size} rows are never live. Fix: min_size <= {total}, or "
+                    "larger capacity= for the writers (build the loader after every writer "
+                    "has started, if more will join)."
+                )
+        if not self._counts.parts and not self._counts.grows:
+            n = len(source)
+            if n < self.min_size:
+                raise InvalidSamplingError(
+                    f"{self.owner}(min_size={self.min_size}) over {self._source_name}: the "
+                    f"source holds {n} rows and cannot grow (it has no refresh()). Fix: "
+                    f"min_size <= {n}, or replay a store a ReplayWriter appends to."
+                )
+
+    # -- the learner's wait ---------------------------------------------------------------
+
+    def _allows(self, step: int) -> bool:
+        if self.live < self.min_size:
+            return False
+        if self.r is None:
+            return True
+        assert self.tolerance is not None
+        return (step + 1) * self.batch <= self.r * (self.inserted - self.min_size) + self.tolerance
+
+    def _count(self) -> None:
+        self.inserted, self.live = self._counts.read()
+
+    def wait_for(self, step: int, *, block: bool = True) -> bool:
+        """Waits until batch ``step`` may be drawn; with ``block=False`` only says whether.
+
+        Raises:
+          RateLimitTimeoutError: the wait passed ``timeout``.
+        """
+        if self._allows(step):
+            self._ready_draw()
+            return True
+        self._count()
+        if self._allows(step):
+            self._ready_draw(looked=True)
+            return True
+        if not block:
+            return False
+        start = time.monotonic()
+        told = start
+        poll = _POLL_MIN_S
+        self._set_waiting(True)
+        try:
+            while True:
+                time.sleep(poll)
+                poll = min(2 * poll, _POLL_MAX_S)
+                self._count()
+                if self._allows(step):
+                    self._ready_draw(looked=True)
+                    return True
+                now = time.monotonic()
+                if self.timeout is not None and now - start > self.timeout:
+                    raise RateLimitTimeoutError(self._message(step, now - start))
+                if now - told >= LOG_EVERY_S:
+                    told = now
+                    logger.warning("%s", self._message(step, now - start))
+        finally:
+            self._set_waiting(False)
+
+    def _ready_draw(self, *, looked: bool = False) -> None:
+        # New rows counted here are seen by the sampler's next draw, not its next
+        # scheduled look (it must draw from min_size rows at least).
+        if looked or not self._ready:
+            self._refresh()
+
+    def _message(self, step: int, waited: float) -> str:
+        head = (
+            f"{self.owner} over {self._source_name}: the learner waited {waited:.1f} s to "
+            f"draw batch {step}: inserted {self.inserted} rows ({self.live} live), handed out "
+            f"{self._handed * self.batch} rows"
+        )
+        if self.live < self.min_size:
+            return (
+                f"{head}; min_size={self.min_size} rows must be live first. Fix: start the "
+                "writers (and flush), or lower min_size; timeout= bounds this wait."
+            )
+        assert self.r is not None and self.tolerance is not None
+        allowed = self.r * (self.inserted - self.min_size) + self.tolerance
+        return (
+            f"{head}; samples_per_insert={self.r:g} with min_size={self.min_size} and "
+            f"tolerance={self.tolerance:g} allow {allowed:.0f} rows, batch {step} would take "
+            f"{(step + 1) * self.batch}. Fix: insert faster (more writers, flush more often), "
+            "lower samples_per_insert or raise tolerance; timeout= bounds this wait."
+        )
+
+    # -- counting and publishing -----------------------------------------------------------
+
+    def drew(self, drawn: int) -> None:
+        """``drawn`` batches are drawn (handed out or read ahead)."""
+        self._drawn = drawn
+        self._ready = True
+        self._changed()
+
+    def handed(self, handed: int) -> None:
+        """``handed`` batches are handed out."""
+        self._handed = handed
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._publisher is None:
+            return
+        if not self._publisher.started:
+            self._publisher.start(self)
+        self._publisher.changed()
+
+    def _set_waiting(self, waiting: bool) -> None:
+        self._waiting = waiting
+        if self._publisher is not None and self._publisher.started:
+            self.publish()
+
+    def publish(self) -> None:
+        """Writes this process's progress into the store now."""
+        if self._publisher is None:
+            return
+        assert self.r is not None and self.tolerance is not None
+        self._publisher.write(
+            learners_lib.Progress(
+                name=self._publisher.name,
+                sampled=self._handed * self.batch,
+                drawn=self._drawn * self.batch,
+                batch=self.batch,
+                samples_per_insert=self.r,
+                tolerance=self.tolerance,
+                min_size=self.min_size,
+                heartbeat=time.time(),
+                stale_after=learners_lib.STALE_AFTER_S,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                waiting=self._waiting,
+            )
+        )
+
+    def close(self) -> None:
+        """Stops publishing and withdraws this process's file (writers stop waiting on it)."""
+        if self._publisher is not None:
+            self._publisher.close()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state(self, position: int) -> dict[str, Any]:
+        """The counters at ``position`` batches handed out (global rows)."""
+        return {
+            "sampled": position * self.batch,
+            "batch": self.batch,
+            "inserted": self.inserted,
+            "samples_per_insert": self.r,
+            "tolerance": self.tolerance,
+            "min_size": self.min_size,
+        }
+
+    def check_state(self, state: Any, position: int) -> None:
+        try:
+            sampled, batch = int(state["sampled"]), int(state["batch"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReplayCheckpointError(
+                f"The checkpoint's rate-limit counters are malformed ({type(e).__name__}: {e}). "
+                "Fix: pass get_state() unchanged."
+            ) from e
+        if batch != self.batch or sampled != position * batch:
+            raise ReplayCheckpointError(
+                f"The checkpoint's rate limiter counted {sampled} rows handed out in batches "
+                f"of {batch} at batch {position}; this loader hands out {self.batch}-row "
+                "batches. Fix: restore with the same batch_size and processes, unchanged."
+            )
+
+    def restore(self, handed: int, drawn: int) -> None:
+        """Counters after a restore: ``handed`` batches handed out, ``drawn`` drawn."""
+        self._handed, self._drawn = handed, max(handed, drawn)
+        self._ready = False
+        if self._publisher is not None and self._publisher.started:
+            self.publish()
+
+
+def make_limiter(stream: Any) -> RateLimiter | None:
+    """The rate limiter of a uniform or prioritized stream whose options ask for one."""
+    sampler = getattr(stream, "sampler", None)
+    options = getattr(sampler, "options", None)
+    if sampler is None or not is_rate_limited(options):
+        return None
+    described: Mapping[str, Any] = stream.describe()
+    shard_index, shard_count = described.get("shard", (0, 1))
+    return RateLimiter(
+        sampler.source,
+        options,
+        batch_size=int(described["batch_size"]),
+        shard_index=int(shard_index),
+        shard_count=int(shard_count),
+        refresh=sampler.refresh,
+    )

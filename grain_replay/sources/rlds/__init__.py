@@ -1,7 +1,0 @@
-"""RLDS datasets (TFDS-built TFRecord shards of episodes) read without TensorFlow."""
-
-from __future__ import annotations
-
-from grain_replay.sources.rlds.source import RLDSDataSource
-
-__all__ = ["RLDSDataSource"]

@@ -1,5 +1,0 @@
-"""torchrl replay buffer dumps (``ReplayBuffer.dumps``, ``LazyMemmapStorage``) as sources."""
-
-from grain_replay.sources.torchrl.source import TorchRLDataSource
-
-__all__ = ["TorchRLDataSource"]

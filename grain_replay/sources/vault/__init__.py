@@ -1,5 +1,0 @@
-"""flashbax Vaults (``flashbax.vault.Vault``, OG-MARL datasets) as sources, through tensorstore."""
-
-from grain_replay.sources.vault.source import VaultDataSource
-
-__all__ = ["VaultDataSource"]

@@ -1,0 +1,263 @@
+"""Rate-limited learners' published progress, read by the writers of the store they sample.
+
+A learner sampling with ``samples_per_insert`` publishes, from its first batch
+on, one small JSON file per learner process beside the store's rows::
+
+    <store>/learners/process-<p>-of-<P>.json      a bounded, many-writer store
+    <store>.learners/process-<p>-of-<P>.json      a plain single-writer store
+
+replaced atomically (write a hidden temporary file, ``rename``): the rows it
+handed out and drew, its ratio, tolerance, ``min_size`` and batch, a heartbeat
+time, its host and pid. A writer's ``flush()`` lists that folder, ``stat``s each
+file and re-reads only those that changed, and counts the rows every writer
+committed from their manifests (also ``stat`` first). The decision both sides
+share is :meth:`Progress.blocks_insert`; the learner's own is in
+``grain_replay.sampling.rate.limit``.
+
+Writers and the sampling layer both import this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import socket
+import time
+
+from grain_replay.store import parts as parts_lib
+
+__all__ = [
+    "STALE_AFTER_S",
+    "InsertedCount",
+    "LearnerWatch",
+    "Progress",
+    "learners_dir",
+    "publish",
+    "withdraw",
+]
+
+logger = logging.getLogger(__name__)
+
+LEARNERS_DIR = "learners"
+# A learner whose heartbeat is older than this (seconds; each learner writes its
+# own value into its file) is taken for dead: writers stop waiting on it.
+STALE_AFTER_S = 60.0
+_VERSION = 1
+
+
+def learners_dir(store: str, *, parts: bool) -> str:
+    """Where the learners of ``store`` publish: inside a many-writer store, beside a plain one."""
+    return os.path.join(store, LEARNERS_DIR) if parts else store + ".learners"
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """One learner process's published progress; every count is in global rows.
+
+    A learner of ``P`` processes steps in lockstep (one global batch a step), so each
+    process publishes its own count times ``P``: ``sampled`` rows handed out,
+    ``drawn`` rows drawn (handed out plus drawn ahead for its loader's workers),
+    ``batch`` the rows of one global batch.
+    """
+
+    name: str
+    sampled: int
+    drawn: int
+    batch: int
+    samples_per_insert: float
+    tolerance: float
+    min_size: int
+    heartbeat: float  # time.time() of the last publish
+    stale_after: float
+    pid: int
+    host: str
+    waiting: bool = False  # the learner was waiting for inserts when it published
+
+    def blocks_insert(self, inserted: int, live: int, pending: int) -> bool:
+        """Whether a writer committing ``pending`` more rows now would run ahead of this learner.
+
+        The learner hands out at most ``r * (inserted - min_size) + e`` rows; a writer
+        waits while committing would take that target more than ``e`` past the rows
+        handed out. It never waits while the learner cannot draw its next batch (too
+        few rows, or at its ceiling): then only an insert makes progress.
+        """
+        r, e, m = self.samples_per_insert, self.tolerance, self.min_size
+        if r * (inserted + pending - m) - self.sampled <= e:
+            return False
+        starved = live < m or self.drawn + self.batch > r * (inserted - m) + e
+        return not starved
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} (pid {self.pid} on {self.host!r}): handed out {self.sampled} rows, "
+            f"samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, "
+            f"tolerance={self.tolerance:g}"
+        )
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        del fields["name"]
+        return json.dumps({"version": _VERSION, **fields})
+
+    @classmethod
+    def from_json(cls, name: str, text: str) -> Progress | None:
+        """The progress in ``text``, or None when it is not one (a newer or damaged file)."""
+        try:
+            raw = json.loads(text)
+            if int(raw["version"]) != _VERSION:
+                return None
+            p = cls(
+                name=name,
+                sampled=int(raw["sampled"]),
+                drawn=int(raw["drawn"]),
+                batch=int(raw["batch"]),
+                samples_per_insert=float(raw["samples_per_insert"]),
+                tolerance=float(raw["tolerance"]),
+                min_size=int(raw["min_size"]),
+                heartbeat=float(raw["heartbeat"]),
+                stale_after=float(raw["stale_after"]),
+                pid=int(raw["pid"]),
+                host=str(raw["host"]),
+                waiting=bool(raw.get("waiting", False)),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not all(math.isfinite(x) for x in (p.samples_per_insert, p.tolerance, p.heartbeat)):
+            return None
+        return p
+
+    def dead(self, now: float) -> str | None:
+        """Why this learner is taken for dead (stale heartbeat, or its pid gone), else None."""
+        age = now - self.heartbeat
+        if age > self.stale_after:
+            return f"its heartbeat is {age:.0f} s old (stale after {self.stale_after:g} s)"
+        if self.host == socket.gethostname() and not _alive(self.pid):
+            return f"its process {self.pid} on this host has exited"
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def publish(directory: str, progress: Progress) -> None:
+    """Replaces ``directory/<name>`` with ``progress`` (not fsync'ed: it is a live hint)."""
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, progress.name)
+    tmp = os.path.join(directory, f".{progress.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(progress.to_json())
+    os.replace(tmp, final)
+
+
+def read_progress(directory: str, name: str) -> Progress | None:
+    with contextlib.suppress(OSError), open(os.path.join(directory, name)) as f:
+        return Progress.from_json(name, f.read())
+    return None
+
+
+def withdraw(directory: str, name: str) -> None:
+    """Removes this process's file ``name``, if it is still this process's."""
+    p = read_progress(directory, name)
+    if p is not None and p.pid == os.getpid() and p.host == socket.gethostname():
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+
+
+class LearnerWatch:
+    """The live learners of a store, re-read only when their files change."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._cache: dict[str, tuple[tuple[int, int, int], Progress | None]] = {}
+        self._told: set[tuple[str, int, str]] = set()
+
+    def live(self) -> list[Progress]:
+        """Every learner whose file is fresh and whose process may be alive."""
+        try:
+            entries = [
+                e
+                for e in os.scandir(self.directory)
+                if e.name.endswith(".json") and not e.name.startswith(".")
+            ]
+        except (FileNotFoundError, NotADirectoryError):
+            self._cache.clear()
+            return []
+        now = time.time()
+        out = []
+        seen = set()
+        for e in entries:
+            try:
+                stamp = _stamp(e.stat())
+            except OSError:
+                continue
+            seen.add(e.name)
+            cached = self._cache.get(e.name)
+            if cached is None or cached[0] != stamp:
+                cached = (stamp, read_progress(self.directory, e.name))
+                self._cache[e.name] = cached
+            p = cached[1]
+            if p is None:
+                continue
+            why = p.dead(now)
+            if why is None:
+                out.append(p)
+            elif (p.name, p.pid, p.host) not in self._told:
+                self._told.add((p.name, p.pid, p.host))
+                logger.warning(
+                    "%s: not waiting for learner %s any more: %s",
+                    self.directory,
+                    p.describe(),
+                    why,
+                )
+        for name in set(self._cache) - seen:
+            del self._cache[name]
+        return out
+
+
+class InsertedCount:
+    """Rows committed by every writer of a many-writer store (evicted ones included), and
+    their live rows, from the manifests (each ``stat``ed, re-read only when it changed)."""
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+        self._cache: dict[str, tuple[tuple[int, int, int], parts_lib.Manifest | None]] = {}
+
+    def manifests(self) -> list[parts_lib.Manifest]:
+        out = []
+        for writer_id in parts_lib.list_writers(self.store):
+            wdir = parts_lib.writer_dir(self.store, writer_id)
+            try:
+                stamp = _stamp(os.stat(os.path.join(wdir, parts_lib.MANIFEST_FILE)))
+            except OSError:
+                continue  # not committed yet
+            cached = self._cache.get(writer_id)
+            if cached is None or cached[0] != stamp:
+                try:
+                    cached = (stamp, parts_lib.read_manifest(wdir))
+                except Exception:  # a manifest being replaced, or damaged: as before
+                    if cached is None:
+                        continue
+                self._cache[writer_id] = cached
+            if cached[1] is not None:
+                out.append(cached[1])
+        return out
+
+    def read(self) -> tuple[int, int]:
+        """``(inserted, live)``: rows ever committed, and rows readers see now."""
+        ms = self.manifests()
+        return sum(m.committed for m in ms), sum(m.live for m in ms)

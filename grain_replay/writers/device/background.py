@@ -1,0 +1,440 @@
+"""Writes from the device: appends of jax.Array leaves copied to host and written by one thread.
+
+``ReplayWriter.append`` checks a tree's device leaves and queues the tree; one
+background thread sleeps until ``WRITE_BATCH_BYTES`` of trees are queued (or a
+caller waits, or the writer stops), then takes them in append order, copies them
+to host (a CPU device's arrays read in place; an accelerator's like trees stacked
+on the device and copied as one buffer a group, :mod:`device_pack`) and writes
+them as one block, one write per leaf, joined in buffers it keeps
+(no new memory per batch). One wake-up per batch, not per append: on a CPU
+backend, where the thread's CPU time is taken from the caller's steps, that is
+what the per-append cost comes down to. ``drain()`` (called by
+``flush``/``close``) waits for the queue; the bytes queued are bounded, and
+``submit`` waits beyond the bound. ``submit_commit`` queues a commit
+(``flush(wait=False)``) behind the trees appended before it: the thread writes
+them, then runs the commit, fsync waits included, while the caller goes on
+appending. A many-writer store's sync after writes runs on a second thread
+(:mod:`sync_thread`). A failure in either thread stops both, drops what was queued
+after it, and is raised by the caller's next ``submit``/``drain`` naming the leaf.
+jax is never imported here (see :mod:`grain_replay.writers.device.leaves`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
+from grain_replay.writers.device import pack as device_pack
+from grain_replay.writers.device.leaves import (
+    TreeSignature,
+    device_leaf_test,
+    leaf_nbytes,
+    start_copies,
+)
+from grain_replay.writers.device.queue import Commit, Item, JoinBuffers, Write, take_batch
+from grain_replay.writers.device.sync_thread import SyncThread
+from grain_replay.writers.write_errors import LeafWriteError, commit_error, write_error
+
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "WRITE_BATCH_BYTES",
+    "BackgroundWriter",
+    "LeafWriteError",
+    "check_max_inflight_bytes",
+    "commit_error",
+    "device_leaf_test",
+    "to_host",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bytes of appended rows waiting for their copy or write before append waits: a few
+# hundred steps of 1,024 envs' transitions, small next to a host's memory.
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+# Bytes of trees on the host that the thread writes as one block (at most a quarter
+# of the bound): its per-write costs (a write and a checksum per leaf, the store's
+# bookkeeping) are paid once per batch, not once per append.
+WRITE_BATCH_BYTES = 2 << 20
+
+
+def check_max_inflight_bytes(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise InvalidArgumentError(
+            f"{where}: max_inflight_bytes must be a positive int (bytes), got {value!r}. "
+            f"Fix: leave the default ({DEFAULT_MAX_INFLIGHT_BYTES >> 20} MiB) or pass e.g. "
+            "64 << 20."
+        )
+    return int(value)
+
+
+def to_host(leaf: Any) -> np.ndarray:
+    """A queued leaf on the host (a device leaf's copy, waited for)."""
+    return np.asarray(leaf)
+
+
+class BackgroundWriter:
+    """One thread that converts queued trees to host arrays and writes them, in order."""
+
+    def __init__(
+        self,
+        where: str,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        sync: Callable[[Callable[[], bool]], None] | None = None,
+    ):
+        """``sync``: the store's step after writes (committing the segments they filled),
+        run by a second thread while the next trees are copied and written, so its
+        ``fsync`` waits hold up neither the caller nor the writes. It is passed a
+        callable saying whether a caller waits (then it may leave the rest to the flush)."""
+        self._where = where
+        self._max_bytes = max_inflight_bytes
+        self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)  # the thread waits here for trees
+        self._done = threading.Condition(lock)  # callers wait here for the thread
+        self._queue: collections.deque[Item | Commit | None] = collections.deque()  # None: stop
+        self._bytes = 0  # queued, on host or being written
+        self._queued_bytes = 0  # queued, not yet taken by the thread
+        self._rows = 0
+        self._items = 0  # trees and commits queued or under way
+        self._commits = 0  # commits queued, not yet taken by the thread
+        self._committing = False  # the thread runs a commit (the sync thread holds off)
+        self._urgent = 0  # callers waiting for the thread (drain, the bound)
+        self._idle = False  # the thread waits for work
+        self._error: BackgroundWriteError | None = None
+        self._raised = False
+        self._thread: threading.Thread | None = None
+        # The store's sync after writes, on a thread of its own (sync_thread.py).
+        self._syncs: SyncThread | None = None
+        if sync is not None:
+            self._syncs = SyncThread(
+                sync,
+                where,
+                self._work,
+                self._done,
+                held=lambda: self._committing,
+                failed=lambda: self._error is not None,
+                fail_locked=self._fail_locked,
+                caller_waits=self._caller_waits,
+            )
+        self._stopped = False
+        # The last tree queued, when a flat dict of device arrays: the next one like it
+        # is checked from its leaves' attributes (submit_like_last).
+        self._signature: TreeSignature | None = None
+        self._last_write: Write | None = None
+        # The thread's buffers joining a batch's rows, per leaf (reused batch after batch).
+        self._joins = JoinBuffers()
+
+    # -- the caller's side -------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is queued or being written (or a failure is not yet raised)."""
+        return self._pending_locked() or (self._error is not None and not self._raised)
+
+    def _pending_locked(self) -> bool:
+        """Trees queued or being written, or a sync asked for or running."""
+        return self._items > 0 or (self._syncs is not None and self._syncs.pending_locked())
+
+    @property
+    def rows(self) -> int:
+        """Rows queued or being written."""
+        return self._rows
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def submit(
+        self,
+        arrays: dict[str, Any],
+        rows: int,
+        first: int,
+        write: Write,
+        is_device: Callable[[Any], bool],
+        tree: Any = None,
+    ) -> None:
+        """Queues a checked tree (``arrays``: its leaves) after the ones before it; waits
+        while the bytes queued exceed the bound (one tree larger than the bound is queued
+        alone). ``tree``, when given, may be remembered for :meth:`submit_like_last`."""
+        nbytes = sum(leaf_nbytes(a) for a in arrays.values())
+        self._signature = None
+        self._wait_for_room(nbytes)
+        start_copies(arrays, is_device, self._where)
+        if tree is not None:
+            self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
+            self._last_write = write
+        signature = self._signature
+        if signature is not None:  # like trees after it are keyed by it (submit_like_last)
+            pack = ((signature, rows), signature.accel) if signature.accel else None
+        else:
+            pack = device_pack.group_of(arrays, is_device)
+        self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
+
+    def submit_like_last(self, tree: Any, first: int) -> int:
+        """Queues ``tree`` if it is a flat dict of device arrays like the last tree
+        submitted (same keys, array types, dtypes, per-row shapes and shardings): that
+        tree passed the store's checks, so this one does too; returns its rows. 0
+        (nothing queued) for any other tree: the caller checks it in full and calls
+        :meth:`submit`."""
+        signature, write = self._signature, self._last_write
+        if signature is None or write is None:
+            return 0
+        checked = signature.check(tree)
+        if checked is None:
+            return 0
+        rows, nbytes = checked
+        self._wait_for_room(nbytes)
+        pack = ((signature, rows), signature.accel) if signature.accel else None
+        self._enqueue(Item(dict(tree), rows, first, nbytes, write, pack))
+        return rows
+
+    def submit_commit(
+        self, commit: Callable[[], object], upto: int, committed: Callable[[], int]
+    ) -> None:
+        """Queues ``commit`` (the store's flush) behind every tree queued so far: the
+        thread writes them, then commits, without a caller waiting. ``upto``: the
+        writer's rows once it completes; ``committed``: the rows committed before it
+        (both for the error's message). A later ``drain`` waits for it too."""
+        self._enqueue(Commit(commit, upto, committed))
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        # Unlocked first: only this side adds bytes (the thread only takes them away), so
+        # a tree that fits now still fits; a failure set meanwhile is raised at _enqueue.
+        if self._error is None and (not self._items or self._bytes + nbytes <= self._max_bytes):
+            return
+        with self._done:
+            if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
+                self._urgent += 1
+                self._work.notify_all()
+                try:
+                    while (
+                        self._error is None
+                        and self._items
+                        and self._bytes + nbytes > self._max_bytes
+                    ):
+                        self._done.wait()
+                finally:
+                    self._urgent -= 1
+            self._raise_locked()
+
+    def _enqueue(self, item: Item | Commit) -> None:
+        with self._work:
+            self._raise_locked()
+            self._queue.append(item)
+            self._bytes += item.nbytes
+            self._queued_bytes += item.nbytes
+            self._rows += item.rows
+            self._items += 1
+            commit = isinstance(item, Commit)
+            self._commits += commit
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="grain_replay-device-writes", daemon=True
+                )
+                self._thread.start()
+            elif self._idle and (commit or self._queued_bytes >= self._batch_bytes):
+                # A batch (or a commit) is queued; below a batch, the thread sleeps on.
+                self._work.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every queued tree is written; raises a failure of the thread."""
+        with self._done:
+            if self._error is None and self._pending_locked():
+                self._urgent += 1
+                self._work.notify_all()
+                try:
+                    while self._error is None and self._pending_locked():
+                        self._done.wait()
+                finally:
+                    self._urgent -= 1
+            self._raise_locked()
+
+    def request_sync(self) -> None:
+        """Has the sync thread run ``sync`` once more, soon (e.g. after a flush, for what
+        it left to the thread); nothing after the stop or a failure."""
+        with self._work:
+            if self._syncs is None or self._stopped or self._error is not None:
+                return
+            self._syncs.start_locked()
+
+    def raise_pending(self) -> None:
+        """Raises a failure not yet raised (once)."""
+        with self._done:
+            self._raise_locked()
+
+    def _raise_locked(self) -> None:
+        if self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
+
+    def stop(self) -> None:
+        """Ends the thread once the queue is written (after ``drain`` or a failure)."""
+        self._signature = None  # a closed writer takes no tree past its checks
+        with self._work:
+            self._stopped = True
+            thread, self._thread = self._thread, None
+            syncer = None if self._syncs is None else self._syncs.detach_locked()
+            if thread is not None:
+                self._queue.append(None)
+            self._work.notify_all()  # the sync thread waits on it too
+        for t in (thread, syncer):
+            if t is not None and t is not threading.current_thread():
+                t.join()
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Sleeps until a batch is queued (``batch_bytes`` of trees), a commit is, a caller
+        waits or the writer stops; then takes up to a batch of trees in order, waits for
+        their host copies and writes them as one block, then runs the commit queued right
+        behind them if one is, until the queue is below a batch again."""
+        try:
+            while True:
+                with self._work:
+                    while self._error is None and not self._ready_locked():
+                        self._idle = True
+                        self._work.wait()
+                    self._idle = False
+                    if self._error is not None:  # the sync thread failed
+                        return
+                    batch, commit, stop = self._take_locked()
+                error = self._to_host(batch) if batch else None
+                if error is None and batch:
+                    error = self._write(batch)
+                if batch or error is not None:
+                    # The commit behind the batch syncs its segments: no sync of them before.
+                    self._done_with(batch, error, sync=commit is None)
+                # Dropped outside the lock: the last reference to the writer may go with it.
+                del batch
+                if error is None and commit is not None:
+                    error = self._run_commit(commit)
+                del commit
+                if error is not None or stop:
+                    return
+        finally:
+            self._joins.clear()
+
+    def _run_commit(self, commit: Commit) -> BackgroundWriteError | None:
+        """Runs a queued commit once the sync thread is idle (it touches the segments the
+        commit closes; it leaves its other segments to the commit, as to a flush)."""
+        error = None
+        with self._done:
+            self._committing = True
+            while self._syncs is not None and self._syncs.running and self._error is None:
+                self._done.wait()
+            proceed = self._error is None
+        try:
+            if proceed:
+                commit.commit()
+        except Exception as e:
+            error = commit_error(self._where, commit.committed(), commit.upto, e)
+        with self._done:
+            self._committing = False
+            self._items -= 1
+            if error is not None:
+                self._fail_locked(error)
+            elif self._syncs is not None and not self._stopped and self._error is None:
+                self._syncs.start_locked()  # removes the segments the commit evicted
+            else:
+                self._work.notify_all()  # a sync held off by the commit may go on
+            self._done.notify_all()
+        return error
+
+    def _ready_locked(self) -> bool:
+        """Whether the thread has trees to take now: a batch of them, a caller waiting
+        for them, or the stop behind them."""
+        q = self._queue
+        return bool(q) and (
+            self._queued_bytes >= self._batch_bytes
+            or self._urgent > 0
+            or self._commits > 0
+            or q[-1] is None
+        )
+
+    def _take_locked(self) -> tuple[list[Item], Commit | None, bool]:
+        """Up to a batch of queued trees, then the commit right behind them (see
+        :func:`write_queue.take_batch`), counted out of the queue's bytes and commits."""
+        batch, commit, stop, size = take_batch(self._queue, self._batch_bytes)
+        self._queued_bytes -= size
+        self._commits -= commit is not None
+        return batch, commit, stop
+
+    def _done_with(
+        self, batch: list[Item], error: BackgroundWriteError | None, *, sync: bool = True
+    ) -> None:
+        """Counts a written (or, with ``error``, dropped) batch out; starts a sync
+        (``sync``: unless a commit follows, which syncs what the batch filled)."""
+        with self._done:
+            for i in batch:
+                self._bytes -= i.nbytes
+                self._rows -= i.rows
+                self._items -= 1
+            if error is not None:
+                self._fail_locked(error)
+            elif sync and batch and self._syncs is not None and not self._stopped:
+                self._syncs.start_locked()
+            self._done.notify_all()
+
+    def _caller_waits(self) -> bool:
+        """Whether a caller waits for the threads (flush, close, the bound) or a queued
+        commit does: the sync leaves what is left to the flush or the commit then (see
+        PartWriter.commit_filled)."""
+        return self._urgent > 0 or self._committing or self._commits > 0
+
+    def _to_host(self, batch: list[Item]) -> BackgroundWriteError | None:
+        """Replaces the items' leaves by their host copies: accelerator leaves of like
+        trees stacked on the device and copied as one buffer a group (device_pack), the
+        rest leaf by leaf, newest first (the steps finish in append order, so the first
+        wait is the only one); a failure is the leaf's whose copy failed."""
+        try:
+            device_pack.pack_batch(batch)
+        except Exception as e:  # the copies below meet the failure again and name the leaf
+            logger.debug("%s: stacked copies failed (%s); copying leaf by leaf", self._where, e)
+        key = ""
+        for item in reversed(batch):
+            try:
+                arrays = item.arrays
+                for key in arrays:
+                    arrays[key] = to_host(arrays[key])
+            except Exception as e:
+                return self._failure([item], e, copying=key)
+        return None
+
+    def _write(self, batch: list[Item]) -> BackgroundWriteError | None:
+        """Writes host trees as one block: one write per leaf."""
+        try:
+            host, rows = self._joins.host_block(batch)
+            batch[0].write(host, rows)
+        except Exception as e:
+            return self._failure(batch, e)
+        return None
+
+    def _failure(
+        self, batch: list[Item], e: Exception, copying: str | None = None
+    ) -> BackgroundWriteError:
+        """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
+        rows = sum(item.rows for item in batch)
+        return write_error(self._where, batch[0].first, rows, e, copying)
+
+    def _fail_locked(self, error: BackgroundWriteError) -> None:
+        if self._error is not None:  # the other thread failed first: that one is raised
+            return
+        self._error = error
+        dropped = [i for i in self._queue if i is not None]
+        self._queue.clear()
+        for i in dropped:
+            self._bytes -= i.nbytes
+            self._rows -= i.rows
+            self._items -= 1
+        self._commits = 0
+        logger.error("%s", error)
+        self._thread = None
+        if self._syncs is not None:
+            self._syncs.detach_locked()
+        self._work.notify_all()  # the other thread stops too

@@ -1,0 +1,112 @@
+"""What the background writer queues, and how its thread takes and joins a batch of it.
+
+The queue holds appended trees (:class:`Item`) and commits queued behind them
+(:class:`Commit`, ``flush(wait=False)``), in append order, and ``None`` for the
+stop. The thread takes up to a batch of trees of one store, or the commit right
+behind them (:func:`take_batch`), and writes a batch's trees as one block, each
+leaf's rows joined in a buffer kept for the next batch (:class:`JoinBuffers`).
+The threads, locks and counters around the queue are
+:class:`grain_replay.writers.device.background.BackgroundWriter`'s.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Commit", "Item", "JoinBuffers", "Write", "take_batch"]
+
+Write = Callable[[dict[str, np.ndarray], int], None]
+
+
+@dataclasses.dataclass(slots=True)
+class Item:
+    """An appended tree, queued."""
+
+    arrays: dict[str, Any]  # device arrays (copy under way) and host copies
+    rows: int
+    first: int  # the writer's row number of the first row, for messages
+    nbytes: int
+    write: Write
+    # Accelerator trees: what like trees share (consecutive items with an equal key are
+    # stacked on the device, device_pack) and the names of the leaves to stack.
+    pack: tuple[Any, tuple[str, ...]] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Commit:
+    """A commit queued behind the trees appended before it (``flush(wait=False)``)."""
+
+    commit: Callable[[], object]  # the store's flush: commits every row written so far
+    upto: int  # the writer's rows once it completes
+    committed: Callable[[], int]  # the rows committed before it, for messages
+    rows: int = 0
+    nbytes: int = 0
+
+
+def take_batch(
+    queue: collections.deque[Item | Commit | None], batch_bytes: int
+) -> tuple[list[Item], Commit | None, bool, int]:
+    """Takes up to ``batch_bytes`` of queued trees of one store, in order, then the commit
+    queued right behind them if one is (at least one of the two), off ``queue``.
+
+    Returns the trees, the commit or None, whether the stop is next
+    (``([], None, True, 0)`` once it is the queue's head), and the trees' bytes.
+    """
+    batch: list[Item] = []
+    commit = None
+    size = 0
+    while queue and size < batch_bytes:
+        head = queue[0]
+        if head is None:
+            if not batch:
+                queue.popleft()
+                return batch, None, True, 0
+            break
+        if isinstance(head, Commit):
+            queue.popleft()
+            commit = head
+            break
+        if batch and head.write != batch[0].write:  # another store's: a batch of its own
+            break
+        queue.popleft()
+        batch.append(head)
+        size += head.nbytes
+    return batch, commit, False, size
+
+
+class JoinBuffers:
+    """The thread's buffers joining a batch's rows, one per leaf, reused batch after batch
+    (the writes copy what they are given): no fresh pages to fault in per batch."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def host_block(self, batch: list[Item]) -> tuple[dict[str, np.ndarray], int]:
+        """A batch's host trees as one block (a lone tree as it is) and its rows."""
+        rows = sum(item.rows for item in batch)
+        if len(batch) == 1:
+            return batch[0].arrays, rows
+        keys = batch[0].arrays
+        return {k: self._join(k, [i.arrays[k] for i in batch], rows) for k in keys}, rows
+
+    def _join(self, key: str, parts: list[np.ndarray], rows: int) -> np.ndarray:
+        first = parts[0]
+        buf = self._buffers.get(key)
+        if (
+            buf is None
+            or buf.dtype != first.dtype
+            or buf.shape[1:] != first.shape[1:]
+            or (len(buf) < rows)
+        ):
+            buf = self._buffers[key] = np.empty((rows, *first.shape[1:]), first.dtype)
+        out = buf[:rows]
+        np.concatenate(parts, out=out)
+        return out
+
+    def clear(self) -> None:
+        self._buffers = {}
