@@ -299,9 +299,14 @@ def _writer_fingerprint() -> str:
     import hashlib
 
     pkg = os.path.dirname(os.path.abspath(gr.__file__))
-    files = [os.path.join(pkg, "layout.py")]
+    files = [os.path.join(pkg, "store", "layout.py")]
     writers = os.path.join(pkg, "writers")
-    files += sorted(os.path.join(writers, f) for f in os.listdir(writers) if f.endswith(".py"))
+    files += sorted(
+        os.path.join(root, f)
+        for root, _, names in os.walk(writers)
+        for f in names
+        if f.endswith(".py")
+    )
     h = hashlib.sha1(gr.__version__.encode())
     for file in files:
         with open(file, "rb") as f:

@@ -125,7 +125,7 @@ def test_any_source_with_read_batch_works_without_cache() -> None:
 
 def test_stats_read_through_the_views_leaf_access(tmp_path: Any, monkeypatch: Any) -> None:
     """compute_stats has no read of its own: every leaf at once is one read_flat a block, a
-    subset one read_leaf per leaf, as every view reads (rl/_access.py LeafAccess.take)."""
+    subset one read_leaf per leaf, as every view reads (sources/access.py LeafAccess.take)."""
     tree = _tree(500)
     src = gr.open_source(gr.write(str(tmp_path / "s.h5"), tree))
     calls: list[str] = []

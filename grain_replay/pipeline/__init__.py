@@ -1,4 +1,6 @@
-"""From a source to sharded ``jax.Array`` batches: batch reads in grain, then device put.
+"""The host loader: batch reads in grain (loader, batches, shuffle, checkpoint state) and the
+worker engine both loaders use (workers, worker_main, slots). Never imports jax: device
+placement is :mod:`grain_replay.device`.
 
-Submodules are imported lazily: ``loader`` imports grain, ``device_put`` imports jax.
+Submodules are imported lazily: ``loader`` imports grain.
 """

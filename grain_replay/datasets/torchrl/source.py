@@ -80,7 +80,7 @@ class TorchRLDataSource(ReplaySource):
     A dump by ``H5StorageCheckpointer`` (``checkpoint.h5`` in ``path`` or its
     ``storage/``, or ``path`` the ``.h5`` file itself) is read in place too: records
     are the steps of its ``traj_*`` groups, oldest first, with the leaves torchrl's
-    ``ReplayBuffer.loads`` restores (see ``sources/torchrl/h5.py``).
+    ``ReplayBuffer.loads`` restores (see ``datasets/torchrl/h5.py``).
 
     Torch dtypes map to numpy's (``torch.bfloat16`` and the float8 types through
     ``ml_dtypes``); storages with ``ndim > 1``, jagged tensors and unknown dtypes
