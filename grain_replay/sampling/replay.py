@@ -203,7 +203,7 @@ class StoreLength:
         starts = np.concatenate([[0], np.cumsum(hi - lo)])
         pos = np.asarray(positions, dtype=np.int64)
         p = np.searchsorted(starts, pos, side="right") - 1
-        return (ordinal[p] << parts_lib.ID_SHIFT) | (lo[p] + pos - starts[p])
+        return parts_lib.make_ids(ordinal[p], lo[p] + pos - starts[p])
 
     def _changed(self) -> bool:
         """False only when the local store's stat is what it was at the last look."""

@@ -82,7 +82,7 @@ def held_ids(
         if (ids[slot] != -1).any():
             problems.append(f"writer ordinal {o}: two rows in one slot")
             return ids
-        ids[slot] = (o << parts_lib.ID_SHIFT) + seqs
+        ids[slot] = parts_lib.make_ids(o, seqs)
     if (values[ids < 0] != 0).any():
         problems.append("a priority on an empty slot")
     return ids

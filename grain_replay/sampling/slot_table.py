@@ -58,8 +58,7 @@ def _slot_walk(
     good = 0
     for i in range(ids.shape[0]):
         x = ids[i]
-        o = x >> 40
-        seq = x & 0xFFFFFFFFFF
+        o, seq = _split_ids(x)
         slot_out[i] = -1
         if x < 0 or o >= of.shape[0] or of[o] < 0 or (seq + o) % count != p:
             continue
@@ -75,13 +74,20 @@ def _slot_walk(
     return good
 
 
+# What _slot_walk splits ids with: compiled by _compiled() (numba calls only compiled
+# functions), so that the ids' bits stay parts_lib's alone.
+_split_ids: Any = parts_lib.split_ids
+
+
 @functools.cache
 def _compiled() -> Any:
     """The compiled :func:`_slot_walk`, or None without numba (as the sum tree's walks)."""
+    global _split_ids
     if compiled() is None:
         return None
     import numba
 
+    _split_ids = numba.njit(cache=True, nogil=True)(parts_lib.split_ids)
     return numba.njit(cache=True, nogil=True)(_slot_walk)
 
 
@@ -235,11 +241,11 @@ class SlotTable:
         gone = np.concatenate(left) if len(left[1]) else left[0]
         out = self._slots_of(w, gone, allocate=False) if len(gone) else gone
         if len(out):
-            out = out[self.ids[out] == (o << parts_lib.ID_SHIFT) + gone]
+            out = out[self.ids[out] == parts_lib.make_ids(o, gone)]
         rows = np.concatenate(came) if len(came[0]) else came[1]
         if len(rows):
             new.append(self._slots_of(w, rows, allocate=True))
-            new_ids.append((o << parts_lib.ID_SHIFT) + rows)
+            new_ids.append(parts_lib.make_ids(o, rows))
         return out
 
     # -- ids and slots ------------------------------------------------------------
@@ -280,7 +286,7 @@ class SlotTable:
         (-1: none) and whether that slot holds it now; then its sequence number and
         every writer's live rows ``lo``, ``hi``."""
         of, ring, chunk, starts, lens, flat, lo, hi = self._table()
-        ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
+        ordinal, seq = parts_lib.split_ids(ids)
         known = (ordinal >= 0) & (ordinal < len(of))
         w = np.where(known, of[np.where(known, ordinal, 0)], -1)
         wc = np.maximum(w, 0)

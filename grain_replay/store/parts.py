@@ -55,14 +55,17 @@ __all__ = [
     "claim_ordinal",
     "committed_rows",
     "create_store_file",
+    "id_ordinals",
     "is_parts_store",
     "list_writers",
     "live_holder",
+    "make_ids",
     "read_manifest",
     "read_owner",
     "read_store_file",
     "read_store_id",
     "segment_name",
+    "split_ids",
     "stage_manifest",
     "write_manifest",
     "writer_dir",
@@ -89,6 +92,28 @@ class RowIds(np.ndarray):
     ``sharded_device_put`` keeps them on the host: they need 64 bits, and jax keeps
     32 without ``jax_enable_x64``. Otherwise a plain numpy array.
     """
+
+
+def make_ids(ordinal: Any, seq: Any) -> Any:
+    """The ids ``ordinal << ID_SHIFT | seq`` of writer ``ordinal``'s rows ``seq``.
+
+    With :func:`split_ids`, the one place that packs them. Ints give an int; numpy arrays
+    (either side, broadcast) an array of their dtype (int64 from int64), no copy made.
+    Unchecked, as per-batch reads call it: ``0 <= seq <= SEQ_MASK`` and ``0 <= ordinal <=
+    MAX_ORDINAL`` (:func:`claim_ordinal` keeps it) are the caller's.
+    """
+    return ordinal << ID_SHIFT | seq
+
+
+def split_ids(ids: Any) -> tuple[Any, Any]:
+    """``(ordinal, seq)`` of ``ids`` (ints or int64): :func:`make_ids` undone. A negative
+    id (-1: no row) splits to a negative ordinal, which no writer has."""
+    return ids >> ID_SHIFT, ids & SEQ_MASK
+
+
+def id_ordinals(ids: Any) -> Any:
+    """The ordinal of :func:`split_ids` alone (per-batch reads: one array made, not two)."""
+    return ids >> ID_SHIFT
 
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

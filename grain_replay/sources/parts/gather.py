@@ -40,7 +40,7 @@ def ordinal_maps(snap: Snapshot) -> OrdinalMaps | None:
     arrays: list[Any] = [None] * size
     for o, m in zip(snap.ordinals.tolist(), maps):
         assert m is not None
-        first[o] = (o << parts_lib.ID_SHIFT) + m.base
+        first[o] = parts_lib.make_ids(o, m.base)
         span[o] = m.stop - m.base
         arrays[o] = m.arrays
     return OrdinalMaps(first, span, arrays)
@@ -55,7 +55,7 @@ def read_mapped(
     first, span, arrays = maps
     # An id of an unknown or negative ordinal clips to an ordinal whose rows it misses
     # (below its first id, or 2**40 past it): caught with the rows outside a map.
-    ordinal = np.clip(ids >> parts_lib.ID_SHIFT, -1, len(first) - 1)
+    ordinal = np.clip(parts_lib.id_ordinals(ids), -1, len(first) - 1)
     rows = ids - first[ordinal]
     if not (rows.view(np.uint64) < span[ordinal]).all():  # negative rows wrap: outside
         return None

@@ -1,6 +1,6 @@
 """Row ids of a many-writer store's snapshot: positions to ids and back, reads by id.
 
-A row's id is ``ordinal << ID_SHIFT | seq`` (see :mod:`grain_replay.store.parts`): it
+A row's id is ``ordinal << ID_SHIFT | seq`` (:func:`grain_replay.store.parts.make_ids`): it
 names the row while it lives, whatever the snapshot. These functions map ids to
 the writer part and sequence number of a :class:`~grain_replay.sources.parts.snapshot.Snapshot`
 and decide what a read by id returns for a row that is gone; the source
@@ -47,11 +47,11 @@ def ids_at(
     """The row id (int64) of each position of ``snap``; ``check=False`` trusts positions to
     be int64 in ``[0, len)`` (a sampler's draws)."""
     if not check and len(snap.parts) == 1:
-        shift = (int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + int(snap.live_start[0])
+        shift = parts_lib.make_ids(int(snap.ordinals[0]), int(snap.live_start[0]))
         return np.asarray(positions, dtype=np.int64) + shift
     pos = check_indices(positions, snap.n, where)
     p, seq = snap.locate(pos)
-    return (snap.ordinals[p] << parts_lib.ID_SHIFT) | seq
+    return parts_lib.make_ids(snap.ordinals[p], seq)
 
 
 def positions_of(snap: Snapshot, ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -59,7 +59,7 @@ def positions_of(snap: Snapshot, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64)
     if not len(snap.parts):
         return np.full(ids.shape, -1, dtype=np.int64)
-    ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
+    ordinal, seq = parts_lib.split_ids(ids)
     known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
     p = np.where(known, snap.part_of_ordinal[np.where(known, ordinal, 0)], -1)
     pc = np.maximum(p, 0)
@@ -75,7 +75,7 @@ def read_mapped(
     if len(snap.parts) != 1 or not len(ids) or snap.parts[0].mapped is None:
         return None
     m = snap.parts[0].mapped
-    rows = ids - ((int(snap.ordinals[0]) << parts_lib.ID_SHIFT) + m.base)
+    rows = ids - parts_lib.make_ids(int(snap.ordinals[0]), m.base)
     if int(rows.min()) < 0 or int(rows.max()) >= m.stop - m.base:
         return None
     out = {k: np.take(m.arrays[k], rows, axis=0) for k in seg_keys}
@@ -87,7 +87,7 @@ def read_mapped(
 def locate_ids(snap: Snapshot, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(part, seq, ahead)`` of each id: its part in ``snap`` (-1: no such writer), its
     sequence number, and whether it is newer than ``snap`` (a refresh may find it)."""
-    ordinal, seq = ids >> parts_lib.ID_SHIFT, ids & parts_lib.SEQ_MASK
+    ordinal, seq = parts_lib.split_ids(ids)
     known = (ordinal >= 0) & (ordinal < len(snap.part_of_ordinal))
     p = np.where(known, snap.part_of_ordinal[np.where(known, ordinal, 0)], -1)
     ahead = (p < 0) | (seq >= snap.committed[np.maximum(p, 0)])
@@ -109,7 +109,7 @@ def stand_ins(
     """
     if (p < 0).any():
         raise EvictedRowError(
-            f"{where}: no writer with ordinal {int(ids[p < 0][0] >> parts_lib.ID_SHIFT)} in "
+            f"{where}: no writer with ordinal {parts_lib.id_ordinals(int(ids[p < 0][0]))} in "
             "the store. Fix: pass ids returned by src.ids() of this store."
         )
     ok = snap.readable(p, seq)

@@ -199,9 +199,11 @@ class Snapshot:
         seg_rows = self.seg_rows[p]
         first = seq // seg_rows * seg_rows
         offset = seq - first
-        for k, sel in runs(p * (1 << parts_lib.ID_SHIFT) + first):
-            part = self.parts[k >> parts_lib.ID_SHIFT]
-            seg_first = k & parts_lib.SEQ_MASK
+        # One run per (part, segment): the pair packed as an id, the part's index in the
+        # ordinal's place (both in range: the key splits back exactly).
+        for k, sel in runs(parts_lib.make_ids(p, first)):
+            at_part, seg_first = parts_lib.split_ids(k)
+            part = self.parts[at_part]
             src = part.segments.get(seg_first)
             offs = offset[sel]
             at = rest[sel]
@@ -230,9 +232,9 @@ class Snapshot:
                 return ok
         seg_rows = self.seg_rows[p]
         first = seq // seg_rows * seg_rows
-        for k, sel in runs(p * (1 << parts_lib.ID_SHIFT) + first):
-            part = self.parts[k >> parts_lib.ID_SHIFT]
-            f = k & parts_lib.SEQ_MASK
+        for k, sel in runs(parts_lib.make_ids(p, first)):  # keyed as gather_segments
+            at_part, f = parts_lib.split_ids(k)
+            part = self.parts[at_part]
             ok[sel] = (seq[sel] - f) < part.rows[f] if f in part.segments else False
         return ok
 

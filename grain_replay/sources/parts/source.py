@@ -388,7 +388,7 @@ class PartsDataSource(SourceSurface):
             return None
         out = gather.read_mapped(cached[1], ids, self._spec, self._seg_keys)
         if out is not None and WRITER_KEY in self._spec:
-            out[WRITER_KEY] = ids >> parts_lib.ID_SHIFT
+            out[WRITER_KEY] = parts_lib.id_ordinals(ids)
         return None if out is None else {k: out[k] for k in self._spec}
 
     def __getitem__(self, index: int) -> Any:
