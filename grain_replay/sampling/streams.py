@@ -19,6 +19,7 @@ from grain_replay.sampling.replay import (
     UniformReplay,
     UniformSampler,
 )
+from grain_replay.sources.capabilities import ReadsIds
 from grain_replay.store.parts import RowIds
 
 __all__ = ["Stream", "make_stream"]
@@ -208,7 +209,7 @@ def make_stream(
         uniform = UniformSampler(source, sampling, batch_size, seed=seed, shard_index=shard_index)
         return _UniformStream(uniform, RowReader(source), {**describe, "sampling": "uniform"})
     if isinstance(sampling, PrioritizedReplay):
-        by_id = callable(getattr(source, "read_ids_checked", None))
+        by_id = isinstance(source, ReadsIds)
         prioritized = (SlotPrioritySampler if by_id else PrioritySampler)(
             source,
             sampling,
