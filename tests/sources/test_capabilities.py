@@ -84,10 +84,10 @@ def test_iterators_and_streams(tmp_path: Path) -> None:
     uniform = iter(gr.make_data_loader(src, batch_size=4, sampling=gr.UniformReplay()))
     assert {cap.Checkpointable, cap.StateAt, cap.Prefetches} <= _has(uniform)
     next(uniform)
-    assert isinstance(uniform._stream.sampler, cap.HasWatermark)  # noqa: SLF001
-    assert not isinstance(uniform._stream, cap.BindsMaps)  # noqa: SLF001
+    assert isinstance(uniform._stream.sampler, cap.HasWatermark)
+    assert not isinstance(uniform._stream, cap.BindsMaps)
     prioritized = iter(gr.make_data_loader(src, batch_size=4, sampling=gr.PrioritizedReplay()))
     assert {cap.Checkpointable, cap.StateAt, cap.PriorityUpdates} <= _has(prioritized)
-    assert isinstance(prioritized._stream, cap.BindsMaps)  # noqa: SLF001 - rows travel as ids
+    assert isinstance(prioritized._stream, cap.BindsMaps)  # rows travel as ids
     put = gr.sharded_device_put(prioritized)
     assert {cap.Checkpointable, cap.PriorityUpdates, cap.Prefetches} <= _has(put)
