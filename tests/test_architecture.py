@@ -5,7 +5,8 @@ The rooms, bottom first:
 
 0. errors, tree, _flags, store/ (the on-disk contract), remote/ (fsspec access).
 1. sources/reading/, sources/checks.py, sources/keys.py: the shared reading layer.
-2. sources/surface.py, sources/base.py, sources/access.py: the source surface.
+2. sources/surface.py, sources/base.py, sources/access.py, sources/capabilities.py: the
+   source surface.
 3. sources/<format>/ (hdf5, zarr, npy, npz: never each other) and writers/.
 4. sources/parts/ (the many-writer reader, over every format's segments) and
    sources/__init__.py.
@@ -45,6 +46,7 @@ LAYERS = {
     "grain_replay.sources.base": 2,
     "grain_replay.sources.surface": 2,
     "grain_replay.sources.access": 2,
+    "grain_replay.sources.capabilities": 2,
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,
     "grain_replay.sources.npy": 3,

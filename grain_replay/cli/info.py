@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.sources.capabilities import HasEpisodes, ManyWriterStore
+
 __all__ = ["cmd_info", "fmt_bytes", "size_on_disk"]
 
 
@@ -44,7 +46,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     writers = _writers(src)
     if writers is not None:
         info["format"] = getattr(src, "format", info["format"])
-        info["store_id"] = getattr(src, "store_id", None)  # a PartsDataSource here
+        info["store_id"] = src.store_id if isinstance(src, ManyWriterStore) else None
         info["writers"] = writers
         info["evicted_records"] = sum(w["evicted"] for w in writers)
     info["checksums"] = getattr(src, "checksums", None) is not None
@@ -129,7 +131,8 @@ def _episodes(src: Any, cache: bool) -> dict[str, Any] | None:
 
     try:
         flags = EpisodeFlags().resolve(src.spec, src.path)
-        index = getattr(src, "episodes", None) or build_episode_index(src, cache=cache)
+        own = src.episodes if isinstance(src, HasEpisodes) else None
+        index = own or build_episode_index(src, cache=cache)
     except (GrainReplayError, AttributeError, TypeError):
         return None
     lengths = np.asarray(index.lengths)

@@ -21,6 +21,12 @@ from grain_replay.errors import (
     UnsupportedStateError,
 )
 from grain_replay.pipeline.state import load_text, save_text
+from grain_replay.sources.capabilities import (
+    Checkpointable,
+    Prefetches,
+    PriorityUpdates,
+    StateAt,
+)
 from grain_replay.store.parts import RowIds
 
 if TYPE_CHECKING:
@@ -110,14 +116,11 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
-        self._stateful = callable(getattr(inner, "get_state", None)) and callable(
-            getattr(inner, "set_state", None)
-        )
+        self._stateful = isinstance(inner, Checkpointable)
         # An inner iterator that can give the state of an earlier position (a replay
         # iterator, whose state holds the priorities) is asked only at a checkpoint.
-        at = getattr(inner, "get_state_at", None)
         self._state_at: Callable[[int], Any] | None = (
-            at if self._stateful and callable(at) else None
+            inner.get_state_at if self._stateful and isinstance(inner, StateAt) else None
         )
         self._capture = self._stateful and self._state_at is None
         self._state = copy.deepcopy(inner.get_state()) if self._capture else None
@@ -200,14 +203,13 @@ class ShardedDevicePutIterator(Iterator[Any]):
         Raises:
             UnsupportedStateError: The wrapped iterator has no ``update_priorities``.
         """
-        update = getattr(self._inner, "update_priorities", None)
-        if not callable(update):
+        if not isinstance(self._inner, PriorityUpdates):
             raise UnsupportedStateError(
                 f"Cannot call update_priorities(): the wrapped iterator "
                 f"({type(self._inner).__name__}) does not sample with priorities. Wrap a "
                 "loader made with sampling=gr.PrioritizedReplay()."
             )
-        update(
+        self._inner.update_priorities(
             _local_rows(index), _local_rows(priorities), handed_out=self._handed + self._prefetch
         )
 
@@ -266,9 +268,8 @@ class ShardedDevicePutIterator(Iterator[Any]):
         if self._finished:
             return
         if self._prefetch == 0:
-            start = getattr(self._inner, "start_prefetch", None)
-            if callable(start):
-                start()
+            if isinstance(self._inner, Prefetches):
+                self._inner.start_prefetch()
         elif self._prefetcher is None:
             self._start()
 

@@ -16,6 +16,7 @@ from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
 from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.pipeline.state import StreamShape, stream_repr
 from grain_replay.sources.base import BatchSource
+from grain_replay.sources.capabilities import HasSpec, HasTreedef, ReadsInto
 
 __all__ = ["CACHED_ORDER_MAX_RECORDS", "LoaderOptions", "BatchedReads"]
 
@@ -132,7 +133,9 @@ class BatchedReads:
 
         b = self.options.batch_size
         rows: int | None = b if self.options.drop_remainder or self._n % b == 0 else None
-        spec, treedef = getattr(self.source, "spec", None), getattr(self.source, "treedef", None)
+        src = self.source
+        spec = src.spec if isinstance(src, HasSpec) else None
+        treedef = src.treedef if isinstance(src, HasTreedef) else None
         if spec is None or treedef is None:  # a source that does not say: its zero-row batch
             empty = self.source.read_batch(np.zeros(0, np.int64))
             return tree_lib.map_leaves(
@@ -189,9 +192,8 @@ class BatchedReads:
         """Reads global batch ``index`` into ``out`` (leaf key -> array of the batch's rows)
         with the source's ``read_into``; False, reading nothing, when the source has none or
         the batch has another number of rows (a short last batch)."""
-        into = getattr(self.source, "read_into", None)
         ids = self.record_ids(index)
-        if into is None or any(len(a) != len(ids) for a in out.values()):
+        if not isinstance(self.source, ReadsInto) or any(len(a) != len(ids) for a in out.values()):
             return False
-        into(ids, out)
+        self.source.read_into(ids, out)
         return True

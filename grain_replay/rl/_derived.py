@@ -19,6 +19,7 @@ from grain_replay.rl.episodes import (
 )
 from grain_replay.sources.access import LeafAccess
 from grain_replay.sources.base import SourceSurface, as_record_index, check_indices
+from grain_replay.sources.capabilities import HasEpisodeBounds
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["DerivedSource", "Spans"]
@@ -119,8 +120,8 @@ class DerivedSource(SourceSurface):
             return own
         # A store whose layout knows episode ends the flags alone do not give (a flashbax
         # Vault's batch rows) hands them over as arrays.
-        bounds = getattr(source, "episode_bounds", None) if not self._flags.keys else None
-        found = bounds() if callable(bounds) else None
+        bounded = not self._flags.keys and isinstance(source, HasEpisodeBounds)
+        found = source.episode_bounds() if bounded else None
         if found is not None:
             ends, terminated, open_last = found
             return EpisodeIndex(ends, terminated, open_last)

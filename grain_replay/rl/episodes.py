@@ -19,6 +19,7 @@ from grain_replay.errors import (
 )
 from grain_replay.rl.episode_index import EpisodeIndex
 from grain_replay.sources.access import LeafAccess, local_path, save_cache
+from grain_replay.sources.capabilities import HasEpisodeEnds, HasEpisodes, ManyWriterStore
 
 __all__ = [
     "EpisodeIndex",
@@ -129,12 +130,15 @@ def source_episodes(source: Any) -> EpisodeIndex | None:
     LeRobot), or ``episode_ends``/``episode_terminated`` arrays, which stores
     below this layer (RLDS) expose without depending on it.
     """
-    own = getattr(source, "episodes", None)
-    if isinstance(own, EpisodeIndex) and own.num_steps == len(source):
+    n = len(source)
+    own = source.episodes if isinstance(source, HasEpisodes) else None
+    if isinstance(own, EpisodeIndex) and own.num_steps == n:
         return own
-    ends = getattr(source, "episode_ends", None)
-    if isinstance(ends, np.ndarray) and (ends[-1] if ends.size else 0) == len(source):
-        terminated = getattr(source, "episode_terminated", None)
+    if not isinstance(source, HasEpisodeEnds):
+        return None
+    ends = source.episode_ends
+    if isinstance(ends, np.ndarray) and (ends[-1] if ends.size else 0) == n:
+        terminated = source.episode_terminated
         if not isinstance(terminated, np.ndarray) or terminated.shape != ends.shape:
             terminated = np.zeros(ends.shape, bool)
         return EpisodeIndex(ends, terminated)
@@ -242,7 +246,7 @@ def build_episode_index(
     if block_rows <= 0:
         raise InvalidArgumentError(f"block_rows must be positive, got {block_rows}")
     given = EpisodeFlags(done_key, terminated_key, truncated_key)
-    if not given.keys and getattr(source, "episode_ends", None) is not None:
+    if not given.keys and isinstance(source, HasEpisodeEnds) and source.episode_ends is not None:
         known = source_episodes(source)  # a store that indexed its episodes itself (RLDS)
         if known is not None:
             return known
@@ -250,8 +254,8 @@ def build_episode_index(
     flags = given.resolve(access.spec, access.where)
     n = len(source)
     # A bounded store's steps are not a growing prefix (old ones are evicted): no cache.
-    writer_starts = getattr(source, "writer_starts", None)
-    path = local_path(source) if cache and not callable(writer_starts) else None
+    many_writers = isinstance(source, ManyWriterStore)
+    path = local_path(source) if cache and not many_writers else None
     cache_file = fingerprint = None
     if path is not None:
         cache_file = episode_cache_path(path)
@@ -260,11 +264,11 @@ def build_episode_index(
         if index is not None:
             return index
     ends, term = _read_flags(access, flags, n, block_rows)
-    if callable(writer_starts):
+    if many_writers:
         # Many writers: an episode never runs from one writer's rows into the next's
         # (the last, unfinished one of each writer ends, truncated, at its newest row).
         # The first episode of each writer starts at its oldest live row.
-        cuts = np.asarray(writer_starts(), dtype=np.int64)
+        cuts = np.asarray(source.writer_starts(), dtype=np.int64)
         cuts = np.setdiff1d(cuts[(cuts > 0) & (cuts < n)], ends)
         order = np.argsort(np.concatenate([ends, cuts]), kind="stable")
         ends = np.concatenate([ends, cuts])[order]

@@ -33,6 +33,7 @@ from grain_replay.rl.sequence_spec import (
 )
 from grain_replay.sources import ReplaySource
 from grain_replay.sources.access import LeafAccess
+from grain_replay.sources.capabilities import Refreshable
 from grain_replay.sources.checks import check_out
 from grain_replay.store.layout import LeafSpec
 
@@ -415,9 +416,8 @@ class SequenceDataSource(DerivedSource):
             grew and no new index was given, or it covers another length.
         """
         source = self._access.source
-        step_refresh = getattr(source, "refresh", None)
-        if callable(step_refresh):
-            step_refresh()
+        if isinstance(source, Refreshable):
+            source.refresh()
         n = len(source)
         if episodes is not None:
             if episodes.num_steps != n:

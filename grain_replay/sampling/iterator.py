@@ -27,6 +27,7 @@ from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.rate.limit import make_limiter
 from grain_replay.sampling.replay import StoreLength, UniformSampler
 from grain_replay.sampling.streams import Stream
+from grain_replay.sources.capabilities import BindsMaps
 from grain_replay.store.watermark import Watermark
 
 __all__ = ["ENDLESS", "SamplingIterator"]
@@ -85,9 +86,8 @@ class SamplingIterator:
     ) -> None:
         self._stream = stream
         reader, maps = stream.reader, tuple(maps)
-        bind = getattr(stream, "bind_maps", None)
-        if callable(bind):  # a stream whose reader returns more than the data maps see
-            reader, maps = bind(maps), ()
+        if isinstance(stream, BindsMaps):  # its reader returns more than the data maps see
+            reader, maps = stream.bind_maps(maps), ()
         self._read = _Maps(reader, maps)
         self._lock = threading.RLock()
         self._position = 0  # batches handed out

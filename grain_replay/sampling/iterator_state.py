@@ -21,6 +21,7 @@ import numpy as np
 from grain_replay.errors import ReplayCheckpointError
 from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.replay import reaches
+from grain_replay.sources.capabilities import HasWatermark, HasWriters, ManyWriterStore
 from grain_replay.store.watermark import Watermark
 
 __all__ = [
@@ -117,19 +118,19 @@ def decode_state(state: bytes, sampling: dict[str, Any]) -> Decoded:
 def store_watermark(sampler: Any, source: Any) -> Watermark:
     """The rows ``sampler`` draws from ``source``, as the store's writers count them."""
     store = str(getattr(source, "path", None) or repr(source))
-    sid = getattr(source, "store_id", None)
+    sid = source.store_id if isinstance(source, ManyWriterStore) else None
     sid = sid if isinstance(sid, str) else None
     # A bounded many-writer store names each writer's committed rows in the view:
     # through commit_watermark(), or the writers' manifests of its snapshot.
-    view = getattr(sampler, "commit_watermark", None)
-    if callable(view):  # the writers' rows the draws come from, as the sampler saw them
-        writers = view()
+    if isinstance(sampler, HasWatermark):  # the writers' rows the draws come from
+        writers = sampler.commit_watermark()
         if writers is not None:
             return Watermark(store, writers=dict(writers), store_id=sid)
-    per_writer = getattr(source, "commit_watermark", None)
-    if callable(per_writer):
-        return Watermark(store, writers=dict(per_writer()), store_id=sid)
-    manifests = getattr(source, "writers", None)
+    if isinstance(source, HasWatermark):
+        writers = source.commit_watermark()
+        if writers is not None:
+            return Watermark(store, writers=dict(writers), store_id=sid)
+    manifests = source.writers if isinstance(source, HasWriters) else None
     if isinstance(manifests, list) and all(
         hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
     ):
@@ -176,13 +177,12 @@ def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
 
 def _held_rows(source: Any) -> dict[str, int] | None:
     """Each writer's committed rows in ``source``'s store now (None: not a many-writer one)."""
-    now = getattr(source, "committed_rows", None)
-    if callable(now):  # the manifests on disk, not a snapshot taken before the restore
-        return {str(k): int(v) for k, v in dict(now()).items()}
-    view = getattr(source, "commit_watermark", None)
-    if callable(view):
-        return {str(k): int(v) for k, v in dict(view()).items()}
-    manifests = getattr(source, "writers", None)
+    if isinstance(source, ManyWriterStore):  # the manifests on disk, not a snapshot
+        return {str(k): int(v) for k, v in dict(source.committed_rows()).items()}
+    view = source.commit_watermark() if isinstance(source, HasWatermark) else None
+    if view is not None:
+        return {str(k): int(v) for k, v in dict(view).items()}
+    manifests = source.writers if isinstance(source, HasWriters) else None
     if isinstance(manifests, list) and all(
         hasattr(m, "writer_id") and hasattr(m, "committed") for m in manifests
     ):
@@ -200,8 +200,7 @@ def _check_writers(saved: Watermark, ours: Watermark, source: Any) -> None:
             f"{sorted(saved.writers)}); a plain store is there now: the store was replaced. "
             "Fix: restore with the store as it was saved, or start the learner afresh."
         )
-    now = getattr(source, "current_store_id", None)
-    sid = now() if callable(now) else None
+    sid = source.current_store_id() if isinstance(source, ManyWriterStore) else None
     if None not in (saved.store_id, sid) and saved.store_id != sid:
         raise ReplayCheckpointError(
             f"The checkpoint drew from the store {saved.store_id} at {saved.store}; the store "

@@ -10,6 +10,7 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidSamplingError, LeafMismatchError
 from grain_replay.sampling.replay import reaches
+from grain_replay.sources.capabilities import HasSpec, HasTreedef, ReadsIds, ReadsInto
 
 __all__ = ["MixtureReader", "source_leaves"]
 
@@ -28,7 +29,7 @@ def _source_spec(source: Any) -> dict[str, LeafShape]:
     None for a leaf whose ``spec`` entry has no dtype and shape, of a source
     with no rows to read one from (an online store before its first commit).
     """
-    spec = getattr(source, "spec", None)
+    spec = source.spec if isinstance(source, HasSpec) else None
     if isinstance(spec, Mapping):
         out: dict[str, LeafShape] = {}
         for k, v in spec.items():
@@ -47,7 +48,7 @@ def _native(dtype: np.dtype) -> np.dtype:
 
 
 def _treedef(source: Any, keys: list[str]) -> dict[str, Any]:
-    treedef = getattr(source, "treedef", None)
+    treedef = source.treedef if isinstance(source, HasTreedef) else None
     if not isinstance(treedef, Mapping):
         _, treedef = tree_lib.flatten(source.read_batch(np.zeros(1, dtype=np.int64)))
     return tree_lib.prune_treedef(treedef, keys)
@@ -218,11 +219,10 @@ class MixtureReader:
         # name -> read of rows by id, for bounded stores under replay (see PartsDataSource).
         self._by_id: dict[str, Callable[..., dict[str, np.ndarray]]] = {}
         for name, source in self.sources.items():
-            read_ids = getattr(source, "read_ids_flat", None)
-            if self.growing and callable(read_ids):
-                self._by_id[name] = read_ids
-            read_into = getattr(source, "read_into", None)  # grain_replay's sources
-            self._plan.append((name, source, read_into if callable(read_into) else None))
+            if self.growing and isinstance(source, ReadsIds):
+                self._by_id[name] = source.read_ids_flat
+            read_into = source.read_into if isinstance(source, ReadsInto) else None
+            self._plan.append((name, source, read_into))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n!r}: {s!r}" for n, s in self.sources.items())

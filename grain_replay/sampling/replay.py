@@ -16,6 +16,7 @@ from grain_replay.errors import InvalidSamplingError, ReplayCheckpointError
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.rate.options import set_rate_limit
 from grain_replay.sources.base import ReplaySource
+from grain_replay.sources.capabilities import ReadsIds, Refreshable
 from grain_replay.store import parts as parts_lib
 
 __all__ = [
@@ -115,7 +116,7 @@ def probe_copy(source: Any) -> Any:
     """An independent copy of a growing ``source`` to refresh apart from the one that
     reads (grain_replay's sources pickle without handles); ``source`` itself when it
     cannot grow or does not pickle."""
-    if callable(getattr(source, "refresh", None)):
+    if isinstance(source, Refreshable):
         try:
             return pickle.loads(pickle.dumps(source))
         except Exception:
@@ -155,7 +156,7 @@ class StoreLength:
     def by_id(self) -> bool:
         """Whether rows travel as ids: a bounded or many-writer store, whose positions
         move as writers evict (see :class:`grain_replay.sources.PartsDataSource`)."""
-        return callable(getattr(self._probe, "read_ids", None))
+        return isinstance(self._probe, ReadsIds)
 
     @property
     def writers(self) -> list[Any]:
@@ -239,8 +240,8 @@ class StoreLength:
         if due:
             self._forced = False
             self.looks += 1
-            refresh = getattr(self._probe, "refresh", None)
-            n = int(refresh()) if callable(refresh) else len(self._probe)
+            probe = self._probe
+            n = int(probe.refresh()) if isinstance(probe, Refreshable) else len(probe)
             self._layout = self._pinned = None
             # A reader never goes back: a store is only appended to (a bounded
             # store's positions are its snapshot's, whatever their count).
@@ -364,9 +365,8 @@ def reaches(source: Any, bound: int) -> bool:
     the source that reads them (in a worker, say) may not have seen the commit.
     """
     if bound > len(source):
-        refresh = getattr(source, "refresh", None)
-        if callable(refresh):
-            refresh()
+        if isinstance(source, Refreshable):
+            source.refresh()
     return bound <= len(source)
 
 

@@ -1,15 +1,22 @@
-"""Sampling modes as streams: what each batch is made of, drawn in the consuming process."""
+"""Sampling modes as streams: what each batch is made of, drawn in the consuming process.
+
+The built-in modes' streams, registered in ``modes.py`` (``"epochs"`` mixtures,
+``UniformReplay``, ``PrioritizedReplay``), and :func:`make_stream`, which checks the
+arguments every mode shares and hands the rest to the mode's registered factory. A new
+mode registers its own factories next to its options class; nothing here changes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.mixture import MixtureSampler, Weights
 from grain_replay.sampling.mixture_reader import MixtureReader
+from grain_replay.sampling.modes import Stream, StreamRequest, find_sampling, register_sampling
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
 from grain_replay.sampling.priority_slots import IdPriorityReader, SlotPrioritySampler
 from grain_replay.sampling.replay import (
@@ -19,24 +26,10 @@ from grain_replay.sampling.replay import (
     UniformReplay,
     UniformSampler,
 )
+from grain_replay.sources.capabilities import ReadsIds
 from grain_replay.store.parts import RowIds
 
-__all__ = ["Stream", "make_stream"]
-
-
-class Stream(Protocol):
-    """What a sampling mode does in the consuming process."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def reader(self) -> Callable[[Any], Any]: ...
-
-    def describe(self) -> dict[str, Any]: ...
-    def draw(self, step: int) -> tuple[Any, Any]: ...
-    def state(self) -> dict[str, Any]: ...
-    def set_state(self, state: Mapping[str, Any]) -> None: ...
-    def finish(self, data: Any, extra: Any) -> Any: ...
+__all__ = ["Stream", "StreamRequest", "make_stream", "register_sampling"]
 
 
 class _SelfStatedStream:
@@ -142,6 +135,77 @@ class _IdPriorityStream(_PriorityStream):
         return Sampled(rows, np.asarray(index, dtype=np.int64).view(RowIds), weight)
 
 
+def _mixture(
+    sources: Mapping[str, Any], request: StreamRequest, replay: UniformReplay | None
+) -> Stream:
+    """A mixture's stream: each source's epochs, or (``replay``) uniform draws of each."""
+    reader = MixtureReader(
+        sources,
+        keys=None if request.keys is None else list(request.keys),
+        source_leaf=request.source_leaf,
+        growing=replay is not None,
+    )
+    sizes = dict(reader.sizes)  # what the reader knows the rows are drawn below
+    empty = [n for n, size in sizes.items() if size == 0]
+    if empty and replay is None:
+        raise InvalidSamplingError(f"The mixture's sources {empty} hold no records.")
+    lengths = None
+    if replay is not None:
+        lengths = [StoreLength(src, replay.refresh_every) for src in sources.values()]
+    sampler = MixtureSampler(
+        sizes,
+        request.weights,
+        request.batch_size,
+        seed=request.seed,
+        shuffle=request.shuffle,
+        shard_index=request.shard_index,
+        shard_count=request.shard_count,
+        lengths=lengths,
+    )
+    return _MixtureStream(sampler, reader, request.seed)
+
+
+def _epochs_mixture(sampling: str, sources: Mapping[str, Any], request: StreamRequest) -> Stream:
+    return _mixture(sources, request, None)
+
+
+def _replay_mixture(
+    sampling: UniformReplay, sources: Mapping[str, Any], request: StreamRequest
+) -> Stream:
+    return _mixture(sources, request, sampling)
+
+
+def _uniform(sampling: UniformReplay, source: Any, request: StreamRequest) -> Stream:
+    uniform = UniformSampler(
+        source, sampling, request.batch_size, seed=request.seed, shard_index=request.shard_index
+    )
+    return _UniformStream(uniform, RowReader(source), {**request.describe(), "sampling": "uniform"})
+
+
+def _prioritized(sampling: PrioritizedReplay, source: Any, request: StreamRequest) -> Stream:
+    by_id = isinstance(source, ReadsIds)
+    prioritized = (SlotPrioritySampler if by_id else PrioritySampler)(
+        source,
+        sampling,
+        request.batch_size,
+        seed=request.seed,
+        lag=request.lag,
+        shard_index=request.shard_index,
+        shard_count=request.shard_count,
+    )
+    described = {**request.describe(), "sampling": "prioritized"}
+    return (_IdPriorityStream if by_id else _PriorityStream)(
+        prioritized,
+        IdPriorityReader(source) if by_id else RowReader(source),
+        {**described, "alpha": sampling.alpha, "eps": sampling.eps},
+    )
+
+
+register_sampling("epochs", mixture=_epochs_mixture)
+register_sampling(UniformReplay, stream=_uniform, mixture=_replay_mixture)
+register_sampling(PrioritizedReplay, stream=_prioritized)
+
+
 def make_stream(
     source: Any,
     *,
@@ -156,10 +220,25 @@ def make_stream(
     shard_count: int,
     lag: int,
 ) -> Stream:
-    """The stream of ``source`` (a source or a mapping of them) under ``sampling``."""
-    describe = {"batch_size": batch_size, "seed": seed, "shard": [shard_index, shard_count]}
+    """The stream of ``source`` (a source or a mapping of them) under ``sampling``.
+
+    ``sampling`` is looked up in the registry of ``modes.py``: its factory for a mapping
+    of sources or for one source makes the stream.
+    """
+    request = StreamRequest(
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        shard_index=shard_index,
+        shard_count=shard_count,
+        lag=lag,
+        weights=weights,
+        keys=keys,
+        source_leaf=source_leaf,
+    )
+    mode = find_sampling(sampling)
     if isinstance(source, Mapping):
-        if sampling != "epochs" and not isinstance(sampling, UniformReplay):
+        if mode is None or mode.mixture is None:
             raise InvalidSamplingError(
                 f"sampling={sampling!r} replays one source; got a mapping of "
                 f"{len(source)} sources. Fix: mix them with weights= and sampling='epochs' "
@@ -170,30 +249,7 @@ def make_stream(
                 f"A mixture of {list(source)} needs weights=, e.g. "
                 f"{ {n: 1.0 for n in source} }, or a callable of the step returning one."
             )
-        reader = MixtureReader(
-            source,
-            keys=None if keys is None else list(keys),
-            source_leaf=source_leaf,
-            growing=isinstance(sampling, UniformReplay),
-        )
-        sizes = dict(reader.sizes)  # what the reader knows the rows are drawn below
-        empty = [n for n, size in sizes.items() if size == 0]
-        if empty and not isinstance(sampling, UniformReplay):
-            raise InvalidSamplingError(f"The mixture's sources {empty} hold no records.")
-        lengths = None
-        if isinstance(sampling, UniformReplay):
-            lengths = [StoreLength(src, sampling.refresh_every) for src in source.values()]
-        sampler = MixtureSampler(
-            sizes,
-            weights,
-            batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            shard_index=shard_index,
-            shard_count=shard_count,
-            lengths=lengths,
-        )
-        return _MixtureStream(sampler, reader, seed)
+        return mode.mixture(sampling, source, request)
     if weights is not None or source_leaf is not None:
         raise InvalidSamplingError(
             "weights= and source_leaf= describe a mixture: pass a mapping of sources, e.g. "
@@ -204,26 +260,9 @@ def make_stream(
             "keys= selects the leaves a mixture's sources share; for one source, open it "
             "with keys= instead."
         )
-    if isinstance(sampling, UniformReplay):
-        uniform = UniformSampler(source, sampling, batch_size, seed=seed, shard_index=shard_index)
-        return _UniformStream(uniform, RowReader(source), {**describe, "sampling": "uniform"})
-    if isinstance(sampling, PrioritizedReplay):
-        by_id = callable(getattr(source, "read_ids_checked", None))
-        prioritized = (SlotPrioritySampler if by_id else PrioritySampler)(
-            source,
-            sampling,
-            batch_size,
-            seed=seed,
-            lag=lag,
-            shard_index=shard_index,
-            shard_count=shard_count,
+    if mode is None or mode.stream is None:
+        raise InvalidSamplingError(
+            f"sampling must be 'epochs', gr.UniformReplay() or gr.PrioritizedReplay(), got "
+            f"{sampling!r}."
         )
-        return (_IdPriorityStream if by_id else _PriorityStream)(
-            prioritized,
-            IdPriorityReader(source) if by_id else RowReader(source),
-            {**describe, "sampling": "prioritized", "alpha": sampling.alpha, "eps": sampling.eps},
-        )
-    raise InvalidSamplingError(
-        f"sampling must be 'epochs', gr.UniformReplay() or gr.PrioritizedReplay(), got "
-        f"{sampling!r}."
-    )
+    return mode.stream(sampling, source, request)

@@ -13,9 +13,10 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource, select_keys
+from grain_replay.sources.capabilities import Closeable, HasSpec, HasTreedef
 from grain_replay.sources.reading.readers import window_rows
 from grain_replay.sources.reading.windows import fix_windows
-from grain_replay.sources.surface import SourceSurface
+from grain_replay.sources.surface import BatchSource, SourceSurface
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
@@ -41,8 +42,8 @@ class LeafAccess:
 
     def __init__(self, source: Any):
         self.source = source
-        spec = getattr(source, "spec", None)
-        if spec is None or not hasattr(source, "read_batch"):
+        spec = source.spec if isinstance(source, HasSpec) else None
+        if spec is None or not isinstance(source, BatchSource):
             raise ArgumentTypeError(
                 f"{type(source).__name__} is not a replay source: it needs `spec`, `__len__` "
                 "and `read_batch`. Fix: pass a grain_replay source such as gr.open_source(path)."
@@ -50,7 +51,7 @@ class LeafAccess:
         self.spec: dict[str, LeafSpec] = dict(spec)
         self.treedef: dict[str, Any] = (
             source.treedef
-            if isinstance(getattr(source, "treedef", None), dict)
+            if isinstance(source, HasTreedef) and isinstance(source.treedef, dict)
             else tree_lib.treedef_from_keys(self.spec)
         )
         self.where = describe(source)
@@ -188,9 +189,8 @@ class LeafAccess:
         return int(getattr(self.source, "_opens", 0))
 
     def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+        if isinstance(self.source, Closeable):
+            self.source.close()
 
 
 def local_path(source: Any) -> str | None:

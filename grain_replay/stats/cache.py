@@ -12,6 +12,7 @@ import numpy as np
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.access import LeafAccess, local_path, save_cache
+from grain_replay.sources.capabilities import ReadsIds
 from grain_replay.stats.accumulate import (
     SAMPLE_BYTES,
     LeafState,
@@ -54,7 +55,7 @@ def store_state(
     row_bytes = sum(s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in spec.values())
     sample_rows = max(1, min(sample_rows, SAMPLE_BYTES // max(1, row_bytes)))
     # A bounded store's rows are not a growing prefix (old ones are evicted): no cache.
-    bounded = callable(getattr(source, "read_ids", None))
+    bounded = isinstance(source, ReadsIds)
     path = local_path(source) if cache and not bounded else None
     cache_file = stats_cache_path(path) if path is not None else None
     opts = {"sample_rows": sample_rows, "block_bytes": block_bytes, "seed": _SEED}

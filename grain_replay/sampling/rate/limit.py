@@ -28,6 +28,7 @@ from grain_replay.errors import (
 from grain_replay.sampling.rate.options import default_tolerance, is_rate_limited, least_tolerance
 from grain_replay.sampling.rate.publish import ProgressPublisher
 from grain_replay.sampling.replay import probe_copy
+from grain_replay.sources.capabilities import ReadsIds, Refreshable
 from grain_replay.store import progress as learners_lib
 from grain_replay.store.parts import is_parts_store
 
@@ -45,9 +46,7 @@ class _Counts:
     """Rows inserted (ever committed, evicted ones included) and live in the store."""
 
     def __init__(self, source: Any) -> None:
-        self.parts = callable(getattr(source, "read_ids", None)) and isinstance(
-            getattr(source, "path", None), str
-        )
+        self.parts = isinstance(source, ReadsIds) and isinstance(getattr(source, "path", None), str)
         self._inserted: learners_lib.InsertedCount | None = None
         self._probe: Any = None
         self.grows = True
@@ -55,13 +54,12 @@ class _Counts:
             self._inserted = learners_lib.InsertedCount(source.path)
             return
         self._probe = probe_copy(source)
-        self.grows = callable(getattr(self._probe, "refresh", None))
+        self.grows = isinstance(self._probe, Refreshable)
 
     def read(self) -> tuple[int, int]:
         if self._inserted is not None:
             return self._inserted.read()
-        refresh = getattr(self._probe, "refresh", None)
-        n = int(refresh()) if callable(refresh) else len(self._probe)
+        n = int(self._probe.refresh()) if self.grows else len(self._probe)
         return n, n
 
     def capacities(self) -> list[int | None]:
