@@ -22,6 +22,7 @@ Every import counts, also those inside functions and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 import subprocess
@@ -304,6 +305,90 @@ def test_the_private_import_rule_sees_a_break() -> None:
         assert _private_imports(name) == []  # its own folder's private module
     finally:
         TREES[name] = saved
+
+
+# ``x._name`` (or getattr/hasattr/setattr of ``"_name"``) with ``x`` not self, cls or
+# super() reaches into another object's privates. It passes where ``_name`` is its own
+# family's: a class of the same module, or a grain_replay base of one, defines it (the
+# class's __eq__ or merge, a source's handle class beside it). Otherwise only these,
+# each with its reason.
+FOREIGN_PRIVATE_ALLOWED = {
+    "grain_replay.device.put": {"_replace": "namedtuple API: the _ keeps clear of field names"},
+    "grain_replay.tree": {"_fields": "namedtuple API: recognising a namedtuple class"},
+    "grain_replay.sources.reading.readers": {
+        "_mmap": "np.memmap's map: numpy names it nowhere else (advise_random, best effort)"
+    },
+}
+ATTR_CALLS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _own_private(name: str) -> set[str]:
+    """Private names the classes of module ``name`` and their grain_replay bases define."""
+    module = importlib.import_module(name)
+    out: set[str] = set()
+    for cls in [v for v in vars(module).values() if isinstance(v, type)]:
+        for klass in cls.__mro__ if cls.__module__ == name else ():
+            if not klass.__module__.startswith("grain_replay."):
+                continue
+            out |= {n for n in vars(klass) if _is_private(n)}
+            for node in ast.walk(TREES[klass.__module__]):
+                if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+                    out |= {a for a in _assigned(node) if _is_private(a)}
+    return out
+
+
+def _assigned(node: ast.ClassDef) -> set[str]:
+    """Names a class body assigns (annotated ones too) and ``self._x = ...`` targets."""
+    out = {t.id for s in node.body if isinstance(s, ast.AnnAssign | ast.Assign)
+           for t in (s.targets if isinstance(s, ast.Assign) else [s.target])
+           if isinstance(t, ast.Name)}  # fmt: skip
+    stores = [
+        n for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+    ]
+    return out | {n.attr for n in stores if ast.unparse(n.value) in ("self", "cls")}
+
+
+def _foreign_private(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """``(line, owner, name)`` of each read, call or write of another object's private name."""
+    out, attr = [], None  # attr: the name, or a getattr's argument (a str if private)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner, attr = node.value, node.attr
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ATTR_CALLS and node.args[1:]:
+            owner, attr = node.args[0], getattr(node.args[1], "value", None)
+        else:
+            continue
+        own = ast.unparse(owner) in ("self", "cls", "super()")
+        if isinstance(attr, str) and _is_private(attr) and not own:
+            out.append((node.lineno, ast.unparse(owner), attr))
+    return out
+
+
+def test_no_module_reaches_into_another_objects_private_names() -> None:
+    found, used = [], set()
+    for name in MODULES:
+        own, allowed = _own_private(name), FOREIGN_PRIVATE_ALLOWED.get(name, {})
+        for line, owner, attr in _foreign_private(TREES[name]):
+            if attr in allowed:
+                used.add((name, attr))
+            elif attr not in own:
+                found.append(f"{MODULES[name]}:{line}: {owner}.{attr}")
+    assert not found, "\n".join(found)
+    listed = {(m, a) for m, names in FOREIGN_PRIVATE_ALLOWED.items() for a in names}
+    assert listed == used, f"allowed but no longer used: {sorted(listed - used)}"
+
+
+def test_the_foreign_private_rule_sees_a_break() -> None:
+    tree = ast.parse(
+        "def f(src, other):\n"
+        "    getattr(src, '_handle', None); other.__len__(); super()._x; self._y\n"
+        "    return src._read_windows_fixed({})\n"
+    )
+    found = sorted(_foreign_private(tree))
+    assert found == [(2, "src", "_handle"), (3, "src", "_read_windows_fixed")]
+    own = _own_private("grain_replay.sources.npy")  # NpyDataSource, via ReplaySource
+    assert {"_layout", "_headers", "_get_handle"} <= own
+    assert "_read_windows_fixed" not in _own_private("grain_replay.sources.access")
 
 
 def _identifiers(tree: ast.AST) -> set[str]:

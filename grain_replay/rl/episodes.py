@@ -157,7 +157,7 @@ def _fingerprint(source: Any, path: str, keys: Sequence[str]) -> str:
     # A directory's own mtime is left out: writing the cache inside it changes it.
     candidates = [] if os.path.isdir(path) else [path]
     candidates += [os.path.join(path, "grain_replay.json"), os.path.join(path, "zarr.json")]
-    locations = getattr(getattr(source, "_layout", None), "locations", {}) or {}
+    locations = getattr(source, "locations", None) or {}  # a store's; a view has none
     for key in keys:
         loc = str(locations.get(key, key))
         full = loc if os.path.isabs(loc) else os.path.join(path, loc)

@@ -176,17 +176,19 @@ class LeafAccess:
             return {}
         src = self.source
         if isinstance(src, ReplaySource):
-            return src._read_windows_fixed(windows)
+            return src.read_windows_fixed(windows)
         got = self.take_windows_flat({k: (w[0], w[1]) for k, w in windows.items()})
         for key, (_, _, near, at) in windows.items():
             fix_windows(got[key], near, at)
         return got
 
     def handle(self) -> Any:
-        return getattr(self.source, "_handle", None)
+        """The source's open handle in this process (None: none, or not a grain_replay source)."""
+        return getattr(self.source, "open_handle", None)
 
     def opens(self) -> int:
-        return int(getattr(self.source, "_opens", 0))
+        """How many handles the source opened (0 for a source that does not say)."""
+        return int(getattr(self.source, "handle_opens", 0))
 
     def close(self) -> None:
         if isinstance(self.source, Closeable):

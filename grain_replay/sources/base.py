@@ -15,10 +15,15 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     GrainReplayError,
     InvalidStoreError,
-    RecordIndexError,
     UnknownLeafError,
 )
-from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
+from grain_replay.sources.checks import (
+    as_record_index,
+    check_indices,
+    check_out,
+    record_in_range,
+    window_starts,
+)
 from grain_replay.sources.keys import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.windows import fix_windows
@@ -139,6 +144,11 @@ class ReplaySource(SourceSurface):
         return self._path
 
     @property
+    def locations(self) -> Mapping[str, str]:
+        """Leaf key -> where the store keeps it: its file, HDF5 dataset or Zarr array."""
+        return dict(self._layout.locations)
+
+    @property
     def spec(self) -> Mapping[str, LeafSpec]:
         """Leaf key -> per-record ``LeafSpec(dtype, shape)``, in tree order."""
         return dict(self._layout.spec)
@@ -256,7 +266,7 @@ class ReplaySource(SourceSurface):
         if key not in self._layout.spec:
             raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
         length = int(length)
-        idx = self._window_starts(starts, length) if check else np.asarray(starts)
+        idx = window_starts(starts, length, len(self), self._path) if check else np.asarray(starts)
         handle = self._get_handle()
         handle.check_mapped([key])
         return self._take_windows(handle, key, idx, length)
@@ -287,14 +297,15 @@ class ReplaySource(SourceSurface):
             if key not in spec:
                 raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
             n = int(length)
-            asked[key] = (self._window_starts(starts, n) if check else np.asarray(starts), n)
+            idx = window_starts(starts, n, len(self), self._path) if check else np.asarray(starts)
+            asked[key] = (idx, n)
         handle = self._get_handle()
         handle.check_mapped(asked)
         return {
             key: self._take_windows(handle, key, starts, n) for key, (starts, n) in asked.items()
         }
 
-    def _read_windows_fixed(
+    def read_windows_fixed(
         self, windows: Mapping[str, tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]]
     ) -> dict[str, np.ndarray]:
         """:meth:`read_windows_flat` with ``check=False`` and a fix-up per leaf: leaf key ->
@@ -321,22 +332,6 @@ class ReplaySource(SourceSurface):
             except _STORE_FAULTS as e:
                 raise self._corrupt(key, e) from e
         return out
-
-    def _window_starts(self, starts: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
-        """``starts`` as int64, checked to hold windows of ``length`` rows inside the store."""
-        n = len(self)
-        idx = np.asarray(starts)
-        if idx.dtype.kind not in "iu" and idx.size:
-            idx = self._check_indices(idx)  # raises the ArgumentTypeError
-        idx = idx.astype(np.int64, copy=False).reshape(-1)
-        if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):  # type: ignore[call-overload, unused-ignore]
-            raise RecordIndexError(
-                f"{self._path}: windows of {length} rows from starts "
-                f"{np.min(idx) if idx.size else ''}..{np.max(idx) if idx.size else ''} do not "
-                f"fit a store of {n} records (valid: length >= 1, "
-                f"0 <= start <= {n - length}). Fix: clip the starts."
-            )
-        return idx
 
     def _take_windows(
         self, handle: Handle, key: str, starts: np.ndarray, length: int

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from grain_replay.errors import (
 )
 from grain_replay.store.layout import LeafSpec
 
-__all__ = ["as_record_index", "record_in_range", "check_indices", "check_out"]
+__all__ = ["as_record_index", "record_in_range", "check_indices", "check_out", "window_starts"]
 
 
 def as_record_index(index: Any, owner: object) -> int:
@@ -72,6 +72,25 @@ def check_indices(indices: Any, n: int, where: str) -> np.ndarray:
         )
     idx = idx.astype(np.int64, copy=False)
     return np.where(idx < 0, idx + n, idx) if lo < 0 else idx
+
+
+def window_starts(
+    starts: Sequence[int] | np.ndarray, length: int, n: int, where: str
+) -> np.ndarray:
+    """``starts`` as int64, checked to hold windows of ``length`` rows inside ``n`` records
+    (``where``: the store, for the error)."""
+    idx = np.asarray(starts)
+    if idx.dtype.kind not in "iu" and idx.size:
+        idx = check_indices(idx, n, where)  # raises the ArgumentTypeError
+    idx = idx.astype(np.int64, copy=False).reshape(-1)
+    if length < 1 or (idx.size and (idx.min() < 0 or idx.max() > n - length)):  # type: ignore[call-overload, unused-ignore]
+        raise RecordIndexError(
+            f"{where}: windows of {length} rows from starts "
+            f"{np.min(idx) if idx.size else ''}..{np.max(idx) if idx.size else ''} do not "
+            f"fit a store of {n} records (valid: length >= 1, "
+            f"0 <= start <= {n - length}). Fix: clip the starts."
+        )
+    return idx
 
 
 def check_out(

@@ -6,7 +6,6 @@ import contextlib
 import math
 import mmap
 import os
-import time
 from collections.abc import Mapping
 from typing import cast
 
@@ -18,6 +17,7 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.files import MappedFile, check_inside
 from grain_replay.sources.reading.growing import GrowingMap, map_file
 from grain_replay.sources.reading.readers import ArrayReader, Handle
+from grain_replay.sources.reading.rereads import RereadPolicy, growing, read_while_written
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import GROWING_NPY_HEADER, PAGE, read_npy_header, read_npy_metadata
 
@@ -87,12 +87,17 @@ class _NpyHandle(Handle):
         return True
 
 
-# A writer rewrites each leaf's header in place at every commit, and a read of the
-# page cache is not ordered against a write to it: a header read while it is rewritten
+# A writer rewrites each leaf's header in place at every commit, and a read of the page
+# cache is not ordered against a write to it: a header read while it is rewritten
 # can be a mix of the two (rows 1383 from 1385 and 1393; 100 from 999 and 1000; a
-# trailing dimension shifted). Such a read is made again; a store whose header keeps
-# disagreeing with its metadata is corrupt.
+# trailing dimension shifted), with no change of mtime or size to see. Such a read is
+# made again whatever stat says (a rewrite takes microseconds: pauses growing by
+# 0.5 ms, 8 reads); a store whose header keeps disagreeing with its metadata is corrupt.
+# See sources/reading/rereads.py.
 _HEADER_READS = 8
+_HEADER_REREADS = RereadPolicy(
+    pauses_s=growing(0.0005, _HEADER_READS), retried=(InvalidStoreError,)
+)
 
 
 def _committed_header(
@@ -100,22 +105,22 @@ def _committed_header(
 ) -> tuple[bool, int]:
     """``(fortran order, data offset)`` of leaf ``key``'s file, whose header must declare
     ``want`` and at least the ``rows`` committed (a writer's header may run ahead)."""
-    for attempt in range(_HEADER_READS):
-        if attempt:
-            time.sleep(0.0005 * attempt)  # a rewrite takes microseconds
-        try:
-            shape, dtype, fortran, offset = read_npy_header(file, key, rows=rows)
-        except InvalidStoreError:  # unparsable or short: perhaps torn, read again
-            if attempt == _HEADER_READS - 1:
-                raise
-            continue
+
+    def disagrees(header: tuple[tuple[int, ...], np.dtype, bool, int]) -> Exception | None:
+        shape, dtype, _, _ = header
         if shape[:1] >= (rows,) and shape[1:] == want.shape and dtype == want.dtype:
-            return fortran, offset
-    raise InvalidStoreError(
-        f"{file}: leaf {key!r} holds {dtype}{list(shape)} but the metadata "
-        f"says {want.dtype}[{rows}, ...{list(want.shape)}]. "
-        "The store is corrupt; re-create it."
+            return None
+        return InvalidStoreError(
+            f"{file}: leaf {key!r} holds {dtype}{list(shape)} but the metadata "
+            f"says {want.dtype}[{rows}, ...{list(want.shape)}]. "
+            "The store is corrupt; re-create it."
+        )
+
+    # An unparsable or short header (InvalidStoreError) may be torn too: read again.
+    _, _, fortran, offset = read_while_written(
+        lambda: read_npy_header(file, key, rows=rows), _HEADER_REREADS, path=file, check=disagrees
     )
+    return fortran, offset
 
 
 def _map_file(path: str, key: str, needed: int) -> mmap.mmap:

@@ -102,6 +102,18 @@ class SourceSurface(abc.ABC):
         """The leaf keys, in tree order."""
         return list(self.spec)
 
+    # A source with a handle keeps it in ``_handle`` and counts its opens in ``_opens``
+    # (a view: properties that ask the source it wraps); these name them publicly.
+    @property
+    def open_handle(self) -> Any:
+        """The handle this object holds on its files (None: not opened yet, or closed)."""
+        return getattr(self, "_handle", None)
+
+    @property
+    def handle_opens(self) -> int:
+        """How many handles this object opened, reopens included (a pickle starts at 0)."""
+        return int(getattr(self, "_opens", 0))
+
     def read_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
         """Reads records ``indices`` with one vectorized read per leaf.
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -15,11 +14,13 @@ from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, mapped_reader
 from grain_replay.sources.reading.files import Descriptor, MappedFile
 from grain_replay.sources.reading.readers import LeafReader
+from grain_replay.sources.reading.rereads import RereadPolicy, doubling, read_while_written
 from grain_replay.sources.reading.stitch import headroom_for
 from grain_replay.store.layout import LeafSpec
 
 __all__ = [
     "MAX_RUNS",
+    "OPEN_REREADS",
     "chunk_table",
     "count_runs",
     "memmap_offset",
@@ -32,27 +33,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A reader opening a file that a ReplayWriter in another process is growing can
-# see metadata mid-flush (HDF5 without SWMR): retried while the file changes.
-OPEN_TRIES = 6
-_RECENT_WRITE_S = 0.2
+# see metadata mid-flush (HDF5 without SWMR): read again while the file is seen
+# being written (a flush takes milliseconds: pauses doubling from 5 ms, 6 reads);
+# a broken file nobody writes fails at once. See sources/reading/rereads.py.
+OPEN_REREADS = RereadPolicy(
+    pauses_s=doubling(0.005, reads=6),
+    retried=(OSError, ValueError, RuntimeError, KeyError),
+    never_retried=(FileNotFoundError, ReferenceRefusedError),
+    while_written_s=0.2,
+)
 
 
 def retry_while_written(path: str, attempt: Callable[[], T]) -> T:
     """``attempt()``, retried after a failure while ``path`` is being written."""
-    for i in range(OPEN_TRIES):
-        before = os.stat(path)
-        try:
-            return attempt()
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
-            if i + 1 == OPEN_TRIES or isinstance(e, (FileNotFoundError, ReferenceRefusedError)):
-                raise
-            after = os.stat(path)
-            changed = (after.st_mtime_ns, after.st_size) != (before.st_mtime_ns, before.st_size)
-            if not changed and time.time() - after.st_mtime > _RECENT_WRITE_S:
-                raise
-            logger.debug("%s: open failed while the file is written (%s); retrying", path, e)
-            time.sleep(0.005 * 2**i)
-    raise AssertionError("unreachable")
+    return read_while_written(attempt, OPEN_REREADS, path=path)
 
 
 def memmap_offset(dset: Any) -> int | None:

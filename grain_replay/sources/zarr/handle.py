@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout
@@ -27,12 +29,36 @@ from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import meta as zarr_meta
 from grain_replay.sources.zarr import remote as zarr_remote
-from grain_replay.store.formats import import_zarr, is_url
+from grain_replay.store.formats import import_zarr
 
-__all__ = ["ZarrHandle", "lookup", "open_local"]
+__all__ = ["ZarrHandle", "ZarrOpening", "lookup", "open_local"]
 
-# ``source`` below is the ZarrDataSource that opens the handle (not imported:
-# source.py imports this module).
+
+@dataclasses.dataclass(frozen=True)
+class ZarrOpening:
+    """What a :class:`ZarrHandle` needs of the ZarrDataSource that opens it, handed over
+    by that source (source.py imports this module: the handle reads none of its state).
+
+    Attributes:
+      path: the store's path or URL.
+      layout: the store's layout as the source inspected it.
+      cache_bytes: bound of the decoded-chunk cache.
+      allow_external: whether chunk files may lead out of the store.
+      storage_options: fsspec options of a remote store.
+      max_concurrency: chunk GETs in flight at most (a remote store).
+      remote: the remote access of a URL (None: a local store).
+      opened: the group and arrays the source's inspection opened in this process, for
+        the first handle of a remote store (None: fetch them).
+    """
+
+    path: str
+    layout: Layout
+    cache_bytes: int
+    allow_external: bool
+    storage_options: Mapping[str, Any]
+    max_concurrency: int
+    remote: remote_lib.Remote | None = None
+    opened: tuple[Any, dict[str, Any]] | None = None
 
 
 class _BareArray:
@@ -69,23 +95,25 @@ def lookup(arrays: Mapping[str, Any], loc: str) -> Any:
 
 
 class ZarrHandle(Handle):
-    def __init__(self, source: Any):
-        self.remote = source._new_remote() if is_url(source.path) else None
+    def __init__(self, opening: ZarrOpening):
+        self.remote = opening.remote
         # Leaves of a remote store are read in parallel threads, so that the chunk
         # GETs of every leaf of a batch are in flight together.
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.cache = ChunkCache(source._cache_bytes)
-        n = len(source)
+        self.cache = ChunkCache(opening.cache_bytes)
+        n = opening.layout.num_records
+        # What grow() needs: the store's path and its rule for chunk files.
+        self._path, self._allow_external = opening.path, opening.allow_external
         self.readers = {}
         if self.remote is not None:
             remote = self.remote
-            opened = source._take_opened()
+            opened = opening.opened
             if opened is None:
                 self.group = zarr_remote.open_remote_group(
-                    source.path, source._storage_options, remote, source._max_concurrency
+                    opening.path, opening.storage_options, remote, opening.max_concurrency
                 )
-                locations = list(source._layout.locations.values())
+                locations = list(opening.layout.locations.values())
                 arrays = remote.call(
                     lambda: zarr_remote.fetch_arrays(self.group, locations), "the array metadata"
                 )
@@ -93,11 +121,11 @@ class ZarrHandle(Handle):
                 self.group, arrays = opened
             # One pool of chunk GETs for every leaf: at most max_concurrency in flight.
             self.fetch_pool = concurrent.futures.ThreadPoolExecutor(
-                source._max_concurrency, thread_name_prefix="grain_replay_zarr_get"
+                opening.max_concurrency, thread_name_prefix="grain_replay_zarr_get"
             )
-            for key, loc in source._layout.locations.items():
+            for key, loc in opening.layout.locations.items():
                 arr = lookup(arrays, loc)
-                spec = source._layout.spec[key]
+                spec = opening.layout.spec[key]
                 chunk_rows = int(arr.chunks[0])
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype,
@@ -111,19 +139,21 @@ class ZarrHandle(Handle):
                     min(len(self.readers), 16), thread_name_prefix="grain_replay_zarr"
                 )
             return
-        self.group = open_local(source.path)
+        self.group = open_local(opening.path)
         self._n = n
         # A store written anew (gr.write(..., overwrite=True)) is a new directory:
         # its chunks are not the ones mapped, so it is reopened, never grown.
-        self._root = os.stat(source.path).st_ino
-        for key, loc in source._layout.locations.items():
+        self._root = os.stat(opening.path).st_ino
+        for key, loc in opening.layout.locations.items():
             arr = self.group[loc]
-            spec = source._layout.spec[key]
+            spec = opening.layout.spec[key]
             chunk_rows = int(arr.chunks[0])
             root = os.path.join(str(arr.store.root), arr.path)
             files = zarr_meta.read_array_files(root)
-            guard = zarr_checks.ChunkGuard(source.path, root, key, source._allow_external)
-            mapped = _raw_chunk_files(arr, files, n, key, spec.dtype, source)
+            guard = zarr_checks.ChunkGuard(opening.path, root, key, opening.allow_external)
+            mapped = _raw_chunk_files(
+                arr, files, n, key, spec.dtype, self._path, self._allow_external
+            )
             if mapped is not None:
                 used = n * spec.dtype.itemsize * math.prod(spec.shape)
                 self.readers[key] = mapped_reader(
@@ -151,11 +181,11 @@ class ZarrHandle(Handle):
         if self.remote is not None or self.pool is not None:
             return False
         try:
-            if os.stat(source.path).st_ino != self._root:
+            if os.stat(self._path).st_ino != self._root:
                 return False
         except OSError:
             return False
-        group = open_local(source.path)
+        group = open_local(self._path)
         n = layout.num_records
         plans = []
         for key, loc in layout.locations.items():
@@ -168,7 +198,9 @@ class ZarrHandle(Handle):
             first = self._n // int(arr.chunks[0])  # the chunk that held the old end
             root = os.path.join(str(arr.store.root), arr.path)
             files = zarr_meta.read_array_files(root)
-            mapped = _raw_chunk_files(arr, files, n, key, spec.dtype, source, first)
+            mapped = _raw_chunk_files(
+                arr, files, n, key, spec.dtype, self._path, self._allow_external, first
+            )
             if mapped is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
                 return False
             plans.append((reader, [(f, 0) for f in mapped], first, spec))
@@ -199,7 +231,8 @@ def _raw_chunk_files(
     n: int,
     key: str,
     want: np.dtype,
-    source: Any,
+    path: str,
+    allow_external: bool,
     first: int = 0,
 ) -> list[str] | None:
     """Chunk files of a local, uncompressed, row-chunked array, or None.
@@ -238,7 +271,7 @@ def _raw_chunk_files(
     chunk_bytes = dtype.itemsize * math.prod(grid)
     # Chunks before ``first`` were checked when they were mapped (a growing store).
     if not zarr_checks.check_chunk_files(
-        paths[first:], files.folder, key, chunk_bytes, source.path, source._allow_external
+        paths[first:], files.folder, key, chunk_bytes, path, allow_external
     ):
         return None  # an unwritten chunk reads as the fill value
     return paths

@@ -22,7 +22,7 @@ from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import remote as zarr_remote
-from grain_replay.sources.zarr.handle import ZarrHandle, lookup, open_local
+from grain_replay.sources.zarr.handle import ZarrHandle, ZarrOpening, lookup, open_local
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import import_zarr, is_url, metadata_from_attrs
 
@@ -113,7 +113,14 @@ class ZarrDataSource(ReplaySource):
         return remote_lib.Remote(self._path, self._storage_options, self._retry, kind="Zarr group")
 
     def _open(self) -> Handle:
-        return ZarrHandle(self)
+        remote = self._new_remote() if is_url(self._path) else None
+        return ZarrHandle(
+            ZarrOpening(
+                self._path, self._layout, self._cache_bytes, self._allow_external,
+                self._storage_options, self._max_concurrency, remote,
+                None if remote is None else self._take_opened(),
+            )
+        )  # fmt: skip
 
     # -- reads: every leaf of a remote batch at once ---------------------------
 
