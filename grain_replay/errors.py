@@ -58,8 +58,18 @@ class InvalidStoreError(GrainReplayError, ValueError):
     """The store on disk is malformed, inconsistent or unsupported."""
 
 
-class UnfinishedWriteError(InvalidStoreError):
-    """The store was left by a write that never committed its metadata."""
+class UnfinishedWriteError(InvalidStoreError, FileNotFoundError):
+    """The store was left by a write that never committed its metadata.
+
+    Raised when a local path holds no store but a write of it left its ``.partial``
+    beside it (``<path>.<pid>.<random>.partial``): ``gr.write`` and the writers
+    make a store under that name and rename it into place only once complete,
+    metadata last, so this is a write that crashed (or one still running). The
+    message names the ``.partial`` and the fix: re-run the write, or delete it.
+    A store of another library, without grain_replay metadata, still opens as a
+    foreign store. Also a ``FileNotFoundError``, as :class:`StoreNotFoundError`
+    (what was raised here before), since no committed store is at the path.
+    """
 
 
 class RecordIndexError(GrainReplayError, IndexError):

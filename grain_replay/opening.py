@@ -54,6 +54,8 @@ def open_source(
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
+      UnfinishedWriteError: nothing is at ``path`` but the ``.partial`` of a write
+        of it that never finished.
       InvalidStoreError: the format cannot be recognized.
     """
     if is_parts_store(os.fspath(path)):

@@ -17,6 +17,7 @@ from grain_replay.sources.capabilities import Closeable, HasSpec, HasTreedef
 from grain_replay.sources.reading.readers import window_rows
 from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface
+from grain_replay.store.filesync import atomic_replace
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["LeafAccess", "subtree", "with_entries", "describe"]
@@ -210,17 +211,12 @@ def save_cache(file: str, arrays: Mapping[str, Any], what: str, logger: logging.
     logged at info level on ``logger`` as "cannot write the ``what``" and the
     partial file is removed; nothing is raised.
     """
-    tmp = f"{file}.{os.getpid()}.partial"
     try:
-        with open(tmp, "wb") as f:
+        # Not fsync'ed: a crash at worst loses the cache, which is rebuilt.
+        with atomic_replace(file, durable=False) as f:
             np.savez(f, **arrays)
-        os.replace(tmp, file)
     except OSError as e:
         logger.info("%s: cannot write the %s (%s); continuing without", file, what, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
 
 
 def subtree(treedef: Mapping[str, Any], key: str) -> dict[str, Any]:

@@ -12,14 +12,20 @@ from typing import cast
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.files import MappedFile, check_inside
 from grain_replay.sources.reading.growing import GrowingMap, map_file
 from grain_replay.sources.reading.readers import ArrayReader, Handle
 from grain_replay.sources.reading.rereads import RereadPolicy, growing, read_while_written
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.formats import GROWING_NPY_HEADER, PAGE, read_npy_header, read_npy_metadata
+from grain_replay.store.formats import (
+    GROWING_NPY_HEADER,
+    PAGE,
+    read_npy_header,
+    read_npy_metadata,
+    store_not_found,
+)
 
 __all__ = ["NpyDataSource"]
 
@@ -171,9 +177,10 @@ class NpyDataSource(ReplaySource):
             root = {tree_lib.ROOT_KEY: layout_lib.LeafSpec(dtype, shape[1:])}
             return Layout(shape[0], root, tree_lib.treedef_from_keys([""]), {"": path})
         if not os.path.isdir(path):
-            raise StoreNotFoundError(
+            raise store_not_found(
+                path,
                 f"No .npy store at {path}. Fix: check the path, or write one with "
-                "gr.write(path, tree) (a path without .h5 or .zarr is a .npy directory)."
+                "gr.write(path, tree) (a path without .h5 or .zarr is a .npy directory).",
             )
         meta_path = os.path.join(path, layout_lib.METADATA_FILE)
         meta = read_npy_metadata(path)

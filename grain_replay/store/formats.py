@@ -13,8 +13,14 @@ from typing import IO, Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidStoreError, MissingDependencyError, StoreNotFoundError
+from grain_replay.errors import (
+    InvalidStoreError,
+    MissingDependencyError,
+    StoreNotFoundError,
+    UnfinishedWriteError,
+)
 from grain_replay.store import layout as layout_lib
+from grain_replay.store.filesync import temp_siblings
 
 __all__ = [
     "FORMATS",
@@ -36,6 +42,7 @@ __all__ = [
     "read_npy_header",
     "read_npy_metadata",
     "require_regular_file",
+    "store_not_found",
 ]
 
 FORMATS = ("hdf5", "npy", "zarr")
@@ -164,6 +171,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
+      UnfinishedWriteError: nothing is at ``path`` but the ``.partial`` of a write
+        of it that never finished.
       InvalidStoreError: the contents (or an URL's suffix) name no format.
     """
     path = os.fspath(path)
@@ -206,7 +215,46 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket
-    raise StoreNotFoundError(f"No replay store at {path}. Fix: check the path.")
+    raise store_not_found(path, f"No replay store at {path}. Fix: check the path.")
+
+
+def _writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def store_not_found(path: str, message: str) -> StoreNotFoundError | UnfinishedWriteError:
+    """The error for a local ``path`` with nothing there: :class:`UnfinishedWriteError`
+    if a write of it left its ``.partial`` beside it, else ``StoreNotFoundError(message)``.
+
+    ``gr.write`` and the writers make a store under a temp name (``filesync.temp_path``)
+    and rename it into place once complete, metadata included: a ``.partial`` without
+    the store is a write that crashed, or one still running.
+    """
+    partials = [] if os.path.lexists(path) else temp_siblings(path)
+    if not partials:
+        return StoreNotFoundError(message)
+    where = os.path.abspath(path)
+    partial = partials[-1]
+    parts = os.path.basename(partial)[len(os.path.basename(where)) + 1 :].split(".")
+    pid = int(parts[0]) if len(parts) >= 3 and parts[0].isdigit() else None
+    if pid is not None and _writer_alive(pid):
+        who = f"process {pid}, which is running on this host: it may still be writing it"
+    elif pid is not None:
+        who = f"process {pid}, which is not running on this host: the write was interrupted"
+    else:
+        who = "a write that was interrupted"
+    return UnfinishedWriteError(
+        f"{where} is an unfinished write: its metadata was never committed (the store is "
+        f"renamed into place only once complete), and what was written lies in {partial}, "
+        f"left by {who}. Fix: wait for a running write to finish; else re-run the write "
+        f"(e.g. gr.write({path!r}, tree)), or delete {partial}."
+    )
 
 
 def is_vault(path: str) -> bool:

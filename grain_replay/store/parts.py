@@ -40,7 +40,13 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
-from grain_replay.store.filesync import StagedText, fsync_path, replace_text, stage_text
+from grain_replay.store.filesync import (
+    StagedText,
+    fsync_path,
+    replace_text,
+    stage_text,
+    temp_path,
+)
 
 __all__ = [
     "ID_SHIFT",
@@ -169,7 +175,9 @@ def create_store_file(store: str, fmt: str) -> None:
     os.makedirs(os.path.join(store, WRITERS_DIR), exist_ok=True)
     os.makedirs(os.path.join(store, ORDINALS_DIR), exist_ok=True)
     final = os.path.join(store, STORE_FILE)
-    tmp = f"{final}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    # Linked, not replaced (filesync.atomic_replace): an existing store file must stay.
+    # The temp name starts with STORE_FILE, as writers/parts_writer.py's _being_made expects.
+    tmp = temp_path(final)
     with open(tmp, "w") as f:
         f.write(json.dumps({"format": fmt, "layout": LAYOUT_VERSION, "store_id": uuid.uuid4().hex}))
         f.flush()

@@ -29,6 +29,7 @@ import socket
 import time
 
 from grain_replay.store import parts as parts_lib
+from grain_replay.store.filesync import atomic_replace
 
 __all__ = [
     "STALE_AFTER_S",
@@ -157,11 +158,9 @@ def _alive(pid: int) -> bool:
 def publish(directory: str, progress: Progress) -> None:
     """Replaces ``directory/<name>`` with ``progress`` (not fsync'ed: it is a live hint)."""
     os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, progress.name)
-    tmp = os.path.join(directory, f".{progress.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(progress.to_json())
-    os.replace(tmp, final)
+    # The temp name ends in .partial, not .json: LearnerWatch.live() never lists it.
+    with atomic_replace(os.path.join(directory, progress.name), durable=False) as f:
+        f.write(progress.to_json().encode())
 
 
 def read_progress(directory: str, name: str) -> Progress | None:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 
 from grain_replay.errors import StoreExistsError
-from grain_replay.store.filesync import fsync_path
+from grain_replay.store.filesync import fsync_path, temp_path
 
 __all__ = ["atomic_path", "fsync_path", "fsync_tree", "remove_path"]
 
@@ -118,7 +118,9 @@ def atomic_path(
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
-    partial = f"{path}.{uuid.uuid4().hex[:8]}{suffix}"
+    # filesync's naming rule; the swap itself is not filesync.atomic_replace, since a
+    # store may be a directory, which rename(2) cannot replace (see _commit).
+    partial = temp_path(path, suffix)
     try:
         yield partial
         if sync:

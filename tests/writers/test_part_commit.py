@@ -163,7 +163,7 @@ def test_a_flush_failing_before_its_commit_point_keeps_the_last_commit(
             w.flush()
     assert w.committed == 12 and w.pending == 9
     wdir = parts_lib.writer_dir(path, "a")
-    assert not [n for n in os.listdir(wdir) if n.endswith(".tmp")]  # the staged manifest
+    assert not [n for n in os.listdir(wdir) if n.endswith(".partial")]  # the staged manifest
     src = gr.open_source(path)
     assert len(src) == 12
     np.testing.assert_array_equal(src.read_batch(np.arange(12))["seq"], np.arange(12))

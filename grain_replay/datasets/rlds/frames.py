@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from grain_replay.store.filesync import temp_path
+
 __all__ = ["SLOT_HEADER", "FrameCache", "boot_id", "open_frame_cache"]
 
 logger = logging.getLogger(__name__)
@@ -176,7 +178,9 @@ def _create(path: str, signature: str, steps: int, frame_bytes: int) -> FrameCac
     if st.f_bavail * st.f_frsize < size + _DISK_MARGIN:
         raise OSError(f"{size:,} bytes needed, {st.f_bavail * st.f_frsize:,} free")
     generation = secrets.token_bytes(8)
-    tmp = f"{path}.{os.getpid()}.{generation.hex()}.partial"
+    # Not filesync.atomic_replace: the file is linked into place only if absent (another
+    # process's cache is kept), and its fd stays open as the cache's after the link.
+    tmp = temp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         os.pwrite(fd, _meta(signature, steps, frame_bytes, generation), 0)

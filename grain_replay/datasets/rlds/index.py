@@ -25,6 +25,7 @@ from grain_replay.datasets.rlds.example import FeatureValues, WireError, parse_e
 from grain_replay.datasets.rlds.features import STEPS, Feature
 from grain_replay.datasets.rlds.tfrecord import frame_records, map_shard
 from grain_replay.errors import InvalidStoreError
+from grain_replay.store.filesync import atomic_replace
 
 __all__ = ["Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
 
@@ -311,20 +312,15 @@ def _load_cached(file: str, signature: str) -> ShardIndex | None:
 def _save_cached(dirs: Sequence[str], name: str, index: ShardIndex, signature: str) -> None:
     for d in dirs:
         file = os.path.join(d, name + ".npz")
-        tmp = f"{file}.{os.getpid()}.{id(index)}.partial"
         try:
             os.makedirs(d, exist_ok=True)
-            with open(tmp, "wb") as f:
+            # A cache: not fsync'ed, a crash at worst loses it (it is rebuilt).
+            with atomic_replace(file, durable=False) as f:
                 arrays: dict[str, Any] = {"__signature__": np.str_(signature), **index.arrays}
                 np.savez(f, **arrays)
-            os.replace(tmp, file)
             return
         except OSError as e:
             logger.info("%s: cannot write the RLDS index cache here (%s)", d, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _load_cached_any(dirs: Sequence[str], name: str, signature: str) -> ShardIndex | None:

@@ -31,6 +31,7 @@ from grain_replay.store.formats import (
     is_url,
     metadata_from_attrs,
     require_regular_file,
+    store_not_found,
 )
 
 __all__ = ["HDF5DataSource"]
@@ -240,6 +241,8 @@ class HDF5DataSource(ReplaySource):
 
     Raises:
       StoreNotFoundError: nothing is at ``path``.
+      UnfinishedWriteError: nothing is at ``path`` but the ``.partial`` of a write
+        of it that never finished.
       InvalidStoreError: the file is not a readable HDF5 replay store, or a
         selected leaf refers outside it and ``allow_external`` is False.
 
@@ -270,9 +273,10 @@ class HDF5DataSource(ReplaySource):
     def _inspect(self) -> Layout:
         if not is_url(self._path):
             if not os.path.exists(self._path):
-                raise StoreNotFoundError(
+                raise store_not_found(
+                    self._path,
                     f"No HDF5 file at {self._path}. Fix: check the path, or write one with "
-                    "gr.write_hdf5(path, tree)."
+                    "gr.write_hdf5(path, tree).",
                 )
             require_regular_file(self._path)  # a FIFO would block open() forever
             with open(self._path, "rb") as f:

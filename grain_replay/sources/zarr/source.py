@@ -24,7 +24,12 @@ from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import remote as zarr_remote
 from grain_replay.sources.zarr.handle import ZarrHandle, ZarrOpening, lookup, open_local
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.formats import import_zarr, is_url, metadata_from_attrs
+from grain_replay.store.formats import (
+    import_zarr,
+    is_url,
+    metadata_from_attrs,
+    store_not_found,
+)
 
 __all__ = ["ZarrDataSource"]
 
@@ -63,6 +68,8 @@ class ZarrDataSource(ReplaySource):
     Raises:
       StoreNotFoundError: no group at ``path`` (for S3, says whether the bucket
         or the key is missing).
+      UnfinishedWriteError: nothing is at a local ``path`` but the ``.partial``
+        of a write of it that never finished.
       InvalidStoreError: not a readable Zarr group, or one whose files lie
         (array metadata that disagrees with grain_replay's, chunk files of the
         wrong size, FIFOs, symlinks out of the store); for URLs also missing or
@@ -163,9 +170,10 @@ class ZarrDataSource(ReplaySource):
 
             return remote.call(layout, "the Zarr metadata")
         if not os.path.isdir(self._path):
-            raise StoreNotFoundError(
+            raise store_not_found(
+                self._path,
                 f"No Zarr store at {self._path}. Fix: check the path, or write one with "
-                "gr.write_zarr(path, tree)."
+                "gr.write_zarr(path, tree).",
             )
         import_zarr()
         # A FIFO as zarr.json would block zarr's open forever.

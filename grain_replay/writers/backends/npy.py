@@ -10,13 +10,20 @@ import numpy as np
 
 from grain_replay.errors import InvalidArgumentError
 from grain_replay.store import layout as layout_lib
+from grain_replay.store.filesync import (
+    StagedText,
+    atomic_replace,
+    publish_text,
+    replace_text,
+    stage_text,
+)
 from grain_replay.store.formats import (
     SEGMENT_NPY_HEADER,
     read_npy_header,
     read_npy_metadata,
 )
 from grain_replay.store.integrity import as_bytes
-from grain_replay.writers.atomic import atomic_path, fsync_path
+from grain_replay.writers.atomic import atomic_path
 from grain_replay.writers.backends.base import Backend
 from grain_replay.writers.backends.durable import (
     NPY_HEADER,
@@ -61,19 +68,15 @@ class NpyBackend(Backend):
         self._files = {k: os.path.join(path, layout_lib.disk_name(k) + ".npy") for k in meta.leaves}
         self._fds: dict[str, int] = {}
         self.row_bytes = {k: row_bytes(spec) for k, spec in meta.leaves.items()}
-        self._staged: tuple[str, int] | None = None  # metadata written, not yet in place
+        self._staged: StagedText | None = None  # metadata written, not yet in place
 
     @classmethod
     def _rewrite_with_fixed_header(cls, file: str, spec: layout_lib.LeafSpec, n: int) -> None:
         """One-time copy of a file written by np.save into the growable layout."""
         data = np.load(file, mmap_mode="r", allow_pickle=False)[:n]
-        tmp = file + ".partial"
-        with open(tmp, "wb") as f:
+        with atomic_replace(file) as f:
             f.write(npy_header(spec.dtype, (n, *spec.shape), cls.HEADER))
             f.write(np.ascontiguousarray(data).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
 
     @classmethod
     def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
@@ -145,14 +148,7 @@ class NpyBackend(Backend):
             os.pwrite(fd, npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
         fsync_all(list(self._fds.values()))
         self.meta = self._meta_with(n, checksums)
-        meta_file = os.path.join(self.path, layout_lib.METADATA_FILE)
-        tmp = meta_file + ".partial"
-        with open(tmp, "w") as f:
-            f.write(self.meta.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, meta_file)
-        fsync_path(self.path)
+        replace_text(os.path.join(self.path, layout_lib.METADATA_FILE), self.meta.to_json())
 
     def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
         # Data and headers are synced in one round with the caller's commit point staged
@@ -160,32 +156,25 @@ class NpyBackend(Backend):
         # ahead of the commit point over rows not all on disk, which readers never read
         # (they read the rows the commit point names) and reopening cuts back.
         if self._staged is not None:  # the last one failed before finishing: redone
-            os.close(self._staged[1])
+            self._staged.discard()
             self._staged = None
         for key, fd in self._fds.items():
             spec = self.meta.leaves[key]
             os.pwrite(fd, npy_header(spec.dtype, (n, *spec.shape), self.HEADER), 0)
         self.meta = self._meta_with(n, checksums)
-        tmp = os.path.join(self.path, layout_lib.METADATA_FILE) + ".partial"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.write(fd, self.meta.to_json().encode())
-        except BaseException:
-            os.close(fd)
-            raise
-        self._staged = (tmp, fd)
-        return [*self._fds.values(), fd]
+        staged = stage_text(os.path.join(self.path, layout_lib.METADATA_FILE), self.meta.to_json())
+        self._staged = staged
+        return [*self._fds.values(), staged.fd]
 
     def finish_commit(self) -> str | None:
         assert self._staged is not None, "stage_commit() was not called"
-        (tmp, fd), self._staged = self._staged, None
-        os.close(fd)
-        os.replace(tmp, os.path.join(self.path, layout_lib.METADATA_FILE))
+        staged, self._staged = self._staged, None
+        publish_text(staged, sync_dir=False)  # the caller syncs the folder returned
         return self.path
 
     def close(self) -> None:
         if self._staged is not None:  # a commit that did not finish: as after a crash
-            os.close(self._staged[1])
+            self._staged.discard()
             self._staged = None
         for fd in self._fds.values():
             os.close(fd)
