@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 __all__ = [
+    "pid_alive",
     "StagedText",
     "atomic_replace",
     "fsync_path",
@@ -172,3 +173,14 @@ def publish_text(staged: StagedText, *, sync_dir: bool = True) -> None:
         raise
     if sync_dir:
         fsync_path(os.path.dirname(staged.path))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True

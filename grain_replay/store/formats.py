@@ -20,7 +20,7 @@ from grain_replay.errors import (
     UnfinishedWriteError,
 )
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.filesync import temp_siblings
+from grain_replay.store.filesync import pid_alive, temp_siblings
 
 __all__ = [
     "FORMATS",
@@ -218,16 +218,6 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     raise store_not_found(path, f"No replay store at {path}. Fix: check the path.")
 
 
-def _writer_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
-
-
 def store_not_found(path: str, message: str) -> StoreNotFoundError | UnfinishedWriteError:
     """The error for a local ``path`` with nothing there: :class:`UnfinishedWriteError`
     if a write of it left its ``.partial`` beside it, else ``StoreNotFoundError(message)``.
@@ -243,7 +233,7 @@ def store_not_found(path: str, message: str) -> StoreNotFoundError | UnfinishedW
     partial = partials[-1]
     parts = os.path.basename(partial)[len(os.path.basename(where)) + 1 :].split(".")
     pid = int(parts[0]) if len(parts) >= 3 and parts[0].isdigit() else None
-    if pid is not None and _writer_alive(pid):
+    if pid is not None and pid_alive(pid):
         who = f"process {pid}, which is running on this host: it may still be writing it"
     elif pid is not None:
         who = f"process {pid}, which is not running on this host: the write was interrupted"

@@ -29,7 +29,7 @@ import socket
 import time
 
 from grain_replay.store import parts as parts_lib
-from grain_replay.store.filesync import atomic_replace
+from grain_replay.store.filesync import atomic_replace, pid_alive
 
 __all__ = [
     "STALE_AFTER_S",
@@ -140,19 +140,9 @@ class Progress:
         age = now - self.heartbeat
         if age > self.stale_after:
             return f"its heartbeat is {age:.0f} s old (stale after {self.stale_after:g} s)"
-        if self.host == socket.gethostname() and not _alive(self.pid):
+        if self.host == socket.gethostname() and not pid_alive(self.pid):
             return f"its process {self.pid} on this host has exited"
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 def publish(directory: str, progress: Progress) -> None:

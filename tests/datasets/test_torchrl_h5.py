@@ -18,6 +18,7 @@ from format_checks import assert_loader_delivers_every_record
 from torchrl_fixture import h5_records, write_h5_checkpoint
 
 import grain_replay as gr
+from grain_replay.store.formats import detect_format
 
 
 def ted_storage(capacity: int, lengths: list[int], seed: int = 0) -> tuple[dict, int, int]:
@@ -116,7 +117,7 @@ def test_open_source_detects_the_dump_its_storage_and_the_file(tmp_path: Any) ->
     path, want = write_case(str(tmp_path / "rb"), 50, [10, 20, 5])
     storage = os.path.join(path, "storage")
     for where in (path, storage):
-        assert gr.formats.detect_format(where) == "torchrl"
+        assert detect_format(where) == "torchrl"
         src = gr.open_source(where)
         assert isinstance(src, gr.TorchRLDataSource) and len(src) == 35
     src = gr.TorchRLDataSource(os.path.join(storage, "checkpoint.h5"))
@@ -160,7 +161,7 @@ def test_a_file_that_is_not_hdf5_names_it_and_the_fix(tmp_path: Any) -> None:
     storage = tmp_path / "rb" / "storage"
     storage.mkdir(parents=True)
     (storage / "checkpoint.h5").write_bytes(b"\x89HDF\r\n\x1a\n")
-    assert gr.formats.detect_format(str(tmp_path / "rb")) == "torchrl"
+    assert detect_format(str(tmp_path / "rb")) == "torchrl"
     with pytest.raises(gr.InvalidStoreError, match=r"checkpoint\.h5: not a readable HDF5.*Fix"):
         gr.open_source(str(tmp_path / "rb"))
 

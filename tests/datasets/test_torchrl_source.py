@@ -11,6 +11,7 @@ from format_checks import assert_loader_delivers_every_record, sorted_tree
 from torchrl_fixture import write_dump
 
 import grain_replay as gr
+from grain_replay.store.formats import detect_format
 
 
 class _TorchRLTests(DataSourceTests):
@@ -92,7 +93,7 @@ def test_storage_directory_opens_too_and_nested_keys_are_leaves(tmp_path: Any) -
     }
     path = write_dump(str(tmp_path / "rb"), tree, capacity=8)
     for where in (path, os.path.join(path, "storage")):
-        assert gr.formats.detect_format(where) == "torchrl"
+        assert detect_format(where) == "torchrl"
         src = gr.open_source(where)
         assert src.keys == ["next/done", "obs"] and len(src) == 6
         np.testing.assert_array_equal(src.read_batch([5])["obs"], tree["obs"][[5]])

@@ -11,6 +11,7 @@ from conformance import DataSourceTests, N, flat, make_tree
 from format_checks import assert_loader_delivers_every_record, sorted_tree
 
 import grain_replay as gr
+from grain_replay.store.formats import detect_format
 
 pytest.importorskip("tensorstore")
 from vault_fixture import write_vault
@@ -81,7 +82,7 @@ def test_records_go_batch_row_by_row_time_in_order(tmp_path: Any) -> None:
     exp = _experience(3, 5)
     path = write_vault(str(tmp_path / "v" / "uid"), _with_tail(exp, 3), vault_index=5)
     for where in (path, str(tmp_path / "v")):  # the uid directory, or its vault_name parent
-        assert gr.formats.detect_format(where) == "vault"
+        assert detect_format(where) == "vault"
         src = gr.open_source(where)
         assert isinstance(src, gr.VaultDataSource)
         assert (len(src), src.batch_size, src.vault_index) == (15, 3, 5)

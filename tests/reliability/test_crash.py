@@ -566,7 +566,7 @@ def test_reader_in_other_process_sees_only_committed_valid_rows_during_appends(t
     assert max(lengths) <= committed[-1] or any(line.startswith("F ") for line in child.lines)
     assert len(set(lengths)) > 2, f"readers saw no growth: {lengths[:5]}...; {reads} reads"
     print(f"\n{fmt}: {reads} reads of a growing store, {len(errors)} failed opens")
-    # HDF5 without SWMR can show a reader metadata mid-flush; sources/hdf5_raw.py
+    # HDF5 without SWMR can show a reader metadata mid-flush; sources/hdf5/raw.py
     # retries an open that fails while the file is being written.
     assert not errors, errors[:3]
 

@@ -11,6 +11,7 @@ from format_checks import assert_loader_delivers_every_record
 
 import grain_replay as gr
 from grain_replay.rl import build_episode_index
+from grain_replay.store.formats import detect_format
 
 
 class _NpzTests(DataSourceTests):
@@ -95,7 +96,7 @@ def test_loader_and_sharded_device_put(tmp_path: Any, workers: int, save: Any) -
 def test_open_source_detects_npz(tmp_path: Any) -> None:
     path = str(tmp_path / "x.npz")
     np.savez(path, a=np.arange(4))
-    assert gr.formats.detect_format(path) == "npz"
+    assert detect_format(path) == "npz"
     src = gr.open_source(path)
     assert isinstance(src, gr.NpzDataSource) and src.read_batch([3, 0])["a"].tolist() == [3, 0]
 
