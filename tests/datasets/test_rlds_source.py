@@ -146,6 +146,7 @@ def test_episodes_come_from_the_rlds_flags(ds: Any) -> None:
     terminated = [e % 2 == 0 for e in range(len(LENGTHS))]
     want = gr.EpisodeIndex.from_lengths(LENGTHS, terminated)
     assert gr.build_episode_index(src) == want
+    assert src.episodes == want  # offered by the dataset itself, as Minari and LeRobot do
     # A converted store keeps the flags as leaves: the views find them by name.
     full = gr.RLDSDataSource(root, progress=False)
     flags = gr.rl.EpisodeFlags().resolve(full.spec, root)

@@ -20,6 +20,7 @@ from grain_replay.datasets.rlds.images import decoder_name
 from grain_replay.datasets.rlds.index import Index, build_index, cache_dirs
 from grain_replay.datasets.rlds.readers import Shards, make_reader
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError, StoreNotFoundError
+from grain_replay.rl.episode_index import EpisodeIndex
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.store.formats import is_url
@@ -340,6 +341,15 @@ class RLDSDataSource(ReplaySource):
         if values is None or values.size != index.num_steps:
             return np.zeros(len(index.ends), bool)
         return values.reshape(-1)[index.ends - 1] != 0
+
+    @property
+    def episodes(self) -> EpisodeIndex:
+        """The :class:`~grain_replay.rl.EpisodeIndex` of the steps, one per RLDS episode.
+
+        Built from the dataset's index (no extra read): an episode counts as terminated when
+        ``is_terminal`` is set on its last step, as :attr:`episode_terminated` says.
+        """
+        return EpisodeIndex(self.episode_ends, self.episode_terminated)
 
     def __repr__(self) -> str:
         return (
