@@ -94,6 +94,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _writers(src: Any) -> list[dict[str, Any]] | None:
     """Per-writer rows, segments and disk use of a bounded, many-writer store, else None."""
     from grain_replay.sources import PartsDataSource
+    from grain_replay.store import ownership
     from grain_replay.store import parts as parts_lib
 
     if not isinstance(src, PartsDataSource):
@@ -101,7 +102,7 @@ def _writers(src: Any) -> list[dict[str, Any]] | None:
     out = []
     for m in src.writers:
         wdir = parts_lib.writer_dir(src.path, m.writer_id)
-        holder = parts_lib.live_holder(wdir)
+        holder = ownership.live_holder(wdir)
         out.append(
             {
                 "writer_id": m.writer_id,

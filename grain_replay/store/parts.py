@@ -8,7 +8,7 @@ directory::
                                     "store_id": <random hex, made once at creation>}
       ordinals/<k>                 writer id holding row-id ordinal k (created O_EXCL)
       writers/<writer_id>/
-        lock                       flock'ed by the live writer (released when it dies)
+        lock                       flock'ed by the live writer (store/ownership.py)
         owner.json                 host, pid, start time of the writer holding the lock
         manifest.json              the commit point (replaced atomically at each flush)
         seg-000000000000[.h5|.zarr]  a plain single-writer store of segment_rows rows
@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import re
-import socket
-import time
 import uuid
 from typing import Any
 
@@ -38,7 +34,6 @@ import numpy as np
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
-    WriterBusyError,
 )
 from grain_replay.store.filesync import (
     StagedText,
@@ -55,7 +50,6 @@ __all__ = [
     "Manifest",
     "RowIds",
     "Segment",
-    "acquire_writer_lock",
     "check_capacity",
     "check_writer_id",
     "claim_ordinal",
@@ -64,10 +58,8 @@ __all__ = [
     "id_ordinals",
     "is_parts_store",
     "list_writers",
-    "live_holder",
     "make_ids",
     "read_manifest",
-    "read_owner",
     "read_store_file",
     "read_store_id",
     "segment_name",
@@ -81,8 +73,6 @@ STORE_FILE = "replay_store.json"
 WRITERS_DIR = "writers"
 ORDINALS_DIR = "ordinals"
 MANIFEST_FILE = "manifest.json"
-LOCK_FILE = "lock"
-OWNER_FILE = "owner.json"
 LAYOUT_VERSION = 1
 ID_SHIFT = 40  # 2**40 rows per writer, 2**23 writers
 SEQ_MASK = (1 << ID_SHIFT) - 1
@@ -252,81 +242,6 @@ def claim_ordinal(store: str, writer_id: str) -> int:
         fsync_path(folder)
         return k
     raise InvalidStoreError(f"{store}: no row-id ordinal left for writer {writer_id!r}.")
-
-
-# -- the live holder of a writer id ----------------------------------------------------
-
-
-def read_owner(wdir: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(wdir, OWNER_FILE)) as f:
-            owner = json.load(f)
-        return owner if isinstance(owner, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def live_holder(wdir: str) -> dict[str, Any] | None:
-    """The owner of a writer id while a live process holds its lock, else None.
-
-    Probes with a shared, non-blocking ``flock`` on ``lock``: it fails only while a
-    writer holds the exclusive one (a dead writer's lock was released by the kernel).
-    """
-    try:
-        fd = os.open(os.path.join(wdir, LOCK_FILE), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return read_owner(wdir) or {"pid": None}
-    finally:
-        os.close(fd)  # closing also drops the probe's own shared lock
-    return None
-
-
-def acquire_writer_lock(store: str, writer_id: str) -> int:
-    """Holds the writer id (exclusive ``flock`` on ``writers/<id>/lock``); returns the fd.
-
-    The kernel releases the lock when its holder dies (any signal, SIGKILL
-    included), so a dead holder's id is taken over by the next writer; a live
-    one keeps it and the error names it from ``owner.json``.
-
-    Raises:
-      WriterBusyError: a live writer holds the id.
-    """
-    wdir = writer_dir(store, writer_id)
-    os.makedirs(wdir, exist_ok=True)
-    lock = os.path.join(wdir, LOCK_FILE)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise
-        owner = read_owner(wdir)
-        who = (
-            f"pid {owner.get('pid')} on host {owner.get('host')!r}, since {owner.get('started')}"
-            if owner
-            else "an unknown process"
-        )
-        raise WriterBusyError(
-            f"{store}: writer_id {writer_id!r} is held by a live writer ({who}). Fix: give "
-            "this writer another writer_id, or close that writer first (the id of a writer "
-            "that died is free again)."
-        ) from e
-    replace_text(
-        os.path.join(wdir, OWNER_FILE),
-        json.dumps(
-            {
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-        ),
-    )
-    return fd
 
 
 # -- the manifest: a writer's commit point ----------------------------------------------

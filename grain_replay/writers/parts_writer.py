@@ -23,6 +23,7 @@ from grain_replay.errors import (
     InvalidTreeError,
 )
 from grain_replay.store import layout as layout_lib
+from grain_replay.store import ownership
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import publish_text
 from grain_replay.store.formats import FORMATS, format_from_path
@@ -105,7 +106,7 @@ class PartWriter(LockedWriter):
         self._format = on_disk
         self._chunk_rows, self._compression = chunk_rows, compression
         self._dir = parts_lib.writer_dir(path, self._id)
-        self._lock_fd: int | None = parts_lib.acquire_writer_lock(path, self._id)
+        self._lock_fd: int | None = ownership.acquire_writer_lock(path, self._id)
         self._open: _Open | None = None
         self._full: list[_Open] = []  # filled since the last flush, not yet committed
         self._default_rows = segment_rows is None
@@ -169,7 +170,7 @@ class PartWriter(LockedWriter):
 
     def _drop_orphans(self) -> None:
         """Removes what the manifest does not name: uncommitted segments, unfinished evictions."""
-        keep = {parts_lib.LOCK_FILE, parts_lib.OWNER_FILE, parts_lib.MANIFEST_FILE}
+        keep = {ownership.LOCK_FILE, ownership.OWNER_FILE, parts_lib.MANIFEST_FILE}
         m = self._manifest
         keep |= {parts_lib.segment_name(s.first, self._format) for s in m.segments + m.retired}
         for name in os.listdir(self._dir):

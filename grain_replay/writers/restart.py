@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from grain_replay.errors import InvalidStoreError, WriterBusyError
+from grain_replay.store import ownership
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers import part_manifest
@@ -62,7 +63,7 @@ def truncate_to_watermark(
         where = f"{store} (writer {wid!r})"
         rows = resume_rows(watermark, store, wid)
         wdir = parts_lib.writer_dir(store, wid)
-        holder = parts_lib.live_holder(wdir)
+        holder = ownership.live_holder(wdir)
         if holder is not None:
             raise WriterBusyError(
                 f"{where}: a live writer (pid {holder.get('pid')} on host "
