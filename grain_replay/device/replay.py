@@ -11,7 +11,7 @@ import numpy as np
 
 from grain_replay.device import replay_draws as draws
 from grain_replay.device.replay_layout import RowLayout
-from grain_replay.device.replay_state import DeviceReplayState, Ring, join_ids
+from grain_replay.device.replay_state import DeviceReplayState, Ring, join_ids, news
 from grain_replay.device.resident_store import Probe
 from grain_replay.errors import (
     ArgumentTypeError,
@@ -23,7 +23,6 @@ from grain_replay.errors import (
 from grain_replay.opening import open_source
 from grain_replay.sampling import PrioritizedReplay, Sampled, UniformReplay
 from grain_replay.sources import PartsDataSource
-from grain_replay.store import parts as parts_lib
 
 __all__ = ["DeviceReplay"]
 
@@ -328,7 +327,8 @@ class DeviceReplay:
         return state._replace(priority=priority, max_priority=top)
 
     def row_ids(self, state: DeviceReplayState, index: Any) -> np.ndarray:
-        """The store row ids (int64) held by slots ``index``; -1 for an empty slot (host).
+        """The store row ids (int64) held by slots ``index``; -1 for an empty slot or an
+        index outside the ring (a draw of an empty ring: -1). On the host.
 
         A row id is the row's position for a plain or growing store, and
         ``ordinal << 40 | seq`` (``source.read_ids``) for a many-writer store.
@@ -336,7 +336,9 @@ class DeviceReplay:
         self._check_state(state, "row_ids")
         hi, lo = jax.device_get((state.slot_hi, state.slot_lo))
         index = np.asarray(index, dtype=np.int64)
-        return join_ids(np.take(hi, index), np.take(lo, index))
+        held = (index >= 0) & (index < len(hi))
+        safe = np.where(held, index, 0)
+        return np.where(held, join_ids(np.take(hi, safe), np.take(lo, safe)), -1)
 
     def refresh(self, state: DeviceReplayState, *, look: bool = True) -> DeviceReplayState:
         """Brings the rows committed since into the ring and drops the evicted ones (host).
@@ -363,7 +365,7 @@ class DeviceReplay:
         if look and hasattr(self.source, "refresh"):
             self.source.refresh()
         ring = Ring.of(state)
-        positions, new_ids, gone = self._news(ring)
+        positions, new_ids, gone = news(self.source, ring, self._bounded, self._where())
         evicted = ring.evict(gone) if gone is not None else 0
         targets = ring.place(new_ids)
         if len(targets) == 0 and not evicted:
@@ -392,44 +394,6 @@ class DeviceReplay:
         return self._write(state, chunk, padded, host)
 
     # -- refresh internals -------------------------------------------------------------
-
-    def _news(self, ring: Ring) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(positions, ids)`` of the rows to bring in (oldest first, at most the
-        capacity) and the bool[C] mask of slots whose rows left the store (None: none can);
-        advances the ring's watermarks."""
-        c = ring.ids.shape[0]
-        n = len(self.source)
-        if not self._bounded:
-            mark = int(ring.marks[0])
-            if n < mark:
-                raise InvalidStoreError(
-                    f"DeviceReplay: {self._where()} has {n} rows, but the ring already loaded "
-                    f"{mark}: the store was replaced or truncated. Fix: init() a new state."
-                )
-            ring.marks[0] = n
-            positions = np.arange(max(mark, n - c), n, dtype=np.int64)
-            return positions, positions, None
-        positions = np.arange(n, dtype=np.int64)
-        ids = self.source.ids(positions, check=False)
-        ordinal, seq = parts_lib.split_ids(ids)
-        if n and int(ordinal.max()) >= len(ring.marks):
-            raise InvalidArgumentError(
-                f"DeviceReplay: {self._where()} has a writer of ordinal {int(ordinal.max())}, "
-                f"beyond max_writers={len(ring.marks)}. Fix: DeviceReplay(..., "
-                f"max_writers={2 * int(ordinal.max()) + 2}) and init() again."
-            )
-        gone = ring.live & ~np.isin(ring.ids, ids)
-        new = seq >= ring.marks[ordinal]
-        positions, ordinal, seq = positions[new], ordinal[new], seq[new]
-        np.maximum.at(ring.marks, ordinal, seq + 1)
-        if len(positions) > c:  # the newest rows of each writer, round robin
-            by = np.lexsort((-seq, ordinal))
-            first = np.searchsorted(ordinal[by], ordinal[by], side="left")
-            rank = np.empty(len(by), np.int64)
-            rank[by] = np.arange(len(by)) - first
-            keep = np.sort(np.argsort(rank, kind="stable")[:c])
-            positions = positions[keep]
-        return positions, self.source.ids(positions, check=False), gone
 
     def _write_fn(
         self, state: DeviceReplayState, chunk: list[jax.Array], targets: jax.Array, host: Any

@@ -8,7 +8,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["DeviceReplayState", "Ring", "join_ids", "split_ids32"]
+from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.store import parts as parts_lib
+
+__all__ = ["DeviceReplayState", "Ring", "join_ids", "news", "split_ids32"]
 
 _LO_BITS = 31
 _LO_MASK = (1 << _LO_BITS) - 1
@@ -170,3 +173,45 @@ class Ring:
             "mark_lo": mlo,
             "refreshes": np.array(self.refreshes + 1, np.int32),
         }
+
+
+def news(
+    source: Any, ring: Ring, bounded: bool, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(positions, ids)`` of ``source``'s rows to bring into ``ring`` (oldest first, at
+    most its capacity) and the bool[C] mask of slots whose rows left the store (None: none
+    can); advances the ring's watermarks. ``bounded``: a many-writer store (ids are
+    ``ordinal << 40 | seq``), else a plain one (ids are positions); ``where`` names it."""
+    c = ring.ids.shape[0]
+    n = len(source)
+    if not bounded:
+        mark = int(ring.marks[0])
+        if n < mark:
+            raise InvalidStoreError(
+                f"DeviceReplay: {where} has {n} rows, but the ring already loaded "
+                f"{mark}: the store was replaced or truncated. Fix: init() a new state."
+            )
+        ring.marks[0] = n
+        positions = np.arange(max(mark, n - c), n, dtype=np.int64)
+        return positions, positions, None
+    positions = np.arange(n, dtype=np.int64)
+    ids = source.ids(positions, check=False)
+    ordinal, seq = parts_lib.split_ids(ids)
+    if n and int(ordinal.max()) >= len(ring.marks):
+        raise InvalidArgumentError(
+            f"DeviceReplay: {where} has a writer of ordinal {int(ordinal.max())}, "
+            f"beyond max_writers={len(ring.marks)}. Fix: DeviceReplay(..., "
+            f"max_writers={2 * int(ordinal.max()) + 2}) and init() again."
+        )
+    gone = ring.live & ~np.isin(ring.ids, ids)
+    new = seq >= ring.marks[ordinal]
+    positions, ordinal, seq = positions[new], ordinal[new], seq[new]
+    np.maximum.at(ring.marks, ordinal, seq + 1)
+    if len(positions) > c:  # the newest rows of each writer, round robin
+        by = np.lexsort((-seq, ordinal))
+        first = np.searchsorted(ordinal[by], ordinal[by], side="left")
+        rank = np.empty(len(by), np.int64)
+        rank[by] = np.arange(len(by)) - first
+        keep = np.sort(np.argsort(rank, kind="stable")[:c])
+        positions = positions[keep]
+    return positions, source.ids(positions, check=False), gone

@@ -175,6 +175,7 @@ def test_refresh_brings_in_a_growing_store_in_place_and_keeps_the_newest(tmp_pat
         batch = replay.sample(state, jax.random.key(0), 64)
         _assert_matches_host(replay, state, batch)
         assert replay.refresh(state) is state  # nothing new: the state as it was
+        np.testing.assert_array_equal(replay.row_ids(state, [-1, 100, 0]), [-1, -1, ids[0]])
 
 
 def _bounded(path: str, writers: dict[str, int], capacity: int) -> dict[str, Any]:
