@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     )
     from grain_replay.device.distributed import shutdown_distributed
     from grain_replay.device.put import sharded_device_put
+    from grain_replay.device.replay import DeviceReplay
     from grain_replay.loading import make_data_loader, replay_dataset
     from grain_replay.opening import open_source
     from grain_replay.pipeline.batches import LoaderOptions
@@ -116,6 +117,7 @@ __all__ = [
     "LoaderOptions",
     "sharded_device_put",
     "shutdown_distributed",
+    "DeviceReplay",
     # sampling: mixtures and replay (grain_replay.sampling)
     "UniformReplay",
     "PrioritizedReplay",
@@ -210,6 +212,7 @@ _LAZY = {
     "LoaderOptions": "grain_replay.pipeline.batches",
     "RetryOptions": "grain_replay.remote",
     "sharded_device_put": "grain_replay.device.put",
+    "DeviceReplay": "grain_replay.device.replay",
     "shutdown_distributed": "grain_replay.device.distributed",
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",

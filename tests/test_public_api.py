@@ -42,6 +42,7 @@ VIEWS = [
     "build_episode_index",
 ]
 FUNCTIONS_AND_OPTIONS = [
+    "DeviceReplay",
     "LeafSpec",
     "LoaderOptions",
     "PrioritizedReplay",

@@ -1,0 +1,243 @@
+"""gr.DeviceReplay: what sampling inside the training step's jit costs the step.
+
+For two workloads, in the same run, a jitted training step timed three ways:
+
+- ``bare``: the step on a fixed device batch (the limit: no sampling at all);
+- ``uniform``: ``replay.sample(state, key, B)`` (uniform) inside the same jit;
+- ``prioritized``: ``sample`` + ``update_priorities(|td|)`` inside the jit (the state
+  donated, so the priorities are updated in place).
+
+Workloads: ``mlp``, a 3-layer MLP (256 units) Q-learning step on 525-byte transitions
+(obs float32[64], next_obs float32[64], action int32, reward float32, discount float32,
+done bool); ``conv``, a Nature-DQN-sized conv net on 84x84x4 uint8 frames. Batch 256.
+Each rate is the median of ``--repeats`` timings of ``--steps`` steps; the ratio is
+the rate with sampling / the bare rate (1.0: sampling is free). Also: the device's
+``memory_stats()`` before and after ``init()`` where the backend reports them (TPU,
+GPU; not CPU), and the ring's bytes against the store's bytes.
+
+    python benchmarks/bench_device_replay.py [--quick] [--rows N] [--frames N]
+        [--batch B] [--steps S] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import grain_replay as gr
+
+ACTIONS = 8
+
+
+def transitions(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """525 bytes a row."""
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "next_obs": rng.standard_normal((n, 64), dtype=np.float32),
+        "action": rng.integers(0, ACTIONS, n).astype(np.int32),
+        "reward": rng.standard_normal(n, dtype=np.float32),
+        "discount": np.full(n, 0.99, np.float32),
+        "done": rng.random(n) < 0.01,
+    }
+
+
+def frames(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.integers(0, 255, (n, 84, 84, 4), dtype=np.uint8),
+        "action": rng.integers(0, ACTIONS, n).astype(np.int32),
+        "reward": rng.standard_normal(n, dtype=np.float32),
+        "done": rng.random(n) < 0.01,
+    }
+
+
+def _dense(key: jax.Array, n_in: int, n_out: int) -> dict[str, jax.Array]:
+    return {
+        "w": jax.random.normal(key, (n_in, n_out)) / np.sqrt(n_in),
+        "b": jnp.zeros(n_out),
+    }
+
+
+def mlp_params(key: jax.Array) -> list[dict[str, jax.Array]]:
+    k = jax.random.split(key, 3)
+    return [_dense(k[0], 64, 256), _dense(k[1], 256, 256), _dense(k[2], 256, ACTIONS)]
+
+
+def mlp_q(params: Any, obs: jax.Array) -> jax.Array:
+    x = obs
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def conv_params(key: jax.Array) -> dict[str, Any]:
+    k = jax.random.split(key, 5)
+    conv = [(4, 32, 8), (32, 64, 4), (64, 64, 3)]
+    return {
+        "conv": [
+            jax.random.normal(kk, (s, s, i, o)) / np.sqrt(s * s * i)
+            for kk, (i, o, s) in zip(k[:3], conv, strict=True)
+        ],
+        "fc": _dense(k[3], 7 * 7 * 64, 512),
+        "out": _dense(k[4], 512, ACTIONS),
+    }
+
+
+def conv_q(params: Any, obs: jax.Array) -> jax.Array:
+    x = obs.astype(jnp.float32) / 255.0
+    for w, stride in zip(params["conv"], (4, 2, 1), strict=True):
+        x = jax.lax.conv_general_dilated(
+            x, w, (stride, stride), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        x = jax.nn.relu(x)
+    x = x.reshape(x.shape[0], -1)
+    x = jax.nn.relu(x @ params["fc"]["w"] + params["fc"]["b"])
+    return x @ params["out"]["w"] + params["out"]["b"]
+
+
+def make_train(q: Callable[[Any, jax.Array], jax.Array], next_key: str) -> Callable[..., Any]:
+    """One SGD step of Q-learning; returns (params, |td|)."""
+
+    def loss(params: Any, batch: Any, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+        qa = jnp.take_along_axis(q(params, batch["obs"]), batch["action"][:, None], 1)[:, 0]
+        nxt = batch[next_key]
+        target = batch["reward"] + 0.99 * (1.0 - batch["done"]) * q(params, nxt).max(-1)
+        td = qa - jax.lax.stop_gradient(target)
+        return jnp.mean(weight * td**2), jnp.abs(td)
+
+    def train(params: Any, batch: Any, weight: jax.Array) -> tuple[Any, jax.Array]:
+        grads, td = jax.grad(loss, has_aux=True)(params, batch, weight)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), td
+
+    return train
+
+
+def _rate(fn: Callable[[], Any], steps: int, repeats: int) -> tuple[float, list[float]]:
+    jax.block_until_ready(fn())  # compile and warm
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+    return steps / statistics.median(times), times
+
+
+def _mem() -> dict[str, int] | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if stats is None else {k: int(v) for k, v in stats.items() if "bytes" in k}
+
+
+def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root: str) -> dict:
+    path = f"{root}/{name}"
+    gr.write(path, tree)
+    n = len(next(iter(tree.values())))
+    store_bytes = sum(a.nbytes for a in tree.values())
+    q, params = (mlp_q, mlp_params) if name == "mlp" else (conv_q, conv_params)
+    train = make_train(q, "next_obs" if name == "mlp" else "obs")
+    params = params(jax.random.key(0))
+    b = args.batch
+    fixed = jax.device_put({k: v[:b] for k, v in tree.items()}, jax.devices()[0])
+    ones = jnp.ones(b, jnp.float32)
+
+    bare = jax.jit(lambda p, batch: train(p, batch, ones)[0])
+    rates: dict[str, float] = {}
+    rates["bare"], _ = _rate(lambda: bare(params, fixed), args.steps, args.repeats)
+
+    before = _mem()
+    uni = gr.DeviceReplay(path, sampling=gr.UniformReplay())
+    state_u = uni.init()
+    after = _mem()
+
+    @jax.jit
+    def uniform_step(p: Any, state: Any, key: jax.Array) -> Any:
+        batch = uni.sample(state, key, b)
+        return train(p, batch.data, batch.weight)[0]
+
+    keys = iter(jax.random.split(jax.random.key(1), args.steps * (args.repeats + 1) + 1))
+    rates["uniform"], _ = _rate(
+        lambda: uniform_step(params, state_u, next(keys)), args.steps, args.repeats
+    )
+    state_u.rows[0].delete()  # the uniform ring's memory back before the prioritized one
+
+    pri = gr.DeviceReplay(path, sampling=gr.PrioritizedReplay(alpha=0.6, beta=0.4))
+    holder = {"state": pri.init()}
+
+    def prioritized_step(p: Any, state: Any, key: jax.Array) -> Any:
+        batch = pri.sample(state, key, b)
+        p, td = train(p, batch.data, batch.weight)
+        return p, pri.update_priorities(state, batch.index, td)
+
+    prioritized_jit = jax.jit(prioritized_step, donate_argnums=1)
+
+    def run_prioritized() -> Any:
+        p, holder["state"] = prioritized_jit(params, holder["state"], next(keys))
+        return p
+
+    keys = iter(jax.random.split(jax.random.key(2), args.steps * (args.repeats + 1) + 1))
+    rates["prioritized"], _ = _rate(run_prioritized, args.steps, args.repeats)
+    ring = pri.state_bytes()
+    used = None
+    if before is not None and after is not None:
+        used = after.get("bytes_in_use", 0) - before.get("bytes_in_use", 0)
+    return {
+        "name": name,
+        "rows": n,
+        "row_bytes": store_bytes // n,
+        "store_bytes": store_bytes,
+        "ring_bytes": ring,
+        "hbm_used_by_init": used,
+        "memory_before": before,
+        "memory_after": after,
+        "rates": rates,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="transitions (mlp)")
+    parser.add_argument("--frames", type=int, default=50_000, help="frames (conv)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50, help="steps per timing")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.frames = min(args.rows, 20_000), min(args.frames, 1_000)
+        args.steps, args.repeats = min(args.steps, 5), min(args.repeats, 3)
+        args.batch = min(args.batch, 64)  # the conv step on a CPU: seconds at 256
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch}")
+    print(
+        f"{'workload':<9}{'rows':>10}{'B/row':>7}{'bare/s':>10}{'uniform/s':>11}{'ratio':>7}"
+        f"{'prio/s':>10}{'ratio':>7}{'store MB':>10}{'ring MB':>9}{'HBM MB':>8}"
+    )
+    with tempfile.TemporaryDirectory() as root:
+        for name, tree in (("mlp", transitions(args.rows)), ("conv", frames(args.frames))):
+            r = bench(name, tree, args, root)
+            rate = r["rates"]
+            used = r["hbm_used_by_init"]
+            print(
+                f"{name:<9}{r['rows']:>10}{r['row_bytes']:>7}{rate['bare']:>10.1f}"
+                f"{rate['uniform']:>11.1f}{rate['uniform'] / rate['bare']:>7.2f}"
+                f"{rate['prioritized']:>10.1f}{rate['prioritized'] / rate['bare']:>7.2f}"
+                f"{r['store_bytes'] / 2**20:>10.1f}{r['ring_bytes'] / 2**20:>9.1f}"
+                f"{'n/a' if used is None else f'{used / 2**20:.1f}':>8}"
+            )
+            if r["memory_after"] is not None:
+                print(f"  memory_stats before init: {r['memory_before']}")
+                print(f"  memory_stats after init:  {r['memory_after']}")
+    print("ratio: steps/s with sampling inside the jit / steps/s of the bare step (1.0: free)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""Device-side replay: a store's live rows in a fixed-size device ring, sampled inside jit."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grain_replay.device import replay_draws as draws
+from grain_replay.device.replay_layout import RowLayout
+from grain_replay.device.replay_state import DeviceReplayState, Ring, join_ids, news
+from grain_replay.device.resident_store import Probe
+from grain_replay.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidPriorityError,
+    InvalidSamplingError,
+    InvalidStoreError,
+)
+from grain_replay.opening import open_source
+from grain_replay.sampling import PrioritizedReplay, Sampled, UniformReplay
+from grain_replay.sources import PartsDataSource
+
+__all__ = ["DeviceReplay"]
+
+_MAX_SLOTS = 2**31 - 1
+
+
+def _bucket(k: int, capacity: int) -> int:
+    """Rows a refresh transfers for ``k`` new rows: the next power of two (at most the
+    capacity), so the ring update compiles once per size class, never per refresh."""
+    return min(capacity, 1 << max(0, k - 1).bit_length()) if k else 1
+
+
+class DeviceReplay:
+    """A store's live rows in a fixed-size device ring, sampled inside the user's ``jax.jit``.
+
+    ``init()`` allocates the ring (``capacity`` rows of every leaf, priorities, counters)
+    on one device and loads the store's newest rows; ``sample`` and
+    ``update_priorities`` are pure functions of the state, for use inside ``jax.jit``;
+    ``refresh`` (on the host) brings in the rows committed since and drops the rows the
+    store evicted, writing into the same device buffers (donated: never reallocated).
+
+    The ring's slots: ``batch.index`` is the *slot* (int32) a row was drawn from, so
+    ``update_priorities`` is a scatter; ``row_ids(state, index)`` maps slots to the
+    store's row ids on the host. Update priorities before the next ``refresh``: a slot
+    refilled by a refresh is another row.
+
+    Args:
+      source: a store ``gr.open_source`` opens (or its path): a plain store, a growing
+        store written by ``gr.ReplayWriter``, or a bounded many-writer store.
+      sampling: ``gr.UniformReplay()`` or ``gr.PrioritizedReplay(alpha=, beta=, eps=)``;
+        ``beta`` must be a float (anneal it with ``sample(..., beta=)`` instead of a
+        schedule); ``samples_per_insert`` is not supported (no rate limit on the device);
+        ``min_size`` is checked by ``init()``.
+      capacity: rows the ring holds (fixed at ``init()``). None: the store's capacity:
+        the sum of its writers' capacities for a bounded store, the current length for a
+        plain store (a growing plain store then keeps its newest ``capacity`` rows).
+        Required for a many-writer store whose writers are unbounded.
+      max_writers: watermarks kept for a many-writer store (writer ordinals below it).
+      device: where the ring lives; default ``jax.devices()[0]``.
+
+    Raises:
+      ArgumentTypeError: ``sampling`` is not a replay sampling option.
+      InvalidSamplingError: a ``beta`` schedule or ``samples_per_insert``.
+      InvalidArgumentError: ``capacity`` not a positive int, below ``min_size``, or
+        missing for an unbounded many-writer store.
+
+    Example:
+      >>> replay = gr.DeviceReplay("replay/", sampling=gr.PrioritizedReplay(alpha=0.6))
+      >>> state = replay.init()
+      >>> @jax.jit
+      ... def step(params, state, key):
+      ...     batch = replay.sample(state, key, 256)
+      ...     params, td = train(params, batch.data, batch.weight)
+      ...     return params, replay.update_priorities(state, batch.index, jnp.abs(td))
+      >>> state = replay.refresh(state)  # between steps, on the host
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        sampling: Any = None,
+        *,
+        capacity: int | None = None,
+        max_writers: int = 256,
+        device: jax.Device | None = None,
+    ) -> None:
+        if isinstance(source, (str, os.PathLike)):
+            source = open_source(source)
+        self.source = source
+        sampling = UniformReplay() if sampling is None else sampling
+        if not isinstance(sampling, (UniformReplay, PrioritizedReplay)):
+            raise ArgumentTypeError(
+                f"DeviceReplay: sampling must be gr.UniformReplay() or "
+                f"gr.PrioritizedReplay(...), got {sampling!r}. Fix: pass one of those."
+            )
+        if isinstance(sampling, PrioritizedReplay) and callable(sampling.beta):
+            raise InvalidSamplingError(
+                f"DeviceReplay: beta must be a float, got the schedule {sampling.beta!r}. "
+                "Fix: pass PrioritizedReplay(beta=<float>) and anneal inside your jit with "
+                "replay.sample(state, key, batch_size, beta=schedule(step))."
+            )
+        if sampling.samples_per_insert is not None:
+            raise InvalidSamplingError(
+                f"DeviceReplay: samples_per_insert={sampling.samples_per_insert} is not "
+                "supported (draws inside jit cannot wait for writers). Fix: drop it, or "
+                "pace refresh() yourself; gr.make_data_loader rate-limits host replay."
+            )
+        self.sampling = sampling
+        for name, value in (("capacity", capacity), ("max_writers", max_writers)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SLOTS
+            ):
+                raise InvalidArgumentError(
+                    f"DeviceReplay: {name} must be a positive int (at most 2**31 - 1), got "
+                    f"{value!r}. Fix: pass e.g. {name}=100_000."
+                )
+        self._capacity_arg = capacity
+        self._writers = max_writers
+        self._bounded = isinstance(source, PartsDataSource)
+        self._device = jax.devices()[0] if device is None else device
+        self._layout: RowLayout | None = None
+        self.refresh_traces = 0  # ring updates traced (compiled): one per size class
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"DeviceReplay({self.source!r}, sampling={self.sampling!r})"
+
+    def _where(self) -> str:
+        return str(getattr(self.source, "path", repr(self.source)))
+
+    def _default_capacity(self) -> int:
+        if not self._bounded:
+            return len(self.source)
+        caps = [m.capacity for m in self.source.writers]
+        if not caps or any(c is None for c in caps):
+            raise InvalidArgumentError(
+                f"DeviceReplay: {self._where()} is a many-writer store whose writers are "
+                "unbounded (or it has none yet): it has no capacity to size the device ring "
+                "by. Fix: pass DeviceReplay(..., capacity=<rows the ring holds>)."
+            )
+        return min(_MAX_SLOTS, sum(caps))
+
+    def _setup(self) -> RowLayout:
+        if self._layout is not None:
+            return self._layout
+        if len(self.source) == 0:
+            raise InvalidSamplingError(
+                f"DeviceReplay: {self._where()} has no committed rows to put on the device. "
+                "Fix: append and flush rows with a gr.ReplayWriter before init()."
+            )
+        capacity = self._capacity_arg or self._default_capacity()
+        if capacity < self.sampling.min_size:
+            raise InvalidArgumentError(
+                f"DeviceReplay: capacity={capacity} is below min_size="
+                f"{self.sampling.min_size}: the ring could never hold enough rows. Fix: "
+                "raise capacity or lower min_size."
+            )
+        probe = Probe(self.source)
+        self._layout = RowLayout(probe, capacity)
+        self._expected = jax.eval_shape(self._allocate_fn)
+        self._allocate = jax.jit(
+            self._allocate_fn, out_shardings=jax.sharding.SingleDeviceSharding(self._device)
+        )
+        self._write = jax.jit(self._write_fn, donate_argnums=0)
+        return self._layout
+
+    @property
+    def capacity(self) -> int:
+        """Rows the ring holds (set up from the store on first use)."""
+        return self._setup().capacity
+
+    def state_bytes(self) -> int:
+        """Bytes of a state's device arrays (row buffers, bookkeeping)."""
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self._spec()))
+
+    def row_bytes(self) -> int:
+        """Bytes of one record on the device (every leaf)."""
+        return self._setup().row_bytes()
+
+    def _spec(self) -> Any:
+        self._setup()
+        return self._expected
+
+    def _allocate_fn(self) -> DeviceReplayState:
+        layout = self._layout
+        assert layout is not None
+        c, w = layout.capacity, self._writers
+        return DeviceReplayState(
+            rows=tuple(layout.allocate()),
+            slot_hi=jnp.full(c, -1, jnp.int32),
+            slot_lo=jnp.zeros(c, jnp.int32),
+            order=jnp.full(c, -1, jnp.int32),
+            live=jnp.zeros(c, bool),
+            live_slots=jnp.zeros(c, jnp.int32),
+            n_live=jnp.zeros((), jnp.int32),
+            priority=jnp.zeros(c, jnp.float32),
+            max_priority=jnp.ones((), jnp.float32),
+            mark_hi=jnp.zeros(w, jnp.int32),
+            mark_lo=jnp.zeros(w, jnp.int32),
+            refreshes=jnp.zeros((), jnp.int32),
+        )
+
+    def _check_state(self, state: Any, call: str) -> None:
+        """Refuses what is not a state of this replay (shapes, dtypes); works on tracers."""
+        expected = self._spec()
+        if not isinstance(state, DeviceReplayState):
+            raise ArgumentTypeError(
+                f"DeviceReplay.{call}: expected the state DeviceReplay.init() returned, got "
+                f"{type(state).__name__}. Fix: pass replay.init()'s state (or its restore)."
+            )
+        got = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(state)]
+        want = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(expected)]
+        if got != want:
+            raise InvalidArgumentError(
+                f"DeviceReplay.{call}: the state is not one of this replay (capacity "
+                f"{self.capacity}, leaves of {self._where()}): its arrays are {got}, this "
+                f"replay's are {want}. Fix: pass the state this DeviceReplay's init() made, "
+                "or build the DeviceReplay with the store and capacity the state was made with."
+            )
+
+    # -- the public surface ----------------------------------------------------------
+
+    def init(self) -> DeviceReplayState:
+        """Allocates the ring on the device and loads the store's newest rows into it.
+
+        Returns:
+          The state: a pytree of ``jax.Array`` (see :class:`DeviceReplayState`).
+
+        Raises:
+          InvalidSamplingError: the store has no committed rows, or fewer than ``min_size``.
+          InvalidArgumentError: no capacity can be worked out (see the class).
+        """
+        if hasattr(self.source, "refresh"):
+            self.source.refresh()
+        self._setup()
+        state = self.refresh(self._allocate(), look=False)
+        live = int(state.n_live)
+        if live < max(1, self.sampling.min_size):
+            raise InvalidSamplingError(
+                f"DeviceReplay: {self._where()} has {live} live rows, fewer than min_size="
+                f"{self.sampling.min_size}. Fix: write more rows before init(), or lower min_size."
+            )
+        return state
+
+    def sample(
+        self,
+        state: DeviceReplayState,
+        key: jax.Array,
+        batch_size: int,
+        *,
+        beta: float | jax.Array | None = None,
+    ) -> Sampled:
+        """Draws ``batch_size`` rows of the ring: pure, for use inside ``jax.jit``.
+
+        Uniform draws pick among the live slots only; prioritized draws pick slot ``i``
+        with probability proportional to ``(priority_i + eps) ** alpha`` over the live
+        slots (stratified), weights ``(p_min / p_i) ** beta`` (float32). A ring with no
+        live row (it cannot raise inside jit) gives index -1 and weight 0.
+
+        Args:
+          state: the replay's state.
+          key: a ``jax.random`` key.
+          batch_size: rows to draw (a static Python int > 0).
+          beta: overrides the sampling's ``beta`` (may be traced: an annealing schedule).
+
+        Returns:
+          ``gr.Sampled(data, index, weight)``: ``data`` the rows' leaves (the host
+          loader's dtypes, on the device), ``index`` int32 slots, ``weight`` float32.
+
+        Raises:
+          InvalidArgumentError: ``batch_size`` not a positive int, or a foreign state.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise InvalidArgumentError(
+                f"DeviceReplay.sample: batch_size must be a positive Python int (static "
+                f"inside jit), got {batch_size!r}. Fix: pass e.g. 256."
+            )
+        self._check_state(state, "sample")
+        layout = self._setup()
+        opts = self.sampling
+        if isinstance(opts, PrioritizedReplay):
+            b = float(opts.beta) if beta is None else beta  # type: ignore[arg-type]
+            slots, weight = draws.prioritized(
+                key, state.priority, state.live, batch_size, opts.alpha, opts.eps, b
+            )
+        else:
+            slots, weight = draws.uniform(key, state.live_slots, state.n_live, batch_size)
+        leaves = layout.gather(state.rows, jnp.maximum(slots, 0))
+        data = jax.tree_util.tree_unflatten(layout.probe.treedef, leaves)
+        return Sampled(data, slots, weight)  # type: ignore[arg-type]  # jax arrays here
+
+    def update_priorities(
+        self, state: DeviceReplayState, index: jax.Array, priorities: jax.Array
+    ) -> DeviceReplayState:
+        """``state`` with the priorities of slots ``index`` set: pure, for use inside jit.
+
+        Entries that cannot apply are skipped (nothing can raise inside jit): a slot -1
+        or out of range, an empty slot, a negative, NaN or infinite priority.
+
+        Args:
+          state: the replay's state.
+          index: a batch's ``index`` (int32 slots).
+          priorities: one per index (e.g. ``abs(td_error)``).
+
+        Returns:
+          The new state.
+
+        Raises:
+          InvalidPriorityError: ``index`` and ``priorities`` differ in size.
+        """
+        self._check_state(state, "update_priorities")
+        index, priorities = jnp.asarray(index), jnp.asarray(priorities)
+        if index.size != priorities.size:
+            raise InvalidPriorityError(
+                f"DeviceReplay.update_priorities got {index.size} indices but "
+                f"{priorities.size} priorities. Fix: pass one priority per index."
+            )
+        priority, top = draws.updated_priorities(
+            state.priority, state.max_priority, state.live, index, priorities
+        )
+        return state._replace(priority=priority, max_priority=top)
+
+    def row_ids(self, state: DeviceReplayState, index: Any) -> np.ndarray:
+        """The store row ids (int64) held by slots ``index``; -1 for an empty slot or an
+        index outside the ring (a draw of an empty ring: -1). On the host.
+
+        A row id is the row's position for a plain or growing store, and
+        ``ordinal << 40 | seq`` (``source.read_ids``) for a many-writer store.
+        """
+        self._check_state(state, "row_ids")
+        hi, lo = jax.device_get((state.slot_hi, state.slot_lo))
+        index = np.asarray(index, dtype=np.int64)
+        held = (index >= 0) & (index < len(hi))
+        safe = np.where(held, index, 0)
+        return np.where(held, join_ids(np.take(hi, safe), np.take(lo, safe)), -1)
+
+    def refresh(self, state: DeviceReplayState, *, look: bool = True) -> DeviceReplayState:
+        """Brings the rows committed since into the ring and drops the evicted ones (host).
+
+        Calls ``source.refresh()``; the slots of rows the store evicted are emptied (never
+        drawn again); new rows go to free slots (emptied longest ago first), then over the
+        oldest rows (more new rows than the capacity: the newest ``capacity`` are kept).
+        One read and one transfer per leaf for all new rows, then one jitted, donated
+        update: the state's buffers are reused (``state`` itself is consumed).
+
+        Args:
+          state: the replay's state (consumed).
+          look: False skips ``source.refresh()`` (the snapshot as it is).
+
+        Returns:
+          The new state.
+
+        Raises:
+          InvalidArgumentError: a foreign state, or a writer ordinal beyond ``max_writers``.
+          InvalidStoreError: a plain store with fewer rows than the state loaded.
+        """
+        self._check_state(state, "refresh")
+        layout = self._setup()
+        if look and hasattr(self.source, "refresh"):
+            self.source.refresh()
+        ring = Ring.of(state)
+        positions, new_ids, gone = news(self.source, ring, self._bounded, self._where())
+        evicted = ring.evict(gone) if gone is not None else 0
+        targets = ring.place(new_ids)
+        if len(targets) == 0 and not evicted:
+            return state
+        k = len(targets)
+        kb = _bucket(k, layout.capacity)
+        read = jax.tree_util.tree_leaves(self.source.read_batch(positions)) if k else None
+        chunk = []
+        for i, (shape, dtype) in enumerate(
+            zip(layout.probe.shapes, layout.probe.dtypes, strict=True)
+        ):
+            buf = np.zeros((kb, *shape), dtype)
+            if read is not None:
+                if tuple(np.shape(read[i])) != (k, *shape):
+                    raise InvalidStoreError(
+                        f"DeviceReplay: leaf {i} of {self._where()} gave rows of shape "
+                        f"{np.shape(read[i])[1:]}, but {shape} when the ring was set up. "
+                        "Fix: keep every row of a leaf one shape."
+                    )
+                buf[:k] = read[i]
+            chunk.append(buf)
+        padded = np.full(kb, layout.capacity, np.int32)
+        padded[:k] = targets
+        host = ring.arrays()
+        chunk, padded, host = jax.device_put((chunk, padded, host), self._device)
+        return self._write(state, chunk, padded, host)
+
+    # -- refresh internals -------------------------------------------------------------
+
+    def _write_fn(
+        self, state: DeviceReplayState, chunk: list[jax.Array], targets: jax.Array, host: Any
+    ) -> DeviceReplayState:
+        self.refresh_traces += 1  # runs when traced: once per size class
+        layout = self._layout
+        assert layout is not None
+        rows = layout.scatter(state.rows, chunk, targets)
+        priority = state.priority.at[targets].set(state.max_priority, mode="drop")
+        priority = jnp.where(host["live"], priority, 0.0)
+        return DeviceReplayState(
+            rows=tuple(rows),
+            priority=priority,
+            max_priority=state.max_priority,
+            **{k: host[k] for k in DeviceReplayState._fields if k in host},
+        )
