@@ -31,6 +31,7 @@ from grain_replay.store.formats import (
     is_url,
     metadata_from_attrs,
     require_regular_file,
+    shown_path,
     store_not_found,
 )
 
@@ -295,7 +296,7 @@ class HDF5DataSource(ReplaySource):
             if isinstance(e, InvalidStoreError):
                 raise
             if isinstance(e, FileNotFoundError):
-                raise StoreNotFoundError(f"No HDF5 file at {self._path}: {e}") from e
+                raise StoreNotFoundError(f"No HDF5 file at {shown_path(self._path)}: {e}") from e
             raise InvalidStoreError(
                 f"{self._path}: h5py cannot open the file ({e}). It may be truncated or "
                 "corrupt. Fix: re-create it."
