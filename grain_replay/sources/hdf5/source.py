@@ -325,7 +325,12 @@ class HDF5DataSource(ReplaySource):
                 hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
-                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+                meta.num_records,
+                dict(meta.leaves),
+                meta.treedef,
+                locations,
+                meta.checksums,
+                meta.store_id,
             )
         # A foreign file: every dataset with a records axis is a leaf.
         found, links = hdf5_refs.foreign_datasets(f, self._allow_external)

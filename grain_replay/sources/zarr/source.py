@@ -222,7 +222,12 @@ class ZarrDataSource(ReplaySource):
                     )
                 zarr_checks.check_array(arr, key, want.dtype, where, self._cache_bytes)
             return Layout(
-                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+                meta.num_records,
+                dict(meta.leaves),
+                meta.treedef,
+                locations,
+                meta.checksums,
+                meta.store_id,
             )
         if not is_url(self._path):
             zarr_checks.check_foreign_tree(self._path, self._allow_external)
