@@ -11,7 +11,7 @@ from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.rl.transitions import TransitionDataSource
 from grain_replay.sources.hdf5 import HDF5DataSource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
-from grain_replay.store.formats import HDF5_SIGNATURE, import_h5py
+from grain_replay.store.formats import HDF5_SIGNATURE, import_h5py, shown_path
 
 __all__ = ["D4RLDataSource"]
 
@@ -25,7 +25,7 @@ def _step_datasets(path: str) -> tuple[list[str], list[str], int]:
     h5py = import_h5py()
     if not os.path.exists(path):
         raise StoreNotFoundError(
-            f"No D4RL file at {path}. Fix: check the path (D4RL keeps its files under "
+            f"No D4RL file at {shown_path(path)}. Fix: check the path (D4RL keeps its files under "
             "~/.d4rl/datasets)."
         )
     with open(path, "rb") as f:

@@ -21,8 +21,13 @@ import numpy as np
 from grain_replay.errors import ReplayCheckpointError
 from grain_replay.sampling.encoded import decode_arrays, json_pieces
 from grain_replay.sampling.replay import reaches
-from grain_replay.sources.capabilities import HasWatermark, HasWriters, ManyWriterStore
-from grain_replay.store.watermark import Watermark
+from grain_replay.sources.capabilities import (
+    HasStoreId,
+    HasWatermark,
+    HasWriters,
+    ManyWriterStore,
+)
+from grain_replay.store.watermark import Watermark, identity_mismatch, same_path, same_store
 
 __all__ = [
     "STATE_VERSION",
@@ -118,7 +123,7 @@ def decode_state(state: bytes, sampling: dict[str, Any]) -> Decoded:
 def store_watermark(sampler: Any, source: Any) -> Watermark:
     """The rows ``sampler`` draws from ``source``, as the store's writers count them."""
     store = str(getattr(source, "path", None) or repr(source))
-    sid = source.store_id if isinstance(source, ManyWriterStore) else None
+    sid = source.store_id if isinstance(source, HasStoreId) else None
     sid = sid if isinstance(sid, str) else None
     # A bounded many-writer store names each writer's committed rows in the view:
     # through commit_watermark(), or the writers' manifests of its snapshot.
@@ -136,7 +141,7 @@ def store_watermark(sampler: Any, source: Any) -> Watermark:
     ):
         writers = {m.writer_id: int(m.committed) for m in manifests}
         return Watermark(store, writers=writers, store_id=sid)
-    return Watermark(store, rows=int(sampler.bound))
+    return Watermark(store, rows=int(sampler.bound), store_id=sid)
 
 
 def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
@@ -146,16 +151,24 @@ def check_store(saved: Watermark, ours: Watermark | None, source: Any) -> None:
     least its marked committed rows (evicted ones count: eviction since the
     checkpoint is expected; rows committed after the mark are allowed too).
 
+    The store is matched by its id (a symlink, a relative path, a moved folder or a
+    copy restore), by its real path where the store or the checkpoint has none.
+
     Raises:
       ReplayCheckpointError: another store, another kind of store (plain vs
         many-writer), or rows the checkpoint replayed are gone.
     """
     if ours is None:
         return
-    if saved.store != ours.store:
+    replaced = same_path(saved.store, ours.store) and (
+        (saved.writers is None) != (ours.writers is None)
+    )  # worded below: the other kind of store is there now
+    if not replaced and not same_store(saved, ours.store, ours.store_id):
         raise ReplayCheckpointError(
-            f"The checkpoint was saved replaying {saved.store}; this iterator replays "
-            f"{ours.store}. Fix: restore into a loader over the store it was saved with."
+            f"The checkpoint was saved replaying another store than this iterator replays: "
+            f"{identity_mismatch(saved, ours.store, ours.store_id)}. Fix: restore into a "
+            "loader over the store it was saved with (by any path), or start the learner "
+            "afresh."
         )
     if saved.writers is not None:
         _check_writers(saved, ours, source)

@@ -162,6 +162,13 @@ class ReplaySource(SourceSurface):
         """Per-leaf block CRC32s recorded by grain_replay's writers (None for foreign stores)."""
         return self._layout.checksums
 
+    @property
+    def store_id(self) -> str | None:
+        """The id a grain_replay writer gave the store (read with its metadata at the last
+        refresh): a replay checkpoint names the store by it, whatever its path. None for
+        a foreign store, or one made before stores had ids."""
+        return self._layout.store_id
+
     def __len__(self) -> int:
         return self._layout.num_records
 

@@ -35,6 +35,7 @@ __all__ = [
     "HasEpisodeEnds",
     "HasEpisodes",
     "HasSpec",
+    "HasStoreId",
     "HasTreedef",
     "HasWatermark",
     "HasWriters",
@@ -138,6 +139,15 @@ class HasWriters(Protocol):
 
     @property
     def writers(self) -> list[Any]: ...
+
+
+@runtime_checkable
+class HasStoreId(Protocol):
+    """Knows the id its writers gave the store (None: a foreign store, or one made before
+    ids): a replay checkpoint names the store by it, whatever path it is reached by."""
+
+    @property
+    def store_id(self) -> str | None: ...
 
 
 @runtime_checkable

@@ -25,6 +25,8 @@ class Layout:
     locations: dict[str, str]
     # Per-leaf block checksums recorded by the writer, if any.
     checksums: dict[str, Any] | None = None
+    # The store's id in its metadata (None: a foreign store, or one made before ids).
+    store_id: str | None = None
 
 
 def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layout:
@@ -53,4 +55,5 @@ def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layou
         treedef,
         {k: layout.locations[k] for k in ordered},
         None if layout.checksums is None else {k: layout.checksums[k] for k in ordered},
+        layout.store_id,
     )

@@ -195,7 +195,12 @@ class NpyDataSource(ReplaySource):
                     file, key, meta.leaves[key], meta.num_records
                 )
             return Layout(
-                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+                meta.num_records,
+                dict(meta.leaves),
+                meta.treedef,
+                locations,
+                meta.checksums,
+                meta.store_id,
             )
         found = _find_npy_files(path, self._allow_external)
         if not found:

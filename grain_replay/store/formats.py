@@ -42,6 +42,7 @@ __all__ = [
     "read_npy_header",
     "read_npy_metadata",
     "require_regular_file",
+    "shown_path",
     "store_not_found",
 ]
 
@@ -142,6 +143,16 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A local path for an error message: absolute, after the path as typed where that
+    was relative (``'buf' (/work/buf)``); a URL as it is."""
+    text = os.fspath(path)
+    if is_url(text):
+        return text
+    where = os.path.abspath(text)
+    return where if where == text else f"{text!r} ({where})"
+
+
 def require_regular_file(path: str, key: str = "") -> None:
     """Refuses FIFOs, devices and sockets, which would block or never end when read."""
     mode = os.stat(path).st_mode
@@ -215,7 +226,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "npy"
     if os.path.exists(path):
         require_regular_file(path)  # a FIFO, device or socket
-    raise store_not_found(path, f"No replay store at {path}. Fix: check the path.")
+    raise store_not_found(path, f"No replay store at {shown_path(path)}. Fix: check the path.")
 
 
 def store_not_found(path: str, message: str) -> StoreNotFoundError | UnfinishedWriteError:
@@ -328,7 +339,7 @@ def read_npy_header(
     except InvalidStoreError:
         raise
     except FileNotFoundError as e:
-        raise StoreNotFoundError(f"{path}: leaf {key!r} file is missing.") from e
+        raise StoreNotFoundError(f"{shown_path(path)}: leaf {key!r} file is missing.") from e
     except Exception as e:  # numpy's header parser raises anything: TokenError, IndexError, ...
         raise InvalidStoreError(
             f"{path}: leaf {key or '<root>'!r} is not a valid .npy file ({e}). Fix: re-create it "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "check_dtype",
     "common_length",
     "foreign_keys",
+    "new_store_id",
 ]
 
 FORMAT_NAME = "grain_replay"
@@ -54,15 +56,27 @@ def disk_name(key: str) -> str:
     return key if key != tree_lib.ROOT_KEY else _ROOT_DISK_NAME
 
 
+def new_store_id() -> str:
+    """A store's id, random, made once when a writer creates the store."""
+    return uuid.uuid4().hex
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreMetadata:
-    """What a writer commits last: a store without it is foreign or unfinished."""
+    """What a writer commits last: a store without it is foreign or unfinished.
+
+    ``store_id`` (random hex, :func:`new_store_id`) names the store whatever its path:
+    made when a writer creates it, kept as it grows, is reopened, moved or copied; a
+    replay checkpoint records it. None: a store made before stores had ids (or a
+    segment of a many-writer store, whose id is its ``replay_store.json``'s).
+    """
 
     num_records: int
     leaves: dict[str, LeafSpec]
     treedef: dict[str, Any]
     checksums: dict[str, Any] | None = None
     version: int = FORMAT_VERSION
+    store_id: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -76,6 +90,7 @@ class StoreMetadata:
                 },
                 "treedef": self.treedef,
                 "checksums": self.checksums,
+                **({} if self.store_id is None else {"store_id": self.store_id}),
             },
             sort_keys=False,
         )
@@ -117,6 +132,9 @@ class StoreMetadata:
             if tree_lib.leaf_keys(treedef) != list(leaves):
                 raise ValueError("the tree structure does not match the leaf list")
             checksums = raw.get("checksums")
+            store_id = raw.get("store_id")
+            if store_id is not None and not isinstance(store_id, str):
+                raise ValueError(f"store_id {store_id!r} is not a string")
         except InvalidStoreError as e:
             if str(e).startswith(where):
                 raise
@@ -128,7 +146,7 @@ class StoreMetadata:
                 f"{where}: grain_replay metadata is malformed ({e}). The store may be "
                 "corrupt; rewrite it, or delete the metadata to open it as a foreign store."
             ) from e
-        return cls(n, leaves, treedef, checksums, version)
+        return cls(n, leaves, treedef, checksums, version, store_id)
 
 
 def _json_int(value: Any, name: str) -> int:

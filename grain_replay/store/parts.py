@@ -56,6 +56,7 @@ __all__ = [
     "committed_rows",
     "create_store_file",
     "id_ordinals",
+    "being_made",
     "is_parts_store",
     "list_writers",
     "make_ids",
@@ -121,6 +122,18 @@ def is_parts_store(path: str) -> bool:
     return os.path.isfile(os.path.join(path, STORE_FILE))
 
 
+def being_made(path: str) -> bool:
+    """Whether ``path`` is a many-writer store a writer is creating right now: a directory
+    holding nothing but what :func:`create_store_file` makes before its store file (an
+    empty directory included)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    made = {WRITERS_DIR, ORDINALS_DIR}
+    return all(n in made or n.startswith(STORE_FILE) for n in names)
+
+
 def check_writer_id(writer_id: Any, store: str) -> str:
     """``writer_id`` if it is a safe file name, else the error naming the fix."""
     if not isinstance(writer_id, str) or not _SAFE_ID.match(writer_id) or writer_id == "..":
@@ -166,7 +179,7 @@ def create_store_file(store: str, fmt: str) -> None:
     os.makedirs(os.path.join(store, ORDINALS_DIR), exist_ok=True)
     final = os.path.join(store, STORE_FILE)
     # Linked, not replaced (filesync.atomic_replace): an existing store file must stay.
-    # The temp name starts with STORE_FILE, as writers/parts_writer.py's _being_made expects.
+    # The temp name starts with STORE_FILE, as being_made expects.
     tmp = temp_path(final)
     with open(tmp, "w") as f:
         f.write(json.dumps({"format": fmt, "layout": LAYOUT_VERSION, "store_id": uuid.uuid4().hex}))

@@ -22,8 +22,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from grain_replay.errors import CheckpointMismatchError
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.formats import (
+    detect_format,
+    import_h5py,
+    import_zarr,
+    is_url,
+    metadata_from_attrs,
+    read_npy_metadata,
+)
 
-__all__ = ["Watermark", "read_watermark"]
+__all__ = [
+    "Watermark",
+    "identity_mismatch",
+    "read_watermark",
+    "same_path",
+    "same_store",
+    "store_id_at",
+]
 
 _PROCESS_FILE_RE = re.compile(r"process_\d+-of-\d+\.json")
 
@@ -32,14 +48,18 @@ _PROCESS_FILE_RE = re.compile(r"process_\d+-of-\d+\.json")
 class Watermark:
     """The rows of a store that a replay checkpoint covers.
 
+    A checkpoint names its store by ``store_id``, not by ``store``: it restores over a
+    symlink, a relative path, a moved folder or a copy of the store (:func:`same_store`).
+
     Attributes:
-      store: the store's absolute path (or URL) as its source names it.
+      store: the store's absolute path (or URL) as its source named it when saved.
       rows: a plain (single-writer) store's committed length; None for a bounded one.
       writers: a bounded many-writer store's committed sequence number per writer id
         (rows ever committed by that writer); None for a plain store.
-      store_id: a many-writer store's id (made once when the store was created): a
-        store deleted and made again at the same path has another. None for a plain
-        store, or one made before stores had ids.
+      store_id: the store's id (made once when a writer created the store: a many-writer
+        store's ``replay_store.json``, a plain store's metadata): a copy has the same, a
+        store deleted and made again at the same path another. None for a store made
+        before stores had ids (or a foreign one): then it is matched by its real path.
     """
 
     store: str
@@ -94,17 +114,19 @@ class Watermark:
 
     def merge(self, other: Watermark) -> Watermark:
         """The rows either covers (processes of one learner each record their own view)."""
-        if (
-            other.store != self.store
-            or (other.rows is None) != (self.rows is None)
-            or (None not in (self.store_id, other.store_id) and self.store_id != other.store_id)
+        if not same_store(self, other.store, other.store_id) or (other.rows is None) != (
+            self.rows is None
         ):
             raise CheckpointMismatchError(
                 f"The checkpoint's processes name different stores ({self.store} and "
                 f"{other.store}). Fix: pass the checkpoint of one replay iterator."
             )
         if self.rows is not None and other.rows is not None:
-            return Watermark(self.store, rows=max(self.rows, other.rows))
+            return Watermark(
+                self.store,
+                rows=max(self.rows, other.rows),
+                store_id=self.store_id or other.store_id,
+            )
         assert self.writers is not None and other.writers is not None
         ids = set(self.writers) | set(other.writers)
         merged = {i: max(self.writers.get(i, 0), other.writers.get(i, 0)) for i in ids}
@@ -132,7 +154,7 @@ def _from_state(state: Any, where: str, store: Any = None) -> Watermark:
             "iterator of a replay loader."
         )
     mark = Watermark.from_json(state["watermark"], where)
-    if store is not None and not _same_store(mark.store, store):
+    if store is not None and not _names(mark, store):
         raise CheckpointMismatchError(
             f"{where} replayed {mark.store}, not {os.fspath(store)}. Fix: pass the store the "
             "checkpoint replayed, or store=None."
@@ -140,11 +162,78 @@ def _from_state(state: Any, where: str, store: Any = None) -> Watermark:
     return mark
 
 
-def _same_store(a: str, b: Any) -> bool:
-    b = os.fspath(b)
-    if "://" in a or "://" in b:
+def same_path(a: str, b: str) -> bool:
+    """Whether two paths reach one store: the same real path (symlinks and relative paths
+    resolved); URLs as written."""
+    if is_url(a) or is_url(b):
         return a == b
-    return os.path.abspath(a) == os.path.abspath(b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def same_store(mark: Watermark, store: str, store_id: str | None) -> bool:
+    """Whether the store at ``store`` with id ``store_id`` is the one ``mark`` names: by id
+    when both have one (whatever the paths: a symlink, a moved folder, a copy), else by
+    real path (a store or checkpoint from before ids)."""
+    if mark.store_id is not None and store_id is not None:
+        return mark.store_id == store_id
+    return same_path(mark.store, store)
+
+
+def identity_mismatch(mark: Watermark, store: str, store_id: str | None) -> str:
+    """Why the store at ``store`` (id ``store_id``) is not the one ``mark`` names: both
+    ids and both paths, and what to do."""
+    if mark.store_id is not None and store_id is not None:
+        if same_path(mark.store, store):
+            return (
+                f"the store {mark.store_id} that was at {mark.store} is gone; the store there "
+                f"now is another ({store_id}): it was deleted and made again, and its rows are "
+                "not the ones the checkpoint covers"
+            )
+        return (
+            f"the checkpoint names the store {mark.store_id} (saved at {mark.store}); {store} "
+            f"is another store ({store_id}). A symlink, a relative path, a moved folder or a "
+            "copy of the saved store would have its id"
+        )
+    return (
+        f"the checkpoint names the store at {mark.store} (id "
+        f"{mark.store_id or 'none: saved before stores had ids'}); {store} (id "
+        f"{store_id or 'none: made before stores had ids'}) is not it. Without both ids a "
+        "store is matched by its real path (a symlink or a relative path to it works), so a "
+        "copy or a moved folder of it cannot be: reach the store at its saved path, or give "
+        "it an id (reopen a gr.ReplayWriter on it and flush, or rewrite it with gr.write) "
+        "and take a new checkpoint"
+    )
+
+
+def store_id_at(path: str) -> str | None:
+    """The id of the store at ``path`` (a many-writer store's ``replay_store.json``, a
+    plain store's metadata); None for a URL, a store without one, or nothing readable."""
+    if is_url(path):
+        return None
+    if parts_lib.is_parts_store(path):
+        return parts_lib.read_store_id(path)
+    try:
+        fmt = detect_format(path)
+        if fmt == "npy" and os.path.isdir(path):
+            meta = read_npy_metadata(path)
+        elif fmt == "hdf5":
+            with import_h5py().File(path, "r", locking=False) as f:
+                meta = metadata_from_attrs(f.attrs, path)
+        elif fmt == "zarr":
+            meta = metadata_from_attrs(import_zarr().open_group(path, mode="r").attrs, path)
+        else:
+            return None
+    except Exception:  # unreadable, foreign, missing: no id to match
+        return None
+    return None if meta is None else meta.store_id
+
+
+def _names(mark: Watermark, store: Any) -> bool:
+    """Whether ``mark`` is the watermark of the store the user named (``store=``)."""
+    store = os.fspath(store)
+    return same_path(mark.store, store) or (
+        mark.store_id is not None and store_id_at(store) == mark.store_id
+    )
 
 
 def _pick(marks: Any, where: str, store: Any) -> Watermark:
@@ -159,7 +248,7 @@ def _pick(marks: Any, where: str, store: Any) -> Watermark:
         ) from None
     stores = {name: m.store for name, m in found.items()}
     if store is not None:
-        hits = [m for m in found.values() if _same_store(m.store, store)]
+        hits = [m for m in found.values() if _names(m, store)]
         if not hits:
             raise CheckpointMismatchError(
                 f"{where} is a mixture's checkpoint over {stores}; none is {os.fspath(store)}. "

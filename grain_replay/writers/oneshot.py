@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -224,7 +225,7 @@ def _write_zarr_store(
 
 def _final(meta: layout_lib.StoreMetadata, summer: Checksummer | None) -> layout_lib.StoreMetadata:
     checksums = summer.state() if summer is not None else None
-    return layout_lib.StoreMetadata(meta.num_records, meta.leaves, meta.treedef, checksums)
+    return dataclasses.replace(meta, checksums=checksums)
 
 
 _STORES = {"hdf5": _write_hdf5_store, "npy": _write_npy_store, "zarr": _write_zarr_store}
@@ -277,6 +278,8 @@ def _write_checked(
 ) -> str:
     """:func:`write_blocks` past its checks: ``path`` is absolute and local, the options valid."""
     summer = Checksummer(meta.leaves) if checksum else None
+    if meta.store_id is None:  # a new store: its own id
+        meta = dataclasses.replace(meta, store_id=layout_lib.new_store_id())
     single_npy = format == "npy" and meta.treedef["type"] == "leaf" and path.endswith(".npy")
     with atomic_path(
         path, overwrite=overwrite, suffix=".npy.partial" if single_npy else ".partial"

@@ -45,14 +45,6 @@ def _segment_backend(fmt: str) -> type[Backend]:
     return NpySegmentBackend if fmt == "npy" else BACKENDS[fmt]
 
 
-def _being_made(path: str) -> bool:
-    """Whether ``path`` is a store another writer is creating right now (no store file yet)."""
-    if not os.path.isdir(path):
-        return False
-    made = {parts_lib.WRITERS_DIR, parts_lib.ORDINALS_DIR}
-    return all(n in made or n.startswith(parts_lib.STORE_FILE) for n in os.listdir(path))
-
-
 class _Open:
     """The segment being appended to."""
 
@@ -89,7 +81,11 @@ class PartWriter(LockedWriter):
             )
         if format is not None and format not in FORMATS:
             raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
-        if os.path.exists(path) and not parts_lib.is_parts_store(path) and not _being_made(path):
+        if (
+            os.path.exists(path)
+            and not parts_lib.is_parts_store(path)
+            and not parts_lib.being_made(path)
+        ):
             raise InvalidStoreError(
                 f"{path} is a single-writer store (or another file); capacity= and writer_id= "
                 "need a store directory made by them. Fix: pass another path, or drop "

@@ -33,7 +33,9 @@ def truncate_to_watermark(
     is refused, and nothing is cut unless every writer can be.
 
     Args:
-      path: the store the checkpoint's learner replayed.
+      path: the store the checkpoint's learner replayed, by any path: a symlink, a moved
+        folder or a copy of it is the same store (its store id; by real path for a store
+        made before ids).
       watermark: ``gr.read_watermark(checkpoint)`` (or a plain store's row count).
 
     Returns:
@@ -44,7 +46,8 @@ def truncate_to_watermark(
       WriterBusyError: a live writer holds one of the store's writer ids.
       InvalidStoreError: a writer holds fewer rows than the watermark, or rows the cut
         would keep live were evicted already (nothing is changed).
-      InvalidArgumentError: the watermark is of another store or another kind of store.
+      InvalidArgumentError: the watermark is of another store (another store id, both
+        named) or another kind of store.
 
     Example:
       >>> mark = gr.read_watermark("ckpt/1000/data")  # doctest: +SKIP

@@ -6,14 +6,12 @@ docs/checkpointing.md for restarting a whole run (actors and learner) from one.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from grain_replay.errors import InvalidArgumentError
-from grain_replay.store.parts import read_store_id
-from grain_replay.store.watermark import Watermark
+from grain_replay.store.watermark import Watermark, identity_mismatch, same_store, store_id_at
 
 __all__ = ["resume_rows"]
 
@@ -28,9 +26,10 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
       writer_id: the writer part being reopened, or None for a plain store.
 
     Raises:
-      InvalidArgumentError: ``mark`` is of another store (another path, or a store
-        made again at the path since), of the other kind of store (plain vs
-        many-writer), or neither a watermark nor a row count >= 0.
+      InvalidArgumentError: ``mark`` is of another store (another id, or another real
+        path where the store or the watermark has no id; a store made again at the path
+        since has another id), of the other kind of store (plain vs many-writer), or
+        neither a watermark nor a row count >= 0.
     """
     who = store if writer_id is None else f"{store} (writer {writer_id!r})"
     if isinstance(mark, Watermark):
@@ -47,21 +46,14 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
                 "of a loader over this store (gr.read_watermark(checkpoint)), or drop "
                 "writer_id/capacity to reopen a plain store."
             )
-        if "://" not in mark.store and os.path.abspath(mark.store) != store:
+        sid = store_id_at(store)
+        if not same_store(mark, store, sid):
             raise InvalidArgumentError(
-                f"{who}: resume_from is the watermark of {mark.store}, not of {store}. Fix: "
-                "reopen the store the checkpoint replayed, or pass resume_from="
-                "mark.rows_for(...) to cut this one at the same row count."
+                f"{who}: resume_from is the watermark of another store: "
+                f"{identity_mismatch(mark, store, sid)}. Fix: reopen the store the checkpoint "
+                "replayed (by any path: a symlink, a moved folder or a copy of it has its id), "
+                "or pass resume_from=mark.rows_for(...) to cut this one at the same row count."
             )
-        if writer_id is not None and mark.store_id is not None:
-            sid = read_store_id(store)
-            if sid is not None and sid != mark.store_id:
-                raise InvalidArgumentError(
-                    f"{who}: resume_from is the watermark of the store {mark.store_id} that "
-                    f"was at {store}; the store there now is another ({sid}): it was deleted "
-                    "and made again. Fix: reopen without resume_from= (the rows the "
-                    "checkpoint replayed are gone), or restore the store as it was saved."
-                )
         return mark.rows_for(writer_id)
     if isinstance(mark, (bool, np.bool_)) or not isinstance(mark, (int, np.integer)):
         raise InvalidArgumentError(

@@ -9,6 +9,7 @@ many-writer store.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -135,6 +136,8 @@ class StoreWriter(LockedWriter):
                 "be appended safely. Fix: write a new store with gr.write or ReplayWriter."
             )
         backend = cls(self._path, meta)
+        if meta.store_id is None:  # made before stores had ids: one from its next commit on
+            backend.meta = dataclasses.replace(meta, store_id=layout_lib.new_store_id())
         try:
             self._summer = Checksummer.resume(meta.leaves, meta.checksums, meta.num_records)
         except ValueError as e:
@@ -222,7 +225,7 @@ class StoreWriter(LockedWriter):
             leaves = {
                 k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()
             }
-            meta = layout_lib.StoreMetadata(0, leaves, treedef)
+            meta = layout_lib.StoreMetadata(0, leaves, treedef, store_id=layout_lib.new_store_id())
             self._backend = BACKENDS[self._format].create_open(
                 self._path, meta, self._chunk_rows, self._compression
             )

@@ -63,12 +63,15 @@ def test_a_mixtures_state_holds_each_sources_watermark(tmp_path: Path) -> None:
     state = it.get_state()
     saved = json.loads(state)
     assert "watermark" not in saved and set(saved["watermarks"]) == {"offline", "online"}
-    assert saved["watermarks"]["offline"] == {"store": offline, "rows": 200}
+    offline_id = gr.open_source(offline).store_id
+    assert saved["watermarks"]["offline"] == {"store": offline, "rows": 200, "store_id": offline_id}
 
     mark = gr.read_watermark(state)  # the mixture's one many-writer store
     assert mark.store == online and mark.writers == {"actor-0": 40, "actor-1": 40}
     assert mark.store_id is not None and mark.store_id == gr.open_source(online).store_id
-    assert gr.read_watermark(state, store=offline) == gr.Watermark(offline, rows=200)
+    assert gr.read_watermark(state, store=offline) == gr.Watermark(
+        offline, rows=200, store_id=offline_id
+    )
     assert gr.read_watermark(it, store=Path(online)) == mark
     with pytest.raises(gr.CheckpointMismatchError, match=r"none is .*elsewhere.*store= one"):
         gr.read_watermark(state, store=tmp_path / "elsewhere")
@@ -140,8 +143,14 @@ def test_a_mixture_restore_checks_the_offline_stores_rows(tmp_path: Path) -> Non
     shutil.rmtree(offline)
     gr.write_npy(offline, _rows(9, 0, 100))  # fewer rows than the checkpoint drew from
     fresh = iter(_loader(offline, online))
-    with pytest.raises(gr.ReplayCheckpointError, match=r"first 200 rows.*holds 100"):
+    # Written again, it is another store (another id): refused as such.
+    with pytest.raises(gr.ReplayCheckpointError, match="deleted and made again"):
         fresh.set_state(state)
+    # Its rows are checked too (here: the checkpoint made to name the new store).
+    named = json.loads(state)
+    named["watermarks"]["offline"]["store_id"] = gr.open_source(offline).store_id
+    with pytest.raises(gr.ReplayCheckpointError, match=r"first 200 rows.*holds 100"):
+        fresh.set_state(json.dumps(named).encode())
 
 
 def _made_again(online: str) -> None:

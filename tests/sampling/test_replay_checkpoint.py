@@ -106,12 +106,14 @@ def test_the_item_holds_priorities_and_watermark_not_rows(store: str, tmp_path: 
     files = sorted((tmp_path / "ckpt" / "1" / "data").glob("process_*"))
     assert [f.name for f in files] == ["process_0-of-1.json"]
     state = json.loads(files[0].read_text())
-    assert state["watermark"] == {"store": store, "rows": N}
+    sid = gr.open_source(store).store_id  # the store's identity, whatever its path
+    assert isinstance(sid, str) and len(sid) == 32
+    assert state["watermark"] == {"store": store, "rows": N, "store_id": sid}
     assert set(state["priorities"]) >= {"values", "seen", "drawn_index", "next_draw"}
     # O(priorities): far below the rows' bytes (here 32 B a row of data; 525 B in the issue).
     assert files[0].stat().st_size < 20 * N + 4096
     mark = gr.read_watermark(tmp_path / "ckpt" / "1" / "data")
-    assert mark == gr.read_watermark(it) == gr.Watermark(store, rows=N)
+    assert mark == gr.read_watermark(it) == gr.Watermark(store, rows=N, store_id=sid)
 
 
 def test_device_put_takes_the_state_only_at_a_checkpoint(store: str) -> None:
@@ -183,6 +185,7 @@ def test_restore_over_a_store_that_lost_rows_is_refused(store: str, tmp_path: Pa
     small = str(tmp_path / "small")
     gr.write_npy(small, _rows(0, N // 2))
     state["watermark"]["store"] = small  # the same store, as if rows were lost
+    state["watermark"]["store_id"] = gr.open_source(small).store_id
     fresh = _batches(small, "prioritized", 0, False)
     with pytest.raises(gr.ReplayCheckpointError, match=f"first {N} rows"):
         fresh.set_state(json.dumps(state).encode())
@@ -361,7 +364,8 @@ def test_a_many_writer_source_records_each_writers_committed_rows(store: str) ->
     it = make()
     next(it)
     mark = gr.read_watermark(it.get_state())
-    assert mark == gr.Watermark(store, writers={"actor-0": 70, "actor-1": 50})
+    sid = gr.open_source(store).store_id
+    assert mark == gr.Watermark(store, writers={"actor-0": 70, "actor-1": 50}, store_id=sid)
     assert mark.rows_for("actor-1") == 50 and mark.rows_for("actor-9") == 0
     fresh = iter(
         gr.make_data_loader(_ManyWriters(store), batch_size=B, sampling=gr.UniformReplay())

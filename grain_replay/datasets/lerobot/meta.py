@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.store.formats import import_optional
+from grain_replay.store.formats import import_optional, shown_path
 
 __all__ = ["Camera", "DataFile", "LeRobotMeta", "camera_shape", "read_meta", "pyarrow_parquet"]
 
@@ -112,7 +112,9 @@ def _load_json(path: str) -> Any:
 
 def _load_jsonl(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
-        raise StoreNotFoundError(f"{path}: missing. A LeRobot v2.1 dataset lists its rows there.")
+        raise StoreNotFoundError(
+            f"{shown_path(path)}: missing. A LeRobot v2.1 dataset lists its rows there."
+        )
     out = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -134,14 +136,16 @@ def _info(root: str) -> dict[str, Any]:
     path = os.path.join(root, INFO_PATH)
     if not os.path.isdir(root):
         raise StoreNotFoundError(
-            f"No LeRobot dataset at {root}: not a directory. Fix: pass the dataset's root "
+            f"No LeRobot dataset at {shown_path(root)}: not a directory. Fix: pass the dataset's "
+            "root "
             "folder (the one holding meta/info.json)."
         )
     try:
         info = _load_json(path)
     except FileNotFoundError as e:
         raise StoreNotFoundError(
-            f"No LeRobot dataset at {root}: {path} is missing. Fix: pass the dataset's root "
+            f"No LeRobot dataset at {shown_path(root)}: {path} is missing. Fix: pass the "
+            "dataset's root "
             "folder (the one holding meta/info.json), e.g. ~/.cache/huggingface/lerobot/<repo_id>."
         ) from e
     missing = [k for k in ("codebase_version", "fps", "features") if k not in info]
@@ -205,7 +209,8 @@ def _tasks_v3(root: str) -> tuple[str, ...]:
     path = os.path.join(root, "meta", "tasks.parquet")
     if not os.path.isfile(path):
         raise StoreNotFoundError(
-            f"{path}: missing. A LeRobot v3.0 dataset lists its task strings there. Fix: "
+            f"{shown_path(path)}: missing. A LeRobot v3.0 dataset lists its task strings there. "
+            "Fix: "
             "download the dataset's meta/ folder again."
         )
     cols = _table_columns([path], None)
@@ -263,7 +268,8 @@ def _episodes_v3(root: str, info: Mapping[str, Any], cams: list[str]) -> dict[st
     paths = [os.path.join(root, p) for p in _parquet_files(root, "meta/episodes/*/*.parquet")]
     if not paths:
         raise StoreNotFoundError(
-            f"{os.path.join(root, 'meta', 'episodes')}: no chunk-*/file-*.parquet. A LeRobot "
+            f"{shown_path(os.path.join(root, 'meta', 'episodes'))}: no chunk-*/file-*.parquet. A "
+            "LeRobot "
             "v3.0 dataset lists its episodes there. Fix: download the dataset's meta/ folder "
             "again."
         )
@@ -339,12 +345,14 @@ def read_meta(root: str) -> LeRobotMeta:
         for rel in data_rel:
             if not os.path.isfile(os.path.join(root, rel)):
                 raise StoreNotFoundError(
-                    f"{os.path.join(root, rel)}: missing, but meta/episodes.jsonl lists its "
+                    f"{shown_path(os.path.join(root, rel))}: missing, but meta/episodes.jsonl "
+                    "lists its "
                     "episode. Fix: download the dataset's data/ folder again."
                 )
     if not data_rel:
         raise StoreNotFoundError(
-            f"{os.path.join(root, 'data')}: no parquet files. Fix: download the dataset's data/ "
+            f"{shown_path(os.path.join(root, 'data'))}: no parquet files. Fix: download the "
+            "dataset's data/ "
             "folder (LeRobot writes data/chunk-*/file-*.parquet)."
         )
     order = np.argsort(ep["dataset_from_index"], kind="stable")

@@ -20,7 +20,7 @@ from grain_replay.errors import (
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.reading.runs import runs
-from grain_replay.store.formats import import_optional
+from grain_replay.store.formats import import_optional, shown_path
 
 __all__ = ["VideoFiles", "VideoReader", "decode_at", "import_av"]
 
@@ -51,7 +51,8 @@ class _Video:
         self.lock = threading.Lock()
         if not os.path.isfile(path):
             raise StoreNotFoundError(
-                f"{path}: missing video of camera {camera!r} (episode {episode}). Fix: download "
+                f"{shown_path(path)}: missing video of camera {camera!r} (episode {episode}). "
+                "Fix: download "
                 "the dataset's videos/ folder, or leave the camera out with keys=[...]."
             )
         try:

@@ -19,7 +19,7 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.formats import HDF5_SIGNATURE, import_h5py
+from grain_replay.store.formats import HDF5_SIGNATURE, import_h5py, shown_path
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["MinariDataSource"]
@@ -91,12 +91,13 @@ def _resolve(path: str) -> tuple[str, str]:
                     "DataCollector(..., data_format='arrow') or 'hdf5'."
                 )
         raise StoreNotFoundError(
-            f"No Minari dataset at {path} (no data/{_MAIN_FILE}, no data/metadata.json of an "
+            f"No Minari dataset at {shown_path(path)} (no data/{_MAIN_FILE}, no "
+            "data/metadata.json of an "
             "Arrow dataset). Fix: pass the dataset folder (e.g. "
             "~/.minari/datasets/<namespace>/<name>-v0), its data folder or data/main_data.hdf5."
         )
     if not os.path.exists(path):
-        raise StoreNotFoundError(f"No Minari dataset at {path}. Fix: check the path.")
+        raise StoreNotFoundError(f"No Minari dataset at {shown_path(path)}. Fix: check the path.")
     with open(path, "rb") as f:
         if f.read(8) != HDF5_SIGNATURE:
             raise InvalidStoreError(f"{path} is not an HDF5 file (no HDF5 signature).")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.store.formats import shown_path
 
 __all__ = ["Feature", "read_dataset_json", "read_features", "STEPS", "EPISODE"]
 
@@ -167,7 +168,8 @@ def read_dataset_json(root: str, name: str) -> tuple[str, Any]:
             return where, json.loads(f.read())
     except FileNotFoundError as e:
         raise StoreNotFoundError(
-            f"{where} is missing: {root} is not a TFDS-built dataset directory. Fix: point "
+            f"{shown_path(where)} is missing: {root} is not a TFDS-built dataset directory. Fix: "
+            "point "
             "at the folder holding dataset_info.json, features.json and the shards (e.g. "
             "~/tensorflow_datasets/NAME/VERSION)."
         ) from e

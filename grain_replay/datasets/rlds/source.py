@@ -23,7 +23,7 @@ from grain_replay.errors import InvalidArgumentError, InvalidStoreError, StoreNo
 from grain_replay.rl.episode_index import EpisodeIndex
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.readers import Handle
-from grain_replay.store.formats import is_url
+from grain_replay.store.formats import is_url, shown_path
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["DEFAULT_FRAME_CACHE_BYTES", "RLDSDataSource", "dataset_shards"]
@@ -74,7 +74,8 @@ def dataset_shards(root: str, split: str | None) -> tuple[str, list[str], str]:
         path = os.path.join(root, name)
         if not os.path.isfile(path):
             raise StoreNotFoundError(
-                f"{path}: shard {i} of {n} of split {split!r} (listed in {where}) is missing. "
+                f"{shown_path(path)}: shard {i} of {n} of split {split!r} (listed in {where}) is "
+                "missing. "
                 "Fix: copy the whole dataset folder."
             )
         paths.append(path)
@@ -210,7 +211,7 @@ class RLDSDataSource(ReplaySource):
     def _inspect(self) -> Layout:
         root = self._path
         if not os.path.isdir(root):
-            raise StoreNotFoundError(f"No RLDS dataset at {root}. Fix: check the path.")
+            raise StoreNotFoundError(f"No RLDS dataset at {shown_path(root)}. Fix: check the path.")
         self._features = read_features(root)
         self._split, self._shards, self._format = dataset_shards(root, self._split_arg)
         self._sizes = [os.path.getsize(p) for p in self._shards]

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.store.formats import shown_path
 
 __all__ = ["DumpLeaf", "TorchRLDump", "find_storage_dir", "numpy_dtype", "read_dump"]
 
@@ -107,7 +108,7 @@ def _load_json(file: str, what: str) -> Any:
         with open(file, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError as e:
-        raise StoreNotFoundError(f"{file}: the torchrl dump has no {what}.") from e
+        raise StoreNotFoundError(f"{shown_path(file)}: the torchrl dump has no {what}.") from e
     except (OSError, ValueError) as e:
         raise InvalidStoreError(
             f"{file}: the torchrl dump's {what} is unreadable ({e}). Fix: dump the buffer "
@@ -126,7 +127,7 @@ def read_dump(path: str) -> TorchRLDump:
     storage = find_storage_dir(path)
     if storage is None:
         raise StoreNotFoundError(
-            f"No torchrl buffer dump at {path}: neither it nor its storage/ holds "
+            f"No torchrl buffer dump at {shown_path(path)}: neither it nor its storage/ holds "
             f"{STORAGE_METADATA}. Fix: pass the directory given to ReplayBuffer.dumps(path)."
         )
     meta = _load_json(os.path.join(storage, STORAGE_METADATA), STORAGE_METADATA)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.store.formats import shown_path
 
 __all__ = [
     "DONE_KEYS", "REWARD_KEYS", "H5Checkpoint", "H5Leaf", "TrajIndex", "find_h5", "open_h5",
@@ -80,7 +81,7 @@ def open_h5(file: str) -> Any:
     try:
         return h5py.File(file, "r")
     except FileNotFoundError as e:
-        raise StoreNotFoundError(f"{file}: no such H5StorageCheckpointer file.") from e
+        raise StoreNotFoundError(f"{shown_path(file)}: no such H5StorageCheckpointer file.") from e
     except OSError as e:
         raise InvalidStoreError(f"{file}: not a readable HDF5 file ({e}). {_FIX}") from e
 

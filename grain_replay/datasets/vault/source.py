@@ -17,7 +17,7 @@ from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.readers import ArrayReader, Handle, LeafReader
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.formats import VAULT_MANIFEST, import_tensorstore
+from grain_replay.store.formats import VAULT_MANIFEST, import_tensorstore, shown_path
 
 __all__ = ["VaultDataSource"]
 
@@ -47,7 +47,8 @@ def find_vault(path: str) -> str:
         return path
     if not os.path.isdir(path):
         raise StoreNotFoundError(
-            f"No flashbax Vault at {path}. Fix: pass the directory Vault(vault_name=..., "
+            f"No flashbax Vault at {shown_path(path)}. Fix: pass the directory "
+            "Vault(vault_name=..., "
             "vault_uid=...) wrote (it holds metadata.json and manifest.ocdbt)."
         )
     found = sorted(e.path for e in os.scandir(path) if e.is_dir() and is_one(e.path))

@@ -31,6 +31,7 @@ from grain_replay.store.formats import (
     is_url,
     metadata_from_attrs,
     require_regular_file,
+    shown_path,
     store_not_found,
 )
 
@@ -295,7 +296,7 @@ class HDF5DataSource(ReplaySource):
             if isinstance(e, InvalidStoreError):
                 raise
             if isinstance(e, FileNotFoundError):
-                raise StoreNotFoundError(f"No HDF5 file at {self._path}: {e}") from e
+                raise StoreNotFoundError(f"No HDF5 file at {shown_path(self._path)}: {e}") from e
             raise InvalidStoreError(
                 f"{self._path}: h5py cannot open the file ({e}). It may be truncated or "
                 "corrupt. Fix: re-create it."
@@ -324,7 +325,12 @@ class HDF5DataSource(ReplaySource):
                 hdf5_filters.require_filters(dset, self._path, key)
                 self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
             return Layout(
-                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+                meta.num_records,
+                dict(meta.leaves),
+                meta.treedef,
+                locations,
+                meta.checksums,
+                meta.store_id,
             )
         # A foreign file: every dataset with a records axis is a leaf.
         found, links = hdf5_refs.foreign_datasets(f, self._allow_external)

@@ -22,7 +22,7 @@ from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.files import MappedFile
 from grain_replay.sources.reading.readers import ArrayReader, Handle, LeafReader
 from grain_replay.store import layout as layout_lib
-from grain_replay.store.formats import parse_npy_header, require_regular_file
+from grain_replay.store.formats import parse_npy_header, require_regular_file, shown_path
 
 __all__ = ["NpzDataSource"]
 
@@ -307,7 +307,7 @@ class NpzDataSource(ReplaySource):
         path = self._path
         if not os.path.exists(path):
             raise StoreNotFoundError(
-                f"No .npz archive at {path}. Fix: check the path (np.savez writes one)."
+                f"No .npz archive at {shown_path(path)}. Fix: check the path (np.savez writes one)."
             )
         require_regular_file(path)
         members = [m for m in read_members(path) if m.name.endswith(".npy")]

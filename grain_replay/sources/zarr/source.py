@@ -28,6 +28,7 @@ from grain_replay.store.formats import (
     import_zarr,
     is_url,
     metadata_from_attrs,
+    shown_path,
     store_not_found,
 )
 
@@ -181,7 +182,7 @@ class ZarrDataSource(ReplaySource):
         try:
             group = open_local(self._path)
         except FileNotFoundError as e:
-            raise StoreNotFoundError(f"No Zarr group at {self._path} ({e}).") from e
+            raise StoreNotFoundError(f"No Zarr group at {shown_path(self._path)} ({e}).") from e
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise InvalidStoreError(
                 f"{self._path}: zarr cannot open the group ({type(e).__name__}: {e}). Fix: pass "
@@ -221,7 +222,12 @@ class ZarrDataSource(ReplaySource):
                     )
                 zarr_checks.check_array(arr, key, want.dtype, where, self._cache_bytes)
             return Layout(
-                meta.num_records, dict(meta.leaves), meta.treedef, locations, meta.checksums
+                meta.num_records,
+                dict(meta.leaves),
+                meta.treedef,
+                locations,
+                meta.checksums,
+                meta.store_id,
             )
         if not is_url(self._path):
             zarr_checks.check_foreign_tree(self._path, self._allow_external)

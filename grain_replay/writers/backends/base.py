@@ -74,7 +74,7 @@ class Backend(abc.ABC):
 
     def _meta_with(self, n: int, checksums: dict[str, Any] | None) -> layout_lib.StoreMetadata:
         m = self.meta
-        return layout_lib.StoreMetadata(n, m.leaves, m.treedef, checksums, m.version)
+        return layout_lib.StoreMetadata(n, m.leaves, m.treedef, checksums, m.version, m.store_id)
 
 
 def write_by_leaf(backend: Backend, arrays: dict[str, np.ndarray], start: int) -> None:
