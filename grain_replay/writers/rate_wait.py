@@ -55,6 +55,8 @@ class WriterGate:
         self._count = InsertedCount(store) if parts else None
         self._timeout = timeout
         self._who = who
+        # Seconds every wait took, in all: those that timed out included.
+        self.waited_s = 0.0
 
     def _counts(self, committed: int) -> tuple[int, int]:
         if self._count is None:
@@ -76,6 +78,12 @@ class WriterGate:
         if not learners or pending <= 0:
             return 0.0
         start = time.monotonic()
+        try:
+            return self._wait(learners, start, committed, pending)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _wait(self, learners: list[Progress], start: float, committed: int, pending: int) -> float:
         told = start
         poll = _POLL_MIN_S
         while True:

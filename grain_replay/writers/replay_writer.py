@@ -138,7 +138,6 @@ class ReplayWriter:
         if parts and writer_id is None:
             writer_id = "default"
         self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
-        self._rate_waited = 0.0
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
         if flush_every is not None and flush_every <= 0:
@@ -239,8 +238,9 @@ class ReplayWriter:
 
     @property
     def rate_limit_wait_s(self) -> float:
-        """Seconds this writer's ``flush()`` calls waited for rate-limited learners, in all."""
-        return self._rate_waited
+        """Seconds this writer's ``flush()`` calls waited for rate-limited learners, in all
+        (flushes that timed out with :class:`~grain_replay.RateLimitTimeoutError` included)."""
+        return self._gate.waited_s
 
     @property
     def writer_id(self) -> str | None:
@@ -367,7 +367,7 @@ class ReplayWriter:
             return self._committed
         if self._bg is not None:
             self._bg.drain()
-        self._rate_waited += self._gate.wait(store.committed, store.pending)
+        self._gate.wait(store.committed, store.pending)
         committed = self._committed = store.flush()
         self._flushed = self._appended
         if self._bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
@@ -382,7 +382,7 @@ class ReplayWriter:
         if upto == self._flushed:  # nothing appended since the last flush's snapshot
             return upto
         committed = self._committed  # a commit queued before may still be under way
-        self._rate_waited += self._gate.wait(committed, upto - committed)
+        self._gate.wait(committed, upto - committed)
         self._background().submit_commit(
             lambda: self._commit_queued(store), upto, lambda: self._committed
         )
