@@ -34,8 +34,12 @@ def check_int(name: str, value: Any, *, low: int) -> int:
     return int(value)
 
 
-def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int], Stream], str]:
-    """Validates the arguments once; returns a stream factory (of the lag) and a description.
+def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int, int], Stream], str]:
+    """Validates the arguments once; returns a stream factory and a description.
+
+    The factory takes the loader's ``worker_count`` and ``worker_buffer_size``: its
+    workers read up to ``worker_count * worker_buffer_size - 1`` batches ahead of the
+    caller (the lag of prioritized replay's updates).
 
     ``args.drop_remainder`` is not read: every batch of a mixture or replay stream is whole.
     """
@@ -55,7 +59,7 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int], 
         shard_options = default_shard_options()
     shard_index, shard_count = int(shard_options.shard_index), int(shard_options.shard_count)
 
-    def make(lag: int) -> Stream:
+    def make(workers: int, buffer: int) -> Stream:
         return make_stream(
             source,
             weights=args.weights,
@@ -67,7 +71,8 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int], 
             source_leaf=args.source_leaf,
             shard_index=shard_index,
             shard_count=shard_count,
-            lag=lag,
+            lag=max(0, workers * buffer - 1),
+            workers=(workers, buffer),
         )
 
     if isinstance(source, Mapping) and is_rate_limited(sampling):
@@ -76,7 +81,7 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int], 
             f"got a mixture of {list(source)}. Fix: replay the online store alone with the "
             "rate limit, or mix without one."
         )
-    stream = make(0)  # fail here on bad input, not in iter()
+    stream = make(0, 1)  # fail here on bad input, not in iter()
     make_limiter(stream)  # refuses rate limits that cannot make progress, before any batch
     text = f"{stream.kind}({json.dumps(stream.describe())}, {stream.reader!r})"
     return make, text

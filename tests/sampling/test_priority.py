@@ -202,6 +202,48 @@ def test_priority_state_of_other_settings_is_refused(path: str) -> None:
         other.set_priority_state({})
 
 
+def test_resume_with_another_worker_count_names_both_in_user_terms(path: str) -> None:
+    with iter(_loader(path, worker_count=2)) as it:  # worker_buffer_size 2: 3 batches ahead
+        next(it)
+        state, priorities = it.get_state(), _save(it.priority_state())
+    assert priorities["workers"].tolist() == [2, 2]
+    fresh = iter(_loader(path, worker_count=0))
+    with pytest.raises(gr.ReplayCheckpointError) as e:
+        fresh.set_state(state)
+    msg = str(e.value)
+    for part in (
+        "saved by a loader with worker_count=2 (worker_buffer_size=2)",
+        "this loader has worker_count=0 (worker_buffer_size=2)",
+        "Fix: resume with worker_count=2 and worker_buffer_size=2",
+    ):
+        assert part in msg, msg
+    assert "lag" not in msg and "(alpha, eps" not in msg
+    assert isinstance(e.value, gr.InvalidSamplingError) and isinstance(e.value, ValueError)
+    with pytest.raises(gr.ReplayCheckpointError, match="worker_count=2 and"):
+        fresh.set_priority_state(priorities)
+    # a state saved before the worker settings were kept names what it can
+    older = {k: v for k, v in priorities.items() if k != "workers"}
+    with pytest.raises(gr.ReplayCheckpointError, match=r"worker_count \* worker_buffer_size = 4"):
+        fresh.set_priority_state(older)
+    # the same settings (or another pair reading as far ahead) resume
+    with iter(_loader(path, worker_count=2)) as again:
+        again.set_state(state)
+        again.set_priority_state(priorities)
+        next(again)
+    fresh.close()
+
+
+def test_priority_state_of_another_process_or_alpha_says_so(path: str) -> None:
+    it = iter(_loader(path))
+    next(it)
+    state = it.priority_state()
+    with pytest.raises(gr.ReplayCheckpointError, match=r"process 1 of 2; this is process 0"):
+        iter(_loader(path)).set_priority_state({**state, "shard": np.array([1, 2])})
+    other = iter(_loader(path, sampling=gr.PrioritizedReplay(alpha=0.5)))
+    with pytest.raises(gr.ReplayCheckpointError, match=r"resume with PrioritizedReplay\(alpha=1"):
+        other.set_priority_state(state)
+
+
 def test_priority_state_from_another_position_is_refused_at_next(path: str) -> None:
     it = iter(_loader(path))
     next(it)
