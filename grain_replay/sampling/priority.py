@@ -218,19 +218,29 @@ class PrioritySampler:
         with self._lock:
             self._apply(step)
             self._grow(step)
-            total = self._tree.total
-            if len(self._tree) == 0 or total <= 0:
-                raise InvalidSamplingError(
-                    f"{self._source!r} has no {self._slots.empty} rows for process {self._p} "
-                    f"of {self._count} to replay. Fix: append and flush rows with a "
-                    "ReplayWriter before the first batch."
-                )
-            slot, p = self._tree.find_stratified(self._draws.units(step))
-            weight = (self._tree.min / p) ** self.options.beta_at(step)
+            units = self._draws.units(step)
+            if self._tree.total > 0:
+                slot, p = self._tree.find_stratified(units)
+                weight = (self._tree.min / p) ** self.options.beta_at(step)
+            else:  # every live row at priority 0 (eps=0): uniform, as Reverb draws
+                slot, weight = self._uniform(units), np.ones(len(units))
             self._seen[slot] = True
             index = self._slots.index(slot)
             self._recent.remember(index, slot, self._slots.moves)
             return index, weight.astype(np.float32)
+
+    def _uniform(self, units: np.ndarray) -> np.ndarray:
+        """A stratified uniform draw of the live slots (their priorities are all 0)."""
+        live = self._slots.live(len(self._tree))
+        if not len(live):
+            raise InvalidSamplingError(
+                f"{self._source!r} has no {self._slots.empty} rows for process {self._p} "
+                f"of {self._count} to replay. Fix: append and flush rows with a "
+                "ReplayWriter before the first batch."
+            )
+        count = len(units)
+        at = ((units + np.arange(count)) * (len(live) / count)).astype(np.int64)
+        return live[np.minimum(at, len(live) - 1)]
 
     def apply_updates(self, step: int) -> None:
         """Writes the queued updates that the draw of ``step`` may see into the tree."""

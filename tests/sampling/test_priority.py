@@ -299,3 +299,63 @@ def test_an_edited_batch_index_is_checked_again_not_taken_for_the_drawn_rows(pat
     next(it)
     values = it.priority_state()["values"]
     np.testing.assert_allclose(values[batch.index], 5.0 + 1e-6)
+
+
+def _zero_every_row(it: Any, rows: int) -> None:
+    """Draws and sets priority 0 (eps=0) until every one of ``rows`` rows is at 0."""
+    zeroed: set[int] = set()
+    for _ in range(200):
+        batch = next(it)
+        it.update_priorities(batch.index, np.zeros(len(batch.index)))
+        zeroed.update(batch.index.tolist())
+        if len(zeroed) == rows:
+            return
+    raise AssertionError(f"only {len(zeroed)} of {rows} rows drawn")
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_every_priority_zero_draws_uniformly_with_weights_one(
+    tmp_path: Path, bounded: bool
+) -> None:
+    path = str(tmp_path / "s")
+    ids = np.arange(24, dtype=np.int64)
+    if bounded:  # capacity 16: rows 8..23 live, 0..7 evicted
+        with gr.ReplayWriter(path, "npy", capacity=16, segment_rows=8) as w:
+            w.append({"id": ids})
+    else:
+        gr.write_npy(path, {"id": ids[:16]})
+    live = set(range(8, 24)) if bounded else set(range(16))
+    sampling = gr.PrioritizedReplay(alpha=0.6, eps=0.0, beta=0.4)
+    it = iter(gr.make_data_loader(gr.open_source(path), batch_size=4, sampling=sampling))
+    batch = next(it)
+    it.update_priorities(batch.index, np.zeros(4))  # some rows at 0: weights stay positive
+    batch = next(it)
+    assert (batch.weight > 0).all(), batch.weight
+    _zero_every_row(it, 16)
+    counts = dict.fromkeys(live, 0)
+    for _ in range(200):  # 800 rows drawn, 50 a row expected
+        batch = next(it)
+        np.testing.assert_array_equal(batch.weight, np.ones(4, np.float32))
+        got = np.asarray(batch.data["id"])
+        if not bounded:  # a plain store's index is the row
+            np.testing.assert_array_equal(got, batch.index)
+        for i in got.tolist():
+            counts[i] += 1  # a KeyError: an evicted row
+    assert min(counts.values()) >= 25 and max(counts.values()) <= 75, counts
+    # a priority given again leaves the uniform draw: only that row is drawn
+    it.update_priorities(batch.index[:1], np.ones(1))
+    again = next(it)
+    assert set(np.asarray(again.data["id"]).tolist()) == {int(np.asarray(batch.data["id"])[0])}
+    it.close()
+
+
+def test_empty_store_still_says_it_has_no_rows(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    w = gr.ReplayWriter(path, "npy", capacity=16)
+    w.append({"id": np.arange(4, dtype=np.int64)})  # pending, never committed
+    loader = gr.make_data_loader(
+        gr.open_source(path), batch_size=4, sampling=gr.PrioritizedReplay(eps=0.0)
+    )
+    with pytest.raises(gr.InvalidSamplingError, match=r"has no live rows.*Fix"):
+        next(iter(loader))
+    w.close()
