@@ -12,8 +12,10 @@ import numpy as np
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
 from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_shard_options
+from grain_replay.sampling.priority import PrioritizedReplay
 from grain_replay.sampling.rate.limit import make_limiter
 from grain_replay.sampling.rate.options import is_rate_limited
+from grain_replay.sampling.replay import UniformReplay
 from grain_replay.sampling.streams import Stream, make_stream
 
 __all__ = ["check_int", "stream_factory"]
@@ -53,6 +55,14 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int, i
             f"num_epochs={num_epochs!r}: a mixture or replay stream is endless (each source "
             "walks its own epochs, or rows are drawn with replacement). Fix: num_epochs=None "
             "and stop after the steps you want."
+        )
+    if isinstance(sampling, (UniformReplay, PrioritizedReplay)) and not args.shuffle:
+        raise InvalidSamplingError(
+            f"shuffle={args.shuffle!r} with sampling={type(sampling).__name__}(...): expected "
+            "no shuffle= with replay sampling, which draws rows at random with replacement "
+            "(there is no epoch order to keep, so shuffle has no meaning and was ignored). "
+            "Fix: drop shuffle=; to read a store in order, use sampling='epochs' (the "
+            "default) with shuffle=False."
         )
     shard_options = args.shard_options
     if shard_options is None:
