@@ -67,7 +67,9 @@ class ReplayWriter:
     Args:
       path: the store; created on the first ``append`` if missing.
       format: ``"hdf5"``, ``"npy"`` or ``"zarr"``; default from the path as in
-        :func:`grain_replay.write` (or from what is on disk).
+        :func:`grain_replay.write` (or from what is on disk). A many-writer store is a
+        directory named ``path`` (``buf.h5``: HDF5 segments in the directory ``buf.h5``);
+        a new one whose suffix names another format than ``format`` is refused.
       chunk_rows: rows per chunk of a new HDF5/Zarr store (default ~1 MiB).
       compression: Zarr codec of a new store (``"zstd"``, ``"gzip"``, ``"blosc"``).
       flush_every: commit automatically once this many rows are pending.
