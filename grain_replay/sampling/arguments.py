@@ -24,15 +24,18 @@ __all__ = ["check_int", "stream_factory"]
 def check_int(name: str, value: Any, *, low: int) -> int:
     """``value`` as an int >= ``low`` (numpy integers are fine; bools and floats are not)."""
     if isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an int, got the bool {value!r}. Fix: pass {name} as an int."
+        )
     try:
         value = operator.index(value)
     except TypeError:
         raise ArgumentTypeError(
-            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+            f"{name} must be an int, got {value!r} ({type(value).__name__}). Fix: pass an "
+            "int (a Python or numpy integer; int(x) of a whole float)."
         ) from None
     if value < low:
-        raise InvalidArgumentError(f"{name} must be >= {low}, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= {low}, got {value}. Fix: {name} >= {low}.")
     return int(value)
 
 
@@ -48,7 +51,10 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int, i
     batch_size = check_int("batch_size", args.batch_size, low=1)
     seed = check_int("seed", args.seed, low=0)
     if seed >= 2**64:
-        raise InvalidArgumentError(f"seed must be in [0, 2**64), got {seed}")
+        raise InvalidArgumentError(
+            f"seed must be in [0, 2**64), got {seed}. Fix: a seed in that range (e.g. "
+            "seed % 2**64)."
+        )
     num_epochs, sampling = args.num_epochs, args.sampling
     if num_epochs not in (None, 1):
         raise InvalidSamplingError(

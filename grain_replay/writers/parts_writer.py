@@ -33,6 +33,7 @@ from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
 from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
+from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.store_writer import check_tree_matches
 
@@ -111,7 +112,10 @@ class PartWriter(LockedWriter):
                 f"{segment_rows!r}. Fix: leave it None (capacity / 16)."
             )
         if format is not None and format not in FORMATS:
-            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
+            raise InvalidArgumentError(
+                f"format must be one of {FORMATS} or None, got {format!r}. "
+                f"{choice_fix('format', format, FORMATS)}"
+            )
         if os.path.exists(path) and not parts_lib.is_parts_store(path) and not _being_made(path):
             raise InvalidStoreError(
                 f"{path} is a single-writer store (or another file); capacity= and writer_id= "

@@ -30,11 +30,13 @@ def check_rate_limit_timeout(value: object, where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(
             f"{where}: rate_limit_timeout must be seconds (a positive number) or None (wait "
-            f"as long as it takes), got {value!r}"
+            f"as long as it takes), got {value!r}. Fix: rate_limit_timeout=None or seconds, "
+            "e.g. 60.0."
         )
     if not (math.isfinite(value) and value > 0):
         raise InvalidArgumentError(
-            f"{where}: rate_limit_timeout must be positive and finite, or None, got {value!r}"
+            f"{where}: rate_limit_timeout must be positive and finite, or None, got "
+            f"{value!r}. Fix: rate_limit_timeout=None (wait as long as it takes) or seconds > 0."
         )
     return float(value)
 

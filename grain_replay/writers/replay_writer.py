@@ -143,7 +143,10 @@ class ReplayWriter:
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
         if flush_every is not None and flush_every <= 0:
-            raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
+            raise InvalidArgumentError(
+                f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
+                "None (commit only at flush()) or a row count >= 1."
+            )
         self._flush_every = flush_every
         if not parts and is_parts_store(self._path):
             raise InvalidStoreError(
