@@ -383,3 +383,95 @@ def test_import_optional_names_the_fix_for_a_missing_or_blocked_package(
     monkeypatch.setitem(sys.modules, "email", None)
     with pytest.raises(gr.MissingDependencyError, match="blocked"):
         import_optional("email.mime.text", "blocked")
+
+
+def _closed_writer_append(t: Path) -> None:
+    w = gr.ReplayWriter(t / "closed.h5")
+    w.append({"x": np.zeros(2)})
+    w.close()
+    w.append({"x": np.zeros(2)})
+
+
+@pytest.mark.parametrize(
+    ("provoke", "phrases"),
+    [
+        (
+            lambda s, t: gr.make_data_loader(gr.open_source(s), batch_size=0),
+            ["batch_size must be positive", "got 0", "Fix: batch_size >= 1"],
+        ),
+        (
+            lambda s, t: gr.make_data_loader(
+                gr.open_source(s), batch_size=0, sampling=gr.UniformReplay()
+            ),
+            ["batch_size must be >= 1, got 0", "Fix: batch_size >= 1"],
+        ),
+        (
+            lambda s, t: _closed_writer_append(t),
+            ["the ReplayWriter is closed", "Fix:", "new gr.ReplayWriter on the same path"],
+        ),
+        (
+            lambda s, t: gr.ReplayWriter(t / "z.zarr", compression="gzipp").append(
+                {"x": np.zeros(2)}
+            ),
+            ["compression must be one of", "'gzipp'", "Fix: compression='gzip' (did you mean"],
+        ),
+        (
+            lambda s, t: gr.write(t / "out.h5", {"x": np.zeros(4)}, compression="gzipp"),
+            ["got 'gzipp'", "Fix: compression='gzip'"],
+        ),
+        (
+            lambda s, t: gr.write(t / "out", {"x": np.zeros(4)}, format="hdf"),
+            ["format must be one of", "Fix: format='hdf5'"],
+        ),
+        (
+            lambda s, t: gr.ReplayWriter(t / "w", flush_every=0),
+            ["flush_every must be positive", "Fix:"],
+        ),
+        (
+            lambda s, t: gr.ReplayWriter(t / "w", resume_from=-1),
+            ["resume_from must be >= 0", "Fix:"],
+        ),
+    ],
+)
+def test_user_reported_messages_say_expected_got_and_fix(
+    store: str, tmp_path: Path, provoke: Callable[..., Any], phrases: list[str]
+) -> None:
+    with pytest.raises(gr.GrainReplayError) as info:
+        provoke(store, tmp_path)
+    msg = str(info.value)
+    for phrase in phrases:
+        assert phrase in msg, msg
+
+
+# Every deliberate error raised by these modules carries its fix (checked in the source:
+# a message written in place says "Fix", or is built by a helper that does).
+FIX_CHECKED = [
+    "grain_replay/pipeline/batches.py",
+    "grain_replay/sampling/arguments.py",
+    *sorted(
+        str(p.relative_to(Path(__file__).parents[1]))
+        for p in (Path(__file__).parents[1] / "grain_replay" / "writers").glob("*.py")
+    ),
+]
+
+
+@pytest.mark.parametrize("module", FIX_CHECKED)
+def test_deliberate_errors_of_the_module_carry_a_fix(module: str) -> None:
+    import ast
+
+    text = (Path(__file__).parents[1] / module).read_text()
+    missing = []
+    for node in ast.walk(ast.parse(text)):
+        if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+            continue
+        func = node.exc.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if name not in errors.__all__ or not node.exc.args:
+            continue
+        message = node.exc.args[0]
+        if isinstance(message, ast.Call):  # built by a helper (checked where it is)
+            continue
+        source = ast.get_source_segment(text, message) or ""
+        if "Fix" not in source and "choice_fix(" not in source:
+            missing.append(f"{module}:{node.lineno}: {source[:80]}")
+    assert not missing, "messages without 'Fix': " + "; ".join(missing)

@@ -42,24 +42,34 @@ class LoaderOptions:
         if self.num_epochs is not None:
             object.__setattr__(self, "num_epochs", _as_int("num_epochs", self.num_epochs))
         if self.batch_size <= 0:
-            raise InvalidArgumentError(f"batch_size must be positive, got {self.batch_size}")
+            raise InvalidArgumentError(
+                f"batch_size must be positive (rows per batch), got {self.batch_size}. Fix: "
+                "batch_size >= 1 (e.g. 256)."
+            )
         if not 0 <= self.seed < 2**64:
-            raise InvalidArgumentError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise InvalidArgumentError(
+                f"seed must be in [0, 2**64), got {self.seed}. Fix: a seed in that range "
+                "(e.g. seed % 2**64)."
+            )
         if self.num_epochs is not None and self.num_epochs <= 0:
             raise InvalidArgumentError(
-                f"num_epochs must be a positive int or None (forever), got {self.num_epochs}"
+                f"num_epochs must be a positive int or None (forever), got {self.num_epochs}. "
+                "Fix: num_epochs >= 1, or None to repeat forever."
             )
 
 
 def _as_int(name: str, value: Any) -> int:
     """``value`` as a Python int; numpy integers are fine, bools and floats are not."""
     if isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be an int, got the bool {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an int, got the bool {value!r}. Fix: pass {name} as an int."
+        )
     try:
         return operator.index(value)
     except TypeError:
         raise ArgumentTypeError(
-            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+            f"{name} must be an int, got {value!r} ({type(value).__name__}). Fix: pass an "
+            f"int (a Python or numpy integer; int(x) of a whole float)."
         ) from None
 
 

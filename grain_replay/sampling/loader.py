@@ -61,7 +61,7 @@ class SamplingDataLoader(grain.DataLoader):
 
     def __init__(
         self,
-        make: Callable[[int], Stream],
+        make: Callable[[int, int], Stream],
         *,
         description: str,
         operations: Sequence[Any],
@@ -94,9 +94,8 @@ class SamplingDataLoader(grain.DataLoader):
         self._threads = int(read_options.num_threads)
 
     def __iter__(self) -> SamplingIterator:
-        lag = max(0, self._workers * self._buffer - 1)
         return SamplingIterator(
-            self._make_stream(lag),
+            self._make_stream(self._workers, self._buffer),
             maps=self._maps,
             worker_count=self._workers,
             worker_buffer_size=self._buffer,
@@ -150,13 +149,13 @@ class _DatasetIterator(grain.DatasetIterator):
 class SamplingIterDataset(grain.IterDataset):
     """A ``grain.IterDataset`` of mixture or replay batches, read in the iterating process."""
 
-    def __init__(self, make: Callable[[int], Stream], description: str) -> None:
+    def __init__(self, make: Callable[[int, int], Stream], description: str) -> None:
         super().__init__()
         self._make_stream = make
         self._description = description
 
     def __iter__(self) -> _DatasetIterator:
-        return _DatasetIterator(SamplingIterator(self._make_stream(0)))
+        return _DatasetIterator(SamplingIterator(self._make_stream(0, 1)))
 
     def __str__(self) -> str:
         return self._description

@@ -63,6 +63,7 @@ class StreamRequest:
       shard_index: this process among ``shard_count``.
       shard_count: the processes drawing.
       lag: batches the workers may read ahead of the caller.
+      workers: the loader's ``(worker_count, worker_buffer_size)`` the lag comes from.
       weights: a mixture's weights (None for one source).
       keys: the leaves a mixture's sources share (None: all).
       source_leaf: a mixture's leaf naming each row's source (None: none).
@@ -74,6 +75,7 @@ class StreamRequest:
     shard_index: int
     shard_count: int
     lag: int
+    workers: tuple[int, int] = (0, 1)
     weights: Any = None
     keys: Sequence[str] | None = None
     source_leaf: str | None = None

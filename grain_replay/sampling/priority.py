@@ -140,6 +140,7 @@ class PrioritySampler:
         *,
         seed: int,
         lag: int,
+        workers: tuple[int, int] = (0, 1),
         shard_index: int = 0,
         shard_count: int = 1,
         slots: SlotMap | None = None,
@@ -150,6 +151,7 @@ class PrioritySampler:
         self._batch_size = batch_size
         self._draws = Draws(seed, shard_index, batch_size)
         self.lag = lag
+        self._workers = (int(workers[0]), int(workers[1]))  # what the lag comes from
         self._p = shard_index
         self._count = shard_count
         self._slots: SlotMap = RowSlots(shard_index, shard_count) if slots is None else slots
@@ -216,19 +218,29 @@ class PrioritySampler:
         with self._lock:
             self._apply(step)
             self._grow(step)
-            total = self._tree.total
-            if len(self._tree) == 0 or total <= 0:
-                raise InvalidSamplingError(
-                    f"{self._source!r} has no {self._slots.empty} rows for process {self._p} "
-                    f"of {self._count} to replay. Fix: append and flush rows with a "
-                    "ReplayWriter before the first batch."
-                )
-            slot, p = self._tree.find_stratified(self._draws.units(step))
-            weight = (self._tree.min / p) ** self.options.beta_at(step)
+            units = self._draws.units(step)
+            if self._tree.total > 0:
+                slot, p = self._tree.find_stratified(units)
+                weight = (self._tree.min / p) ** self.options.beta_at(step)
+            else:  # every live row at priority 0 (eps=0): uniform, as Reverb draws
+                slot, weight = self._uniform(units), np.ones(len(units))
             self._seen[slot] = True
             index = self._slots.index(slot)
             self._recent.remember(index, slot, self._slots.moves)
             return index, weight.astype(np.float32)
+
+    def _uniform(self, units: np.ndarray) -> np.ndarray:
+        """A stratified uniform draw of the live slots (their priorities are all 0)."""
+        live = self._slots.live(len(self._tree))
+        if not len(live):
+            raise InvalidSamplingError(
+                f"{self._source!r} has no {self._slots.empty} rows for process {self._p} "
+                f"of {self._count} to replay. Fix: append and flush rows with a "
+                "ReplayWriter before the first batch."
+            )
+        count = len(units)
+        at = ((units + np.arange(count)) * (len(live) / count)).astype(np.int64)
+        return live[np.minimum(at, len(live) - 1)]
 
     def apply_updates(self, step: int) -> None:
         """Writes the queued updates that the draw of ``step`` may see into the tree."""
@@ -313,6 +325,7 @@ class PrioritySampler:
                 "options": np.array(
                     [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
                 ),
+                "workers": np.array(self._workers, dtype=np.int64),
                 "n": np.array(self._length.n, dtype=np.int64),
                 **self._slots.state(),
                 "values": self._tree.values.copy() if copy else self._tree.values,
@@ -337,14 +350,43 @@ class PrioritySampler:
                 f"replays {self._slots.kind}. Fix: restore into a loader over the store the "
                 "state was saved with."
             )
-        if shard != [self._p, self._count] or options != want:
+        if shard != [self._p, self._count]:
             raise ReplayCheckpointError(
-                f"The priority state was saved by process {shard[0]} of {shard[1]} with "
-                f"(alpha, eps, lag)={tuple(options)}; this is process {self._p} of "
-                f"{self._count} with {tuple(want)}. Fix: restore each process's own state "
-                "with the same PrioritizedReplay, worker_count and worker_buffer_size."
+                f"The priority state was saved by process {shard[0]} of {shard[1]}; this is "
+                f"process {self._p} of {self._count}. Fix: restore each process's own state "
+                "(saved by the process with the same index, in a run of as many processes)."
             )
+        if options[:2] != want[:2]:
+            raise ReplayCheckpointError(
+                f"The priority state was saved with PrioritizedReplay(alpha={options[0]:g}, "
+                f"eps={options[1]:g}); this loader has alpha={self.options.alpha:g}, "
+                f"eps={self.options.eps:g}. Fix: resume with PrioritizedReplay(alpha="
+                f"{options[0]:g}, eps={options[1]:g}), as saved."
+            )
+        if options[2:] != want[2:]:
+            raise ReplayCheckpointError(self._lag_message(int(options[2]), state))
         return common, self._slots.parse(state, common)
+
+    def _lag_message(self, lag: int, state: Mapping[str, Any]) -> str:
+        """Why a state saved with another worker_count (or worker_buffer_size) is refused."""
+        count, buffer = self._workers
+        saved: list[int] | None = None
+        if "workers" in state:  # older states name only the lag
+            saved = np.asarray(state["workers"]).reshape(-1).tolist()
+        if saved is not None and len(saved) == 2:
+            then = f"worker_count={saved[0]} (worker_buffer_size={saved[1]})"
+            fix = f"worker_count={saved[0]} and worker_buffer_size={saved[1]}"
+        else:
+            then = f"worker_count * worker_buffer_size = {lag + 1}"
+            fix = f"worker_count * worker_buffer_size = {lag + 1} (e.g. worker_count={lag + 1}"
+            fix += " and worker_buffer_size=1)" if lag else " or worker_count=0)"
+        return (
+            f"The priority state was saved by a loader with {then}, whose workers read "
+            f"{lag} batches ahead; this loader has worker_count={count} (worker_buffer_size="
+            f"{buffer}), {self.lag} batches ahead. update_priorities reaches the draws that "
+            "many batches late, so the restored draws would not continue the saved run. Fix: "
+            f"resume with {fix}, as it was saved."
+        )
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raises what :meth:`set_state` would raise, changing nothing."""

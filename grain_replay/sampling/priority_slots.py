@@ -41,6 +41,7 @@ class SlotPrioritySampler(PrioritySampler):
         *,
         seed: int,
         lag: int,
+        workers: tuple[int, int] = (0, 1),
         shard_index: int = 0,
         shard_count: int = 1,
     ) -> None:
@@ -50,6 +51,7 @@ class SlotPrioritySampler(PrioritySampler):
             batch_size,
             seed=seed,
             lag=lag,
+            workers=workers,
             shard_index=shard_index,
             shard_count=shard_count,
             slots=SlotTable(repr(source), shard_index, shard_count),

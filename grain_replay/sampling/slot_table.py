@@ -254,6 +254,10 @@ class SlotTable:
         """The row ids the drawn slots hold."""
         return self.ids[slot]
 
+    def live(self, size: int) -> np.ndarray:
+        """The slots that hold a live row (of the tree's ``size``, the table's)."""
+        return np.flatnonzero(self.ids[:size] >= 0)
+
     def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Whether each slot still holds the row of ``index``."""
         return (slot >= 0) & (self.ids[np.maximum(slot, 0)] == index)

@@ -96,13 +96,14 @@ class SlotMap(Protocol):
     """What a :class:`~grain_replay.sampling.priority.PrioritySampler` asks of its slots."""
 
     version: int  # the state version of a sampler over such slots
-    skip_zeros: bool  # a zero leaf is an empty slot
+    skip_zeros: bool  # the weights' minimum skips zero leaves (never drawn)
     kind: str  # the store, as a state mismatch names it
     empty: str  # the rows a draw needs ("committed", "live")
     moves: int  # looks that moved rows out of (or into) slots that held others
 
     def follow(self, length: Any, step: int) -> Moves | None: ...
     def index(self, slot: np.ndarray) -> np.ndarray: ...
+    def live(self, size: int) -> np.ndarray: ...
     def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray: ...
     def lookup(self, index: np.ndarray, seen: np.ndarray) -> tuple[np.ndarray, int]: ...
     def saved_index(self, index: np.ndarray, slot: np.ndarray) -> np.ndarray: ...
@@ -118,7 +119,9 @@ class RowSlots:
     with ``i % P == p``, and its ``j``-th row (row ``j * P + p``) has slot ``j``."""
 
     version = 1
-    skip_zeros = False
+    # A row at priority 0 (eps=0) is never drawn: the weights' minimum is over the
+    # others (with zeros counted, every weight would be 0).
+    skip_zeros = True
     kind = "a plain store"
     empty = "committed"
     moves = 0  # rows never leave their slots
@@ -143,6 +146,10 @@ class RowSlots:
 
     def index(self, slot: np.ndarray) -> np.ndarray:
         return slot * self._count + self._p  # a new array: the batch's, never the slots
+
+    def live(self, size: int) -> np.ndarray:
+        """The slots that hold a row, of a tree of ``size``: every one."""
+        return np.arange(size, dtype=np.int64)
 
     def holding(self, slot: np.ndarray, index: np.ndarray) -> np.ndarray:
         return np.ones(len(slot), dtype=bool)

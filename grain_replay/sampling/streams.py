@@ -190,6 +190,7 @@ def _prioritized(sampling: PrioritizedReplay, source: Any, request: StreamReques
         request.batch_size,
         seed=request.seed,
         lag=request.lag,
+        workers=request.workers,
         shard_index=request.shard_index,
         shard_count=request.shard_count,
     )
@@ -219,6 +220,7 @@ def make_stream(
     shard_index: int,
     shard_count: int,
     lag: int,
+    workers: tuple[int, int] = (0, 1),
 ) -> Stream:
     """The stream of ``source`` (a source or a mapping of them) under ``sampling``.
 
@@ -232,6 +234,7 @@ def make_stream(
         shard_index=shard_index,
         shard_count=shard_count,
         lag=lag,
+        workers=workers,
         weights=weights,
         keys=keys,
         source_leaf=source_leaf,

@@ -81,6 +81,10 @@ class Progress:
     pid: int
     host: str
     waiting: bool = False  # the learner was waiting for inserts when it published
+    # Which learner (in its process) published this file: a random token of its
+    # publisher (only the holder of the token withdraws the file) and its label.
+    token: str = ""
+    learner: str = ""
 
     def blocks_insert(self, inserted: int, live: int, pending: int) -> bool:
         """Whether a writer committing ``pending`` more rows now would run ahead of this learner.
@@ -97,8 +101,11 @@ class Progress:
         return not starved
 
     def describe(self) -> str:
+        who = f"{self.learner}, " if self.learner else ""
+        token = f", token {self.token}" if self.token else ""
         return (
-            f"{self.name} (pid {self.pid} on {self.host!r}): handed out {self.sampled} rows, "
+            f"{self.name} ({who}pid {self.pid} on {self.host!r}{token}): handed out "
+            f"{self.sampled} rows, "
             f"samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, "
             f"tolerance={self.tolerance:g}"
         )
@@ -128,6 +135,8 @@ class Progress:
                 pid=int(raw["pid"]),
                 host=str(raw["host"]),
                 waiting=bool(raw.get("waiting", False)),
+                token=str(raw.get("token", "")),
+                learner=str(raw.get("learner", "")),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -159,12 +168,16 @@ def read_progress(directory: str, name: str) -> Progress | None:
     return None
 
 
-def withdraw(directory: str, name: str) -> None:
-    """Removes this process's file ``name``, if it is still this process's."""
+def withdraw(directory: str, name: str, token: str) -> bool:
+    """Removes the file ``name`` if it holds ``token``: a learner withdraws only what it
+    published, never another learner's file (of this process or another); whether it did."""
     p = read_progress(directory, name)
-    if p is not None and p.pid == os.getpid() and p.host == socket.gethostname():
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, name))
+    if p is None or not token or p.token != token:
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, name))
+        return True
+    return False
 
 
 class LearnerWatch:

@@ -51,4 +51,8 @@ class LockedWriter(abc.ABC):
 
     def _check_open(self, where: str) -> None:
         if self._lock_fd is None:
-            raise GrainReplayError(f"{where}: the ReplayWriter is closed.")
+            raise GrainReplayError(
+                f"{where}: the ReplayWriter is closed. Fix: append before close() (or the "
+                "end of its with-block), or open a new gr.ReplayWriter on the same path: "
+                "it continues after the committed rows."
+            )

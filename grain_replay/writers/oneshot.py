@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -40,6 +41,16 @@ ZARR_CHUNK_BYTES = 1 * 2**20
 HDF5_COMPRESSIONS = ("gzip", "lzf")
 ZARR_COMPRESSIONS = ("zstd", "gzip", "blosc")
 
+
+def choice_fix(name: str, value: object, allowed: Iterable[str]) -> str:
+    """The fix sentence for ``name=value`` outside ``allowed``: the nearest name, if any."""
+    allowed = tuple(allowed)
+    near = difflib.get_close_matches(str(value), allowed, n=1) if isinstance(value, str) else []
+    if near:
+        return f"Fix: {name}={near[0]!r} (did you mean it?), or another of {allowed}, or None."
+    return f"Fix: pass {name}= one of {allowed}, or None."
+
+
 # Rows of every leaf handed to a format writer at a time: (start, {key: rows}).
 Blocks = Iterable[tuple[int, dict[str, np.ndarray]]]
 
@@ -65,7 +76,8 @@ def _check_options(fmt: str, path: str, chunk_rows: int | None, compression: str
         isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0
     ):
         raise InvalidArgumentError(
-            f"{path}: chunk_rows must be a positive int or None, got {chunk_rows!r}"
+            f"{path}: chunk_rows must be a positive int or None, got {chunk_rows!r}. Fix: "
+            "chunk_rows=None (about 1 MiB of rows a chunk) or a row count >= 1."
         )
     allowed = {"hdf5": HDF5_COMPRESSIONS, "zarr": ZARR_COMPRESSIONS, "npy": ()}[fmt]
     if fmt == "npy" and (chunk_rows is not None or compression is not None):
@@ -75,7 +87,8 @@ def _check_options(fmt: str, path: str, chunk_rows: int | None, compression: str
         )
     if compression is not None and compression not in allowed:
         raise InvalidArgumentError(
-            f"{path}: {fmt} compression must be one of {allowed} or None, got {compression!r}."
+            f"{path}: {fmt} compression must be one of {allowed} or None, got "
+            f"{compression!r}. {choice_fix('compression', compression, allowed)}"
         )
 
 
@@ -175,7 +188,7 @@ def zarr_compressors(compression: str | None, where: str) -> Any:
     if compression not in makers:
         raise InvalidArgumentError(
             f"{where}: Zarr compression must be one of {ZARR_COMPRESSIONS} or None, "
-            f"got {compression!r}."
+            f"got {compression!r}. {choice_fix('compression', compression, ZARR_COMPRESSIONS)}"
         )
     return (makers[compression](),)
 
@@ -407,5 +420,8 @@ def write(
     """
     fmt = format or format_from_path(path)
     if fmt not in FORMATS:
-        raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
+        raise InvalidArgumentError(
+            f"format must be one of {FORMATS} or None, got {format!r}. "
+            f"{choice_fix('format', format, FORMATS)}"
+        )
     return _write(fmt, path, tree, chunk_rows, compression, overwrite, checksum)

@@ -64,7 +64,11 @@ def check_reopen(
             f"{m.segment_rows} rows. Fix: pass segment_rows={m.segment_rows} or None."
         )
     if m.format != fmt:
-        raise InvalidStoreError(f"{where}: manifest says {m.format}, store {fmt}.")
+        raise InvalidStoreError(
+            f"{where}: expected this writer's manifest to name the store's format {fmt}, "
+            f"got {m.format}: the part was written into another store. Fix: use another "
+            "writer_id here, or move the part back to the store it was written for."
+        )
 
 
 def committed(

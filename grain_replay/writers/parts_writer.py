@@ -33,6 +33,7 @@ from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
 from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
+from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.store_writer import check_tree_matches
 
@@ -43,6 +44,29 @@ logger = logging.getLogger(__name__)
 
 def _segment_backend(fmt: str) -> type[Backend]:
     return NpySegmentBackend if fmt == "npy" else BACKENDS[fmt]
+
+
+# The format each suffix names (as gr.write infers it); ".npz" names none a store has.
+_SUFFIX_FORMATS = {".h5": "hdf5", ".hdf5": "hdf5", ".zarr": "zarr", ".npy": "npy", ".npz": None}
+
+
+def _check_new_store_path(path: str, format: str | None) -> str:
+    """The segments' format of a new many-writer store at ``path`` (a directory, which
+    keeps the path's name): ``format``, else the one the suffix names. Refuses a suffix
+    that names another format than the segments' (``buf.h5`` holding npy segments)."""
+    fmt = format or format_from_path(path)
+    stem, suffix = os.path.splitext(path.rstrip("/"))
+    named = _SUFFIX_FORMATS.get(suffix.lower(), fmt)
+    if named != fmt:
+        what = f"{named} (as gr.write infers it)" if named else "no format a store has"
+        raise InvalidArgumentError(
+            f"{path}: a bounded, many-writer store (capacity= or writer_id=) is a directory "
+            f"of {fmt} segments named as given, so its suffix {suffix!r} must name {fmt}; it "
+            f"names {what}. Fix: gr.ReplayWriter({stem!r}, format={fmt!r}, ...) (a "
+            f"directory without a suffix)"
+            + (f", or format={named!r} for {named} segments." if named else ".")
+        )
+    return fmt
 
 
 class _Open:
@@ -80,7 +104,10 @@ class PartWriter(LockedWriter):
                 f"{segment_rows!r}. Fix: leave it None (capacity / 16)."
             )
         if format is not None and format not in FORMATS:
-            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
+            raise InvalidArgumentError(
+                f"format must be one of {FORMATS} or None, got {format!r}. "
+                f"{choice_fix('format', format, FORMATS)}"
+            )
         if (
             os.path.exists(path)
             and not parts_lib.is_parts_store(path)
@@ -92,7 +119,7 @@ class PartWriter(LockedWriter):
                 "capacity/writer_id to append to it."
             )
         if not parts_lib.is_parts_store(path):
-            parts_lib.create_store_file(path, format or format_from_path(path))
+            parts_lib.create_store_file(path, _check_new_store_path(path, format))
         on_disk = parts_lib.read_store_file(path)
         if format is not None and format != on_disk:
             raise InvalidStoreError(

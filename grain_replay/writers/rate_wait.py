@@ -30,11 +30,13 @@ def check_rate_limit_timeout(value: object, where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(
             f"{where}: rate_limit_timeout must be seconds (a positive number) or None (wait "
-            f"as long as it takes), got {value!r}"
+            f"as long as it takes), got {value!r}. Fix: rate_limit_timeout=None or seconds, "
+            "e.g. 60.0."
         )
     if not (math.isfinite(value) and value > 0):
         raise InvalidArgumentError(
-            f"{where}: rate_limit_timeout must be positive and finite, or None, got {value!r}"
+            f"{where}: rate_limit_timeout must be positive and finite, or None, got "
+            f"{value!r}. Fix: rate_limit_timeout=None (wait as long as it takes) or seconds > 0."
         )
     return float(value)
 
@@ -55,6 +57,8 @@ class WriterGate:
         self._count = InsertedCount(store) if parts else None
         self._timeout = timeout
         self._who = who
+        # Seconds every wait took, in all: those that timed out included.
+        self.waited_s = 0.0
 
     def _counts(self, committed: int) -> tuple[int, int]:
         if self._count is None:
@@ -76,6 +80,12 @@ class WriterGate:
         if not learners or pending <= 0:
             return 0.0
         start = time.monotonic()
+        try:
+            return self._wait(learners, start, committed, pending)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _wait(self, learners: list[Progress], start: float, committed: int, pending: int) -> float:
         told = start
         poll = _POLL_MIN_S
         while True:

@@ -67,7 +67,9 @@ class ReplayWriter:
     Args:
       path: the store; created on the first ``append`` if missing.
       format: ``"hdf5"``, ``"npy"`` or ``"zarr"``; default from the path as in
-        :func:`grain_replay.write` (or from what is on disk).
+        :func:`grain_replay.write` (or from what is on disk). A many-writer store is a
+        directory named ``path`` (``buf.h5``: HDF5 segments in the directory ``buf.h5``);
+        a new one whose suffix names another format than ``format`` is refused.
       chunk_rows: rows per chunk of a new HDF5/Zarr store (default ~1 MiB).
       compression: Zarr codec of a new store (``"zstd"``, ``"gzip"``, ``"blosc"``).
       flush_every: commit automatically once this many rows are pending.
@@ -138,11 +140,13 @@ class ReplayWriter:
         if parts and writer_id is None:
             writer_id = "default"
         self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
-        self._rate_waited = 0.0
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
         if flush_every is not None and flush_every <= 0:
-            raise InvalidArgumentError(f"flush_every must be positive or None, got {flush_every}")
+            raise InvalidArgumentError(
+                f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
+                "None (commit only at flush()) or a row count >= 1."
+            )
         self._flush_every = flush_every
         if not parts and is_parts_store(self._path):
             raise InvalidStoreError(
@@ -239,8 +243,9 @@ class ReplayWriter:
 
     @property
     def rate_limit_wait_s(self) -> float:
-        """Seconds this writer's ``flush()`` calls waited for rate-limited learners, in all."""
-        return self._rate_waited
+        """Seconds this writer's ``flush()`` calls waited for rate-limited learners, in all
+        (flushes that timed out with :class:`~grain_replay.RateLimitTimeoutError` included)."""
+        return self._gate.waited_s
 
     @property
     def writer_id(self) -> str | None:
@@ -367,7 +372,7 @@ class ReplayWriter:
             return self._committed
         if self._bg is not None:
             self._bg.drain()
-        self._rate_waited += self._gate.wait(store.committed, store.pending)
+        self._gate.wait(store.committed, store.pending)
         committed = self._committed = store.flush()
         self._flushed = self._appended
         if self._bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
@@ -382,7 +387,7 @@ class ReplayWriter:
         if upto == self._flushed:  # nothing appended since the last flush's snapshot
             return upto
         committed = self._committed  # a commit queued before may still be under way
-        self._rate_waited += self._gate.wait(committed, upto - committed)
+        self._gate.wait(committed, upto - committed)
         self._background().submit_commit(
             lambda: self._commit_queued(store), upto, lambda: self._committed
         )

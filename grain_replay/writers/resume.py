@@ -58,8 +58,12 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
     if isinstance(mark, (bool, np.bool_)) or not isinstance(mark, (int, np.integer)):
         raise InvalidArgumentError(
             f"{who}: resume_from must be a gr.Watermark (gr.read_watermark(checkpoint)) or a "
-            f"row count, got {mark!r}."
+            f"row count, got {mark!r}. Fix: resume_from=gr.read_watermark(<checkpoint "
+            "directory>), or the row count to keep."
         )
     if mark < 0:
-        raise InvalidArgumentError(f"{who}: resume_from must be >= 0 rows, got {mark}.")
+        raise InvalidArgumentError(
+            f"{who}: resume_from must be >= 0 rows, got {mark}. Fix: the rows to keep "
+            "(0 keeps none), or a gr.Watermark."
+        )
     return int(mark)

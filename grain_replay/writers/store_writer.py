@@ -29,6 +29,7 @@ from grain_replay.store.formats import FORMATS, detect_format, format_from_path
 from grain_replay.store.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 from grain_replay.writers.lifecycle import LockedWriter
+from grain_replay.writers.oneshot import choice_fix
 
 __all__ = ["StoreWriter", "check_tree_matches"]
 
@@ -81,7 +82,10 @@ class StoreWriter(LockedWriter):
     ) -> None:
         self._path = path
         if format is not None and format not in FORMATS:
-            raise InvalidArgumentError(f"format must be one of {FORMATS} or None, got {format!r}.")
+            raise InvalidArgumentError(
+                f"format must be one of {FORMATS} or None, got {format!r}. "
+                f"{choice_fix('format', format, FORMATS)}"
+            )
         if os.path.exists(path):
             on_disk = detect_format(path)
             if on_disk not in FORMATS:  # e.g. an RLDS dataset: read-only here

@@ -202,6 +202,48 @@ def test_priority_state_of_other_settings_is_refused(path: str) -> None:
         other.set_priority_state({})
 
 
+def test_resume_with_another_worker_count_names_both_in_user_terms(path: str) -> None:
+    with iter(_loader(path, worker_count=2)) as it:  # worker_buffer_size 2: 3 batches ahead
+        next(it)
+        state, priorities = it.get_state(), _save(it.priority_state())
+    assert priorities["workers"].tolist() == [2, 2]
+    fresh = iter(_loader(path, worker_count=0))
+    with pytest.raises(gr.ReplayCheckpointError) as e:
+        fresh.set_state(state)
+    msg = str(e.value)
+    for part in (
+        "saved by a loader with worker_count=2 (worker_buffer_size=2)",
+        "this loader has worker_count=0 (worker_buffer_size=2)",
+        "Fix: resume with worker_count=2 and worker_buffer_size=2",
+    ):
+        assert part in msg, msg
+    assert "lag" not in msg and "(alpha, eps" not in msg
+    assert isinstance(e.value, gr.InvalidSamplingError) and isinstance(e.value, ValueError)
+    with pytest.raises(gr.ReplayCheckpointError, match="worker_count=2 and"):
+        fresh.set_priority_state(priorities)
+    # a state saved before the worker settings were kept names what it can
+    older = {k: v for k, v in priorities.items() if k != "workers"}
+    with pytest.raises(gr.ReplayCheckpointError, match=r"worker_count \* worker_buffer_size = 4"):
+        fresh.set_priority_state(older)
+    # the same settings (or another pair reading as far ahead) resume
+    with iter(_loader(path, worker_count=2)) as again:
+        again.set_state(state)
+        again.set_priority_state(priorities)
+        next(again)
+    fresh.close()
+
+
+def test_priority_state_of_another_process_or_alpha_says_so(path: str) -> None:
+    it = iter(_loader(path))
+    next(it)
+    state = it.priority_state()
+    with pytest.raises(gr.ReplayCheckpointError, match=r"process 1 of 2; this is process 0"):
+        iter(_loader(path)).set_priority_state({**state, "shard": np.array([1, 2])})
+    other = iter(_loader(path, sampling=gr.PrioritizedReplay(alpha=0.5)))
+    with pytest.raises(gr.ReplayCheckpointError, match=r"resume with PrioritizedReplay\(alpha=1"):
+        other.set_priority_state(state)
+
+
 def test_priority_state_from_another_position_is_refused_at_next(path: str) -> None:
     it = iter(_loader(path))
     next(it)
@@ -257,3 +299,63 @@ def test_an_edited_batch_index_is_checked_again_not_taken_for_the_drawn_rows(pat
     next(it)
     values = it.priority_state()["values"]
     np.testing.assert_allclose(values[batch.index], 5.0 + 1e-6)
+
+
+def _zero_every_row(it: Any, rows: int) -> None:
+    """Draws and sets priority 0 (eps=0) until every one of ``rows`` rows is at 0."""
+    zeroed: set[int] = set()
+    for _ in range(200):
+        batch = next(it)
+        it.update_priorities(batch.index, np.zeros(len(batch.index)))
+        zeroed.update(batch.index.tolist())
+        if len(zeroed) == rows:
+            return
+    raise AssertionError(f"only {len(zeroed)} of {rows} rows drawn")
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_every_priority_zero_draws_uniformly_with_weights_one(
+    tmp_path: Path, bounded: bool
+) -> None:
+    path = str(tmp_path / "s")
+    ids = np.arange(24, dtype=np.int64)
+    if bounded:  # capacity 16: rows 8..23 live, 0..7 evicted
+        with gr.ReplayWriter(path, "npy", capacity=16, segment_rows=8) as w:
+            w.append({"id": ids})
+    else:
+        gr.write_npy(path, {"id": ids[:16]})
+    live = set(range(8, 24)) if bounded else set(range(16))
+    sampling = gr.PrioritizedReplay(alpha=0.6, eps=0.0, beta=0.4)
+    it = iter(gr.make_data_loader(gr.open_source(path), batch_size=4, sampling=sampling))
+    batch = next(it)
+    it.update_priorities(batch.index, np.zeros(4))  # some rows at 0: weights stay positive
+    batch = next(it)
+    assert (batch.weight > 0).all(), batch.weight
+    _zero_every_row(it, 16)
+    counts = dict.fromkeys(live, 0)
+    for _ in range(200):  # 800 rows drawn, 50 a row expected
+        batch = next(it)
+        np.testing.assert_array_equal(batch.weight, np.ones(4, np.float32))
+        got = np.asarray(batch.data["id"])
+        if not bounded:  # a plain store's index is the row
+            np.testing.assert_array_equal(got, batch.index)
+        for i in got.tolist():
+            counts[i] += 1  # a KeyError: an evicted row
+    assert min(counts.values()) >= 25 and max(counts.values()) <= 75, counts
+    # a priority given again leaves the uniform draw: only that row is drawn
+    it.update_priorities(batch.index[:1], np.ones(1))
+    again = next(it)
+    assert set(np.asarray(again.data["id"]).tolist()) == {int(np.asarray(batch.data["id"])[0])}
+    it.close()
+
+
+def test_empty_store_still_says_it_has_no_rows(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    w = gr.ReplayWriter(path, "npy", capacity=16)
+    w.append({"id": np.arange(4, dtype=np.int64)})  # pending, never committed
+    loader = gr.make_data_loader(
+        gr.open_source(path), batch_size=4, sampling=gr.PrioritizedReplay(eps=0.0)
+    )
+    with pytest.raises(gr.InvalidSamplingError, match=r"has no live rows.*Fix"):
+        next(iter(loader))
+    w.close()

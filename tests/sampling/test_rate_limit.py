@@ -354,11 +354,19 @@ def test_dead_learner_does_not_hold_writers(tmp_path: Path, caplog: Any) -> None
 
 
 def _publish_other_learner(
-    path: str, *, sampled: int, tolerance: float, stale_after: float, pid: int
+    path: str,
+    *,
+    sampled: int,
+    tolerance: float,
+    stale_after: float,
+    pid: int,
+    name: str = "process-0-of-1.json",
+    host: str | None = None,
+    token: str = "",
 ) -> None:
     """Publishes the progress of a learner on another host, heartbeat now, into ``path``."""
     progress = learners_lib.Progress(
-        name="process-0-of-1.json",
+        name=name,
         sampled=sampled,
         drawn=8,
         batch=8,
@@ -368,7 +376,8 @@ def _publish_other_learner(
         heartbeat=time.time(),
         stale_after=stale_after,
         pid=pid,
-        host=socket.gethostname() + "-other",
+        host=socket.gethostname() + "-other" if host is None else host,
+        token=token,
     )
     learners_lib.publish(os.path.join(path, "learners"), progress)
 
@@ -474,6 +483,95 @@ def test_second_live_learner_is_refused(tmp_path: Path) -> None:
         next(it)
     # without a ratio nothing is published: no conflict
     next(iter(_loader(path, min_size=8)))
+
+
+def test_second_learner_in_the_same_process_is_refused_and_removes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "s")
+    learners = os.path.join(path, "learners")
+    _store(path, 20)
+    opts = {"min_size": 20, "samples_per_insert": 1.0, "tolerance": 8, "timeout": 0.2}
+    first = iter(_loader(path, batch_size=4, **opts))  # ceiling 1 * (20 - 20) + 8: 2 batches
+    next(first)
+    time.sleep(0.05)
+    mine = learners_lib.read_progress(learners, "process-0-of-1.json")
+    assert mine is not None and mine.sampled == 4 and len(mine.token) == 16
+    w = gr.ReplayWriter(path, "npy", capacity=1000, writer_id="w", rate_limit_timeout=0.2)
+    w.append(make_rows("w", 0, 72))  # 1 * (20 + 72 - 20) - 4 = 68 > 8: waits
+    assert w.rate_limit_wait_s == 0.0
+    with pytest.raises(gr.RateLimitTimeoutError):
+        w.flush()
+    assert 0.2 <= w.rate_limit_wait_s < 5  # a flush that timed out waited too
+    second = iter(_loader(path, batch_size=4, **opts))
+    with pytest.raises(gr.InvalidSamplingError) as e:
+        next(second)
+    msg = str(e.value)
+    for part in (
+        "in this process",
+        f"pid {os.getpid()} on {socket.gethostname()!r}",
+        "UniformReplay learner #",
+        f"token {mine.token}",
+        "Fix: close() the other",
+    ):
+        assert part in msg, msg
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(gr.InvalidSamplingError):  # still refused, nothing drawn meanwhile
+        next(second)
+    second.close()
+    del second
+    again = learners_lib.read_progress(learners, "process-0-of-1.json")
+    assert again is not None and again.token == mine.token  # the first one's file stays
+    with pytest.raises(gr.RateLimitTimeoutError):  # and still holds the writer
+        w.flush(wait=False)
+    assert w.committed == 0 and w.rate_limit_wait_s >= 0.4  # both timeouts counted
+    # withdraw removes only the file holding its token
+    assert not learners_lib.withdraw(learners, "process-0-of-1.json", "not-" + mine.token)
+    assert not learners_lib.withdraw(learners, "process-0-of-1.json", "")
+    assert os.path.isfile(os.path.join(learners, "process-0-of-1.json"))
+    first.close()
+    assert w.flush() == 72
+    w.close()
+    third = iter(_loader(path, batch_size=4, **opts))  # the first is closed: accepted
+    next(third)
+    third.close()
+
+
+def test_learner_of_another_process_count_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    _store(path, 64)
+    _publish_other_learner(
+        path, sampled=8, tolerance=16.0, stale_after=60.0, pid=4343, name="process-1-of-2.json"
+    )
+    it = iter(_loader(path, samples_per_insert=1.0))
+    with pytest.raises(gr.InvalidSamplingError, match=r"process-1-of-2\.json.*pid 4343"):
+        next(it)
+    it.close()
+
+
+def test_dropped_learner_and_leftover_file_of_this_pid_are_taken_over(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    learners = os.path.join(path, "learners")
+    _store(path, 64)
+    # a file with this pid whose token no publisher of this process holds: a leftover
+    _publish_other_learner(
+        path, sampled=8, tolerance=16.0, stale_after=60.0, pid=os.getpid(),
+        host=socket.gethostname(), token="leftover",
+    )  # fmt: skip
+    first = iter(_loader(path, samples_per_insert=1.0))
+    next(first)
+    p = learners_lib.read_progress(learners, "process-0-of-1.json")
+    assert p is not None and p.token not in ("", "leftover")
+    # a learner dropped in a reference cycle (not collected yet) is not in the way
+    cycle: list[Any] = [first]
+    cycle.append(cycle)
+    del first, cycle
+    second = iter(_loader(path, samples_per_insert=1.0))
+    next(second)
+    q = learners_lib.read_progress(learners, "process-0-of-1.json")
+    assert q is not None and q.token != p.token
+    second.close()
+    assert not os.listdir(learners)
 
 
 @pytest.mark.slow

@@ -197,3 +197,34 @@ def test_a_commit_within_the_same_clock_tick_is_still_seen(
     writer.append(_rows(60, 10))
     writer.flush()
     assert length.at(4) == 60  # settled stamp, unchanged: no look
+
+
+@pytest.mark.parametrize("sampling", [gr.UniformReplay(), gr.PrioritizedReplay()])
+def test_shuffle_false_with_replay_sampling_is_refused(tmp_path: Path, sampling: object) -> None:
+    path = str(tmp_path / "s")
+    gr.write_npy(path, _rows(0, 16))
+    src = gr.open_source(path)
+    name = type(sampling).__name__
+    for make in (gr.make_data_loader, gr.replay_dataset):
+        with pytest.raises(gr.InvalidSamplingError) as e:
+            make(src, batch_size=4, shuffle=False, sampling=sampling)
+        msg = str(e.value)
+        assert isinstance(e.value, ValueError)
+        assert f"shuffle=False with sampling={name}" in msg and "Fix: drop shuffle=" in msg
+    # the default (and an explicit True) draw as before
+    batch = next(iter(gr.make_data_loader(src, batch_size=4, shuffle=True, sampling=sampling)))
+    assert len(batch.index if isinstance(batch, gr.Sampled) else batch["id"]) == 4
+
+
+def test_shuffle_false_refused_for_a_replay_mixture_kept_for_epochs(tmp_path: Path) -> None:
+    paths = [str(tmp_path / n) for n in ("a", "b")]
+    for i, p in enumerate(paths):
+        gr.write_npy(p, _rows(100 * i, 8))
+    mix = {"a": gr.open_source(paths[0]), "b": gr.open_source(paths[1])}
+    weights = {"a": 1.0, "b": 1.0}
+    with pytest.raises(gr.InvalidSamplingError, match="shuffle=False with sampling=Uniform"):
+        gr.make_data_loader(
+            mix, batch_size=4, shuffle=False, weights=weights, sampling=gr.UniformReplay()
+        )
+    ordered = gr.make_data_loader(mix, batch_size=4, shuffle=False, weights=weights)
+    np.testing.assert_array_equal(next(iter(ordered))["id"], [0, 1, 100, 101])

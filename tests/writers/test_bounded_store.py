@@ -224,6 +224,52 @@ def test_capacity_must_be_a_positive_int(tmp_path: Path, bad: object) -> None:
         gr.ReplayWriter(str(tmp_path / "store"), capacity=bad, writer_id="a")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("name", "fmt"), [("buf2.h5", "hdf5"), ("buf2.HDF5", "hdf5")])
+def test_bounded_store_at_an_h5_path_is_a_directory_of_hdf5_segments(
+    tmp_path: Path, name: str, fmt: str
+) -> None:
+    path = tmp_path / name
+    with gr.ReplayWriter(str(path), capacity=100) as w:  # the format from the suffix
+        w.append(make_rows("default", 0, 5))
+    assert path.is_dir() and parts_lib.read_store_file(str(path)) == fmt
+    segments = os.listdir(parts_lib.writer_dir(str(path), "default"))
+    assert any(f.startswith("seg-") and f.endswith(".h5") for f in segments), segments
+    src = gr.open_source(path)
+    assert len(src) == 5 and src.read_batch(np.arange(5))["seq"].tolist() == list(range(5))
+    with gr.ReplayWriter(str(path), capacity=100) as w:  # reopens
+        assert w.committed == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "named", "fix"),
+    [
+        ("buf2.h5", "npy", "hdf5", "format='hdf5' for hdf5 segments"),
+        ("buf2.hdf5", "zarr", "hdf5", "format='hdf5' for hdf5 segments"),
+        ("buf2.zarr", "hdf5", "zarr", "format='zarr' for zarr segments"),
+        ("buf2.npy", "zarr", "npy", "format='npy' for npy segments"),
+        ("buf2.npz", None, None, "a directory without a suffix"),
+    ],
+)
+def test_bounded_store_suffix_naming_another_format_is_refused(
+    tmp_path: Path, name: str, given: str | None, named: str | None, fix: str
+) -> None:
+    path = tmp_path / name
+    fmt = given or "npy"
+    stem = str(tmp_path / "buf2")
+    for kwargs in ({"capacity": 100}, {"writer_id": "a"}):
+        with pytest.raises(gr.InvalidArgumentError) as e:
+            gr.ReplayWriter(str(path), given, **kwargs)  # type: ignore[arg-type]
+        msg = str(e.value)
+        assert f"directory of {fmt} segments" in msg, msg
+        assert f"names {named}" in msg if named else "names no format" in msg, msg
+        assert f"Fix: gr.ReplayWriter({stem!r}, format={fmt!r}, ...)" in msg and fix in msg
+        assert isinstance(e.value, ValueError)
+        assert not path.exists()  # nothing made
+    with gr.ReplayWriter(stem, fmt, capacity=100) as w:  # the fix works
+        w.append(make_rows("default", 0, 5))
+    assert len(gr.open_source(stem)) == 5
+
+
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "a b", 3, "x" * 200])
 def test_writer_id_must_be_a_safe_file_name(tmp_path: Path, bad: object) -> None:
     with pytest.raises(gr.InvalidArgumentError, match=r"writer_id.*safe file name.*Fix"):

@@ -121,6 +121,7 @@ class RateLimiter:
             self._publisher = ProgressPublisher(
                 learners_lib.learners_dir(path, parts=is_parts_store(path)),
                 f"process-{shard_index}-of-{shard_count}.json",
+                self.owner,
             )
         self._waiting = False
 
@@ -182,7 +183,11 @@ class RateLimiter:
 
         Raises:
           RateLimitTimeoutError: the wait passed ``timeout``.
+          InvalidSamplingError: another rate-limited learner samples this store (checked
+            before this learner's first draw).
         """
+        if self._publisher is not None and not self._publisher.started:
+            self._publisher.check()
         if self._allows(step):
             self._ready_draw()
             return True
@@ -283,6 +288,8 @@ class RateLimiter:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 waiting=self._waiting,
+                token=self._publisher.token,
+                learner=self._publisher.label,
             )
         )
 

@@ -4,12 +4,21 @@ One file per learner process (``learners/process-<i>-of-<n>.json``, see
 :mod:`grain_replay.store.progress`): written when the counts change (coalesced over
 ``PUBLISH_EVERY_S``), at least every ``HEARTBEAT_S`` while the limiter lives, and
 withdrawn when it goes away, so writers never wait on a learner that is gone.
+
+One rate-limited learner per store, whatever process it runs in: a publisher
+refuses to start while another learner's file is live (one of another process,
+or of this one: each publisher holds a random token, written into its file), and
+withdraws only the file that holds its own token.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
+import re
+import secrets
 import socket
 import threading
 import time
@@ -28,6 +37,35 @@ PUBLISH_EVERY_S = 0.005
 # ... and at least this often (the heartbeat), while the limiter lives.
 HEARTBEAT_S = 2.0
 
+# The tokens of this process's publishers that hold their file (claimed, not withdrawn).
+_CLAIMED: set[str] = set()
+_CLAIMED_LOCK = threading.Lock()
+_NUMBERS = itertools.count(1)
+_NAME = re.compile(r"process-(\d+)-of-(\d+)\.json")
+
+
+def _processes(name: str) -> str | None:
+    """The learner's process count a file name says (``process-<p>-of-<P>.json``)."""
+    m = _NAME.fullmatch(name)
+    return None if m is None else m.group(2)
+
+
+def _read_all(directory: str) -> list[learners_lib.Progress]:
+    try:
+        names = sorted(
+            e.name
+            for e in os.scandir(directory)
+            if e.name.endswith(".json") and not e.name.startswith(".")
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        p = learners_lib.read_progress(directory, name)
+        if p is not None:
+            out.append(p)
+    return out
+
 
 class ProgressPublisher:
     """Writes one learner process's progress file in ``directory``, with a heartbeat thread.
@@ -36,33 +74,78 @@ class ProgressPublisher:
     the thread: when the limiter goes away, the thread stops and the file is withdrawn.
     """
 
-    def __init__(self, directory: str, name: str) -> None:
+    def __init__(self, directory: str, name: str, what: str = "rate-limited") -> None:
         self.directory = directory
         self.name = name
+        # Identifies this learner among the learners of its process (and its file's owner).
+        self.token = secrets.token_hex(8)
+        self.label = f"{what} learner #{next(_NUMBERS)} of its process"
         self.started = False
         self._thread: threading.Thread | None = None
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
-    def start(self, owner: Any) -> None:
-        """Claims the file (refusing a live learner publishing under the same name), starts
-        the heartbeat and withdraws the file once ``owner`` is gone."""
-        other = learners_lib.read_progress(self.directory, self.name)
-        if (
-            other is not None
-            and (other.pid, other.host) != (os.getpid(), socket.gethostname())
-            and other.dead(time.time()) is None
-        ):
+    def check(self) -> None:
+        """Refuses to start while another rate-limited learner publishes into ``directory``.
+
+        Another learner is a live file (fresh heartbeat, process alive) under this
+        publisher's name that holds another token, in any process, this one included,
+        or one whose name says another number of learner processes. A file of this
+        process whose publisher is gone (garbage not yet collected, or a process
+        before this one with the same pid) is taken over.
+
+        Raises:
+          InvalidSamplingError: naming the other learner (host, pid, label and token).
+        """
+        other = self._other()
+        if other is not None and (other.host, other.pid) == (socket.gethostname(), os.getpid()):
+            gc.collect()  # a learner dropped in a reference cycle withdraws its file now
+            other = self._other()
+        if other is not None:
+            here = (other.host, other.pid) == (socket.gethostname(), os.getpid())
+            where = "in this process" if here else f"in process {other.pid} on {other.host!r}"
             raise InvalidSamplingError(
-                f"{self.directory}: another rate-limited learner publishes as {self.name}: "
-                f"{other.describe()}. Fix: one rate-limited learner per store (stop the other; "
-                f"a learner that died is taken over once its heartbeat is "
-                f"{other.stale_after:g} s old)."
+                f"{self.directory}: another rate-limited learner samples this store {where}: "
+                f"{other.describe()}. Expected one rate-limited learner per store (this one, "
+                f"{self.label}, would publish as {self.name}). Fix: close() the other "
+                "learner's iterator (or stop its process) before iterating this one; a "
+                "learner that died is taken over once its heartbeat is "
+                f"{other.stale_after:g} s old."
             )
+
+    def _other(self) -> learners_lib.Progress | None:
+        now = time.time()
+        me = (socket.gethostname(), os.getpid())
+        for p in _read_all(self.directory):
+            if p.token == self.token or p.dead(now) is not None:
+                continue
+            if (p.host, p.pid) == me:
+                with _CLAIMED_LOCK:
+                    if p.token not in _CLAIMED:
+                        continue  # withdrawn, or a leftover of an earlier process
+            if p.name == self.name or _processes(p.name) != _processes(self.name):
+                return p
+        return None
+
+    def start(self, owner: Any) -> None:
+        """Claims the file (refusing another live learner, see :meth:`check`), starts
+        the heartbeat and withdraws the file once ``owner`` is gone."""
+        self.check()
         self.started = True
         self._stop = threading.Event()
+        with _CLAIMED_LOCK:
+            _CLAIMED.add(self.token)
         owner.publish()
+        # Two learners starting at once both find no file: the last to write holds it.
+        held = learners_lib.read_progress(self.directory, self.name)
+        if held is not None and held.token != self.token:
+            self.started = False
+            self._stop.set()
+            with _CLAIMED_LOCK:
+                _CLAIMED.discard(self.token)
+            self.check()  # raises, naming it (or the next change claims the file again)
+            return
         self._thread = threading.Thread(
             target=_heartbeat,
             args=(weakref.ref(owner), self._dirty, self._stop),
@@ -73,7 +156,7 @@ class ProgressPublisher:
         # Withdraw the file when the owner goes away (or the interpreter exits).
         self._finalizer = weakref.finalize(
             owner, _stop_and_withdraw, self._stop, self._dirty, self._lock, self.directory,
-            self.name,
+            self.name, self.token,
         )  # fmt: skip
 
     def changed(self) -> None:
@@ -126,8 +209,11 @@ def _stop_and_withdraw(
     lock: threading.Lock,
     directory: str,
     name: str,
+    token: str,
 ) -> None:
     with lock:
         stop.set()
-        learners_lib.withdraw(directory, name)
+        learners_lib.withdraw(directory, name, token)  # only if the file is still ours
+        with _CLAIMED_LOCK:
+            _CLAIMED.discard(token)
     dirty.set()
