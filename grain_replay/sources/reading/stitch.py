@@ -142,7 +142,10 @@ class Stitched:
             length = min(size, used - i * size)
             if length <= 0:
                 break
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # removed since it was listed (its store evicted, replaced)
+                return False
             try:
                 if os.fstat(fd).st_size < offset + length:
                     logger.warning(
