@@ -127,17 +127,23 @@ class ReplaySource(SourceSurface):
         return True
 
     def _grow_handle(self, layout: Layout) -> bool:
-        """Extends this process's open handle to ``layout`` in place, if it can."""
+        """Extends this process's open handle to ``layout`` in place, if it can.
+
+        Files that changed since :meth:`_inspect` looked (an evicting writer removed a
+        leaf: zarr raises ``KeyError``, h5py ``OSError``) make the handle's grow raise:
+        False then. A handle plans every leaf before it maps any, and what it maps
+        of a leaf before failing holds the same committed rows: they read as before."""
         old = self._layout
         with self._lock:
             handle = self._handle if self._pid == current_pid() else None
-            return (
-                handle is not None
-                and layout.num_records >= old.num_records
-                and layout.spec == old.spec
-                and layout.locations == old.locations
-                and handle.grow(self, layout)
-            )
+            if handle is None or layout.num_records < old.num_records:
+                return False
+            if layout.spec != old.spec or layout.locations != old.locations:
+                return False
+            try:
+                return handle.grow(self, layout)
+            except Exception:  # the files changed under the handle's second look
+                return False
 
     @property
     def path(self) -> str:

@@ -212,6 +212,7 @@ class PartWriter(LockedWriter):
         meta = self._segment_meta(tail.rows)
         cls = _segment_backend(self._format)
         backend = cls(self._segment_path(tail.first), meta)
+        backend.max_rows = m.segment_rows
         on_disk = cls.read_metadata(self._segment_path(tail.first))
         summer = None
         if on_disk is not None and on_disk.num_records == tail.rows:
@@ -371,7 +372,10 @@ class PartWriter(LockedWriter):
         remove_path(path)  # a leftover of a crash before this segment's first commit
         meta = self._segment_meta(0)
         cls = _segment_backend(self._format)
-        backend = cls.create_open(path, meta, self._chunk_rows, self._compression, sync=False)
+        rows = self._manifest.segment_rows  # chunks no larger, nothing allocated past
+        backend = cls.create_open(
+            path, meta, self._chunk_rows, self._compression, sync=False, max_rows=rows
+        )
         self._open = _Open(first, 0, backend, Checksummer(meta.leaves))
         return self._open
 

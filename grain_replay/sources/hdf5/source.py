@@ -172,6 +172,8 @@ class _HDF5Handle(Handle):
                     n * row_bytes,
                 )
                 plans.append((reader, parts, first, spec, reach, guards[0]))
+        if os.stat(source.path).st_ino != os.fstat(self._descriptor.fd).st_ino:
+            return False  # replaced while planned: the parts may be another file's
         size = os.fstat(self._descriptor.fd).st_size
         for reader, parts, first, spec, reach, guard in plans:
             if size < reach or not grow_stitched(reader, parts, first, spec.dtype, spec.shape, n):

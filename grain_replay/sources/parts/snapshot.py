@@ -312,46 +312,80 @@ def open_segment(
     return src
 
 
+def _open_or_grow(
+    store: str, m: parts_lib.Manifest, s: parts_lib.Segment, src: ReplaySource | None,
+    keys: list[str], kwargs: Mapping[str, Any],
+) -> tuple[ReplaySource, bool]:  # fmt: skip
+    """Segment ``s`` of ``m`` holding its ``s.rows`` rows: ``src`` (the previous snapshot's)
+    as it is or grown in place, or opened anew; and whether the files were looked at."""
+    if src is not None and len(src) >= s.rows:
+        return src, False
+    if src is not None:
+        # The tail grew. The source is the previous snapshot's too, which still reads
+        # from it (until the refresh after this one): closing it would have its next
+        # read reopen the files, perhaps after an eviction unlinked them. Grown in
+        # place, or this snapshot opens its own.
+        if src.grow_in_place() and len(src) >= s.rows:
+            return src, True
+    src = open_segment(store, m, s.first, keys, kwargs)
+    if len(src) < s.rows:
+        src.refresh()
+        # A refresh that cannot grow the maps in place closes them, and the next read
+        # would open the files then, perhaps after an eviction unlinked them: map them
+        # now, while this snapshot's manifest lists them.
+        src.open()
+    return src, True
+
+
 def build_part(
     store: str,
     m: parts_lib.Manifest,
-    stamp: Any,
+    seen: Any,
     old: Part | None,
     strict: bool,
     spec: Mapping[str, LeafSpec],
     kwargs: Mapping[str, Any],
 ) -> Part:
     """Writer ``m``'s part of a snapshot: its segments opened (those of ``old`` reused),
-    its live ``.npy`` segments mapped back to back. ``strict=False`` skips a segment
-    evicted since ``m`` was read (the caller takes the snapshot again)."""
+    its live ``.npy`` segments mapped back to back. ``seen``: the manifest file's
+    :func:`stamp` before ``m`` was read. ``strict=False`` skips a segment evicted since
+    ``m`` was read (the caller takes the snapshot again).
+
+    A writer unlinks an evicted segment file by file, after the manifest that drops it.
+    An open or grow beside that sees part of it: the format's library raises what it
+    raises (zarr: ``KeyError`` for a leaf gone), or worse, succeeds (a Zarr leaf whose
+    chunk files went reads as zeros). So a segment looked at here counts only if a
+    manifest read after the look still names it (live or retired): its removal had not
+    begun.
+    """
     keys = [k for k in spec if k != WRITER_KEY]
     segments: dict[int, ReplaySource] = {}
     rows: dict[int, int] = {}
     wdir = parts_lib.writer_dir(store, m.writer_id)
+    looked = []
     for s in m.segments:
-        src = None if old is None else old.segments.get(s.first)
         try:
-            if src is not None and len(src) < s.rows:
-                # The tail grew. The source is the previous snapshot's too, which still
-                # reads from it (until the refresh after this one): closing it would have
-                # its next read reopen the files, perhaps after an eviction unlinked them.
-                # Grown in place, or this snapshot opens its own.
-                if not src.grow_in_place() or len(src) < s.rows:
-                    src = None
-            if src is None:
-                src = open_segment(store, m, s.first, keys, kwargs)
-                if len(src) < s.rows:
-                    src.refresh()
-                    # A refresh that cannot grow the maps in place closes them, and the
-                    # next read would open the files then, perhaps after an eviction
-                    # unlinked them: map them now, while this snapshot's manifest lists
-                    # them.
-                    src.open()
-        except (OSError, GrainReplayError):
-            if strict or not evicted(wdir, m, s.first):
-                raise  # a damaged segment, not an evicted one
-            continue  # evicted since the manifest was read: retried by the caller
+            src, look = _open_or_grow(
+                store, m, s, None if old is None else old.segments.get(s.first), keys, kwargs
+            )
+        except Exception as e:
+            gone = evicted(wdir, m, s.first)
+            if gone and not strict:
+                continue  # evicted since the manifest was read: retried by the caller
+            if isinstance(e, (OSError, GrainReplayError)):
+                raise  # a damaged segment (or, strict, an evicted one)
+            raise _unreadable(wdir, m, s.first, f"{type(e).__name__}: {e}", gone) from e
         segments[s.first], rows[s.first] = src, s.rows
+        if look:
+            looked.append(s.first)
+    # The manifest's stamp as when ``m`` was read: no commit since, so nothing evicted.
+    same = seen is not None and stamp(os.path.join(wdir, parts_lib.MANIFEST_FILE)) == seen
+    now = parts_lib.read_manifest(wdir) if looked and not same else None
+    on_disk = set() if now is None else {t.first for t in (*now.segments, *now.retired)}
+    for f in [] if now is None else sorted({*looked} - on_disk):
+        if strict:
+            raise _unreadable(wdir, m, f, "removed while it was opened", True)
+        del segments[f], rows[f]  # the caller takes the snapshot again
     # Segments evicted since the last snapshot stay open one more generation, so
     # that rows drawn against it are still found by id.
     # Only segments the new manifest dropped: a listed one that could not be opened must
@@ -365,4 +399,14 @@ def build_part(
     for f in keep:
         assert old is not None
         segments[f], rows[f] = old.segments[f], old.rows[f]
-    return Part(m, stamp, segments, rows, mapped)
+    return Part(m, seen, segments, rows, mapped)
+
+
+def _unreadable(
+    wdir: str, m: parts_lib.Manifest, first: int, what: str, gone: bool
+) -> InvalidStoreError:
+    why = "it was evicted meanwhile" if gone else "its manifest lists it: the store is corrupt"
+    return InvalidStoreError(
+        f"{os.path.join(wdir, parts_lib.segment_name(first, m.format))}: writer "
+        f"{m.writer_id!r}'s segment cannot be read ({what}); {why}."
+    )

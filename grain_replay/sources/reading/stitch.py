@@ -77,11 +77,16 @@ class _Reservation:
 
 
 def can_stitch(offsets: Sequence[int], chunk_bytes: int) -> bool:
-    """True if chunks at ``offsets`` of ``chunk_bytes`` each can be mapped back to back."""
+    """True if chunks at ``offsets`` of ``chunk_bytes`` each can be mapped back to back.
+
+    Chunks of whole pages; or one chunk of any size (a writer part's segment is one chunk
+    of its rows): a second chunk the store adds later does not map, and the source
+    reopens instead (:meth:`Stitched.map` returns False).
+    """
     return (
         _LIBC is not None
         and chunk_bytes > 0
-        and chunk_bytes % PAGE == 0
+        and (chunk_bytes % PAGE == 0 or len(offsets) == 1)
         and all(o % PAGE == 0 for o in offsets)
     )
 
@@ -142,7 +147,10 @@ class Stitched:
             length = min(size, used - i * size)
             if length <= 0:
                 break
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # removed since it was listed (its store evicted, replaced)
+                return False
             try:
                 if os.fstat(fd).st_size < offset + length:
                     logger.warning(

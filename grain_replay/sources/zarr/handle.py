@@ -204,6 +204,8 @@ class ZarrHandle(Handle):
             if mapped is None or stitched.chunk_bytes != _chunk_bytes(arr, spec.dtype):
                 return False
             plans.append((reader, [(f, 0) for f in mapped], first, spec))
+        if os.stat(self._path).st_ino != self._root:
+            return False  # replaced while planned: its files may be another store's
         for reader, parts, first, spec in plans:
             if not grow_stitched(reader, parts, first, spec.dtype, spec.shape, n):
                 return False

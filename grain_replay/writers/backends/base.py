@@ -11,13 +11,31 @@ import numpy as np
 from grain_replay.store import layout as layout_lib
 from grain_replay.writers.write_errors import LeafWriteError
 
-__all__ = ["APPEND_CHUNK_BYTES", "Backend", "write_by_leaf"]
+__all__ = ["APPEND_CHUNK_BYTES", "Backend", "chunk_rows_within", "write_by_leaf"]
 
 APPEND_CHUNK_BYTES = 1 << 20
 
 
+def chunk_rows_within(rows: int, limit: int | None) -> int:
+    """Rows per chunk of a store that never holds more than ``limit`` rows (a writer
+    part's segment; None: it grows without bound, ``rows`` as they are).
+
+    No chunk is larger than the store: ``limit`` rows split evenly into
+    ``k = ceil(limit / rows)`` chunks of ``ceil(limit / k)`` rows (at most ``rows``),
+    so the ``k`` chunks pass the ``limit`` rows by fewer than ``k`` rows.
+    """
+    if limit is None:
+        return rows
+    k = -(-limit // max(1, rows))
+    return -(-limit // k)
+
+
 class Backend(abc.ABC):
     """Storage for one growing store. ``meta`` holds the committed N and the leaves."""
+
+    # The most rows this store will hold (a writer part's segment), or None: the
+    # backend allocates nothing past them.
+    max_rows: int | None = None
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
         self.path = path
@@ -50,10 +68,13 @@ class Backend(abc.ABC):
         compression: str | None,
         *,
         sync: bool = True,
+        max_rows: int | None = None,
     ) -> Backend:
         """Creates an empty store (N = 0) atomically (durably unless ``sync=False``) and
         returns it opened for appending, without re-reading what was just written where
-        the backend can keep it open."""
+        the backend can keep it open. ``max_rows``: the most rows it will ever hold (a
+        writer part's segment): its chunks are no larger (:func:`chunk_rows_within`)
+        and nothing is allocated past them."""
 
     def stage_commit(self, n: int, checksums: dict[str, Any] | None) -> list[int]:
         """The first half of a commit whose commit point is elsewhere (a writer part's

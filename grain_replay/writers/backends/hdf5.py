@@ -11,7 +11,7 @@ from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import PAGE, import_h5py, metadata_from_attrs
 from grain_replay.writers.atomic import atomic_path
-from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend
+from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend, chunk_rows_within
 from grain_replay.writers.backends.durable import commit_metadata, fixed_metadata, open_h5
 from grain_replay.writers.oneshot import chunk_rows_for
 
@@ -23,7 +23,9 @@ class HDF5Backend(Backend):
 
     Chunks are allocated when capacity grows (geometrically, rarely), so an
     append writes raw chunk bytes only and changes no HDF5 structure; the
-    committed N is a fixed-size attribute rewritten in place.
+    committed N is a fixed-size attribute rewritten in place. A store of at most
+    ``max_rows`` rows (a writer part's segment) has chunks no larger and never
+    grows past them (to the chunk holding its last row).
     """
 
     def __init__(self, path: str, meta: layout_lib.StoreMetadata):
@@ -53,7 +55,7 @@ class HDF5Backend(Backend):
                 )
 
     @classmethod
-    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True, max_rows=None):  # type: ignore[no-untyped-def]
         # The file stays open across the swap into place (its handle follows the inode):
         # what was just made is neither reopened nor checked again (see __init__).
         h5py = import_h5py()
@@ -74,6 +76,7 @@ class HDF5Backend(Backend):
                         (1, *spec.shape), spec.dtype.itemsize, APPEND_CHUNK_BYTES,
                         page_aligned=True,
                     )  # fmt: skip
+                    rows = chunk_rows_within(rows, max_rows)
                     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
                     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                     f.create_dataset(
@@ -93,6 +96,7 @@ class HDF5Backend(Backend):
             raise
         backend = cls.__new__(cls)
         Backend.__init__(backend, path, meta)
+        backend.max_rows = max_rows
         backend._file = f
         backend._dsets = {k: f[layout_lib.disk_name(k)] for k in meta.leaves}
         return backend
@@ -107,8 +111,9 @@ class HDF5Backend(Backend):
         capacity = min(d.shape[0] for d in self._dsets.values())
         if stop > capacity:
             # Grow all leaves together, ahead of need: allocation is the only
-            # structural change, so keep it rare.
-            new = max(stop, 2 * capacity)
+            # structural change, so keep it rare (and never past max_rows).
+            ahead = 2 * capacity if self.max_rows is None else min(2 * capacity, self.max_rows)
+            new = max(stop, ahead)
             for d in self._dsets.values():
                 rows = d.chunks[0]
                 d.resize((-(-new // rows) * rows, *d.shape[1:]))

@@ -79,7 +79,8 @@ class NpyBackend(Backend):
             f.write(np.ascontiguousarray(data).tobytes())
 
     @classmethod
-    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True, max_rows=None):  # type: ignore[no-untyped-def]
+        # Files grow with the rows written (nothing allocated ahead): max_rows changes nothing.
         # The leaf files stay open across the swap into place, and they hold exactly an
         # empty header: nothing to re-read or repair (see __init__).
         fds = cls._create(path, meta, chunk_rows, compression, sync)

@@ -11,7 +11,7 @@ from grain_replay.errors import StoreExistsError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import import_zarr, metadata_from_attrs
 from grain_replay.writers.atomic import atomic_path
-from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend
+from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend, chunk_rows_within
 from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
 __all__ = ["ZarrBackend"]
@@ -36,19 +36,22 @@ class ZarrBackend(Backend):
                 arr.resize((n, *arr.shape[1:]))
 
     @classmethod
-    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True):  # type: ignore[no-untyped-def]
+    def create_open(cls, path, meta, chunk_rows, compression, *, sync=True, max_rows=None):  # type: ignore[no-untyped-def]
         if sync:  # zarr's arrays name their path: the swap into place would orphan them
             with atomic_path(path, overwrite=False, sync=sync) as partial:
-                cls._make(partial, meta, chunk_rows, compression)
-            return cls(path, meta)
+                cls._make(partial, meta, chunk_rows, compression, max_rows)
+            backend = cls(path, meta)
+            backend.max_rows = max_rows
+            return backend
         # Not durable until a later commit point names it (a writer part's segment): made
         # in place, which a crash leaves unnamed, so that reopening removes it as it
         # removes an unswapped .partial; the arrays just made are kept, not re-read.
         if os.path.lexists(path):
             raise StoreExistsError(f"{path} already exists (a segment made twice).")
-        group, arrays = cls._make(path, meta, chunk_rows, compression)
+        group, arrays = cls._make(path, meta, chunk_rows, compression, max_rows)
         backend = cls.__new__(cls)
         Backend.__init__(backend, path, meta)
+        backend.max_rows = max_rows
         backend._group, backend._arrays = group, arrays
         return backend
 
@@ -59,8 +62,10 @@ class ZarrBackend(Backend):
         meta: layout_lib.StoreMetadata,
         chunk_rows: int | None,
         compression: str | None,
+        max_rows: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """An empty group at ``path`` (N = 0); returns it and its arrays."""
+        """An empty group at ``path`` (N = 0); returns it and its arrays. Chunks hold at
+        most ``max_rows`` rows (a segment's: a chunk file is always whole)."""
         zarr = import_zarr()
         compressors = zarr_compressors(compression, path)
         group = zarr.open_group(path, mode="w", zarr_format=3)
@@ -70,6 +75,7 @@ class ZarrBackend(Backend):
             rows = chunk_rows or chunk_rows_for(
                 shape, spec.dtype.itemsize, APPEND_CHUNK_BYTES, page_aligned=compression is None
             )
+            rows = chunk_rows_within(rows, max_rows)
             arrays[key] = create_zarr_leaf(group, key, spec, 0, rows, compressors)
         group.attrs[layout_lib.METADATA_ATTR] = meta.to_json()
         return group, arrays
