@@ -3,7 +3,8 @@ and each room keeps to what it may import (docs/architecture.md is the map).
 
 The rooms, bottom first:
 
-0. errors, tree, _flags, store/ (the on-disk contract), remote/ (fsspec access).
+0. errors, tree, pipeline/flags.py, pipeline/shutdown.py (what is closed at exit), store/ (the
+   on-disk contract), remote/ (fsspec access).
 1. sources/reading/, sources/checks.py, sources/keys.py: the shared reading layer.
 2. sources/surface.py, sources/base.py, sources/access.py, sources/capabilities.py: the
    source surface.
@@ -39,6 +40,7 @@ LAYERS = {
     "grain_replay.errors": 0,
     "grain_replay.tree": 0,
     "grain_replay.pipeline.flags": 0,
+    "grain_replay.pipeline.shutdown": 0,
     "grain_replay.store": 0,
     "grain_replay.remote": 0,
     "grain_replay.sources.reading": 1,

@@ -9,12 +9,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from grain_replay.pipeline import shutdown
+
 __all__ = ["Prefetcher"]
 
 logger = logging.getLogger(__name__)
 
 _END = object()  # queued by the producer when the wrapped iterator is exhausted
 _POLL_S = 0.05  # how often a waiting producer checks whether it was asked to stop
+_EXIT_JOIN_S = 10.0  # at interpreter exit, how long to wait for the producer
 
 
 class _Failure:
@@ -29,6 +32,11 @@ class Prefetcher:
 
     ``capture_state`` also queues a copy of ``inner.get_state()`` taken right after
     each batch, so the consumer knows the state of the last batch it received.
+
+    While the thread runs, the prefetcher is registered with
+    :mod:`grain_replay.pipeline.shutdown`: at interpreter exit the thread is stopped
+    before jax tears the backend down (a thread inside a device put then aborts the
+    process).
     """
 
     def __init__(
@@ -43,6 +51,7 @@ class Prefetcher:
             name="sharded_device_put",
             daemon=True,
         )
+        shutdown.register(self, _halt_at_exit)
         self._thread.start()
 
     def next(self) -> tuple[Any, Any]:
@@ -63,13 +72,27 @@ class Prefetcher:
         self._stop.set()
 
     def halt(self, timeout: float | None = None) -> None:
-        """Stops the producer (waiting up to ``timeout``) and drops what it prefetched."""
+        """Stops the producer (waiting up to ``timeout``) and drops what it prefetched;
+        a consumer blocked in :meth:`next` then gets StopIteration. Idempotent."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("sharded_device_put: producer blocked in next(); left as daemon")
-        self._thread = None
+        thread, self._thread = self._thread, None
+        shutdown.unregister(self)
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("sharded_device_put: producer blocked in next(); left as daemon")
+            return
+        while True:  # the producer is gone: nothing else puts, a waiting consumer wakes
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put_nowait(_END)
+
+
+def _halt_at_exit(prefetcher: Prefetcher) -> None:
+    prefetcher.halt(_EXIT_JOIN_S)
 
 
 def _produce(
@@ -94,6 +117,8 @@ def _produce(
             return
         except BaseException as e:
             out.put(_Failure(e))
+            return
+        if stop.is_set():  # stopped while reading (at exit: no device put after jax's teardown)
             return
         try:
             state = copy.deepcopy(inner.get_state()) if capture_state else None

@@ -30,6 +30,7 @@ from grain_replay.errors import (
     ResidentBudgetError,
     ResidentUnsupportedError,
 )
+from grain_replay.pipeline import shutdown
 from grain_replay.pipeline.loader import BatchedReads, LoaderPlan
 from grain_replay.pipeline.state import handed_out_from_state, loader_state_bytes
 
@@ -173,6 +174,8 @@ class ResidentReplayIterator(Iterator[Any]):
         self._next = 0  # elements of this process handed out
         self._ready: collections.deque[Any] = collections.deque()
         self._closed = False
+        # Closed at interpreter exit if still open: its arrays go before jax's teardown.
+        shutdown.register(self, ResidentReplayIterator.close)
 
     def __iter__(self) -> Self:
         return self
@@ -249,6 +252,7 @@ class ResidentReplayIterator(Iterator[Any]):
 
         Final: ``set_state`` does not reopen a closed iterator (make a new one).
         """
+        shutdown.unregister(self)
         self._ready.clear()
         self._store = []
         self._closed = True

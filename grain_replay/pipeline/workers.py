@@ -29,6 +29,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, WorkerDiedError
+from grain_replay.pipeline import shutdown
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.slots import Field, Slots
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
@@ -103,7 +104,11 @@ def _shutdown(workers: list[_Worker]) -> None:
 
 
 class _Pool:
-    """Started workers, all at one generation; stale messages are dropped by generation."""
+    """Started workers, all at one generation; stale messages are dropped by generation.
+
+    Registered with :mod:`grain_replay.pipeline.shutdown` while the workers run: they are
+    stopped at interpreter exit (ask, wait, kill) if nobody closed the iterator.
+    """
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class _Pool:
         self.broken = False
         self.workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)
+        shutdown.register(self, _Pool.close)
         for plan in plans:
             ours, theirs = ctx.Pipe(duplex=True)
             start = plan.first_unread(handed_out)
@@ -214,6 +220,7 @@ class _Pool:
         )
 
     def close(self) -> None:
+        shutdown.unregister(self)
         self._finalizer()
 
 

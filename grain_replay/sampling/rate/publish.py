@@ -26,6 +26,7 @@ import weakref
 from typing import Any
 
 from grain_replay.errors import InvalidSamplingError
+from grain_replay.pipeline import shutdown
 from grain_replay.store import progress as learners_lib
 
 __all__ = ["HEARTBEAT_S", "PUBLISH_EVERY_S", "ProgressPublisher"]
@@ -72,6 +73,7 @@ class ProgressPublisher:
 
     The limiter that owns it (anything with ``publish()``) is held only weakly by
     the thread: when the limiter goes away, the thread stops and the file is withdrawn.
+    At interpreter exit :mod:`grain_replay.pipeline.shutdown` closes it, if still open.
     """
 
     def __init__(self, directory: str, name: str, what: str = "rate-limited") -> None:
@@ -153,6 +155,7 @@ class ProgressPublisher:
             daemon=True,
         )
         self._thread.start()
+        shutdown.register(self, ProgressPublisher.close)
         # Withdraw the file when the owner goes away (or the interpreter exits).
         self._finalizer = weakref.finalize(
             owner, _stop_and_withdraw, self._stop, self._dirty, self._lock, self.directory,
@@ -180,6 +183,7 @@ class ProgressPublisher:
         if not self.started:
             return
         self.started = False
+        shutdown.unregister(self)
         self._finalizer()
         if self._thread is not None:
             self._thread.join(5.0)

@@ -22,6 +22,7 @@ jax is never imported here (see :mod:`grain_replay.writers.device.leaves`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
+from grain_replay.pipeline import shutdown
 from grain_replay.writers.device import pack as device_pack
 from grain_replay.writers.device.leaves import (
     TreeSignature,
@@ -66,9 +68,8 @@ WRITE_BATCH_BYTES = 2 << 20
 def check_max_inflight_bytes(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise InvalidArgumentError(
-            f"{where}: max_inflight_bytes must be a positive int (bytes), got {value!r}. "
-            f"Fix: leave the default ({DEFAULT_MAX_INFLIGHT_BYTES >> 20} MiB) or pass e.g. "
-            "64 << 20."
+            f"{where}: max_inflight_bytes must be a positive int (bytes), got {value!r}. Fix: "
+            f"leave the default ({DEFAULT_MAX_INFLIGHT_BYTES >> 20} MiB) or pass e.g. 64 << 20."
         )
     return int(value)
 
@@ -237,6 +238,7 @@ class BackgroundWriter:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
+                shutdown.register(self, BackgroundWriter.close_at_exit)
                 self._thread.start()
             elif self._idle and (commit or self._queued_bytes >= self._batch_bytes):
                 # A batch (or a commit) is queued; below a batch, the thread sleeps on.
@@ -254,6 +256,12 @@ class BackgroundWriter:
                 finally:
                     self._urgent -= 1
             self._raise_locked()
+
+    def close_at_exit(self) -> None:
+        """At exit, before jax's teardown (pipeline/shutdown.py): writes the queue, no commit."""
+        with contextlib.suppress(BackgroundWriteError):  # logged by the failed thread
+            self.drain()
+        self.stop()
 
     def request_sync(self) -> None:
         """Has the sync thread run ``sync`` once more, soon (e.g. after a flush, for what
@@ -276,6 +284,7 @@ class BackgroundWriter:
     def stop(self) -> None:
         """Ends the thread once the queue is written (after ``drain`` or a failure)."""
         self._signature = None  # a closed writer takes no tree past its checks
+        shutdown.unregister(self)
         with self._work:
             self._stopped = True
             thread, self._thread = self._thread, None
