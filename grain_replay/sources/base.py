@@ -43,8 +43,7 @@ __all__ = [
     "select_keys",
 ]
 
-# Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store, on
-# reads (not IndexError, TypeError: unchecked reads pass the caller's indices through).
+# Reads' damaged-store failures (not IndexError: unchecked reads pass the caller's indices).
 _STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
 
