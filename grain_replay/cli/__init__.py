@@ -17,7 +17,8 @@ __all__ = ["main"]
 _VERIFY_EPILOG = """\
 exit status:
   0  the store is readable and every recorded checksum matches
-  1  the store is corrupt: the first damaged leaf and row range are named
+  1  the store is corrupt: the first damaged leaf and row range are named, or
+     opening it hung or crashed the child process it is first opened in
   2  the store cannot be opened or an argument is wrong (one error line)
 """
 
@@ -108,6 +109,14 @@ def _add_verify(sub: Any) -> None:
         epilog=_VERIFY_EPILOG,
     )
     p.add_argument("path", help=_ANY_STORE)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="open the store first in a child process killed after this long: a hostile "
+        "HDF5 file can hang the HDF5 library (default: %(default)s; 0: no child)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -13,38 +13,18 @@ from typing import Any
 import numpy as np
 
 from grain_replay.cli.info import cmd_info, fmt_bytes, size_on_disk
+from grain_replay.cli.stores import open_store
 
-__all__ = ["cmd_convert", "cmd_info", "cmd_stats", "cmd_verify", "fmt_bytes", "size_on_disk"]
-
-
-def _open(path: str) -> Any:
-    """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
-    frames (cameras decoded), else gr.open_source."""
-    import grain_replay as gr
-
-    if os.path.isfile(os.path.join(path, "meta", "info.json")):
-        return gr.LeRobotDataSource(path)
-    if os.path.isdir(path) and any(
-        os.path.exists(os.path.join(path, "data", f)) for f in ("main_data.hdf5", "metadata.json")
-    ):
-        return gr.MinariDataSource(path)
-    if path.endswith("main_data.hdf5"):
-        return gr.MinariDataSource(path)
-    return gr.open_source(path) if _is_plain(path) else gr.D4RLDataSource(path)
-
-
-def _is_plain(path: str) -> bool:
-    """False for a D4RL-layout HDF5 file without grain_replay metadata."""
-    from grain_replay.store.formats import format_from_path, import_h5py
-    from grain_replay.store.layout import METADATA_ATTR
-
-    if format_from_path(path) != "hdf5" or not os.path.isfile(path):
-        return True
-    h5py = import_h5py()
-
-    with h5py.File(path, "r", locking=False) as f:
-        d4rl = {"observations", "actions", "rewards", "terminals"} <= set(f.keys())
-        return METADATA_ATTR in f.attrs or not d4rl
+__all__ = [
+    "cmd_convert",
+    "cmd_info",
+    "cmd_stats",
+    "cmd_verify",
+    "fmt_bytes",
+    "open_store",
+    "size_on_disk",
+    "verify_isolated",
+]
 
 
 class _NoBar:
@@ -108,7 +88,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{os.path.abspath(args.dst)} exists. Fix: pass --overwrite to replace it, or "
             "choose another destination."
         )
-    src = _open(args.src)
+    src = open_store(args.src)
     n = len(src)
     fmt = args.format or format_from_path(args.dst)
     leaves = {k: _storable(v) for k, v in src.spec.items()}
@@ -155,12 +135,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify_isolated(path: str | os.PathLike[str], timeout: float = 30.0) -> Any:
+    """Opens ``path`` in a child process killed after ``timeout`` s: an
+    :class:`~grain_replay.cli.isolated.IsolatedCheck` (``ok``, ``hung``, ``message``)."""
+    from grain_replay.cli.isolated import verify_isolated as run
+
+    return run(path, timeout)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Checks metadata, lengths and every leaf's recorded checksums."""
+    """Checks metadata, lengths and every leaf's recorded checksums.
+
+    The store is first opened in a child process killed after ``--timeout`` s (a
+    hostile HDF5 file can hang the HDF5 C library); only if that answers is it
+    opened here.
+    """
     from grain_replay.sources import PartsDataSource
     from grain_replay.store.integrity import verify_source
 
-    src = _open(args.path)
+    timeout = getattr(args, "timeout", 30.0)
+    if timeout and timeout > 0:
+        check = verify_isolated(args.path, timeout)
+        if check.hung or (not check.ok and not check.error):
+            print(f"CORRUPT {check.path}: {check.message}", file=sys.stderr)
+            return 1
+    src = open_store(args.path)
     if isinstance(src, PartsDataSource):
         return _verify_parts(src, args)
     n = len(src)
@@ -243,7 +242,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Per-leaf count, mean, std, min, max and quantiles (cached beside the store)."""
     from grain_replay.stats import compute_stats, iter_json
 
-    src = _open(args.path)
+    src = open_store(args.path)
     with _progress(len(src), "stats", not (args.quiet or args.json)) as bar:
         stats = compute_stats(
             src, keys=args.keys, quantiles=args.quantiles, cache=not args.no_cache,

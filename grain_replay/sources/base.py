@@ -15,6 +15,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     GrainReplayError,
     InvalidStoreError,
+    StoreNotFoundError,
     UnknownLeafError,
 )
 from grain_replay.sources.checks import (
@@ -28,7 +29,7 @@ from grain_replay.sources.keys import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
 from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface, current_pid
-from grain_replay.store.formats import is_url
+from grain_replay.store.formats import STORE_FAULTS, damaged_store, is_url
 from grain_replay.store.layout import LeafSpec
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "select_keys",
 ]
 
-# Failures inside h5py / zarr / numcodecs / zlib / mmap that mean a damaged store.
+# Reads' damaged-store failures (not IndexError: unchecked reads pass the caller's indices).
 _STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
 
@@ -77,7 +78,7 @@ class ReplaySource(SourceSurface):
         self._handle: Handle | None = None
         self._pid: int | None = None
         self._opens = 0
-        self._set_layout(self._inspect())
+        self._set_layout(self._inspect_named())
 
     # -- subclass hooks -------------------------------------------------------
 
@@ -91,6 +92,17 @@ class ReplaySource(SourceSurface):
 
     # -- layout ---------------------------------------------------------------
 
+    def _inspect_named(self) -> Layout:
+        """:meth:`_inspect`, a format library's failure on damaged bytes as a named error."""
+        try:
+            return self._inspect()
+        except GrainReplayError:
+            raise
+        except FileNotFoundError as e:  # a file of the store gone: still a FileNotFoundError
+            raise StoreNotFoundError(f"{self._path}: a file of the store is missing ({e}).") from e
+        except STORE_FAULTS as e:
+            raise damaged_store(self._path, e, doing="reading the metadata") from e
+
     def _set_layout(self, full: Layout) -> None:
         self._layout = select_keys(full, self._requested_keys, self._path)
         self._keys = list(self._layout.spec)
@@ -103,7 +115,7 @@ class ReplaySource(SourceSurface):
         grew and its format can (``.npy``: the new pages are mapped behind the
         old ones); otherwise it is closed and the next read reopens the store.
         """
-        layout = select_keys(self._inspect(), self._requested_keys, self._path)
+        layout = select_keys(self._inspect_named(), self._requested_keys, self._path)
         grown = self._grow_handle(layout)
         # The handle holds the new rows before the length says so.
         self._set_layout(layout)
@@ -120,7 +132,7 @@ class ReplaySource(SourceSurface):
         snapshot before it still reads): never closed under them, so a file unlinked
         since it was opened is never reopened.
         """
-        layout = select_keys(self._inspect(), self._requested_keys, self._path)
+        layout = select_keys(self._inspect_named(), self._requested_keys, self._path)
         if not self._grow_handle(layout):
             return False
         self._set_layout(layout)
@@ -446,9 +458,4 @@ class ReplaySource(SourceSurface):
 
     def _corrupt(self, key: str | None, error: BaseException) -> InvalidStoreError:
         """A read that failed inside a format library, as an error naming file and leaf."""
-        leaf = f" leaf {key!r}:" if key is not None else ""
-        return InvalidStoreError(
-            f"{self._path}:{leaf} reading failed ({type(error).__name__}: {error}). The store "
-            "is truncated, corrupt or was changed while open. Fix: re-create it, or run "
-            "`grain-replay verify` to locate the damage."
-        )
+        return damaged_store(self._path, error, leaf=key, doing="reading")

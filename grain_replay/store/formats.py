@@ -8,6 +8,8 @@ import math
 import mmap
 import os
 import stat
+import struct
+import zlib
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -30,6 +32,8 @@ __all__ = [
     "RLDS_MARKERS",
     "ZIP_SIGNATURES",
     "ZARR_MARKERS",
+    "STORE_FAULTS",
+    "damaged_store",
     "detect_format",
     "format_from_path",
     "import_fsspec",
@@ -255,6 +259,39 @@ def store_not_found(path: str, message: str) -> StoreNotFoundError | UnfinishedW
         f"renamed into place only once complete), and what was written lies in {partial}, "
         f"left by {who}. Fix: wait for a running write to finish; else re-run the write "
         f"(e.g. gr.write({path!r}, tree)), or delete {partial}."
+    )
+
+
+# What h5py / zarr / numcodecs / numpy / zlib / mmap raise on damaged bytes (h5py's
+# RuntimeError and KeyError included: "bad symbol table node signature", "unable to
+# determine object type"). A source turns each into a named error: damaged_store.
+STORE_FAULTS: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    RuntimeError,
+    KeyError,
+    IndexError,
+    TypeError,
+    EOFError,
+    OverflowError,
+    struct.error,
+    zlib.error,
+)
+
+DAMAGED_FIX = "restore it from a copy or re-write it"
+
+
+def damaged_store(
+    path: str, error: BaseException, *, leaf: str | None = None, doing: str = "opening"
+) -> InvalidStoreError:
+    """The named error for a format library's failure on a store's bytes (raise it ``from``
+    the failure): the file, the leaf when known, what failed, and the fix."""
+    where = path if is_url(path) else os.path.abspath(path)
+    at = f" leaf {leaf!r}:" if leaf is not None else ""
+    return InvalidStoreError(
+        f"{where}:{at} {doing} failed ({type(error).__name__}: {error}). The file is damaged "
+        f"(or was changed while open): {DAMAGED_FIX}; `grain-replay verify {where}` checks "
+        "a store."
     )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
-from grain_replay.errors import InvalidStoreError, StoreNotFoundError
+from grain_replay.errors import GrainReplayError, InvalidStoreError, StoreNotFoundError
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.hdf5 import filters as hdf5_filters
@@ -27,6 +27,8 @@ from grain_replay.sources.reading.readers import ArrayReader, Handle
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import (
     HDF5_SIGNATURE,
+    STORE_FAULTS,
+    damaged_store,
     import_h5py,
     is_url,
     metadata_from_attrs,
@@ -82,7 +84,9 @@ class _HDF5Handle(Handle):
                     whole.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead per fault
             return whole
 
-        for key, loc in source._layout.locations.items():
+        def open_leaf(key: str, loc: str) -> bool:
+            """Opens one leaf's reader; True if it reads through h5py."""
+            uses_h5py = False
             dset = self.file[loc]
             hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
@@ -114,7 +118,7 @@ class _HDF5Handle(Handle):
                 self.readers[key] = reader
                 (self.mapped_files.setdefault(key, []) if mapped else self._guards).append(file)
             else:
-                needs_h5py = True
+                uses_h5py = True
                 chunk_rows = dset.chunks[0] if dset.chunks else _rows_per(dset, 1 << 20)
                 read_blocks = (
                     hdf5_direct_block_reader(dset, chunk_rows, n) if local else None
@@ -126,6 +130,16 @@ class _HDF5Handle(Handle):
                 self.readers[key] = ChunkedLeafReader(
                     key, n, chunk_rows, spec.shape, spec.dtype, read_blocks, self.cache,
                 )  # fmt: skip
+            return uses_h5py
+
+        for key, loc in source._layout.locations.items():
+            try:
+                needs_h5py = open_leaf(key, loc) or needs_h5py
+            except BaseException as e:
+                self._close_file()  # else HDF5 keeps the file open until collected
+                if isinstance(e, STORE_FAULTS) and not isinstance(e, GrainReplayError):
+                    raise damaged_store(source.path, e, leaf=key, doing=f"opening {loc!r}") from e
+                raise
         self._descriptor = descriptor
         if not needs_h5py:
             # Every leaf is mapped or read raw: the h5py handle is not needed, and
@@ -294,38 +308,35 @@ class HDF5DataSource(ReplaySource):
             return inspect_remote(self._path, self._storage_options, self._retry, self._layout_of)
         try:
             return hdf5_raw.retry_while_written(self._path, self._read_layout)
-        except (OSError, ValueError) as e:
-            if isinstance(e, InvalidStoreError):
-                raise
-            if isinstance(e, FileNotFoundError):
-                raise StoreNotFoundError(f"No HDF5 file at {shown_path(self._path)}: {e}") from e
-            raise InvalidStoreError(
-                f"{self._path}: h5py cannot open the file ({e}). It may be truncated or "
-                "corrupt. Fix: re-create it."
-            ) from e
+        except GrainReplayError:
+            raise
+        except FileNotFoundError as e:
+            raise StoreNotFoundError(f"No HDF5 file at {shown_path(self._path)}: {e}") from e
+        except STORE_FAULTS as e:  # RuntimeError, KeyError too: "bad symbol table node", ...
+            raise damaged_store(self._path, e, doing="h5py opening the file") from e
 
     def _read_layout(self) -> Layout:
         with open_h5(self._path) as f:
             return self._layout_of(f)
 
     def _layout_of(self, f: Any) -> Layout:
-        h5py = import_h5py()
-        meta = metadata_from_attrs(f.attrs, self._path)
+        try:
+            meta = metadata_from_attrs(f.attrs, self._path)
+        except GrainReplayError:
+            raise
+        except STORE_FAULTS as e:
+            raise damaged_store(
+                self._path, e, doing=f"reading its metadata attribute {layout_lib.METADATA_ATTR!r}"
+            ) from e
         if meta is not None:
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
-                if not self._allow_external:
-                    hdf5_refs.check_link_path(f, self._path, key, loc)
-                dset = f.get(loc)
-                if not isinstance(dset, h5py.Dataset):
-                    raise InvalidStoreError(
-                        f"{self._path}: leaf {key!r} is listed in the metadata but dataset "
-                        f"{loc!r} is missing. The file is corrupt; re-create it."
-                    )
-                if not self._allow_external:
-                    hdf5_refs.check_dataset_refs(dset, self._path, key)
-                hdf5_filters.require_filters(dset, self._path, key)
-                self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
+                try:
+                    self._check_leaf(f, key, loc, meta)
+                except GrainReplayError:
+                    raise
+                except STORE_FAULTS as e:
+                    raise damaged_store(self._path, e, leaf=key, doing=f"opening {loc!r}") from e
             return Layout(
                 meta.num_records,
                 dict(meta.leaves),
@@ -334,8 +345,34 @@ class HDF5DataSource(ReplaySource):
                 meta.checksums,
                 meta.store_id,
             )
-        # A foreign file: every dataset with a records axis is a leaf.
-        found, links = hdf5_refs.foreign_datasets(f, self._allow_external)
+        return self._foreign_layout(f)
+
+    def _check_leaf(self, f: Any, key: str, loc: str, meta: layout_lib.StoreMetadata) -> None:
+        """The dataset of a leaf the metadata lists: there, in the file, as the metadata says."""
+        h5py = import_h5py()
+        if not self._allow_external:
+            hdf5_refs.check_link_path(f, self._path, key, loc)
+        dset = f.get(loc)
+        if not isinstance(dset, h5py.Dataset):
+            raise InvalidStoreError(
+                f"{self._path}: leaf {key!r} is listed in the metadata but dataset "
+                f"{loc!r} is missing. The file is corrupt; re-create it."
+            )
+        if not self._allow_external:
+            hdf5_refs.check_dataset_refs(dset, self._path, key)
+        hdf5_filters.require_filters(dset, self._path, key)
+        self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
+
+    def _foreign_layout(self, f: Any) -> Layout:
+        """A file written by others: every dataset with a records axis is a leaf."""
+        try:
+            found, links = hdf5_refs.foreign_datasets(f, self._allow_external)
+        except GrainReplayError:
+            raise
+        except STORE_FAULTS as e:
+            raise damaged_store(
+                self._path, e, doing="listing its datasets (no grain_replay metadata)"
+            ) from e
         for name, link in links.items():
             if self._requested_keys is None or any(
                 k == name or k.startswith(name + "/") or name.startswith(k.rstrip("/") + "/")
