@@ -49,6 +49,7 @@ LAYERS = {
     "grain_replay.sources.base": 2,
     "grain_replay.sources.surface": 2,
     "grain_replay.sources.access": 2,
+    "grain_replay.sources.window_reads": 2,
     "grain_replay.sources.capabilities": 2,
     "grain_replay.sources.hdf5": 3,
     "grain_replay.sources.zarr": 3,

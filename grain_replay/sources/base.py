@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import os
 import threading
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -23,12 +22,11 @@ from grain_replay.sources.checks import (
     check_indices,
     check_out,
     record_in_range,
-    window_starts,
 )
 from grain_replay.sources.keys import Layout, select_keys
 from grain_replay.sources.reading.readers import Handle
-from grain_replay.sources.reading.windows import fix_windows
 from grain_replay.sources.surface import BatchSource, SourceSurface, current_pid
+from grain_replay.sources.window_reads import STORE_READ_FAULTS, WindowReads
 from grain_replay.store.formats import STORE_FAULTS, damaged_store, is_url
 from grain_replay.store.layout import LeafSpec
 
@@ -43,11 +41,8 @@ __all__ = [
     "select_keys",
 ]
 
-# Reads' damaged-store failures (not IndexError: unchecked reads pass the caller's indices).
-_STORE_FAULTS = (OSError, ValueError, RuntimeError, KeyError, EOFError, zlib.error)
 
-
-class ReplaySource(SourceSurface):
+class ReplaySource(WindowReads, SourceSurface):
     """A grain ``RandomAccessDataSource`` over a replay store (structurally typed).
 
     Subclasses implement :meth:`_inspect` (read the layout once, in the
@@ -208,7 +203,7 @@ class ReplaySource(SourceSurface):
             handle = self._open()
         except GrainReplayError:
             raise
-        except _STORE_FAULTS as e:
+        except STORE_READ_FAULTS as e:
             raise self._corrupt(None, e) from e
         self._opens += 1
         return handle
@@ -247,7 +242,7 @@ class ReplaySource(SourceSurface):
             return self._build({k: readers[k].row(i) for k in self._keys})
         except GrainReplayError:
             raise
-        except _STORE_FAULTS as e:
+        except STORE_READ_FAULTS as e:
             raise self._corrupt(None, e) from e
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -261,111 +256,7 @@ class ReplaySource(SourceSurface):
             return handle.readers[key].take(idx)
         except GrainReplayError:
             raise
-        except _STORE_FAULTS as e:
-            raise self._corrupt(key, e) from e
-
-    def read_windows(
-        self, key: str, starts: Sequence[int] | np.ndarray, length: int, *, check: bool = True
-    ) -> np.ndarray:
-        """``length`` consecutive rows of leaf ``key`` from each of ``starts``, in one read.
-
-        A memory-mapped or in-memory leaf copies each window as one block (a
-        ``.npy`` store: about 0.6x the time of ``read_leaf`` of the same rows);
-        other readers take the ``len(starts) * length`` rows at once.
-
-        Args:
-          key: the leaf.
-          starts: first row of each window, ``0 <= start <= N - length``.
-          length: rows per window, at least 1.
-          check: False skips checking ``starts`` for a caller that computed
-            them in range; one out of range then raises numpy's ``IndexError``
-            (no read leaves the store).
-
-        Returns:
-          ``(len(starts), length, *leaf_shape)``.
-
-        Raises:
-          UnknownLeafError: no leaf ``key``.
-          RecordIndexError: a window reaches outside the store.
-        """
-        if key not in self._layout.spec:
-            raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
-        length = int(length)
-        idx = window_starts(starts, length, len(self), self._path) if check else np.asarray(starts)
-        handle = self._get_handle()
-        handle.check_mapped([key])
-        return self._take_windows(handle, key, idx, length)
-
-    def read_windows_flat(
-        self, windows: Mapping[str, tuple[Sequence[int] | np.ndarray, int]], *, check: bool = True
-    ) -> dict[str, np.ndarray]:
-        """:meth:`read_windows` of several leaves in one call, with one handle and one
-        truncation check for all of them (a batch of sequences reads its leaves so).
-
-        Args:
-          windows: leaf key -> ``(starts, length)``, as :meth:`read_windows` takes them.
-          check: as for :meth:`read_windows`.
-
-        Returns:
-          Leaf key -> ``(len(starts), length, *leaf_shape)``, in the order given.
-
-        Raises:
-          UnknownLeafError: no leaf of a key.
-          RecordIndexError: a window reaches outside the store.
-        """
-        if getattr(self.read_windows, "__func__", None) is not ReplaySource.read_windows:
-            # A subclass reads windows its own way (its records are not consecutive rows).
-            return {k: self.read_windows(k, s, n, check=check) for k, (s, n) in windows.items()}
-        spec = self._layout.spec
-        asked = {}
-        for key, (starts, length) in windows.items():
-            if key not in spec:
-                raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
-            n = int(length)
-            idx = window_starts(starts, n, len(self), self._path) if check else np.asarray(starts)
-            asked[key] = (idx, n)
-        handle = self._get_handle()
-        handle.check_mapped(asked)
-        return {
-            key: self._take_windows(handle, key, starts, n) for key, (starts, n) in asked.items()
-        }
-
-    def read_windows_fixed(
-        self, windows: Mapping[str, tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]]
-    ) -> dict[str, np.ndarray]:
-        """:meth:`read_windows_flat` with ``check=False`` and a fix-up per leaf: leaf key ->
-        ``(starts, length, near, at)``; window ``near[i]`` takes at its position ``j`` the
-        row ``starts[near[i]] + at[i, j]`` (``near``/``at`` None: none). For the views'
-        windowed reads (``rl/_sequence_windows.py``); the starts and ``at`` are in range."""
-        if getattr(self.read_windows, "__func__", None) is not ReplaySource.read_windows:
-            got = self.read_windows_flat({k: (w[0], w[1]) for k, w in windows.items()}, check=False)
-            for key, (_, _, near, at) in windows.items():
-                fix_windows(got[key], near, at)
-            return got
-        spec = self._layout.spec
-        for key in windows:
-            if key not in spec:
-                raise UnknownLeafError(f"{self._path}: no leaf {key!r}; leaves: {self._keys}")
-        handle = self._get_handle()
-        handle.check_mapped(windows)
-        out = {}
-        for key, (starts, n, near, at) in windows.items():
-            try:
-                out[key] = handle.readers[key].take_windows_fixed(starts, n, near, at)
-            except GrainReplayError:
-                raise
-            except _STORE_FAULTS as e:
-                raise self._corrupt(key, e) from e
-        return out
-
-    def _take_windows(
-        self, handle: Handle, key: str, starts: np.ndarray, length: int
-    ) -> np.ndarray:
-        try:
-            return handle.readers[key].take_windows(starts, length)
-        except GrainReplayError:
-            raise
-        except _STORE_FAULTS as e:
+        except STORE_READ_FAULTS as e:
             raise self._corrupt(key, e) from e
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, *, check: bool = True) -> Any:
@@ -410,7 +301,7 @@ class ReplaySource(SourceSurface):
             return handle.take_flat(keys, rows, wrap_at=wrap_at)
         except GrainReplayError:
             raise
-        except _STORE_FAULTS:
+        except STORE_READ_FAULTS:
             pass  # read again leaf by leaf, to name the leaf that fails
         idx = rows if wrap_at is None else np.remainder(rows, max(wrap_at, 1))
         readers = handle.readers
@@ -420,7 +311,7 @@ class ReplaySource(SourceSurface):
                 out[k] = readers[k].take(idx)
             except GrainReplayError:
                 raise
-            except _STORE_FAULTS as e:
+            except STORE_READ_FAULTS as e:
                 raise self._corrupt(k, e) from e
         return out
 
@@ -453,7 +344,7 @@ class ReplaySource(SourceSurface):
                 readers[k].take_into(idx, dst)
             except GrainReplayError:
                 raise
-            except _STORE_FAULTS as e:
+            except STORE_READ_FAULTS as e:
                 raise self._corrupt(k, e) from e
 
     def _corrupt(self, key: str | None, error: BaseException) -> InvalidStoreError:
