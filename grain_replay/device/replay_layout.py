@@ -4,8 +4,8 @@ A TPU tiles an array's two minor dimensions to ``(8, 128)`` 32-bit words: a ``(c
 64)`` float32 leaf takes the room of ``(capacity, 128)``, a ``(capacity, 1)`` one 128 times
 its size, and a gather of such narrow rows is slow. So each leaf is held as 32-bit words
 (``uint32``; bitcast on the way in and out, bit-exact), ``w`` words a row (bytes packed:
-a uint8 leaf of 28,224 bytes is 7,056 words; a leaf narrower than a word, a bool or a
-uint8 scalar, takes one word: 4 bytes for 1, fine for the few scalars of a record), and
+a uint8 leaf of 28,224 bytes is 7,056 words; a scalar narrower than a word, a bool or a
+uint8, is zero-extended to one: 4 bytes for 1, fine for the few scalars of a record), and
 laid out by ``w``:
 
 - *lines* (``w <= 128``): ``w`` rounded up to a power of two ``v`` (a divisor of 128: 3 ->
@@ -63,7 +63,9 @@ def to_words(x: jax.Array, w: int) -> jax.Array:
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     it = x.dtype.itemsize
-    if it == 8:
+    if it < _WORD and x.shape[1] == 1:  # a scalar byte or half: zero-extended, no relayout
+        u = jax.lax.bitcast_convert_type(x, _uint(it)).astype(jnp.uint32)
+    elif it == 8:
         u = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(k, -1)
     elif it == _WORD:
         u = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -81,7 +83,10 @@ def from_words(u: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     d = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64))
     it = d.itemsize
-    if it == 8:
+    if it < _WORD and size == 1:
+        x = u[:, :1].astype(_uint(it))
+        x = x != 0 if d == np.bool_ else jax.lax.bitcast_convert_type(x, d)
+    elif it == 8:
         x = jax.lax.bitcast_convert_type(u[:, : 2 * size].reshape(b, size, 2), d)
     elif it == _WORD:
         x = jax.lax.bitcast_convert_type(u[:, :size], d)

@@ -30,6 +30,8 @@ def _leaves(start: int, n: int) -> dict[str, np.ndarray]:
         "done": seq % 3 == 0,  # bool: 1 word
         "small": rng.integers(-128, 127, (n, 3), dtype=np.int8),  # 3 bytes: 1 word
         "f64": seq * 0.25,  # float64: float32 on the device, 1 word
+        "neg": rng.integers(-128, 127, n, dtype=np.int8),  # scalar bytes: zero-extended
+        "h1": rng.standard_normal(n).astype(np.float16),
         "bytes12": rng.integers(0, 255, (n, 12), dtype=np.uint8),  # 3 words -> 4 lanes
         "half": rng.standard_normal((n, 5)).astype(np.float16),  # 10 bytes: 3 words
         "patch": rng.integers(0, 255, (n, 7, 9), dtype=np.uint8),  # 63 bytes: 16 words
@@ -72,7 +74,7 @@ def test_leaves_of_every_width_round_trip_bit_exact(tmp_path: Path) -> None:
         layout = replay._setup()
         groups = {(kind, lanes): len(m) for kind, lanes, m in layout.groups}
         assert groups == {
-            ("lines", 1): 4,  # seq, done, small, f64
+            ("lines", 1): 6,  # seq, done, small, f64, neg, h1
             ("lines", 4): 2,  # bytes12, half
             ("lines", 16): 1,
             ("lines", 64): 1,
@@ -80,7 +82,7 @@ def test_leaves_of_every_width_round_trip_bit_exact(tmp_path: Path) -> None:
             ("wide", 200): 1,
         }
         shapes = sorted(layout.shapes)
-        assert (4, 3, 128) in shapes and (2, 10, 128) in shapes  # ceil(300 / 128), / 32
+        assert (6, 3, 128) in shapes and (2, 10, 128) in shapes  # ceil(300 / 128), / 32
         assert (1, 150, 128) in shapes and (1, CAP, 200) in shapes
         _check_every_slot(replay, state)
         # 250 more: several new rows land in each line, beside rows kept from before.
