@@ -15,8 +15,17 @@ the rate with sampling / the bare rate (1.0: sampling is free). Also: the device
 ``memory_stats()`` before and after ``init()`` where the backend reports them (TPU,
 GPU; not CPU), and the ring's bytes against the store's bytes.
 
+Each step carries ``(params, key)`` and splits the key inside its jit (as a training loop
+does: no per-step host work); the bare step gets its batch as an argument, not a constant.
+
+``--peers`` also times flashbax 0.1.3 (when installed) in the same steps: its item
+buffer (uniform ``sample`` inside the jit) and its prioritised flat buffer (``sample`` +
+``set_priorities``), their states donated, and prints our rate over theirs. Its conv
+buffer holds ``--peer-frames`` frames (its natural ``(n, 84, 84, 4)`` layout pads the 4
+channels to 128 lanes on a TPU: 50,000 frames would not fit).
+
     python benchmarks/bench_device_replay.py [--quick] [--rows N] [--frames N]
-        [--batch B] [--steps S] [--repeats R]
+        [--batch B] [--steps S] [--repeats R] [--peers] [--peer-frames N]
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 import jax
@@ -121,16 +131,17 @@ def make_train(q: Callable[[Any, jax.Array], jax.Array], next_key: str) -> Calla
     return train
 
 
-def _rate(fn: Callable[[], Any], steps: int, repeats: int) -> tuple[float, list[float]]:
-    jax.block_until_ready(fn())  # compile and warm
+def _rate(step: Callable[[Any], Any], carry: Any, steps: int, repeats: int) -> tuple[float, Any]:
+    """Steps/s of ``carry = step(carry)`` (median of ``repeats`` timings), and the carry."""
+    carry = jax.block_until_ready(step(carry))  # compile and warm
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(steps):
-            out = fn()
-        jax.block_until_ready(out)
+            carry = step(carry)
+        jax.block_until_ready(carry)
         times.append(time.perf_counter() - t)
-    return steps / statistics.median(times), times
+    return steps / statistics.median(times), carry
 
 
 def _mem() -> dict[str, int] | None:
@@ -138,21 +149,32 @@ def _mem() -> dict[str, int] | None:
     return None if stats is None else {k: int(v) for k, v in stats.items() if "bytes" in k}
 
 
+def _model(name: str) -> tuple[Callable[..., Any], Any]:
+    q, params = (mlp_q, mlp_params) if name == "mlp" else (conv_q, conv_params)
+    return make_train(q, "next_obs" if name == "mlp" else "obs"), params(jax.random.key(0))
+
+
 def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root: str) -> dict:
+    """The three steps; each carries ``(params, key)`` (the key split inside the jit, as a
+    training loop does: no per-step host work), the bare one gets its batch as an argument."""
     path = f"{root}/{name}"
     gr.write(path, tree)
     n = len(next(iter(tree.values())))
     store_bytes = sum(a.nbytes for a in tree.values())
-    q, params = (mlp_q, mlp_params) if name == "mlp" else (conv_q, conv_params)
-    train = make_train(q, "next_obs" if name == "mlp" else "obs")
-    params = params(jax.random.key(0))
+    train, params = _model(name)
     b = args.batch
     fixed = jax.device_put({k: v[:b] for k, v in tree.items()}, jax.devices()[0])
     ones = jnp.ones(b, jnp.float32)
 
-    bare = jax.jit(lambda p, batch: train(p, batch, ones)[0])
+    @jax.jit
+    def bare_step(carry: Any, batch: Any) -> Any:
+        p, key = carry
+        key, _ = jax.random.split(key)
+        return train(p, batch, ones)[0], key
+
     rates: dict[str, float] = {}
-    rates["bare"], _ = _rate(lambda: bare(params, fixed), args.steps, args.repeats)
+    carry0 = (params, jax.random.key(1))
+    rates["bare"], _ = _rate(lambda c: bare_step(c, fixed), carry0, args.steps, args.repeats)
 
     before = _mem()
     uni = gr.DeviceReplay(path, sampling=gr.UniformReplay())
@@ -160,33 +182,31 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
     after = _mem()
 
     @jax.jit
-    def uniform_step(p: Any, state: Any, key: jax.Array) -> Any:
-        batch = uni.sample(state, key, b)
-        return train(p, batch.data, batch.weight)[0]
+    def uniform_step(carry: Any, state: Any) -> Any:
+        p, key = carry
+        key, sub = jax.random.split(key)
+        batch = uni.sample(state, sub, b)
+        return train(p, batch.data, batch.weight)[0], key
 
-    keys = iter(jax.random.split(jax.random.key(1), args.steps * (args.repeats + 1) + 1))
     rates["uniform"], _ = _rate(
-        lambda: uniform_step(params, state_u, next(keys)), args.steps, args.repeats
+        lambda c: uniform_step(c, state_u), carry0, args.steps, args.repeats
     )
-    state_u.rows[0].delete()  # the uniform ring's memory back before the prioritized one
+    jax.tree.map(lambda x: x.delete(), state_u)  # its memory back before the prioritized ring
 
     pri = gr.DeviceReplay(path, sampling=gr.PrioritizedReplay(alpha=0.6, beta=0.4))
-    holder = {"state": pri.init()}
 
-    def prioritized_step(p: Any, state: Any, key: jax.Array) -> Any:
-        batch = pri.sample(state, key, b)
+    def prioritized_step(carry: Any, state: Any) -> Any:
+        p, key = carry
+        key, sub = jax.random.split(key)
+        batch = pri.sample(state, sub, b)
         p, td = train(p, batch.data, batch.weight)
-        return p, pri.update_priorities(state, batch.index, td)
+        return (p, key), pri.update_priorities(state, batch.index, td)
 
-    prioritized_jit = jax.jit(prioritized_step, donate_argnums=1)
-
-    def run_prioritized() -> Any:
-        p, holder["state"] = prioritized_jit(params, holder["state"], next(keys))
-        return p
-
-    keys = iter(jax.random.split(jax.random.key(2), args.steps * (args.repeats + 1) + 1))
-    rates["prioritized"], _ = _rate(run_prioritized, args.steps, args.repeats)
-    ring = pri.state_bytes()
+    prioritized_jit = jax.jit(prioritized_step, donate_argnums=1)  # the state in place
+    rates["prioritized"], (_, state_p) = _rate(
+        lambda c: prioritized_jit(*c), (carry0, pri.init()), args.steps, args.repeats
+    )
+    jax.tree.map(lambda x: x.delete(), state_p)
     used = None
     if before is not None and after is not None:
         used = after.get("bytes_in_use", 0) - before.get("bytes_in_use", 0)
@@ -195,12 +215,94 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
         "rows": n,
         "row_bytes": store_bytes // n,
         "store_bytes": store_bytes,
-        "ring_bytes": ring,
+        "ring_bytes": pri.state_bytes(),
         "hbm_used_by_init": used,
         "memory_before": before,
         "memory_after": after,
         "rates": rates,
     }
+
+
+def bench_flashbax(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace) -> Any:
+    """flashbax's item buffer (uniform) and prioritised flat buffer (sample +
+    ``set_priorities``) in the same steps, their states donated. None: not installed."""
+    try:
+        import flashbax as fbx  # the optional peer
+    except ImportError:
+        return None
+    n = len(next(iter(tree.values())))
+    train, params = _model(name)
+    b = args.batch
+    carry0 = (params, jax.random.key(1))
+    chunk = max(b, (64 << 20) // max(1, sum(a[0].nbytes for a in tree.values())))
+    example = {k: v[0] for k, v in tree.items()}
+    rates: dict[str, float] = {}
+
+    def fill(buffer: Any, state: Any, seq_axis: bool) -> Any:
+        add = jax.jit(buffer.add, donate_argnums=0)
+        for lo in range(0, n, chunk):
+            part = {k: v[lo : lo + chunk] for k, v in tree.items()}
+            state = add(state, jax.tree.map(lambda x: x[None], part) if seq_axis else part)
+        return state
+
+    item = fbx.make_item_buffer(max_length=n, min_length=b, sample_batch_size=b, add_sequences=True)
+    state = fill(item, item.init(example), seq_axis=False)
+
+    def uniform_step(carry: Any, state: Any) -> Any:
+        p, key = carry
+        key, sub = jax.random.split(key)
+        batch = item.sample(state, sub).experience
+        return (train(p, batch, jnp.ones(b, jnp.float32))[0], key), state
+
+    uniform_jit = jax.jit(uniform_step, donate_argnums=1)
+    rates["uniform"], (_, state) = _rate(
+        lambda c: uniform_jit(*c), (carry0, state), args.steps, args.repeats
+    )
+    jax.tree.map(lambda x: x.delete(), state)
+    backend = jax.default_backend()
+    prio = fbx.make_prioritised_flat_buffer(
+        max_length=n,
+        min_length=b,
+        sample_batch_size=b,
+        add_sequences=True,
+        add_batch_size=1,
+        priority_exponent=0.6,
+        device=backend if backend in ("cpu", "gpu", "tpu") else "cpu",
+    )
+    state = fill(prio, prio.init(example), seq_axis=True)
+
+    def prioritised_step(carry: Any, state: Any) -> Any:
+        p, key = carry
+        key, sub = jax.random.split(key)
+        s = prio.sample(state, sub)
+        w = (s.probabilities * n) ** -0.4  # importance weights, normalised by the max
+        p, td = train(p, s.experience.first, w / w.max())
+        return (p, key), prio.set_priorities(state, s.indices, td)
+
+    prioritised_jit = jax.jit(prioritised_step, donate_argnums=1)
+    rates["prioritized"], (_, state) = _rate(
+        lambda c: prioritised_jit(*c), (carry0, state), args.steps, args.repeats
+    )
+    jax.tree.map(lambda x: x.delete(), state)
+    return {"rows": n, "rates": rates, "version": metadata.version("flashbax")}
+
+
+def _peers(ours: dict[str, dict], trees: dict[str, Any], args: argparse.Namespace) -> None:
+    """flashbax's rates and ours over theirs (a line saying so when it is not installed)."""
+    for name, tree in trees.items():
+        if name == "conv":  # its natural layout pads 4 -> 128 lanes on a TPU: 36x the bytes
+            tree = {k: v[: args.peer_frames] for k, v in tree.items()}
+        r = bench_flashbax(name, tree, args)
+        if r is None:
+            print("peers: flashbax is not installed (pip install flashbax==0.1.3): skipped")
+            return
+        theirs, mine = r["rates"], ours[name]["rates"]
+        print(
+            f"flashbax {r['version']} {name:<5}{r['rows']:>8} rows: uniform "
+            f"{theirs['uniform']:.1f}/s (ours/theirs {mine['uniform'] / theirs['uniform']:.2f}), "
+            f"prioritised {theirs['prioritized']:.1f}/s "
+            f"(ours/theirs {mine['prioritized'] / theirs['prioritized']:.2f})"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,19 +313,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50, help="steps per timing")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--peers", action="store_true", help="also time flashbax 0.1.3 (if installed)"
+    )
+    parser.add_argument(
+        "--peer-frames", type=int, default=2048, help="frames in flashbax's conv buffer"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.frames = min(args.rows, 20_000), min(args.frames, 1_000)
         args.steps, args.repeats = min(args.steps, 5), min(args.repeats, 3)
         args.batch = min(args.batch, 64)  # the conv step on a CPU: seconds at 256
+        args.peer_frames = min(args.peer_frames, args.frames)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch}")
     print(
         f"{'workload':<9}{'rows':>10}{'B/row':>7}{'bare/s':>10}{'uniform/s':>11}{'ratio':>7}"
         f"{'prio/s':>10}{'ratio':>7}{'store MB':>10}{'ring MB':>9}{'HBM MB':>8}"
     )
+    trees = {"mlp": transitions(args.rows), "conv": frames(args.frames)}
+    ours = {}
     with tempfile.TemporaryDirectory() as root:
-        for name, tree in (("mlp", transitions(args.rows)), ("conv", frames(args.frames))):
-            r = bench(name, tree, args, root)
+        for name, tree in trees.items():
+            r = ours[name] = bench(name, tree, args, root)
             rate = r["rates"]
             used = r["hbm_used_by_init"]
             print(
@@ -237,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  memory_stats before init: {r['memory_before']}")
                 print(f"  memory_stats after init:  {r['memory_after']}")
     print("ratio: steps/s with sampling inside the jit / steps/s of the bare step (1.0: free)")
+    if args.peers:
+        _peers(ours, trees, args)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from grain_replay.device import replay_draws as draws
+from grain_replay.device import replay_tree as tree
 from grain_replay.device.replay_layout import RowLayout
-from grain_replay.device.replay_state import DeviceReplayState, Ring, join_ids, news
+from grain_replay.device.replay_state import (
+    FIELDS,
+    DeviceReplayState,
+    Ring,
+    join_ids,
+    news,
+    replaced,
+)
 from grain_replay.device.resident_store import Probe
 from grain_replay.errors import (
     ArgumentTypeError,
@@ -191,20 +199,33 @@ class DeviceReplay:
         layout = self._layout
         assert layout is not None
         c, w = layout.capacity, self._writers
+        live, priority = jnp.zeros(c, bool), jnp.zeros(c, jnp.float32)
+        sums, mins = self._trees(priority, live)
         return DeviceReplayState(
             rows=tuple(layout.allocate()),
             slot_hi=jnp.full(c, -1, jnp.int32),
             slot_lo=jnp.zeros(c, jnp.int32),
             order=jnp.full(c, -1, jnp.int32),
-            live=jnp.zeros(c, bool),
-            live_slots=jnp.zeros(c, jnp.int32),
+            live=live,
+            live_slots=jnp.zeros((tree.level_lines(c)[0], tree.LANES), jnp.int32),
             n_live=jnp.zeros((), jnp.int32),
-            priority=jnp.zeros(c, jnp.float32),
+            priority=priority,
             max_priority=jnp.ones((), jnp.float32),
+            sums=sums,
+            mins=mins,
             mark_hi=jnp.zeros(w, jnp.int32),
             mark_lo=jnp.zeros(w, jnp.int32),
             refreshes=jnp.zeros((), jnp.int32),
         )
+
+    def _trees(
+        self, priority: jax.Array, live: jax.Array
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Traced: the sum and min trees of a prioritized replay (empty for uniform)."""
+        opts = self.sampling
+        if not isinstance(opts, PrioritizedReplay):
+            return (), ()
+        return tree.build(priority, live, opts.alpha, opts.eps)
 
     def _check_state(self, state: Any, call: str) -> None:
         """Refuses what is not a state of this replay (shapes, dtypes); works on tracers."""
@@ -260,7 +281,8 @@ class DeviceReplay:
 
         Uniform draws pick among the live slots only; prioritized draws pick slot ``i``
         with probability proportional to ``(priority_i + eps) ** alpha`` over the live
-        slots (stratified), weights ``(p_min / p_i) ** beta`` (float32). A ring with no
+        slots (stratified, down the state's sum tree: no pass over the ring), weights
+        ``(p_min / p_i) ** beta`` (float32, ``p_min`` the min tree's). A ring with no
         live row (it cannot raise inside jit) gives index -1 and weight 0.
 
         Args:
@@ -286,9 +308,7 @@ class DeviceReplay:
         opts = self.sampling
         if isinstance(opts, PrioritizedReplay):
             b = float(opts.beta) if beta is None else beta  # type: ignore[arg-type]
-            slots, weight = draws.prioritized(
-                key, state.priority, state.live, batch_size, opts.alpha, opts.eps, b
-            )
+            slots, weight = draws.prioritized(key, state.sums, state.mins, batch_size, b)
         else:
             slots, weight = draws.uniform(key, state.live_slots, state.n_live, batch_size)
         leaves = layout.gather(state.rows, jnp.maximum(slots, 0))
@@ -301,7 +321,9 @@ class DeviceReplay:
         """``state`` with the priorities of slots ``index`` set: pure, for use inside jit.
 
         Entries that cannot apply are skipped (nothing can raise inside jit): a slot -1
-        or out of range, an empty slot, a negative, NaN or infinite priority.
+        or out of range, an empty slot, a negative, NaN or infinite priority. A slot
+        given twice keeps the last of its priorities (the host sum tree's rule). The sum
+        and min trees are updated above the touched slots only.
 
         Args:
           state: the replay's state.
@@ -321,10 +343,20 @@ class DeviceReplay:
                 f"DeviceReplay.update_priorities got {index.size} indices but "
                 f"{priorities.size} priorities. Fix: pass one priority per index."
             )
-        priority, top = draws.updated_priorities(
-            state.priority, state.max_priority, state.live, index, priorities
+        opts = self.sampling
+        alpha, eps = (opts.alpha, opts.eps) if isinstance(opts, PrioritizedReplay) else (1.0, 0.0)
+        priority, top, sums, mins = draws.updated_priorities(
+            state.priority,
+            state.max_priority,
+            state.live,
+            state.sums,
+            state.mins,
+            index,
+            priorities,
+            alpha,
+            eps,
         )
-        return state._replace(priority=priority, max_priority=top)
+        return replaced(state, priority=priority, max_priority=top, sums=sums, mins=mins)
 
     def row_ids(self, state: DeviceReplayState, index: Any) -> np.ndarray:
         """The store row ids (int64) held by slots ``index``; -1 for an empty slot or an
@@ -404,9 +436,12 @@ class DeviceReplay:
         rows = layout.scatter(state.rows, chunk, targets)
         priority = state.priority.at[targets].set(state.max_priority, mode="drop")
         priority = jnp.where(host["live"], priority, 0.0)
+        sums, mins = self._trees(priority, host["live"])
         return DeviceReplayState(
             rows=tuple(rows),
             priority=priority,
             max_priority=state.max_priority,
-            **{k: host[k] for k in DeviceReplayState._fields if k in host},
+            sums=sums,
+            mins=mins,
+            **{k: host[k] for k in FIELDS if k in host},
         )

@@ -1,25 +1,38 @@
 """Jittable draws of a device replay ring: uniform over the live slots, or proportional to
-priority; fixed shapes, no host sync, O(capacity) vectorized work at most."""
+priority through the ring's sum tree (``replay_tree.py``); fixed shapes, no host sync, no
+binary search, no pass over the whole ring."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["prioritized", "uniform", "updated_priorities"]
+from grain_replay.device import replay_tree as tree
+
+__all__ = ["last_of_each", "prioritized", "uniform", "updated_priorities"]
+
+LANES = tree.LANES
+_PAIRWISE = 2048  # batches up to this find repeated slots pairwise, bigger ones by a sort
+
+
+def _select(lines: jax.Array, lane: jax.Array) -> jax.Array:
+    """Entry ``lane[i]`` of line ``lines[i]`` (B, 128)."""
+    ar = jnp.arange(LANES, dtype=jnp.int32)[None, :]
+    return jnp.sum(jnp.where(ar == lane[:, None], lines, 0), axis=1, dtype=lines.dtype)
 
 
 def uniform(
     key: jax.Array, live_slots: jax.Array, n_live: jax.Array, batch_size: int
 ) -> tuple[jax.Array, jax.Array]:
     """``batch_size`` slots drawn uniformly with replacement from the first ``n_live``
-    entries of ``live_slots``, and their weights (1.0). With no live slot: slot -1, weight 0.
+    entries of the table ``live_slots`` (int32 lines (C/128, 128)), and their weights
+    (1.0). With no live slot: slot -1, weight 0.
 
     Returns:
       ``(slots int32[B], weights float32[B])``.
     """
     j = jax.random.randint(key, (batch_size,), 0, jnp.maximum(n_live, 1), dtype=jnp.int32)
-    slots = jnp.take(live_slots, j, mode="clip")
+    slots = _select(jnp.take(live_slots, j // LANES, axis=0, mode="clip"), j % LANES)
     some = n_live > 0
     return (
         jnp.where(some, slots, -1).astype(jnp.int32),
@@ -29,36 +42,23 @@ def uniform(
 
 def prioritized(
     key: jax.Array,
-    priority: jax.Array,
-    live: jax.Array,
+    sums: tuple[jax.Array, ...],
+    mins: tuple[jax.Array, ...],
     batch_size: int,
-    alpha: float,
-    eps: float,
     beta: float | jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """``batch_size`` slots drawn with probability ``p_i / sum(p)``, ``p_i = (priority_i + eps)
-    ** alpha`` over the live slots, stratified (one draw in each of ``batch_size`` equal
-    slices of the total, as the host :class:`~grain_replay.PrioritizedReplay` draws), and
-    their importance weights ``(p_min / p_i) ** beta`` (float32, ``p_min`` over the live
-    slots). With no live slot (or every ``p`` 0): slot -1, weight 0.
-
-    A cumulative sum and a binary search: O(capacity + B log capacity).
+    """``batch_size`` slots drawn with probability ``p_i / sum(p)`` (``p_i = (priority_i +
+    eps) ** alpha``, the tree's level 0, 0 for an empty slot), stratified (one draw in each
+    of ``batch_size`` equal slices of the total, as the host
+    :class:`~grain_replay.PrioritizedReplay` draws), and their importance weights ``(p_min
+    / p_i) ** beta`` (float32, ``p_min`` over the live slots: the min tree's top). With no
+    live slot (or every ``p`` 0): slot -1, weight 0.
 
     Returns:
       ``(slots int32[B], weights float32[B])``.
     """
-    p = jnp.where(live, (priority.astype(jnp.float32) + eps) ** alpha, 0.0)
-    cum = jnp.cumsum(p)
-    total = cum[-1]
-    u = jnp.arange(batch_size, dtype=jnp.float32) + jax.random.uniform(key, (batch_size,))
-    u = u / batch_size * total
-    # Below the total always (float rounding): the first slot whose cum exceeds u has p > 0.
-    u = jnp.minimum(u, jnp.nextafter(total, jnp.float32(0)))
-    slots = jnp.searchsorted(cum, u, side="right").astype(jnp.int32)
-    slots = jnp.minimum(slots, priority.shape[0] - 1)
-    p_i = jnp.take(p, slots)
-    p_min = jnp.min(jnp.where(live, p, jnp.inf))
-    weight = (p_min / p_i) ** beta
+    slots, p_i, total = tree.draw(key, sums, batch_size)
+    weight = (tree.lowest(sums, mins) / p_i) ** beta
     some = total > 0
     return (
         jnp.where(some, slots, -1).astype(jnp.int32),
@@ -66,24 +66,49 @@ def prioritized(
     )
 
 
+def last_of_each(index: jax.Array, ok: jax.Array) -> jax.Array:
+    """``ok`` where no later ``ok`` entry has the same index: of a slot given twice, the
+    last one (the host sum tree's rule)."""
+    b = index.shape[0]
+    if b <= _PAIRWISE:
+        same = (index[:, None] == index[None, :]) & ok[None, :]
+        later = jnp.any(jnp.triu(same, k=1), axis=1)
+        return ok & ~later
+    pos = jnp.arange(b, dtype=jnp.int32)
+    key = jnp.where(ok, index, -1 - pos)  # the skipped ones each apart
+    order = jnp.lexsort((pos, key))
+    k = key[order]
+    last = jnp.concatenate([k[1:] != k[:-1], jnp.ones(1, bool)])
+    return ok & jnp.zeros(b, bool).at[order].set(last)
+
+
 def updated_priorities(
     priority: jax.Array,
     max_priority: jax.Array,
     live: jax.Array,
+    sums: tuple[jax.Array, ...],
+    mins: tuple[jax.Array, ...],
     index: jax.Array,
     given: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """``priority`` with slots ``index`` set to ``given``, and the new largest priority.
+    alpha: float,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """``priority`` with slots ``index`` set to ``given``, the new largest priority, and the
+    trees (``sums``/``mins``; empty for a uniform replay) updated to match.
 
     Entries that cannot apply are skipped (inside jit nothing can raise): a slot outside
     ``[0, C)`` (-1: an empty ring's draw), a slot not live, a priority negative, NaN or
-    infinite. With a slot twice, one of its priorities is kept.
+    infinite. With a slot twice, the last of its priorities is kept (the host rule).
     """
     c = priority.shape[0]
     index = index.reshape(-1).astype(jnp.int32)
     given = given.reshape(-1).astype(jnp.float32)
     ok = (index >= 0) & (index < c) & jnp.isfinite(given) & (given >= 0)
     ok &= jnp.take(live, jnp.clip(index, 0, c - 1))
-    priority = priority.at[jnp.where(ok, index, c)].set(given, mode="drop")
     top = jnp.max(jnp.where(ok, given, 0.0), initial=0.0)
-    return priority, jnp.maximum(max_priority, top)
+    ok = last_of_each(index, ok)
+    slot = jnp.where(ok, index, 0)
+    priority = priority.at[jnp.where(ok, index, c)].set(given, mode="drop")
+    if sums:
+        sums, mins = tree.update(sums, mins, slot, (given + eps) ** alpha, ok)
+    return priority, jnp.maximum(max_priority, top), sums, mins

@@ -1,16 +1,27 @@
-"""Rows of a device replay ring held lane-dense: each group of leaves one buffer, no tiling waste.
+"""Rows of a device replay ring held per leaf in 128-lane lines: no tiling waste, cheap gathers.
 
-A TPU tiles an array's two minor dimensions to ``(8·k, 128)``: a ``(capacity, 131)`` row
-matrix takes the room of ``(capacity, 256)``, a ``(capacity,)`` leaf of one bool per row
-is fine but ``(capacity, 1)`` is 128 times its size. So each group of leaves
-(:class:`~grain_replay.device.resident_store.Probe` packs a record's leaves into one row
-per dtype width, bit-exact) is held in one of two layouts:
+A TPU tiles an array's two minor dimensions to ``(8, 128)`` 32-bit words: a ``(capacity,
+64)`` float32 leaf takes the room of ``(capacity, 128)``, a ``(capacity, 1)`` one 128 times
+its size, and a gather of such narrow rows is slow. So each leaf is held as 32-bit words
+(``uint32``; bitcast on the way in and out, bit-exact), ``w`` words a row (bytes packed:
+a uint8 leaf of 28,224 bytes is 7,056 words; a scalar narrower than a word, a bool or a
+uint8, is zero-extended to one: 4 bytes for 1, fine for the few scalars of a record), and
+laid out by ``w``:
 
-- *rows*: ``(capacity, width)``, when ``width`` is a multiple of 128 or so wide that
-  rounding it up to one costs at most 1/16 (an 84x84x4 frame: 28,224 bytes -> 28,288);
-- *flat*: the rows back to back in ``(lane_rows, 128)``: row ``s`` is elements
-  ``[s·width, (s+1)·width)``; a draw gathers the ``K`` lane rows each drawn row spans
-  (one row gather) and shifts it to its offset (one lane gather).
+- *lines* (``w <= 128``): ``w`` rounded up to a power of two ``v`` (a divisor of 128: 3 ->
+  4, 5 -> 8, 100 -> 128; the waste is ``v - w`` words a row, none for the usual 1, 2, 4,
+  ..., 64-word leaves), ``k = 128 // v`` rows a 128-lane line: ``(ceil(capacity / k),
+  128)``. A draw gathers row ``s``'s line ``s // k`` and picks its part ``s % k``;
+- *wide* (``w > 128``): ``(capacity, w)``, one row a line (the device's tiling pads ``w``
+  to a multiple of 128: an 84x84x4 uint8 frame's 7,056 words take 7,168, 1.6%);
+
+and the leaves of one layout and width share a buffer ``(leaves, lines, lanes)``: a draw
+is one gather per buffer (a transition's two 64-float observations one, its four scalars
+another). A leaf of a dtype that does not pack into words (complex) keeps its own
+``(capacity, *shape)`` buffer.
+
+A refresh writes its new rows with one scatter a buffer whose windows are the rows' lane
+spans (``(line, part * v)``, ``v`` lanes): no reshape of the ring, so no relayout copy.
 """
 
 from __future__ import annotations
@@ -24,40 +35,112 @@ import numpy as np
 
 from grain_replay.device.resident_store import Probe
 
-__all__ = ["LANES", "RowLayout"]
+__all__ = ["LANES", "RowLayout", "words"]
 
 LANES = 128
-_MAX_WASTE = 1.0 / 16  # rows layout when rounding the width up to LANES wastes at most this
+_WORD = 4  # bytes
+
+
+def words(shape: tuple[int, ...], dtype: Any) -> int | None:
+    """32-bit words a row of a leaf of ``shape`` and ``dtype`` takes, or None: the dtype
+    does not pack into words (held as it is)."""
+    d = np.dtype(dtype)
+    packable = d == np.bool_ or d.kind in "iu" or jnp.issubdtype(d, jnp.floating)
+    size = int(np.prod(shape, dtype=np.int64))
+    if not packable or d.itemsize not in (1, 2, 4, 8) or size == 0:
+        return None
+    return math.ceil(size * d.itemsize / _WORD)
+
+
+def _uint(itemsize: int) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[itemsize]
+
+
+def to_words(x: jax.Array, w: int) -> jax.Array:
+    """Traced: ``x`` (K, ...) as uint32 words (K, w) (bit-exact; zero padded)."""
+    k = x.shape[0]
+    x = x.reshape(k, -1)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    it = x.dtype.itemsize
+    if it < _WORD and x.shape[1] == 1:  # a scalar byte or half: zero-extended, no relayout
+        u = jax.lax.bitcast_convert_type(x, _uint(it)).astype(jnp.uint32)
+    elif it == 8:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(k, -1)
+    elif it == _WORD:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        per = _WORD // it
+        b = jax.lax.bitcast_convert_type(x, _uint(it))
+        b = jnp.pad(b, ((0, 0), (0, -b.shape[1] % per)))
+        u = jax.lax.bitcast_convert_type(b.reshape(k, -1, per), jnp.uint32)
+    return jnp.pad(u, ((0, 0), (0, w - u.shape[1])))
+
+
+def from_words(u: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Traced: :func:`to_words` undone: uint32 words (B, >= w) as (B, *shape) of ``dtype``."""
+    b = u.shape[0]
+    d = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64))
+    it = d.itemsize
+    if it < _WORD and size == 1:
+        x = u[:, :1].astype(_uint(it))
+        x = x != 0 if d == np.bool_ else jax.lax.bitcast_convert_type(x, d)
+    elif it == 8:
+        x = jax.lax.bitcast_convert_type(u[:, : 2 * size].reshape(b, size, 2), d)
+    elif it == _WORD:
+        x = jax.lax.bitcast_convert_type(u[:, :size], d)
+    else:
+        per = _WORD // it
+        n = -(-size // per)
+        x = jax.lax.bitcast_convert_type(u[:, :n], _uint(it)).reshape(b, n * per)[:, :size]
+        x = x != 0 if d == np.bool_ else jax.lax.bitcast_convert_type(x, d)
+    return x.reshape(b, *shape)
 
 
 class RowLayout:
-    """Where each group of a probe's leaves lives in the ring, and how to gather or write rows.
+    """Where each leaf of a probe lives in the ring, and how to gather or write rows.
 
     Args:
-      probe: the store's leaves and their packing into groups.
+      probe: the store's leaves (shapes, device dtypes, structure).
       capacity: rows the ring holds.
+
+    Attributes:
+      groups: per buffer, ``(kind, lanes, members)``: ``kind`` "lines", "wide" or
+        "as-is"; ``lanes`` the lanes a row takes (``v``; ``w`` when wide); ``members``
+        the leaf indices it holds (in leaf order).
+      shapes, dtypes: each buffer's shape and dtype.
     """
 
     def __init__(self, probe: Probe, capacity: int) -> None:
         self.probe = probe
         self.capacity = capacity
-        one = probe.group_shapes(1)
-        self.row_shapes = [tuple(s[1:]) for s in one]  # what unpack takes per row
-        self.widths = [int(np.prod(s, dtype=np.int64)) for s in self.row_shapes]
-        self.dtypes = [np.dtype(d) for d in probe.group_dtypes]
-        self.flat = []
-        self.spans = []  # lane rows a drawn row may span (flat layout)
+        self.widths = [words(s, d) for s, d in zip(probe.shapes, probe.dtypes, strict=True)]
+        keys: dict[tuple[str, int], int] = {}
+        self.groups: list[tuple[str, int, list[int]]] = []
+        for i, w in enumerate(self.widths):
+            if w is None:
+                self.groups.append(("as-is", 0, [i]))
+                continue
+            key = ("lines", 1 << (w - 1).bit_length()) if w <= LANES else ("wide", w)
+            if key not in keys:
+                keys[key] = len(self.groups)
+                self.groups.append((key[0], key[1], []))
+            self.groups[keys[key]][2].append(i)
         self.shapes: list[tuple[int, ...]] = []
-        for w in self.widths:
-            padded = math.ceil(w / LANES) * LANES
-            flat = w % LANES != 0 and (padded - w) / w > _MAX_WASTE
-            self.flat.append(flat)
-            span = (w + 2 * LANES - 2) // LANES  # offset <= 127 plus w elements
-            self.spans.append(span)
-            if flat:
-                self.shapes.append((math.ceil(capacity * w / LANES) + span, LANES))
+        self.dtypes: list[np.dtype[Any]] = []
+        for kind, lanes, members in self.groups:
+            if kind == "as-is":
+                i = members[0]
+                self.shapes.append((capacity, *probe.shapes[i]))
+                self.dtypes.append(np.dtype(probe.dtypes[i]))
+            elif kind == "lines":
+                lines = math.ceil(capacity / (LANES // lanes))
+                self.shapes.append((len(members), lines, LANES))
+                self.dtypes.append(np.dtype(np.uint32))
             else:
-                self.shapes.append((capacity, w))
+                self.shapes.append((len(members), capacity, lanes))
+                self.dtypes.append(np.dtype(np.uint32))
 
     def nbytes(self) -> int:
         """Bytes of the ring's row buffers (as allocated, before any device tiling)."""
@@ -67,52 +150,69 @@ class RowLayout:
         )
 
     def row_bytes(self) -> int:
-        """Bytes of one record's leaves as the ring holds them."""
-        return sum(w * d.itemsize for w, d in zip(self.widths, self.dtypes, strict=True))
+        """Bytes of one record's leaves as the ring holds them (lanes included)."""
+        total = 0
+        for (kind, lanes, members), dtype in zip(self.groups, self.dtypes, strict=True):
+            if kind == "as-is":
+                total += (
+                    int(np.prod(self.probe.shapes[members[0]], dtype=np.int64)) * dtype.itemsize
+                )
+            else:
+                total += len(members) * lanes * _WORD
+        return total
 
     def allocate(self) -> list[jax.Array]:
-        """Traced: zero buffers of every group."""
+        """Traced: zero buffers."""
         return [jnp.zeros(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
-    def _lane_index(self, g: int, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """First lane row and lane offset of rows ``slots`` of flat group ``g`` (no int32
-        overflow below 2**24 rows: ``s·w = s·(a·128 + b)`` splits as ``s·a`` lane rows and
-        ``s·b`` elements)."""
-        a, b = divmod(self.widths[g], LANES)
-        rest = slots * b
-        return slots * a + rest // LANES, rest % LANES
-
     def gather(self, bufs: Any, slots: jax.Array) -> list[jax.Array]:
-        """Traced: the leaves (in leaf order, device dtypes) of rows ``slots`` (int32, valid)."""
+        """Traced: the leaves (in leaf order, device dtypes) of rows ``slots`` (int32, in
+        ``[0, capacity)``)."""
         b = slots.shape[0]
-        rows = []
-        for g, buf in enumerate(bufs):
-            w = self.widths[g]
-            if not self.flat[g]:
-                r = jnp.take(buf, slots, axis=0, mode="clip")
-            else:
-                q, o = self._lane_index(g, slots)
-                span = self.spans[g]
-                tiles = jnp.take(buf, q[:, None] + jnp.arange(span), axis=0, mode="clip")
-                tiles = tiles.reshape(b, span * LANES)
-                r = jnp.take_along_axis(tiles, o[:, None] + jnp.arange(w), axis=1)
-            rows.append(r.reshape(b, *self.row_shapes[g]))
-        return self.probe.unpack(rows)
+        leaves: list[Any] = [None] * len(self.widths)
+        for (kind, lanes, members), buf in zip(self.groups, bufs, strict=True):
+            if kind == "as-is":
+                leaves[members[0]] = jnp.take(buf, slots, axis=0, mode="clip")
+                continue
+            k = LANES // lanes if kind == "lines" else 1
+            rows = jnp.take(buf, slots // k if k > 1 else slots, axis=1, mode="clip")
+            if k > 1:  # (L, B, 128) lines -> (L, B, lanes): part s % k of each
+                rows = rows.reshape(len(members), b, k, lanes)
+                part = (slots % k)[None, :, None, None]
+                rows = jnp.take_along_axis(rows, part, axis=2)[:, :, 0]
+            for j, i in enumerate(members):
+                leaves[i] = from_words(rows[j], self.probe.shapes[i], self.probe.dtypes[i])
+        return leaves
 
     def scatter(self, bufs: Any, leaves: list[jax.Array], targets: jax.Array) -> list[jax.Array]:
-        """Traced: ``bufs`` with rows ``targets`` (int32; ``capacity``: dropped) set to
-        ``leaves`` (one per leaf, leading axis ``len(targets)``)."""
-        k = targets.shape[0]
+        """Traced: ``bufs`` with rows ``targets`` (int32, distinct; ``capacity``: dropped)
+        set to ``leaves`` (one per leaf, leading axis ``len(targets)``)."""
+        n = targets.shape[0]
+        keep = targets < self.capacity
         out = []
-        for g, (buf, packed) in enumerate(zip(bufs, self.probe.pack(leaves), strict=True)):
-            w = self.widths[g]
-            x = packed.reshape(k, w).astype(buf.dtype)
-            if not self.flat[g]:
-                out.append(buf.at[targets].set(x.reshape(k, *buf.shape[1:]), mode="drop"))
+        for (kind, lanes, members), buf in zip(self.groups, bufs, strict=True):
+            if kind == "as-is":
+                x = leaves[members[0]].astype(buf.dtype)
+                out.append(buf.at[jnp.where(keep, targets, buf.shape[0])].set(x, mode="drop"))
                 continue
-            q, o = self._lane_index(g, targets)
-            lane = o[:, None] + jnp.arange(w)
-            row = q[:, None] + lane // LANES
-            row = jnp.where((targets < self.capacity)[:, None], row, buf.shape[0])
-            out.append(buf.at[row, lane % LANES].set(x, mode="drop"))
+            k = LANES // lanes if kind == "lines" else 1
+            rows = jnp.stack([to_words(leaves[i], lanes) for i in members])  # (L, n, lanes)
+            # Out of bounds (dropped), each its own line: the indices stay distinct.
+            line = jnp.where(keep, targets // k, buf.shape[1] + jnp.arange(n, dtype=jnp.int32))
+            start = (targets % k) * lanes
+            out.append(
+                jax.lax.scatter(
+                    buf,
+                    jnp.stack([line, start], axis=1),
+                    rows,
+                    jax.lax.ScatterDimensionNumbers(
+                        update_window_dims=(0, 2),
+                        inserted_window_dims=(1,),
+                        scatter_dims_to_operand_dims=(1, 2),
+                    ),
+                    indices_are_sorted=False,
+                    unique_indices=True,
+                    mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+                )
+            )
         return out

@@ -11,8 +11,17 @@ import numpy as np
 from grain_replay.errors import InvalidArgumentError, InvalidStoreError
 from grain_replay.store import parts as parts_lib
 
-__all__ = ["DeviceReplayState", "Ring", "join_ids", "news", "split_ids32"]
+__all__ = [
+    "FIELDS",
+    "DeviceReplayState",
+    "Ring",
+    "join_ids",
+    "news",
+    "replaced",
+    "split_ids32",
+]
 
+LANES = 128  # the live-slot table's lines
 _LO_BITS = 31
 _LO_MASK = (1 << _LO_BITS) - 1
 
@@ -40,16 +49,23 @@ class DeviceReplayState(NamedTuple):
     Saved and restored as one Orbax item (``ocp.args.StandardSave(state)``).
 
     Attributes:
-      rows: the row buffers, one per group of leaves (see ``device/replay_layout.py``).
+      rows: the row buffers: the leaves' 32-bit words in 128-lane lines, one buffer per
+        layout and width (see ``device/replay_layout.py``).
       slot_hi: int32[C]: the row id held by each slot, high bits (``id >> 31``); -1: empty.
       slot_lo: int32[C]: its low 31 bits. A row id is the store position for a plain or
         growing store, ``ordinal << 40 | seq`` for a bounded many-writer store.
       order: int32[C]: the refresh that filled (or emptied) each slot; -1: never used.
       live: bool[C]: the slot holds a live row (the only slots a draw can return).
-      live_slots: int32[C]: the live slots, first ``n_live`` entries (uniform draws).
+      live_slots: int32[L, 128] (``L = ceil(C / 128)`` lines): the live slots, first
+        ``n_live`` entries (uniform draws).
       n_live: int32[]: how many slots are live.
       priority: float32[C]: each slot's priority (0 where not live).
       max_priority: float32[]: the largest priority given so far (1.0 at first): new rows'.
+      sums: the sum tree (prioritized; ``()`` for uniform): ``sums[0]`` float32[L, 128]
+        each slot's mass ``(priority + eps) ** alpha`` (-0.0 where empty), ``sums[l]`` the
+        sums of level ``l - 1``'s lines, as lines; the top one line
+        (``device/replay_tree.py``).
+      mins: the min tree over the live slots' masses, levels 1 up (+inf where none).
       mark_hi: int32[W]: per writer ordinal (0 for a plain store), the next row sequence
         number not yet looked at (the watermark), high bits.
       mark_lo: int32[W]: its low 31 bits.
@@ -65,9 +81,19 @@ class DeviceReplayState(NamedTuple):
     n_live: jax.Array
     priority: jax.Array
     max_priority: jax.Array
+    sums: tuple[jax.Array, ...]
+    mins: tuple[jax.Array, ...]
     mark_hi: jax.Array
     mark_lo: jax.Array
     refreshes: jax.Array
+
+
+FIELDS: tuple[str, ...] = DeviceReplayState._fields
+
+
+def replaced(state: DeviceReplayState, **changes: Any) -> DeviceReplayState:
+    """``state`` with the fields ``changes`` names set (a new state; ``state`` is kept)."""
+    return state._replace(**changes)
 
 
 class Ring:
@@ -159,15 +185,16 @@ class Ring:
         """The bookkeeping as the state's host arrays (after a refresh: ``refreshes + 1``)."""
         hi, lo = split_ids32(self.ids)
         mhi, mlo = split_ids32(self.marks)
-        live_slots = np.zeros(len(self.live), np.int32)
+        c = len(self.live)
+        table = np.zeros(-(-c // LANES) * LANES, np.int32)
         held = np.flatnonzero(self.live).astype(np.int32)
-        live_slots[: len(held)] = held
+        table[: len(held)] = held
         return {
             "slot_hi": hi,
             "slot_lo": lo,
             "order": self.order.astype(np.int32),
             "live": self.live.copy(),
-            "live_slots": live_slots,
+            "live_slots": table.reshape(-1, LANES),
             "n_live": np.array(len(held), np.int32),
             "mark_hi": mhi,
             "mark_lo": mlo,

@@ -1,0 +1,143 @@
+"""A sum tree and a min tree of 128-wide lines over a device replay ring's probability masses.
+
+Level 0 is each slot's mass ``(priority + eps) ** alpha``, ``-0.0`` for an empty slot
+(its sign bit says "not live": a live slot's mass is ``>= +0.0``), as lines ``(ceil(C /
+128), 128)``; level ``l + 1`` holds the sums of level ``l``'s lines, padded with zeros to
+whole lines; the top level is one line (three levels up to ``C = 128**3 = 2,097,152``
+slots, four up to ``2**28``). The min tree holds, from level 1 up, the least mass of the
+live slots under each entry (``+inf`` where none), so ``p_min`` is a min over 128 values.
+
+A draw descends from the top line: at each level it gathers one 128-wide line per draw,
+takes the line's inclusive sums with one matmul by an upper-triangular ones matrix
+(``precision=HIGHEST``: float32 sums), and counts the sums below its target (no binary
+search, no sequential loop: a TPU runs a ``searchsorted`` as a while loop of gathers).
+Float rounding can leave a target at or past a line's total, or on an entry of mass 0: the
+pick then moves to the last entry of positive mass at or before it (the first after it if
+none), so a draw never lands on an empty slot.
+
+An update sets level-0 masses (one scatter) and recomputes, level by level, the entries
+above the touched lines (gather the touched lines, reduce, scatter): ``O(B · levels ·
+128)``. A refresh rebuilds every level (``O(C)``, once a refresh).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["build", "draw", "level_lines", "lowest", "update"]
+
+LANES = 128
+_HI = jax.lax.Precision.HIGHEST
+
+
+def level_lines(capacity: int) -> list[int]:
+    """Lines of each level for ``capacity`` slots, level 0 first, the top (1 line) last."""
+    n = [math.ceil(capacity / LANES)]
+    while n[-1] > 1:
+        n.append(math.ceil(n[-1] / LANES))
+    return n
+
+
+def _as_lines(x: jax.Array, lines: int, fill: float) -> jax.Array:
+    return jnp.pad(x, (0, lines * LANES - x.shape[0]), constant_values=fill).reshape(lines, LANES)
+
+
+def _live_min(x: jax.Array) -> jax.Array:
+    """Level-0 masses with the empty slots (sign bit set) at +inf."""
+    return jnp.where(jnp.signbit(x), jnp.inf, x)
+
+
+def build(
+    priority: jax.Array, live: jax.Array, alpha: float, eps: float
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Traced: every level of the sum tree and the min tree of ``priority`` (float32[C])
+    over the ``live`` (bool[C]) slots. Returns ``(sums, mins)``: ``sums[0]`` the masses,
+    ``mins[l - 1]`` the min tree's level ``l``."""
+    counts = level_lines(priority.shape[0])
+    mass = jnp.where(live, (priority.astype(jnp.float32) + eps) ** alpha, -0.0)
+    sums = [_as_lines(mass, counts[0], -0.0)]
+    mins: list[jax.Array] = []
+    low = _live_min(sums[0])
+    for n in counts[1:]:
+        sums.append(_as_lines(sums[-1].sum(1), n, 0.0))
+        low = _as_lines(low.min(1), n, jnp.inf)
+        mins.append(low)
+    return tuple(sums), tuple(mins)
+
+
+def lowest(sums: tuple[jax.Array, ...], mins: tuple[jax.Array, ...]) -> jax.Array:
+    """The least mass over the live slots (+inf: none)."""
+    return jnp.min(mins[-1] if mins else _live_min(sums[0]))
+
+
+def _tri() -> jax.Array:
+    return jnp.asarray(np.triu(np.ones((LANES, LANES), np.float32)))
+
+
+def _pick(x: jax.Array, c: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """In each line ``x`` (B, 128) with inclusive sums ``c``, the entry whose span holds
+    ``u`` (B,): ``(entry, u - the sum before it, its mass)``; never an entry of mass <= 0
+    while the line has a positive one."""
+    ar = jnp.arange(LANES, dtype=jnp.int32)[None, :]
+    count = (c < u[:, None]).sum(1, dtype=jnp.int32)[:, None]  # 0..128
+    pos = x > 0
+    below = jnp.max(jnp.where(pos & (ar <= count), ar, -1), axis=1)
+    first = jnp.min(jnp.where(pos, ar, LANES - 1), axis=1)
+    j = jnp.where(below >= 0, below, first)
+    before = jnp.sum(jnp.where(ar == (j - 1)[:, None], c, 0.0), axis=1)
+    mass = jnp.sum(jnp.where(ar == j[:, None], x, 0.0), axis=1)
+    return j, jnp.maximum(u - before, 0.0), mass
+
+
+def draw(
+    key: jax.Array,
+    sums: tuple[jax.Array, ...],
+    batch_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Traced: ``batch_size`` slots drawn with probability ``mass / total``, stratified (one
+    draw in each of ``batch_size`` equal slices of the total). Returns ``(slots int32[B],
+    their masses float32[B], the total)``; the slots are meaningless when the total is 0."""
+    tri = _tri()
+    top = sums[-1]  # (1, 128)
+    c_top = jnp.dot(top, tri, precision=_HI)
+    total = c_top[0, -1]
+    b = batch_size
+    u = (jnp.arange(b, dtype=jnp.float32) + jax.random.uniform(key, (b,))) / b * total
+    u = jnp.minimum(u, jnp.nextafter(total, jnp.float32(0)))
+    slot, u, mass = _pick(jnp.broadcast_to(top, (b, LANES)), jnp.broadcast_to(c_top, (b, LANES)), u)
+    for level in reversed(sums[:-1]):
+        x = jnp.take(level, slot, axis=0, mode="clip")  # (B, 128) lines
+        j, u, mass = _pick(x, jnp.dot(x, tri, precision=_HI), u)
+        slot = slot * LANES + j
+    capacity_lanes = sums[0].shape[0] * LANES
+    return jnp.minimum(slot, capacity_lanes - 1).astype(jnp.int32), mass, total
+
+
+def update(
+    sums: tuple[jax.Array, ...],
+    mins: tuple[jax.Array, ...],
+    slots: jax.Array,
+    mass: jax.Array,
+    ok: jax.Array,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Traced: the trees with the masses of ``slots`` (int32[B], distinct where ``ok``;
+    live) set to ``mass`` (float32[B], >= 0), the entries above them recomputed; entries
+    not ``ok`` are skipped."""
+    line = slots // LANES
+    out_s = [
+        sums[0].at[jnp.where(ok, line, sums[0].shape[0]), slots % LANES].set(mass, mode="drop")
+    ]
+    out_m: list[jax.Array] = []
+    for lvl in range(1, len(sums)):
+        x = jnp.take(out_s[-1], line, axis=0, mode="clip")  # the touched lines, updated
+        low = _live_min(x) if lvl == 1 else jnp.take(out_m[-1], line, axis=0, mode="clip")
+        dst = jnp.where(ok, line // LANES, sums[lvl].shape[0])  # duplicates write equal values
+        lane = line % LANES
+        out_s.append(sums[lvl].at[dst, lane].set(x.sum(1), mode="drop"))
+        out_m.append(mins[lvl - 1].at[dst, lane].set(low.min(1), mode="drop"))
+        line = line // LANES
+    return tuple(out_s), tuple(out_m)
