@@ -21,6 +21,7 @@ import pytest
 from conformance import make_tree
 
 import grain_replay as gr
+from grain_replay.device.put import ShardedDevicePutIterator
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.in_process import InProcessLoaderIterator
 from grain_replay.pipeline.workers import WorkerLoaderIterator
@@ -116,7 +117,7 @@ def test_orbax_checkpoint_moves_between_grain_and_our_iterators(path: str, tmp_p
 def test_sharded_device_put_over_a_dataset_is_a_dataset_iterator(path: str) -> None:
     over_dataset = gr.sharded_device_put(_dataset(path))
     over_loader = gr.sharded_device_put(_loader(path))
-    assert isinstance(over_dataset, gr.pipeline.device_put.ShardedDevicePutIterator)
+    assert isinstance(over_dataset, ShardedDevicePutIterator)
     assert isinstance(over_dataset, grain.DatasetIterator)  # the handler saves a dict as JSON
     assert not isinstance(over_loader, grain.DatasetIterator)  # ... and bytes as text
     assert isinstance(over_dataset.get_state(), dict)
