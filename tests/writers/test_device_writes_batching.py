@@ -286,7 +286,7 @@ def test_crash_after_filled_segments_committed_keeps_the_flushed_rows(tmp_path: 
     code = textwrap.dedent(
         f"""
         import os, time, jax.numpy as jnp, grain_replay as gr
-        from grain_replay.writers import background
+        from grain_replay.writers.device import background
         from grain_replay.writers.backends import NpySegmentBackend
         background.WRITE_BATCH_BYTES = 1
         w = gr.ReplayWriter({path!r}, capacity=1000, writer_id="a", segment_rows=32)
