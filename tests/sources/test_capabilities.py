@@ -13,7 +13,7 @@ from grain_replay.sources import capabilities as cap
 
 ALL = [getattr(cap, name) for name in cap.__all__]
 READERS = {cap.Closeable, cap.HasSpec, cap.HasTreedef, cap.ReadsInto}
-STORE = READERS | {cap.Refreshable}
+STORE = READERS | {cap.Refreshable, cap.HasStoreId}
 MANY = STORE | {cap.ReadsIds, cap.HasWriters, cap.ManyWriterStore}
 
 
