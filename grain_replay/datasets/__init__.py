@@ -3,8 +3,9 @@ Vaults, LeRobot, Minari and D4RL. Each room may build on the views of :mod:`grai
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from grain_replay.lazy import lazy_exports
 
 if TYPE_CHECKING:  # loaded on first use: a loader worker imports only the room it reads
     from grain_replay.datasets.d4rl import D4RLDataSource
@@ -24,17 +25,7 @@ _ROOMS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _ROOMS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ROOMS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_ROOMS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _ROOMS)
 
 __all__ = [
     "D4RLDataSource",

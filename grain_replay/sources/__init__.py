@@ -4,9 +4,9 @@ bounded many-writer store's parts. Other libraries' datasets are in :mod:`grain_
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from grain_replay.lazy import lazy_exports
 from grain_replay.sources.base import BatchSource, ReplaySource, SourceSurface
 
 if TYPE_CHECKING:  # loaded on first use: a loader worker imports only the room it reads
@@ -26,17 +26,7 @@ _ROOMS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _ROOMS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ROOMS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_ROOMS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _ROOMS)
 
 __all__ = [
     "BatchSource",

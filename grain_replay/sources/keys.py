@@ -9,7 +9,7 @@ from typing import Any
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import UnknownLeafError
-from grain_replay.store.layout import LeafSpec
+from grain_replay.store.layout import LeafSpec, StoreMetadata
 
 __all__ = ["Layout", "select_keys"]
 
@@ -27,6 +27,18 @@ class Layout:
     checksums: dict[str, Any] | None = None
     # The store's id in its metadata (None: a foreign store, or one made before ids).
     store_id: str | None = None
+
+    @classmethod
+    def of_store(cls, meta: StoreMetadata, locations: dict[str, str]) -> Layout:
+        """The layout a writer's committed metadata describes, its leaves at ``locations``."""
+        return cls(
+            meta.num_records,
+            dict(meta.leaves),
+            meta.treedef,
+            locations,
+            meta.checksums,
+            meta.store_id,
+        )
 
 
 def select_keys(layout: Layout, keys: Sequence[str] | None, where: str) -> Layout:

@@ -194,14 +194,7 @@ class NpyDataSource(ReplaySource):
                 self._headers[key] = _committed_header(
                     file, key, meta.leaves[key], meta.num_records
                 )
-            return Layout(
-                meta.num_records,
-                dict(meta.leaves),
-                meta.treedef,
-                locations,
-                meta.checksums,
-                meta.store_id,
-            )
+            return Layout.of_store(meta, locations)
         found = _find_npy_files(path, self._allow_external)
         if not found:
             raise InvalidStoreError(

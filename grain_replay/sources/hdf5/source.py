@@ -337,14 +337,7 @@ class HDF5DataSource(ReplaySource):
                     raise
                 except STORE_FAULTS as e:
                     raise damaged_store(self._path, e, leaf=key, doing=f"opening {loc!r}") from e
-            return Layout(
-                meta.num_records,
-                dict(meta.leaves),
-                meta.treedef,
-                locations,
-                meta.checksums,
-                meta.store_id,
-            )
+            return Layout.of_store(meta, locations)
         return self._foreign_layout(f)
 
     def _check_leaf(self, f: Any, key: str, loc: str, meta: layout_lib.StoreMetadata) -> None:

@@ -221,14 +221,7 @@ class ZarrDataSource(ReplaySource):
                         f"says ({meta.num_records}, ...{list(want.shape)}). Re-create the store."
                     )
                 zarr_checks.check_array(arr, key, want.dtype, where, self._cache_bytes)
-            return Layout(
-                meta.num_records,
-                dict(meta.leaves),
-                meta.treedef,
-                locations,
-                meta.checksums,
-                meta.store_id,
-            )
+            return Layout.of_store(meta, locations)
         if not is_url(self._path):
             zarr_checks.check_foreign_tree(self._path, self._allow_external)
         try:
