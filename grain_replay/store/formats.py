@@ -290,8 +290,8 @@ def damaged_store(
     at = f" leaf {leaf!r}:" if leaf is not None else ""
     return InvalidStoreError(
         f"{where}:{at} {doing} failed ({type(error).__name__}: {error}). The file is damaged "
-        f"(or was changed while open): {DAMAGED_FIX}; `grain-replay verify {where}` checks "
-        "a store."
+        f"(or was changed while open). Fix: {DAMAGED_FIX}; `grain-replay verify {where}` "
+        "checks a store."
     )
 
 
