@@ -146,8 +146,8 @@ def _assert_clean_exits(procs: list[Any]) -> None:
 @pytest.mark.parametrize(
     ("devices", "runs"),
     [
-        (8, 6),
-        (1, 4),
+        (8, 3),
+        (1, 2),
         pytest.param(8, 50, marks=pytest.mark.slow, id="8-50"),
         pytest.param(1, 50, marks=pytest.mark.slow, id="1-50"),
     ],
