@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from grain_replay.device import packed as packing
+from grain_replay.device.packed import PackedLayout, plan
 from grain_replay.errors import BatchShardingError, InvalidShardingError
 
 __all__ = ["Converter", "default_sharding", "mesh_sharding"]
@@ -34,8 +36,13 @@ def _to_sharding(x: Sharding | Mesh) -> Sharding:
 class Converter:
     """Validates a host batch and builds the sharded arrays; holds no reference to the wrapper."""
 
-    def __init__(self, sharding: Any, pinned: bool = False) -> None:
+    def __init__(
+        self, sharding: Any, pinned: bool = False, packed: bool = False, packed_auto: bool = False
+    ) -> None:
         self._pinned = pinned  # the caller checked that the backend has pinned host memory
+        self._packed = packed and not pinned
+        self._packed_auto = packed_auto  # packed by default, not asked for: may drop it
+        self._layouts: dict[Any, PackedLayout | None] = {}
         if sharding is None:
             sharding = default_sharding()
         self._single: Sharding | None = None
@@ -84,7 +91,8 @@ class Converter:
                 self._shard_counts[key] = None
         return self._shard_counts[key]
 
-    def __call__(self, batch: Any) -> Any:
+    def _validated(self, batch: Any) -> tuple[Any, list[tuple[Any, Sharding]]]:
+        """The batch's treedef and its (leaf, sharding) pairs, every leaf checked."""
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         shardings = self._leaf_shardings(batch, treedef, len(leaves))
         arrays = []
@@ -108,7 +116,57 @@ class Converter:
                     f"nearest: {nearest}."
                 )
             arrays.append((array, sharding))
-        # Validate every leaf before the first transfer.
+        return treedef, arrays
+
+    def _layout(self, pairs: list[tuple[Any, Sharding]], treedefs: tuple[Any, ...]) -> Any:
+        key = (treedefs, tuple((a.shape, getattr(a, "dtype", None), s) for a, s in pairs))
+        if key not in self._layouts:
+            if len(self._layouts) >= 16:  # shapes that keep changing: no unbounded cache
+                self._layouts.clear()
+            self._layouts[key] = plan([a for a, _ in pairs], [s for _, s in pairs])
+        return self._layouts[key]
+
+    def transfers(self, batch: Any) -> tuple[int, int]:
+        """How to move a stream of batches like this one, worked out from its first one:
+        ``(batches per transfer, transfers in flight on their own threads)``.
+
+        Packed batches smaller than :data:`grain_replay.device.packed.GROUP_BYTES` go
+        several to one transfer (at most ``MAX_GROUP``). Batches of
+        :data:`grain_replay.device.packed.PARALLEL_BYTES` or more go one per transfer,
+        ``PUT_THREADS`` at once: a put holds its thread while the host lays the batch out.
+        With ``packed`` left to its default (``None``, on TPU), a batch that would go
+        alone in its packed transfer is put leaf by leaf instead (measured on a TPU v5e:
+        the leaf puts of a frame batch, 4 in flight, beat one packed buffer).
+        """
+        treedef, pairs = self._validated(batch)
+        nbytes = sum(int(getattr(a, "nbytes", 0)) for a, _ in pairs)
+        if self._packed and self._layout(pairs, (treedef,)) is not None:
+            group = max(1, min(packing.MAX_GROUP, packing.GROUP_BYTES // max(nbytes, 1)))
+            if group > 1 or not self._packed_auto:
+                return group, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1
+            self._packed = False  # auto: one batch a transfer pays only leaf by leaf
+        return 1, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1
+
+    def __call__(self, batch: Any) -> Any:
+        return self.convert_group([batch])[0]
+
+    def convert_group(self, batches: list[Any]) -> list[Any]:
+        """The sharded arrays of each batch; packed batches go in one transfer together.
+        Every leaf of every batch is validated before the first transfer."""
+        checked = [self._validated(b) for b in batches]
+        if self._packed:
+            pairs = [p for _, ps in checked for p in ps]
+            layout = self._layout(pairs, tuple(t for t, _ in checked))
+            if layout is not None:
+                flat = layout.put([a for a, _ in pairs])
+                out, at = [], 0
+                for treedef, ps in checked:
+                    out.append(jax.tree_util.tree_unflatten(treedef, flat[at : at + len(ps)]))
+                    at += len(ps)
+                return out
+        return [self._put(treedef, arrays) for treedef, arrays in checked]
+
+    def _put(self, treedef: Any, arrays: list[tuple[Any, Sharding]]) -> Any:
         if self._pinned:
             arrays = [(self._stage(a, s), s) for a, s in arrays]
         if jax.process_count() > 1:

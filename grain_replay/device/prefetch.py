@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
 import queue
@@ -30,6 +31,13 @@ class _Failure:
 class Prefetcher:
     """A daemon thread keeping up to ``depth`` converted batches (and their states) queued.
 
+    ``convert`` takes a list of host batches and returns their device arrays (one
+    packed transfer for the lot, or one per batch). ``transfers(first_batch)``, if
+    given, says how many batches go to one ``convert`` call and how many such calls
+    may run at once, on that many threads (a put of a large batch holds its thread
+    while the host lays it out: several in flight move more). The depth grows to hold
+    two groups, or one batch per thread, so that transfers overlap consumption.
+
     ``capture_state`` also queues a copy of ``inner.get_state()`` taken right after
     each batch, so the consumer knows the state of the last batch it received.
 
@@ -40,17 +48,26 @@ class Prefetcher:
     """
 
     def __init__(
-        self, inner: Any, convert: Callable[[Any], Any], depth: int, capture_state: bool
+        self,
+        inner: Any,
+        convert: Callable[[list[Any]], list[Any]],
+        depth: int,
+        capture_state: bool,
+        transfers: Callable[[Any], tuple[int, int]] | None = None,
     ) -> None:
         self._stop = threading.Event()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        # bounded by the slots: a batch is read only with a slot, freed when it is taken
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._slots = threading.Semaphore(depth)
         self._thread: threading.Thread | None = threading.Thread(
             target=_produce,
-            args=(inner, convert, self._queue, self._slots, self._stop, capture_state),
+            args=(
+                inner, convert, self._queue, self._slots, self._stop, capture_state,
+                transfers, depth,
+            ),
             name="sharded_device_put",
             daemon=True,
-        )
+        )  # fmt: skip
         shutdown.register(self, _halt_at_exit)
         self._thread.start()
 
@@ -65,6 +82,12 @@ class Prefetcher:
             raise StopIteration
         self._slots.release()
         arrays, state = item
+        if isinstance(arrays, concurrent.futures.Future):
+            try:
+                arrays = arrays.result()
+            except BaseException:
+                self.halt()
+                raise
         return arrays, state
 
     def signal_stop(self) -> None:
@@ -95,35 +118,81 @@ def _halt_at_exit(prefetcher: Prefetcher) -> None:
     prefetcher.halt(_EXIT_JOIN_S)
 
 
+def _first(convert: Callable[[list[Any]], list[Any]], batches: list[Any]) -> Any:
+    return convert(batches)[0]
+
+
 def _produce(
     inner: Any,
-    convert: Callable[[Any], Any],
+    convert: Callable[[list[Any]], list[Any]],
     out: queue.Queue[Any],
     slots: threading.Semaphore,
     stop: threading.Event,
     capture_state: bool,
+    transfers: Callable[[Any], tuple[int, int]] | None,
+    depth: int,
 ) -> None:
-    """Producer loop: a module-level function so the thread never keeps the wrapper alive."""
-    while True:
-        while not slots.acquire(timeout=_POLL_S):
-            if stop.is_set():
+    """Producer loop: a module-level function so the thread never keeps the wrapper alive.
+
+    Reads up to a group of batches (one slot each), converts them together (here, or on
+    a put thread: the consumer then waits on its future) and queues them in order; a
+    failure or the end of the stream comes after the batches read before it.
+    """
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    size = None
+    try:
+        while True:
+            batches: list[Any] = []
+            states: list[Any] = []
+            last: Any = None  # _END or a _Failure, queued after this group
+            while len(batches) < (size or 1):
+                while not slots.acquire(timeout=_POLL_S):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                try:
+                    batch = next(inner)
+                except StopIteration:
+                    last = _END
+                except BaseException as e:
+                    last = _Failure(e)
+                if last is not None:
+                    slots.release()
+                    break
+                if stop.is_set():  # stopped while reading (at exit: no put after teardown)
+                    return
+                try:
+                    states.append(copy.deepcopy(inner.get_state()) if capture_state else None)
+                    if size is None:
+                        size, threads = transfers(batch) if transfers is not None else (1, 1)
+                        size, threads = max(1, int(size)), max(1, int(threads))
+                        if threads > 1 and size == 1:
+                            pool = concurrent.futures.ThreadPoolExecutor(
+                                threads, thread_name_prefix="sharded_device_put_put"
+                            )
+                        for _ in range(max(0, max(2 * size, threads) - depth)):
+                            slots.release()  # room for the transfers to overlap
+                except BaseException as e:
+                    slots.release()
+                    last = _Failure(e)
+                    break
+                batches.append(batch)
+            if batches:
+                if pool is not None:  # one batch a group: its future stands for its arrays
+                    future = pool.submit(_first, convert, batches)
+                    out.put((future, states[0]))
+                else:
+                    try:
+                        arrays = convert(batches)
+                    except BaseException as e:
+                        out.put(_Failure(e))
+                        return
+                    for item in zip(arrays, states, strict=True):
+                        out.put(item)
+            if last is not None:
+                out.put(last)
                 return
-        if stop.is_set():
-            return
-        try:
-            batch = next(inner)
-        except StopIteration:
-            out.put(_END)
-            return
-        except BaseException as e:
-            out.put(_Failure(e))
-            return
-        if stop.is_set():  # stopped while reading (at exit: no device put after jax's teardown)
-            return
-        try:
-            state = copy.deepcopy(inner.get_state()) if capture_state else None
-            arrays = convert(batch)
-        except BaseException as e:
-            out.put(_Failure(e))
-            return
-        out.put((arrays, state))
+    finally:
+        if pool is not None:  # no put left running once the producer is gone (exit: jax)
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -60,6 +60,19 @@ def _pinned_if_available(pinned: bool) -> bool:
     return pinned
 
 
+def _packed_default(packed: bool | None) -> bool:
+    """``packed=None``: on where it was measured to pay (TPU, batches that go several to
+    a transfer), else off."""
+    if packed is None:
+        return jax.default_backend() == "tpu"
+    if not isinstance(packed, bool):
+        raise InvalidArgumentError(
+            f"packed must be True, False or None (None: on for TPU), got {packed!r}. "
+            "Fix: packed=None."
+        )
+    return packed
+
+
 def _local_rows(x: Any) -> np.ndarray:
     """``x`` as numpy; of a globally sharded jax.Array, this process's rows in order."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -68,21 +81,28 @@ def _local_rows(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _keep_row_ids(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``convert``, but the row ids of a prioritized batch over a bounded or many-writer
-    store (``index``, :class:`grain_replay.store.parts.RowIds`) stay on the host.
+def _put_row_ids_aside(batch: Any) -> tuple[Any, RowIds | None]:
+    """The batch to put, and the row ids of a prioritized batch over a bounded or
+    many-writer store (``index``, :class:`grain_replay.store.parts.RowIds`) to keep on the
+    host, or None.
 
     They need 64 bits (``ordinal << 40 | seq``) and jax keeps 32 without
     ``jax_enable_x64``; the index only goes back to ``update_priorities``.
     """
+    index = getattr(batch, "index", None)
+    if isinstance(index, RowIds) and jax.dtypes.canonicalize_dtype(np.int64) != np.int64:
+        # the tree as given (a pytree of shardings still matches), the ids put back after
+        return batch._replace(index=np.asarray(index, dtype=np.int32)), index
+    return batch, None
 
-    def put(batch: Any) -> Any:
-        index = getattr(batch, "index", None)
-        if isinstance(index, RowIds) and jax.dtypes.canonicalize_dtype(np.int64) != np.int64:
-            # the tree as given (a pytree of shardings still matches), the ids put back
-            put_batch = convert(batch._replace(index=np.asarray(index, dtype=np.int32)))
-            return put_batch._replace(index=index)
-        return convert(batch)
+
+def _keep_row_ids(convert: Callable[[list[Any]], list[Any]]) -> Callable[[list[Any]], list[Any]]:
+    """``convert`` (of a list of batches), the row ids kept on the host (see above)."""
+
+    def put(batches: list[Any]) -> list[Any]:
+        prepared = [_put_row_ids_aside(b) for b in batches]
+        out = convert([b for b, _ in prepared])
+        return [a if ids is None else a._replace(index=ids) for a, (_, ids) in zip(out, prepared)]
 
     return put
 
@@ -108,11 +128,15 @@ class ShardedDevicePutIterator(Iterator[Any]):
         *,
         prefetch: int = 2,
         pinned: bool = False,
+        packed: bool | None = None,
     ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
         self._prefetcher: Prefetcher | None = None
-        self._convert = _keep_row_ids(Converter(sharding, _pinned_if_available(pinned)))
+        self._converter = Converter(
+            sharding, _pinned_if_available(pinned), _packed_default(packed), packed is None
+        )
+        self._convert = _keep_row_ids(self._converter.convert_group)
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
@@ -137,7 +161,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
             try:
                 batch = next(self._inner)
                 state = copy.deepcopy(self._inner.get_state()) if self._capture else None
-                arrays = self._convert(batch)
+                arrays = self._convert([batch])[0]
             except BaseException:
                 self._finished = True
                 raise
@@ -157,7 +181,12 @@ class ShardedDevicePutIterator(Iterator[Any]):
         return arrays
 
     def _start(self) -> None:
-        self._prefetcher = Prefetcher(self._inner, self._convert, self._prefetch, self._capture)
+        # A prioritized stream stamps each priority update with the batches this wrapper
+        # may have pulled ahead (``prefetch``): its batches are moved one at a time.
+        transfers = None if isinstance(self._inner, PriorityUpdates) else self._converter.transfers
+        self._prefetcher = Prefetcher(
+            self._inner, self._convert, self._prefetch, self._capture, transfers
+        )
 
     def _halt(self, timeout: float | None = None) -> None:
         """Stops the producer and drops what it prefetched."""
@@ -305,6 +334,7 @@ def sharded_device_put(
     *,
     prefetch: int = 2,
     pinned: bool = False,
+    packed: bool | None = None,
     resident: bool | Literal["auto"] = False,
     budget_bytes: int | None = None,
 ) -> ShardedDevicePutIterator | ResidentReplayIterator:
@@ -330,6 +360,15 @@ def sharded_device_put(
             before the device copy. Off by default: not yet measured to pay on a GPU (the
             ``device`` benchmark section measures it); on a backend without pinned host
             memory it logs a warning and puts pageable batches.
+        packed: Move each batch as one lane-aligned ``uint32[rows, 128]`` buffer per
+            device and lay the leaves out on the device (one jitted program per batch
+            layout), instead of one put per leaf. The arrays are the same (values,
+            dtypes, shapes, shardings). ``None`` (default): on for TPU, where a put per
+            leaf pays a host-side relayout into the chip's tiles and a fixed cost per
+            put (a batch of 5 transition leaves 3.6x faster, frames 1.9x, on a v5e;
+            ``benchmarks/bench_feed.py``), off elsewhere. Where it does not apply
+            (several processes, non-numpy leaves, leaves sharded differently or
+            replicated, dtypes other than bool/int/uint/float) leaves are put one by one.
         resident: ``True`` for device-resident replay: ``batches`` must be a loader of
             :func:`make_data_loader` (no host ``operations``); its store is loaded once onto
             every device (a replica per device, read in chunks with a progress bar) and each
@@ -371,4 +410,6 @@ def sharded_device_put(
         raise InvalidArgumentError(
             "budget_bytes applies to resident=True or 'auto'; got resident=False"
         )
-    return ShardedDevicePutIterator(batches, sharding, prefetch=prefetch, pinned=pinned)
+    return ShardedDevicePutIterator(
+        batches, sharding, prefetch=prefetch, pinned=pinned, packed=packed
+    )
