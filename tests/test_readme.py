@@ -108,12 +108,26 @@ def test_readme_says_how_to_get_fake_devices_outside_make():
 
 
 def test_install_announces_each_step_and_shows_pip_progress():
-    recipe = _make_recipe("$(STAMP)")
+    recipe = _make_recipe("$(DEMO_STAMP)")
     echoes = [line for line in recipe if line.startswith("@echo")]
     assert len(echoes) >= 3
-    assert any("1 GB" in e and "minutes" in e for e in echoes), echoes
+    assert any("[3/3]" in e and "minutes" in e for e in echoes), echoes
     (install,) = [line for line in recipe if "pip install" in line and "-e " in line]
     assert "--quiet" not in install and "-q " not in install
+    assert install.endswith("-e ."), install  # the demo installs the package alone
+
+
+def test_the_test_stamp_adds_the_extras_on_top_of_the_demo_stamp():
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    (rule,) = [line for line in lines if line.startswith("$(STAMP):")]
+    assert "$(DEMO_STAMP)" in rule.split(":", 1)[1]  # a fresh `make test` installs both
+    recipe = _make_recipe("$(STAMP)")
+    assert any("1 GB" in e and "minutes" in e for e in recipe if e.startswith("@echo")), recipe
+    (install,) = [line for line in recipe if "pip install" in line and "-e " in line]
+    assert "test" in install and "--quiet" not in install
+    assert _make_recipe("demo")[0].endswith("grain_replay.cli demo")
+    (demo_rule,) = [line for line in lines if line.startswith("demo:")]
+    assert demo_rule.split(":", 1)[1].split() == ["$(DEMO_STAMP)"]
 
 
 def test_pyproject_license_is_a_pep639_expression():
