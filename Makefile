@@ -93,6 +93,23 @@ test-formats: $(STAMP) $(FORMATS_STAMP)
 		tests/datasets/test_formats_peer.py tests/sources/test_npz_source.py \
 		tests/datasets/test_torchrl_source.py tests/datasets/test_vault_source.py
 
+# The site (docs/, mkdocs.yml) in a venv of its own: the `docs` extra's packages only, read from
+# pyproject.toml; mkdocstrings reads the docstrings from the source, so neither the package
+# nor jax is installed there. --strict: any warning (a broken link, a bad docstring) fails.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet $$($(DOCS_VENV)/bin/python -c 'import tomllib; \
+		print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+	@echo "==> site/index.html"
+
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python
 
