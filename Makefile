@@ -3,29 +3,38 @@
 PYTHON ?= python3
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
+# Two stamps: `make demo` installs the package alone (what `grain-replay demo` imports: jax,
+# grain, zarr, h5py, ...); `make test` (and every other target) adds the extras on top.
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot test-rlds test-formats bench bench-quick bench-s3 bench-lerobot bench-peers lint clean
+.PHONY: install demo test test-slow test-lerobot test-rlds test-formats bench bench-quick bench-s3 bench-lerobot bench-peers lint docs clean
 
 install: $(STAMP)
 
 # One line per step; pip shows its own progress for the big one.
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	@echo "==> [1/3] virtual environment in $(VENV)/"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "==> $(PYTHON) does not run. \
 	A pyenv shim needs its version named: PYENV_VERSION=3.13.0 make ... PYTHON=$(PYTHON), \
 	or PYTHON=\$$(pyenv prefix 3.13.0)/bin/python3.13 (.ci/run finds it itself)"; exit 1; }
 	@echo "==> [2/3] upgrading pip"
 	@$(PY) -m pip install --quiet --upgrade pip
-	@echo "==> [3/3] installing grain_replay and ~1 GB of dependencies (jax, grain, zarr, h5py, ...): about 3 minutes on first use"
-	$(PY) -m pip install --progress-bar on -e ".[test,s3,cli,bench,rl,fast]"
-	@touch $(STAMP)
+	@echo "==> [3/3] installing grain_replay and its dependencies (jax, grain, zarr, h5py, ...): a few minutes on first use"
+	$(PY) -m pip install --progress-bar on -e .
+	@touch $(DEMO_STAMP)
 	@echo "==> installed into $(VENV)/ (later runs skip these steps)"
 
-demo: $(STAMP)
+$(STAMP): $(DEMO_STAMP) pyproject.toml
+	@echo "==> installing the test, format and benchmark extras into $(VENV)/ (~1 GB with the above: about 3 minutes on first use)"
+	$(PY) -m pip install --progress-bar on -e ".[test,s3,cli,bench,rl,fast]"
+	@touch $(STAMP)
+	@echo "==> installed into $(VENV)/ (later runs skip this step)"
+
+demo: $(DEMO_STAMP)
 	$(PY) -m grain_replay.cli demo
 
 # Which stack this run tests, first (CI runs one leg per interpreter).
@@ -83,6 +92,23 @@ test-formats: $(STAMP) $(FORMATS_STAMP)
 	FORMATS_PYTHON=$(abspath $(FORMATS_VENV))/bin/python $(PY) -m pytest -q -n 0 \
 		tests/datasets/test_formats_peer.py tests/sources/test_npz_source.py \
 		tests/datasets/test_torchrl_source.py tests/datasets/test_vault_source.py
+
+# The site (docs/, mkdocs.yml) in a venv of its own: the `docs` extra's packages only, read from
+# pyproject.toml; mkdocstrings reads the docstrings from the source, so neither the package
+# nor jax is installed there. --strict: any warning (a broken link, a bad docstring) fails.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet $$($(DOCS_VENV)/bin/python -c 'import tomllib; \
+		print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+	@echo "==> site/index.html"
 
 bench-lerobot: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) benchmarks/bench_lerobot.py --peer-python $(abspath $(LEROBOT_VENV))/bin/python
@@ -159,4 +185,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy grain_replay
 
 clean:
-	rm -rf $(VENV) .venv-peers .gpu-wheels build *.egg-info demo_out bench_out
+	rm -rf $(VENV) .venv-peers .venv-docs .gpu-wheels build *.egg-info demo_out bench_out site

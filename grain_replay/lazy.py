@@ -16,7 +16,7 @@ def lazy_exports(
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``table`` maps a name to its module.
 
-    Example:
+    Examples:
       >>> table = {"NpyDataSource": "grain_replay.sources.npy"}
       >>> __getattr__, __dir__ = lazy_exports(__name__, table)
     """

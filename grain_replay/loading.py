@@ -93,7 +93,7 @@ def make_data_loader(
       A ``grain.DataLoader`` whose iterator yields numpy batches and supports
       ``get_state``/``set_state``.
 
-    Example:
+    Examples:
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None)
       >>> for batch in gr.sharded_device_put(loader): ...
     """
@@ -132,7 +132,7 @@ def replay_dataset(
     A mixture or replay ``sampling`` reads in the iterating process; its iterator
     has ``update_priorities`` (prioritized replay) until it is wrapped.
 
-    Example:
+    Examples:
       >>> ds = gr.replay_dataset(src, batch_size=256).map(augment).mp_prefetch()
     """
     ensure_absl_flags_parsed()  # grain starts workers only once absl flags are parsed

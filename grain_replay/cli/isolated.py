@@ -52,7 +52,7 @@ def verify_isolated(
     store is only opened, not checked against its checksums (``grain-replay
     verify`` goes on to that when this returns ``ok``).
 
-    Example:
+    Examples:
       >>> check = verify_isolated("untrusted.h5", timeout=10)
       >>> if not check.ok:
       ...     print(check.message)

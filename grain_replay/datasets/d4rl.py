@@ -96,7 +96,7 @@ class D4RLDataSource(TransitionDataSource):
       InvalidStoreError: not HDF5, or ``observations``/``actions``/``rewards``
         or both ``terminals`` and ``timeouts`` missing.
 
-    Example:
+    Examples:
       >>> src = gr.D4RLDataSource("~/.d4rl/datasets/hopper_medium-v2.hdf5")
       >>> src.episodes.num_episodes, src[0]["next_observations"].shape
     """

@@ -49,7 +49,7 @@ def shutdown_distributed() -> None:
     ``jax.distributed`` was never initialized) there are no peers: it only shuts
     ``jax.distributed`` down if it runs.
 
-    Example:
+    Examples:
         >>> with gr.sharded_device_put(loader) as batches:  # doctest: +SKIP
         ...     for batch in batches:
         ...         state = train_step(state, batch)

@@ -395,7 +395,7 @@ def sharded_device_put(
         ResidentUnsupportedError: ``resident=True`` and ``batches`` is not a loader of
             ``make_data_loader``, has host operations, or ``sharding`` is a pytree.
 
-    Example:
+    Examples:
         >>> loader = gr.make_data_loader(source, batch_size=256)  # doctest: +SKIP
         >>> for batch in gr.sharded_device_put(loader, prefetch=2):  # doctest: +SKIP
         ...     state = train_step(state, batch)

@@ -77,7 +77,7 @@ class DeviceReplay:
       InvalidArgumentError: ``capacity`` not a positive int, below ``min_size``, or
         missing for an unbounded many-writer store.
 
-    Example:
+    Examples:
       >>> replay = gr.DeviceReplay("replay/", sampling=gr.PrioritizedReplay(alpha=0.6))
       >>> state = replay.init()
       >>> @jax.jit

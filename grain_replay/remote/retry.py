@@ -45,7 +45,7 @@ class RetryOptions:
       backoff_s: wait before the first retry, in seconds.
       max_backoff_s: bound of a single wait, in seconds.
 
-    Example:
+    Examples:
       >>> gr.ZarrDataSource(url, storage_options=opts, retries=RetryOptions(retries=5))
     """
 

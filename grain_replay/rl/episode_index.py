@@ -35,7 +35,7 @@ class EpisodeIndex:
       open_last: the last episode has no end flag: the store stopped (or is
         still growing) in the middle of it.
 
-    Example:
+    Examples:
       >>> idx = EpisodeIndex.from_flags(np.array([0, 0, 1, 0, 1], bool))
       >>> idx.episode_of(np.array([0, 3])), idx.starts, idx.ends
       (array([0, 1]), array([0, 3]), array([3, 5]))

@@ -53,7 +53,7 @@ class EpisodeFlags:
     ``terminations``/``truncations`` (Minari), ``terminals``/``timeouts``
     (D4RL), then ``done``/``dones``, then RLDS's ``is_last``/``is_terminal``.
 
-    Example:
+    Examples:
       >>> EpisodeFlags(done="is_last").resolve(src.spec, src.path).keys
       ['is_last']
     """
@@ -239,7 +239,7 @@ def build_episode_index(
       InvalidStoreError: no usable flag leaf (the message lists the leaves and
         the ``*_key=`` argument to pass).
 
-    Example:
+    Examples:
       >>> idx = build_episode_index(gr.open_source("replay.h5"), done_key="done")
       >>> idx.num_episodes, idx.lengths.mean()
     """

@@ -103,8 +103,10 @@ class SequenceDataSource(DerivedSource):
       pad: ``"edge"``, ``"zero"`` or ``"drop"`` (see above).
       episodes: a prebuilt :class:`EpisodeIndex` of the steps; default: the
         source's own (Minari), else built from its end-of-episode flags.
-      done_key, terminated_key, truncated_key: end-of-episode flag leaves
-        (default: found by name, see :class:`EpisodeFlags`).
+      done_key: the leaf flagging each episode's last step (default: found by name,
+        see :class:`EpisodeFlags`).
+      terminated_key: the leaf flagging terminations (default: found by name).
+      truncated_key: the leaf flagging truncations (default: found by name).
       cache: read/write the episode index cache file beside the store.
 
     Raises:
@@ -117,7 +119,7 @@ class SequenceDataSource(DerivedSource):
       InvalidStoreError: no end-of-episode flag leaf (the message names the
         ``*_key=`` to pass), or ``episodes=`` of another length.
 
-    Example:
+    Examples:
       >>> seq = gr.SequenceDataSource(
       ...     gr.open_source("robot.zarr"), {"obs": [-1, 0], "action": range(16)})
       >>> b = seq.read_batch([0, 7])

@@ -101,8 +101,10 @@ class NStepDataSource(DerivedSource):
       obs_key: the observation leaf or group.
       next_obs_key: name of the bootstrap observation; default ``"next_" + obs_key``.
       reward_key: the reward leaf.
-      done_key, terminated_key, truncated_key: end-of-episode flag leaves
-        (default: found by name, see :class:`EpisodeFlags`).
+      done_key: the leaf flagging each episode's last step (default: found by name,
+        see :class:`EpisodeFlags`).
+      terminated_key: the leaf flagging terminations (default: found by name).
+      truncated_key: the leaf flagging truncations (default: found by name).
       episodes: a prebuilt :class:`EpisodeIndex` of the source's steps.
       cache: read/write the episode index cache file.
 
@@ -112,7 +114,7 @@ class NStepDataSource(DerivedSource):
         mirror the observation, or an added name already a leaf.
       ValueError: ``n`` not positive or ``gamma`` outside ``[0, 1]``.
 
-    Example:
+    Examples:
       >>> src = gr.NStepDataSource(gr.open_source("replay.h5"), n=3, gamma=0.99)
       >>> b = src.read_batch([0, 1]); target = b["n_step_return"] + b["discount"] * v
     """
@@ -292,7 +294,9 @@ class TransitionDataSource(NStepDataSource):
       keys: leaves (or groups) to include; default all.
       obs_key: the observation leaf or group.
       next_obs_key: name of the next observation; default ``"next_" + obs_key``.
-      done_key, terminated_key, truncated_key: end-of-episode flag leaves.
+      done_key: the leaf flagging each episode's last step (default: found by name).
+      terminated_key: the leaf flagging terminations (default: found by name).
+      truncated_key: the leaf flagging truncations (default: found by name).
       episodes: a prebuilt :class:`EpisodeIndex` of the source's steps.
       cache: read/write the episode index cache file.
 
@@ -301,7 +305,7 @@ class TransitionDataSource(NStepDataSource):
         lists the leaves), or ``next_obs_key`` already a leaf that does not
         mirror the observation.
 
-    Example:
+    Examples:
       >>> src = gr.TransitionDataSource(gr.open_source("obs_once.h5"), obs_key="obs")
       >>> src[0]["next_obs"]
     """

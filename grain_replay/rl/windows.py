@@ -89,7 +89,7 @@ class WindowDataSource(DerivedSource):
         ``*_key=`` to pass), unknown ``keys``, or ``mask_key`` already a leaf.
       ValueError: ``length`` or ``stride`` not positive.
 
-    Example:
+    Examples:
       >>> windows = gr.WindowDataSource(gr.open_source("replay.h5"), length=8)
       >>> batch = windows.read_batch([0, 5])  # batch["obs"].shape == (2, 8, ...)
     """

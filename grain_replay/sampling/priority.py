@@ -80,7 +80,7 @@ class PrioritizedReplay:
         :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
         every 30 s. See docs/rate_limits.md.
 
-    Example:
+    Examples:
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None,
       ...                              sampling=gr.PrioritizedReplay(alpha=0.6, beta=0.4))
       >>> it = iter(loader); batch = next(it)

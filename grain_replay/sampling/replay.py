@@ -75,7 +75,7 @@ class UniformReplay:
         :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
         every 30 s. See docs/rate_limits.md.
 
-    Example:
+    Examples:
       >>> loader = gr.make_data_loader(src, batch_size=256, sampling=gr.UniformReplay())
     """
 

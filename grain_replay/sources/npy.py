@@ -154,7 +154,7 @@ class NpyDataSource(ReplaySource):
     ``obs/pixels``), or a single ``.npy`` file whose rows are the records.
     Files are opened with ``allow_pickle=False``: object arrays are refused.
 
-    Example:
+    Examples:
       >>> src = gr.NpyDataSource("replay_dir")
       >>> src[0]["obs"].shape
     """

@@ -80,7 +80,7 @@ def compute_stats(
         differ in leaves (each message names the leaf and the fix).
       ValueError: bad quantiles, weights or sizes.
 
-    Example:
+    Examples:
       >>> stats = gr.compute_stats(gr.open_source("replay.h5"))
       >>> obs = (batch["obs"] - stats["obs"]["mean"]) / (stats["obs"]["std"] + 1e-8)
     """

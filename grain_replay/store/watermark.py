@@ -287,7 +287,7 @@ def read_watermark(checkpoint: Any, store: str | os.PathLike[str] | None = None)
         and ``store`` is None.
       FileNotFoundError: the path does not exist.
 
-    Example:
+    Examples:
       >>> mark = gr.read_watermark("ckpt/1000/data")  # doctest: +SKIP
       >>> writer = gr.ReplayWriter("replay.npy", resume_from=mark)  # doctest: +SKIP
     """

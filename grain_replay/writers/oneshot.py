@@ -415,7 +415,7 @@ def write(
       InvalidTreeError: ``tree`` is empty, not a pytree, has object/string or
         scalar leaves, or leaves of different lengths.
 
-    Example:
+    Examples:
       >>> gr.write("replay.h5", {"obs": obs, "action": action, "reward": reward})
     """
     fmt = format or format_from_path(path)

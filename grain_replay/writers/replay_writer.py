@@ -110,7 +110,7 @@ class ReplayWriter:
     ``flush(wait=False)`` queues a commit behind the trees appended so far: the thread
     writes them, then commits while the caller steps on (docs/device_writes.md).
 
-    Example:
+    Examples:
       >>> with gr.ReplayWriter("replay.zarr") as w:
       ...     for episode in episodes:
       ...         w.append({"obs": ep_obs, "action": ep_act, "reward": ep_rew})

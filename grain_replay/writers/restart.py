@@ -49,7 +49,7 @@ def truncate_to_watermark(
       InvalidArgumentError: the watermark is of another store (another store id, both
         named) or another kind of store.
 
-    Example:
+    Examples:
       >>> mark = gr.read_watermark("ckpt/1000/data")  # doctest: +SKIP
       >>> gr.truncate_to_watermark("replay", mark)  # doctest: +SKIP
       {'actor-0': 52000, 'actor-1': 51987}

@@ -538,15 +538,15 @@ def test_bad_arguments(dataset: Any) -> None:
         gr.LeRobotDataSource(dataset[0], keys=["observation.nope"])
 
 
-# -- the README ----------------------------------------------------------------------
+# -- the user guide (docs/datasets.md) -------------------------------------------------
 
 
-def test_readme_example_runs_on_a_toy_dataset(dataset: Any) -> None:
+def test_guide_example_runs_on_a_toy_dataset(dataset: Any) -> None:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    heading = r"### LeRobot datasets\n\n(?:<!-- [^>]* -->\n)?"  # a "not run" note may follow
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "datasets.md").read_text()
+    heading = r"## LeRobot datasets\n\n(?:<!-- [^>]* -->\n)?"  # a "not run" note may follow
     code = re.search(heading + r"```python\n(.*?)```", readme, re.S)
     assert code is not None
     snippet = code.group(1)

@@ -124,7 +124,7 @@ class LeRobotDataSource(ReplaySource):
       InvalidArgumentError: a ``delta_timestamps`` value that is not a multiple
         of ``1 / fps`` or a key that names no feature read; a bad option.
 
-    Example:
+    Examples:
       >>> src = gr.LeRobotDataSource("~/.cache/huggingface/lerobot/lerobot/pusht")
       >>> batch = src.read_batch(np.arange(256))
       >>> batch["observation.image"].shape, src.tasks[batch["task_index"][0]]

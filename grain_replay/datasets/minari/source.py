@@ -206,7 +206,7 @@ class MinariDataSource(ReplaySource):
       MissingDependencyError: pyarrow (Arrow format) or Pillow (JPEG frames)
         is not installed.
 
-    Example:
+    Examples:
       >>> src = gr.MinariDataSource("~/.minari/datasets/mujoco/hopper/expert-v0")
       >>> src.read_batch([0, 1])["next_observations"].shape
     """

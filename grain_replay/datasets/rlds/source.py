@@ -166,7 +166,7 @@ class RLDSDataSource(ReplaySource):
         ``features.json``; on reads, an image that does not decode (file,
         episode, step, feature).
 
-    Example:
+    Examples:
       >>> src = gr.RLDSDataSource("~/tensorflow_datasets/bridge/1.0.0",
       ...                         keys=["observation/image", "action", "is_last"])
       >>> batch = src.read_batch(np.arange(256))

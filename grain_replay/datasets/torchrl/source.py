@@ -91,7 +91,7 @@ class TorchRLDataSource(ReplaySource):
       path: the dump directory.
       keys: leaves (or groups) to read; default all.
 
-    Example:
+    Examples:
       >>> rb.dumps("/ckpt/rb")                      # in the torchrl job
       >>> src = gr.TorchRLDataSource("/ckpt/rb")    # anywhere, without torch
       >>> src.read_batch([0, 1])["next"]["reward"].shape

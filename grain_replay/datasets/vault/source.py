@@ -178,7 +178,7 @@ class VaultDataSource(ReplaySource):
       keys: leaves (or groups) to read; default all.
       cache_bytes: budget of the decoded leaves of each process.
 
-    Example:
+    Examples:
       >>> src = gr.VaultDataSource("vaults/smac_3m/Good")
       >>> src.read_batch([0, 1])["observations"].shape
     """

@@ -263,7 +263,7 @@ class HDF5DataSource(ReplaySource):
       InvalidStoreError: the file is not a readable HDF5 replay store, or a
         selected leaf refers outside it and ``allow_external`` is False.
 
-    Example:
+    Examples:
       >>> src = gr.HDF5DataSource("replay.h5")
       >>> batch = src.read_batch([3, 1, 3])
     """

@@ -260,7 +260,7 @@ class NpzDataSource(ReplaySource):
       keys: leaves (or groups) to read; default all.
       cache_bytes: budget of the inflated members of each process.
 
-    Example:
+    Examples:
       >>> src = gr.NpzDataSource("antmaze-large-navigate-v0.npz")
       >>> src.read_batch([0, 5])["observations"].shape
     """

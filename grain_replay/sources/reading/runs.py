@@ -38,7 +38,7 @@ def group_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def runs(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """``(key, positions)`` per distinct key of ``keys``, keys ascending, positions in input order.
 
-    Example:
+    Examples:
       >>> runs(np.array([3, 1, 3, 1, 2]))
       [(1, array([1, 3])), (2, array([4])), (3, array([0, 2]))]
     """

@@ -77,7 +77,7 @@ class ZarrDataSource(ReplaySource):
         refused credentials and an unreachable endpoint, naming the
         ``storage_options`` key to fix.
 
-    Example:
+    Examples:
       >>> src = gr.ZarrDataSource("replay.zarr")
       >>> len(src), src.spec["obs"].shape
       >>> s3 = gr.ZarrDataSource("s3://bucket/replay.zarr", storage_options={"anon": True})
