@@ -1,7 +1,7 @@
 """Rate-limited learners' published progress, read by the writers of the store they sample.
 
-A learner sampling with ``samples_per_insert`` publishes, from its first batch
-on, one small JSON file per learner process beside the store's rows::
+A learner sampling with ``samples_per_insert`` publishes one small JSON file per
+learner process beside the store's rows::
 
     <store>/learners/process-<p>-of-<P>.json      a bounded, many-writer store
     <store>.learners/process-<p>-of-<P>.json      a plain single-writer store
