@@ -25,9 +25,9 @@ wait when they are ahead of it. Without that hold ~8k rows would go in played by
 the untrained network (half the exploration schedule) before the first update. An
 actor's ``flush()`` waits at most 1 s at a time (``rate_limit_timeout``): between
 waits it checks that the learner still runs, and stops when it does not. The
-learner publishes its parameters every ``--publish-every`` updates and checkpoints the model and the
-whole replay state (priorities, rate-limit counters, every writer's watermark)
-as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
+learner publishes its parameters every ``--publish-every`` updates and checkpoints
+the model and the whole replay state (priorities, rate-limit counters, every
+writer's watermark) as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
 updates and at the end. ``--resume`` continues from the newest checkpoint: the
 model, the optimizer and the replay iterator are restored, every writer part is cut
 back to the checkpoint's watermark (``gr.truncate_to_watermark``: no row written
