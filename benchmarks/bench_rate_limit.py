@@ -9,6 +9,11 @@ every 1,024 rows):
 - ``fast_learner``: one writer sleeps 50 ms after each flush; the learner draws
   as fast as it can (it waits before drawing).
 
+Both sides are given one ``gr.RateLimit(min_size=, samples_per_insert=)``: the
+writers declare it in the store and start before the learner exists (they hold at
+``min_size + tolerance / samples_per_insert`` rows, plus a flush each, until the
+learner's loader is built: the rows committed before its first draw are reported).
+
 Each reports the observed samples per insert, ``sampled / (inserted - min_size)``
 at the end (target: within 5 % of ``samples_per_insert``), the largest excursion
 outside ``r * (inserted - min_size) +- tolerance`` seen after any batch (rows;
@@ -62,12 +67,20 @@ def _rows(n: int) -> dict[str, np.ndarray]:
     }
 
 
+def _limit() -> Any:
+    import grain_replay as gr
+
+    return gr.RateLimit(min_size=MIN_SIZE, samples_per_insert=RATIO)
+
+
 def _writer(path: str, writer_id: str, rows: int, pause: float, report: str) -> None:
     import grain_replay as gr
 
     block = _rows(APPEND)
     waited = 0.0
-    with gr.ReplayWriter(path, "npy", capacity=CAPACITY, writer_id=writer_id) as w:
+    with gr.ReplayWriter(
+        path, "npy", capacity=CAPACITY, writer_id=writer_id, rate_limit=_limit()
+    ) as w:
         done = 0
         while done < rows:
             w.append(block)
@@ -89,32 +102,41 @@ def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) 
     from grain_replay.store.progress import InsertedCount
 
     root = tempfile.mkdtemp(prefix="bench_rate_limit_")
+    seed = MIN_SIZE - 4 * FLUSH_ROWS  # the writers bring it to min_size
     path = os.path.join(root, "store")
     try:
-        with gr.ReplayWriter(path, "npy", capacity=CAPACITY, writer_id="seed") as w:
-            w.append(_rows(MIN_SIZE))
-        per = (inserts - MIN_SIZE) // writers // FLUSH_ROWS * FLUSH_ROWS
+        with gr.ReplayWriter(
+            path, "npy", capacity=CAPACITY, writer_id="seed", rate_limit=_limit()
+        ) as w:
+            w.append(_rows(seed))
+        per = (inserts - seed) // writers // FLUSH_ROWS * FLUSH_ROWS
         ctx = multiprocessing.get_context("spawn")
         reports = [os.path.join(root, f"w{i}.json") for i in range(writers)]
         procs = [
             ctx.Process(target=_writer, args=(path, f"w{i}", per, pause, reports[i]))
             for i in range(writers)
         ]
-        opts = gr.UniformReplay(min_size=MIN_SIZE, samples_per_insert=RATIO, timeout=120)
+        count = InsertedCount(path)
+        for p in procs:  # before the learner exists: the declared limit holds them
+            p.start()
+        held = MIN_SIZE + _limit().writer_tolerance() / RATIO
+        until = time.monotonic() + 600
+        while count.read()[0] < MIN_SIZE and time.monotonic() < until:
+            time.sleep(0.05)
+        time.sleep(3.0)  # a benchmark, not a test: the writers' next flushes find the hold
+        opts = gr.UniformReplay(rate_limit=_limit(), timeout=120)
         it = iter(
             gr.make_data_loader(
                 gr.open_source(path), batch_size=BATCH, num_epochs=None, sampling=opts
             )
         )
-        count = InsertedCount(path)
         e = default_tolerance(BATCH, RATIO, MIN_SIZE)
         t0 = time.perf_counter()
+        before_first = count.read()[0]
         next(it)
-        for p in procs:
-            p.start()
         handed, above, below, caught = BATCH, 0.0, 0.0, False
-        learner_s, deadline, deadlock = 0.0, time.monotonic() + 600, False
-        total = MIN_SIZE + per * writers
+        learner_s, deadline, deadlock = 0.0, time.monotonic() + 1800, False
+        total = seed + per * writers
         while True:
             inserted = count.read()[0]
             gap = RATIO * (inserted - MIN_SIZE) - handed
@@ -147,6 +169,8 @@ def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) 
             "inserts": inserted,
             "samples_per_insert": RATIO,
             "tolerance": e,
+            "committed_before_first_draw": before_first,
+            "held_at": held,
             "sampled": handed,
             "observed": round(observed, 5),
             "error_pct": round(100 * (observed / RATIO - 1), 3),
@@ -185,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['samples_per_insert']:g} ({row['error_pct']:+.2f} %), over {row['inserts']} "
             f"inserts in {row['seconds']:.1f} s; band excursions {row['max_above_ceiling_rows']:g} "
             f"/ {row['max_below_floor_rows']:g} rows; writers waited {row['writer_wait_s']} s, "
-            f"learner in next() {row['learner_next_s']} s; deadlock: {row['deadlock']}"
+            f"learner in next() {row['learner_next_s']} s; deadlock: {row['deadlock']}; "
+            f"{row['committed_before_first_draw']} rows committed before the first draw "
+            f"(held at {row['held_at']:g} + a flush of {FLUSH_ROWS} per writer)"
         )
         ok = ok and row["within_5pct"] and not row["deadlock"]
     return 0 if ok else 1

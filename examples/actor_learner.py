@@ -12,19 +12,22 @@ committed.
 The learner (this process) trains a double-Q DQN (two 256-unit layers, Adam in
 pure JAX, Huber loss weighted by the importance weights) on batches of
 ``gr.make_data_loader(gr.open_source(store), sampling=gr.PrioritizedReplay(...,
-min_size=, samples_per_insert=))`` through ``gr.sharded_device_put``, giving
-``|TD error|`` back as the new priorities. The rate limit is the library's: no
-batch before ``--min-size`` rows are live, then the learner waits when it is
-ahead of ``--samples-per-insert`` and the actors wait in ``flush()`` when they
-are ahead of it. The library holds writers back only from the learner's first
-batch on (that is when it publishes its progress), which comes 3-4 s after the
-actors start: each actor therefore stops at its share of ``--min-size`` rows
-until the learner has made its first update, else ~8k rows would go in played
-by the untrained network (half the exploration schedule) and the first ~4k
-updates would all be spent on them. The learner publishes its
-parameters every ``--publish-every`` updates and checkpoints the model and the
-whole replay state (priorities, rate-limit counters, every writer's watermark)
-as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
+rate_limit=limit))`` through ``gr.sharded_device_put``, giving ``|TD error|`` back
+as the new priorities. The rate limit is the library's, one
+``gr.RateLimit(min_size=--min-size, samples_per_insert=--samples-per-insert)`` given
+to both sides: each actor's ``ReplayWriter(..., rate_limit=limit)`` declares it in
+the store before its first row, so the actors hold in ``flush()`` from the start,
+before the learner exists (at ``min_size + tolerance / samples_per_insert`` rows,
+~1,100 with the defaults, plus a flush each), and the learner's loader holds them
+from the moment it is built; then no batch comes before ``--min-size`` rows are
+live, the learner waits when it is ahead of ``--samples-per-insert`` and the actors
+wait when they are ahead of it. Without that hold ~8k rows would go in played by
+the untrained network (half the exploration schedule) before the first update. An
+actor's ``flush()`` waits at most 1 s at a time (``rate_limit_timeout``): between
+waits it checks that the learner still runs, and stops when it does not. The
+learner publishes its parameters every ``--publish-every`` updates and checkpoints
+the model and the whole replay state (priorities, rate-limit counters, every
+writer's watermark) as one Orbax checkpoint (items ``model`` and ``data``) every ``--ckpt-every``
 updates and at the end. ``--resume`` continues from the newest checkpoint: the
 model, the optimizer and the replay iterator are restored, every writer part is cut
 back to the checkpoint's watermark (``gr.truncate_to_watermark``: no row written
@@ -143,26 +146,16 @@ def epsilon_at(step: int, quota: int, fraction: float, final: float, end: float)
     return final + (end - final) * min(1.0, (step - explore) / max(1, quota - explore))
 
 
-def await_learner(params_path: Path, parent: int) -> bool:
-    """Waits until the learner has trained on a batch (it publishes ``updates >= 1``).
-
-    The library's rate limit holds writers back from the learner's first batch on;
-    before it, nothing would: an actor stops at its share of ``--min-size`` rows
-    until then, so the first updates see the first rows, not the first ~8k.
-    Returns False when the learner died first.
-    """
-    stamp = None
-    while os.getppid() == parent:
+def flush(writer: gr.ReplayWriter, parent: int) -> bool:
+    """Commits the appended rows, waiting for the learner as long as it runs (the rate
+    limit holds a flush that would put the actors ahead); False when the learner died."""
+    while True:
         try:
-            now = os.stat(params_path).st_mtime_ns
-        except FileNotFoundError:
-            now = None
-        if now is not None and now != stamp:
-            stamp = now
-            if load_params(params_path)[1] >= 1:
-                return True
-        time.sleep(0.01)
-    return False
+            writer.flush()
+            return True
+        except gr.RateLimitTimeoutError:  # waited rate_limit_timeout: still a learner?
+            if os.getppid() != parent:
+                return False
 
 
 def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
@@ -172,11 +165,17 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
     store, params_path = Path(cfg["store"]), Path(cfg["params"])
     quota = actor_quota(cfg["env_steps"], cfg["actors"], k)
     writer = gr.ReplayWriter(
-        store / "replay", format="npy", capacity=cfg["capacity_per_actor"], writer_id=f"actor-{k}"
+        store / "replay",
+        format="npy",
+        capacity=cfg["capacity_per_actor"],
+        writer_id=f"actor-{k}",
+        # Declared in the store before the first row: the actors hold from the start.
+        rate_limit=gr.RateLimit(
+            min_size=cfg["min_size"], samples_per_insert=cfg["samples_per_insert"]
+        ),
+        rate_limit_timeout=1.0,  # a flush waits 1 s at a time: then is the learner alive?
     )
     step = writer.committed  # after --resume: continue after the last committed row
-    share = actor_quota(cfg["min_size"], cfg["actors"], k)  # this actor's part of min_size
-    learning = share == 0
     rng = np.random.default_rng([cfg["seed"], k, step])
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
@@ -214,7 +213,7 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 finished.append({"return": episode_return, "env_step": total, "time": time.time()})
                 episode_return = 0.0
                 obs, _ = env.reset()
-            if len(rows) >= cfg["flush_every"] or step == quota or (step == share and not learning):
+            if len(rows) >= cfg["flush_every"] or step == quota:
                 writer.append(
                     {
                         "obs": np.stack([r[0] for r in rows]).astype(np.float32),
@@ -224,7 +223,8 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                         "terminated": np.array([r[4] for r in rows], np.bool_),
                     }
                 )
-                writer.flush()
+                if not flush(writer, parent):  # the learner died: stop (its rows are safe)
+                    return
                 rows.clear()
                 for episode in finished:  # logged once its last step is committed
                     log.write(json.dumps({"actor": k, **episode}) + "\n")
@@ -232,10 +232,6 @@ def actor_main(k: int, cfg: dict[str, Any], counter: Any, parent: int) -> None:
                 finished.clear()
                 if os.getppid() != parent:  # the learner died: stop (its rows are safe)
                     return
-                if not learning and step >= share:
-                    if not await_learner(params_path, parent):
-                        return
-                    learning = True
     finally:
         log.close()
         writer.close()
@@ -530,6 +526,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "final_epsilon": args.final_epsilon,
         "end_epsilon": args.end_epsilon,
         "min_size": args.min_size,
+        "samples_per_insert": args.samples_per_insert,
     }
     train_step = make_train_step(
         args.learning_rate, args.lr_end, total_updates, args.gamma, args.max_grad_norm
@@ -549,13 +546,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     updates = first_update = int(model["updates"])
     first_batch_at: int | None = None  # env steps (all actors) when the first batch came
+    first_batch_rows: int | None = None  # rows committed (all actors) then
     beta0 = args.beta
     sampling = gr.PrioritizedReplay(
         alpha=args.alpha,
         beta=lambda step: min(1.0, beta0 + (1.0 - beta0) * step / total_updates),
-        min_size=args.min_size,  # no batch before this many rows are live
-        samples_per_insert=args.samples_per_insert,  # the learner waits, and so do the actors
-        timeout=args.timeout,
+        # The actors' limit (no batch before min_size rows are live; the learner waits
+        # when ahead, the actors when they are): a learner whose limit differed from the
+        # store's would be refused.
+        rate_limit=gr.RateLimit(min_size=args.min_size, samples_per_insert=args.samples_per_insert),
+        timeout=args.timeout,  # how long the learner may wait for rows
     )
     td: list[float] = []
     batches = None
@@ -576,9 +576,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             sampled = next(batches)  # gr.Sampled(data, index, weight)
             if first_batch_at is None:
                 first_batch_at = counter.value
+                first_batch_rows = sum(m.committed for m in gr.open_source(replay).writers)
                 print(
                     f"first batch after {time.perf_counter() - start:.1f} s, "
-                    f"at env step {first_batch_at}",
+                    f"at env step {first_batch_at}, {first_batch_rows} rows committed",
                     flush=True,
                 )
             new, opt, td_abs = train_step(
@@ -592,7 +593,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             if args.eval_every and updates % args.eval_every == 0:
                 state["best"] = _evaluate(args, state, updates, params_path)
             playing = bool(state["best"]["playing"])
-            if (updates % args.publish_every == 0 or updates == 1) and not playing:  # 1: go on
+            if (updates % args.publish_every == 0 or updates == 1) and not playing:  # 1: at once
                 publish_params(params_path, jax.device_get(state["params"]), updates)
             if updates % 1000 == 0:
                 td.append(float(jnp.mean(td_abs)))
@@ -607,7 +608,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 _save(mgr, updates, state, batches)
         if not bool(state["best"]["playing"]):
             publish_params(params_path, jax.device_get(state["params"]), updates)
-        batches.close()  # withdraws the learner's progress: no actor waits on it any more
+        # The store declares the limit: the closed learner's count goes on holding the
+        # actors, and it lets them commit what is left of their quota.
+        batches.close()
         batches = None
         for p in procs:
             p.join()
@@ -633,6 +636,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "updates_per_s": (updates - first_update) / seconds,
         "resumed_from": None if resume_step is None else resume_step,
         "first_batch_at_env_step": first_batch_at,
+        "first_batch_committed_rows": first_batch_rows,
         "final_mean_return": final,
     }
     print(json.dumps(result))

@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # the names below load on first use (see __getattr__)
     )
     from grain_replay.stats import compute_stats
     from grain_replay.store.layout import LeafSpec
+    from grain_replay.store.rate_limit import RateLimit
     from grain_replay.store.watermark import Watermark, read_watermark
     from grain_replay.writers import (
         ReplayWriter,
@@ -122,6 +123,7 @@ __all__ = [
     "UniformReplay",
     "PrioritizedReplay",
     "Sampled",
+    "RateLimit",
     # RL views (grain_replay.rl)
     "EpisodeIndex",
     "build_episode_index",
@@ -217,6 +219,7 @@ _LAZY = {
     "UniformReplay": "grain_replay.sampling",
     "PrioritizedReplay": "grain_replay.sampling",
     "Sampled": "grain_replay.sampling",
+    "RateLimit": "grain_replay.store.rate_limit",
     "compute_stats": "grain_replay.stats",
     "Watermark": "grain_replay.store.watermark",
     "read_watermark": "grain_replay.store.watermark",

@@ -78,9 +78,12 @@ def test_actor_learner_runs_plots_and_prints_the_last_line(tmp_path: Path) -> No
     assert [m.committed for m in replay.writers] == [1000, 1000]  # every env step committed
     result = _result(done.stdout)
     assert result["updates"] == (2000 - 200) * 32 // 64
-    # The actors hold at their shares of --min-size until the learner's first batch:
-    # before it no rate limit holds them, and the first updates would see ~8k rows.
-    assert result["first_batch_at_env_step"] == 200
+    # The actors declare the limit in the store: they hold from their first row, before
+    # the learner exists, at min_size + tolerance / r = 200 + 640 / 32 rows (tolerance
+    # 10 % of min_size * r), plus a flush of 16 rows each; the learner's prefetched
+    # batches (2 of 64 rows, tolerance 640) let in at most as many.
+    assert gr.RateLimit.of_store(store / "replay") == gr.RateLimit(200, 32.0)
+    assert 200 <= result["first_batch_committed_rows"] <= 200 + (128 + 640) / 32 + 2 * 16
     assert (store / "ckpt" / str(result["updates"])).is_dir()  # the last checkpoint
 
 
@@ -200,24 +203,34 @@ def test_actor_learner_epsilon_falls_to_final_then_to_end() -> None:
     assert eps(500, quota, 0.16, 0.04, 0.04) == pytest.approx(0.04)  # end = final: the zoo's
 
 
-def test_actor_learner_actors_wait_for_the_learners_first_update(tmp_path: Path) -> None:
+def test_actor_learner_flush_waits_while_the_learner_runs(tmp_path: Path) -> None:
     import threading
 
     module = _example()
-    params = module.init_params(0, 8)
-    path = tmp_path / "params.npz"
-    module.publish_params(path, params, 0)  # what the learner publishes before any batch
-    timer = threading.Timer(0.3, module.publish_params, (path, params, 1))
-    start = time.monotonic()
+    path = str(tmp_path / "replay")
+    limit = gr.RateLimit(min_size=4, samples_per_insert=1.0, tolerance=4)
+    w = gr.ReplayWriter(path, "npy", capacity=100, writer_id="actor-0", rate_limit=limit,
+                        rate_limit_timeout=0.05)  # fmt: skip
+    w.append({"x": np.zeros(8, np.float32)})
+    assert module.flush(w, os.getppid()) is True  # 1 * (8 - 4) - 0 <= 4: not held
+    w.append({"x": np.zeros(1, np.float32)})  # 1 * (9 - 4) - 0 > 4: held, no learner yet
+    # A learner that is gone (the actor's parent changed) ends the wait: False.
+    assert module.flush(w, -1) is False and w.committed == 8
+    # While the learner runs, the flush waits for it: one batch drawn lets the row in.
+    it = iter(
+        gr.make_data_loader(
+            gr.open_source(path), batch_size=2, num_epochs=None,
+            sampling=gr.UniformReplay(rate_limit=limit),
+        )
+    )  # fmt: skip
+    timer = threading.Timer(0.2, next, (it,))
     timer.start()
     try:
-        assert module.await_learner(path, os.getppid()) is True
+        assert module.flush(w, os.getppid()) is True and w.committed == 9
     finally:
-        timer.cancel()
-    assert time.monotonic() - start >= 0.25  # it waited for updates >= 1
-    # A learner that is gone (the actor's parent changed) ends the wait: False.
-    module.publish_params(path, params, 0)
-    assert module.await_learner(path, -1) is False
+        timer.join()
+        it.close()
+        w.close()
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ FUNCTIONS_AND_OPTIONS = [
     "LeafSpec",
     "LoaderOptions",
     "PrioritizedReplay",
+    "RateLimit",
     "ReplayWriter",
     "RetryOptions",
     "Sampled",

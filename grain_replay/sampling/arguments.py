@@ -13,7 +13,7 @@ from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, Invalid
 from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_shard_options
 from grain_replay.sampling.priority import PrioritizedReplay
-from grain_replay.sampling.rate.limit import make_limiter
+from grain_replay.sampling.rate.limit import RateLimiter, make_limiter
 from grain_replay.sampling.rate.options import is_rate_limited
 from grain_replay.sampling.replay import UniformReplay
 from grain_replay.sampling.streams import Stream, make_stream
@@ -39,8 +39,12 @@ def check_int(name: str, value: Any, *, low: int) -> int:
     return int(value)
 
 
-def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int, int], Stream], str]:
-    """Validates the arguments once; returns a stream factory and a description.
+def stream_factory(
+    source: Any, args: LoaderArguments
+) -> tuple[Callable[[int, int], Stream], str, RateLimiter | None]:
+    """Validates the arguments once; returns a stream factory, a description and the
+    loader's rate limiter (None without a limit), which holds the store's writers from now
+    on (:meth:`RateLimiter.hold`) until the first iterator takes its file over.
 
     The factory takes the loader's ``worker_count`` and ``worker_buffer_size``: its
     workers read up to ``worker_count * worker_buffer_size - 1`` batches ahead of the
@@ -98,6 +102,10 @@ def stream_factory(source: Any, args: LoaderArguments) -> tuple[Callable[[int, i
             "rate limit, or mix without one."
         )
     stream = make(0, 1)  # fail here on bad input, not in iter()
-    make_limiter(stream)  # refuses rate limits that cannot make progress, before any batch
+    # Refuses rate limits that cannot make progress (or contradict the store's), before
+    # any batch; then holds the writers: a learner counts from the moment it is built.
+    limiter = make_limiter(stream)
+    if limiter is not None:
+        limiter.hold()
     text = f"{stream.kind}({json.dumps(stream.describe())}, {stream.reader!r})"
-    return make, text
+    return make, text, limiter

@@ -24,7 +24,7 @@ from grain_replay.sampling.iterator_state import (
 )
 from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
-from grain_replay.sampling.rate.limit import make_limiter
+from grain_replay.sampling.rate.limit import RateLimiter, make_limiter
 from grain_replay.sampling.replay import StoreLength, UniformSampler
 from grain_replay.sampling.streams import Stream
 from grain_replay.sources.capabilities import BindsMaps
@@ -83,6 +83,7 @@ class SamplingIterator:
         worker_count: int = 0,
         worker_buffer_size: int = 2,
         read_threads: int = 0,
+        take_over: RateLimiter | None = None,
     ) -> None:
         self._stream = stream
         reader, maps = stream.reader, tuple(maps)
@@ -95,7 +96,8 @@ class SamplingIterator:
         self._drawn: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
         self._warned = False
         # samples_per_insert / min_size: draws wait here, in the consuming process.
-        self._limiter = make_limiter(stream)
+        # take_over: the loader's limiter, whose published file this one goes on with.
+        self._limiter = make_limiter(stream, take_over=take_over)
         self._prefetching = False
         self._inner: WorkerLoaderIterator | None = None
         if worker_count > 0:

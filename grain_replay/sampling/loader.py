@@ -15,6 +15,7 @@ from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_read_options, default_shard_options
 from grain_replay.sampling.arguments import stream_factory
 from grain_replay.sampling.iterator import ENDLESS, SamplingIterator
+from grain_replay.sampling.rate.limit import RateLimiter
 from grain_replay.sampling.streams import Stream
 
 __all__ = [
@@ -69,6 +70,7 @@ class SamplingDataLoader(grain.DataLoader):
         worker_buffer_size: int,
         shard_options: Any,
         read_options: grain.ReadOptions,
+        limiter: RateLimiter | None = None,
     ) -> None:
         ops = list(operations)
         bad = [op for op in ops if not isinstance(op, grain.transforms.Map)]
@@ -92,6 +94,8 @@ class SamplingDataLoader(grain.DataLoader):
         self._workers = worker_count
         self._buffer = max(1, worker_buffer_size)
         self._threads = int(read_options.num_threads)
+        # A rate limit's: holds the writers from now on; the first iterator takes it over.
+        self._limiter = limiter
 
     def __iter__(self) -> SamplingIterator:
         return SamplingIterator(
@@ -100,6 +104,7 @@ class SamplingDataLoader(grain.DataLoader):
             worker_count=self._workers,
             worker_buffer_size=self._buffer,
             read_threads=self._threads,
+            take_over=self._limiter,
         )
 
 
@@ -149,13 +154,19 @@ class _DatasetIterator(grain.DatasetIterator):
 class SamplingIterDataset(grain.IterDataset):
     """A ``grain.IterDataset`` of mixture or replay batches, read in the iterating process."""
 
-    def __init__(self, make: Callable[[int, int], Stream], description: str) -> None:
+    def __init__(
+        self,
+        make: Callable[[int, int], Stream],
+        description: str,
+        limiter: RateLimiter | None = None,
+    ) -> None:
         super().__init__()
         self._make_stream = make
         self._description = description
+        self._limiter = limiter  # as SamplingDataLoader's
 
     def __iter__(self) -> _DatasetIterator:
-        return _DatasetIterator(SamplingIterator(self._make_stream(0, 1)))
+        return _DatasetIterator(SamplingIterator(self._make_stream(0, 1), take_over=self._limiter))
 
     def __str__(self) -> str:
         return self._description
@@ -168,7 +179,7 @@ def make_sampling_loader(source: Any, args: LoaderArguments) -> SamplingDataLoad
         raise InvalidSamplingError(f"worker_count must be an int >= 0, got {worker_count!r}")
     if args.shard_options is None:
         args = dataclasses.replace(args, shard_options=default_shard_options())
-    make, text = stream_factory(source, args)
+    make, text, limiter = stream_factory(source, args)
     return SamplingDataLoader(
         make,
         description=text,
@@ -177,6 +188,7 @@ def make_sampling_loader(source: Any, args: LoaderArguments) -> SamplingDataLoad
         worker_buffer_size=args.worker_buffer_size,
         shard_options=args.shard_options,
         read_options=args.read_options or default_read_options(worker_count),
+        limiter=limiter,
     )
 
 

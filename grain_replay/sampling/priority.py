@@ -21,6 +21,7 @@ from grain_replay.sampling.rate.options import set_rate_limit
 from grain_replay.sampling.replay import StoreLength, check_refresh_every
 from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
 from grain_replay.sampling.sumtree import SumTree
+from grain_replay.store.rate_limit import RateLimit
 
 __all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]
 
@@ -73,12 +74,17 @@ class PrioritizedReplay:
         out stay within ``r * (inserted - min_size) +- tolerance``, ``inserted``
         counting every row every writer committed (evicted ones included): the
         learner waits when ahead, and the store's writers wait in ``flush()`` when
-        ahead, from the learner's first batch on. None: no ratio.
+        ahead, from the moment the loader is built. None: no ratio.
       tolerance: ``e`` in rows; default ``max(0.1 * min_size * r, 2 * B, B + r)``
         (Acme's 10 %, at least what progress needs; ``B`` the global batch).
       timeout: seconds the learner may wait for inserts before raising
         :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
         every 30 s. See docs/rate_limits.md.
+      rate_limit: the four above as one :class:`~grain_replay.RateLimit`, the value its
+        store's writers are given too (the flat fields are a shorthand: one given as well
+        must say the same). The writers are held from the moment the loader is built.
+        Without a limit here, a store that declares one (a writer's ``rate_limit=``)
+        lends the learner its limit; a limit that differs from the store's is refused.
 
     Examples:
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None,
@@ -95,6 +101,7 @@ class PrioritizedReplay:
     samples_per_insert: float | None = None
     tolerance: float | None = None
     timeout: float | None = None
+    rate_limit: RateLimit | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", _check_float("alpha", self.alpha, 0.0, 1e3))

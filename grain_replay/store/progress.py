@@ -1,15 +1,19 @@
 """Rate-limited learners' published progress, read by the writers of the store they sample.
 
-A learner sampling with ``samples_per_insert`` publishes, from its first batch
-on, one small JSON file per learner process beside the store's rows::
+A learner sampling with ``samples_per_insert`` publishes one small JSON file per
+learner process beside the store's rows::
 
     <store>/learners/process-<p>-of-<P>.json      a bounded, many-writer store
     <store>.learners/process-<p>-of-<P>.json      a plain single-writer store
 
-replaced atomically (write a hidden temporary file, ``rename``): the rows it
-handed out and drew, its ratio, tolerance, ``min_size`` and batch, a heartbeat
-time, its host and pid. A writer's ``flush()`` lists that folder, ``stat``s each
-file and re-reads only those that changed, and counts the rows every writer
+replaced atomically (write a hidden temporary file, ``rename``), from the moment
+its loader is built: the rows it handed out and drew, its ratio, tolerance,
+``min_size`` and batch, a heartbeat time, its host and pid. The same folder holds
+the limit the store declares, if a writer declared one (``limit.json``,
+:mod:`grain_replay.store.rate_limit`): while no learner is live, writers hold by it
+as if a learner had handed out nothing (or what the last learner handed out).
+A writer's ``flush()`` lists that folder, ``stat``s each file and re-reads only
+those that changed, and counts the rows every writer
 committed from their manifests (also ``stat`` first). The decision both sides
 share is :meth:`Progress.blocks_insert`; the learner's own is in
 ``grain_replay.sampling.rate.limit``.
@@ -30,6 +34,7 @@ import time
 
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import atomic_replace, pid_alive
+from grain_replay.store.rate_limit import LIMIT_FILE, RateLimit, learners_dir
 
 __all__ = [
     "STALE_AFTER_S",
@@ -38,21 +43,16 @@ __all__ = [
     "Progress",
     "learners_dir",
     "publish",
+    "stand_in",
     "withdraw",
 ]
 
 logger = logging.getLogger(__name__)
 
-LEARNERS_DIR = "learners"
 # A learner whose heartbeat is older than this (seconds; each learner writes its
 # own value into its file) is taken for dead: writers stop waiting on it.
 STALE_AFTER_S = 60.0
 _VERSION = 1
-
-
-def learners_dir(store: str, *, parts: bool) -> str:
-    """Where the learners of ``store`` publish: inside a many-writer store, beside a plain one."""
-    return os.path.join(store, LEARNERS_DIR) if parts else store + ".learners"
 
 
 def _stamp(st: os.stat_result) -> tuple[int, int, int]:
@@ -85,6 +85,11 @@ class Progress:
     # publisher (only the holder of the token withdraws the file) and its label.
     token: str = ""
     learner: str = ""
+    # The iterator was closed (a store that declares a limit keeps the file, so its
+    # writers hold at what this learner handed out), and the tolerance the learner was
+    # given (None: the default), which the declared limit is compared with.
+    closed: bool = False
+    given_tolerance: float | None = None
 
     def blocks_insert(self, inserted: int, live: int, pending: int) -> bool:
         """Whether a writer committing ``pending`` more rows now would run ahead of this learner.
@@ -99,6 +104,14 @@ class Progress:
             return False
         starved = live < m or self.drawn + self.batch > r * (inserted - m) + e
         return not starved
+
+    def limit(self) -> RateLimit:
+        """The limit this learner samples by, as it was given (its tolerance, or None)."""
+        return RateLimit(
+            min_size=self.min_size,
+            samples_per_insert=self.samples_per_insert,
+            tolerance=self.given_tolerance,
+        )
 
     def describe(self) -> str:
         who = f"{self.learner}, " if self.learner else ""
@@ -137,6 +150,10 @@ class Progress:
                 waiting=bool(raw.get("waiting", False)),
                 token=str(raw.get("token", "")),
                 learner=str(raw.get("learner", "")),
+                closed=bool(raw.get("closed", False)),
+                given_tolerance=(
+                    None if raw.get("given_tolerance") is None else float(raw["given_tolerance"])
+                ),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -145,7 +162,10 @@ class Progress:
         return p
 
     def dead(self, now: float) -> str | None:
-        """Why this learner is taken for dead (stale heartbeat, or its pid gone), else None."""
+        """Why this learner is taken for gone (closed, stale heartbeat, or its pid gone),
+        else None."""
+        if self.closed:
+            return "its iterator was closed"
         age = now - self.heartbeat
         if age > self.stale_after:
             return f"its heartbeat is {age:.0f} s old (stale after {self.stale_after:g} s)"
@@ -169,15 +189,60 @@ def read_progress(directory: str, name: str) -> Progress | None:
 
 
 def withdraw(directory: str, name: str, token: str) -> bool:
-    """Removes the file ``name`` if it holds ``token``: a learner withdraws only what it
-    published, never another learner's file (of this process or another); whether it did."""
+    """Withdraws the file ``name`` if it holds ``token``: a learner withdraws only what it
+    published, never another learner's file (of this process or another); whether it did.
+
+    The file is removed, or, where the store declares a limit, marked closed: its writers
+    then hold at the rows this learner handed out until another learner goes on (as a
+    Reverb table's limiter keeps its counts when the learner stops).
+    """
     p = read_progress(directory, name)
     if p is None or not token or p.token != token:
         return False
     with contextlib.suppress(OSError):
-        os.unlink(os.path.join(directory, name))
+        if os.path.exists(os.path.join(directory, LIMIT_FILE)):
+            if not p.closed:
+                publish(directory, dataclasses.replace(p, closed=True, waiting=False))
+        else:
+            os.unlink(os.path.join(directory, name))
         return True
     return False
+
+
+def stand_in(limit: RateLimit, gone: list[Progress]) -> Progress | None:
+    """The learner the writers of a store declaring ``limit`` hold for while none is live:
+    the last one that was (closed or gone: the newest heartbeat), else one that handed out
+    nothing. ``batch=0``: it draws nothing, so only ``live < min_size`` lets a writer past.
+    None when ``limit`` has no ratio (writers never hold for ``min_size`` alone)."""
+    r = limit.samples_per_insert
+    if r is None:
+        return None
+    last = max(gone, key=lambda p: p.heartbeat, default=None)
+    e = limit.writer_tolerance()
+    assert e is not None
+    sampled = 0
+    if last is not None:
+        sampled = last.sampled
+        if limit.tolerance is None:
+            e = last.tolerance
+    return Progress(
+        name=LIMIT_FILE,
+        sampled=sampled,
+        drawn=sampled,
+        batch=0,
+        samples_per_insert=r,
+        tolerance=e,
+        min_size=limit.min_size,
+        heartbeat=time.time(),
+        stale_after=STALE_AFTER_S,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        learner=(
+            f"the store's declared {limit.terms()}, "
+            + ("no learner yet" if last is None else f"last learner {last.name} gone")
+        ),
+        given_tolerance=limit.tolerance,
+    )
 
 
 class LearnerWatch:
@@ -190,17 +255,23 @@ class LearnerWatch:
 
     def live(self) -> list[Progress]:
         """Every learner whose file is fresh and whose process may be alive."""
+        return self.scan()[0]
+
+    def scan(self) -> tuple[list[Progress], list[Progress]]:
+        """``(live, gone)``: the learners whose file is fresh and whose process may be alive,
+        and those closed, stale or exited."""
         try:
             entries = [
                 e
                 for e in os.scandir(self.directory)
-                if e.name.endswith(".json") and not e.name.startswith(".")
+                if e.name.endswith(".json") and not e.name.startswith(".") and e.name != LIMIT_FILE
             ]
         except (FileNotFoundError, NotADirectoryError):
             self._cache.clear()
-            return []
+            return [], []
         now = time.time()
         out = []
+        gone = []
         seen = set()
         for e in entries:
             try:
@@ -218,17 +289,19 @@ class LearnerWatch:
             why = p.dead(now)
             if why is None:
                 out.append(p)
-            elif (p.name, p.pid, p.host) not in self._told:
+                continue
+            gone.append(p)
+            if not p.closed and (p.name, p.pid, p.host) not in self._told:
                 self._told.add((p.name, p.pid, p.host))
                 logger.warning(
-                    "%s: not waiting for learner %s any more: %s",
+                    "%s: learner %s is gone: %s; writers no longer follow its progress",
                     self.directory,
                     p.describe(),
                     why,
                 )
         for name in set(self._cache) - seen:
             del self._cache[name]
-        return out
+        return out, gone
 
 
 class InsertedCount:

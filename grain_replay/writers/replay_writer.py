@@ -19,10 +19,11 @@ from grain_replay.errors import (
 )
 from grain_replay.store.formats import is_url
 from grain_replay.store.parts import is_parts_store
+from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
 from grain_replay.writers.parts_writer import PartWriter
-from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout
+from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout, check_writer_limit
 from grain_replay.writers.resume import resume_rows
 from grain_replay.writers.store_writer import StoreWriter
 
@@ -92,10 +93,18 @@ class ReplayWriter:
         docs/checkpointing.md.
       max_inflight_bytes: bytes of device appends (``jax.Array`` leaves) still being
         copied to host or written before ``append`` waits (default 256 MiB).
+      rate_limit: a :class:`~grain_replay.RateLimit` to declare in the store before the
+        first row (docs/rate_limits.md): from then on every writer of the store holds in
+        ``flush()`` while it would run ahead of the learner, counting the rows handed out
+        as 0 while no learner exists, so the writers stop near ``min_size + tolerance /
+        samples_per_insert`` rows until a learner samples. The first declaration stays;
+        another limit is refused (naming both), from a writer or from a live learner.
+        Writers given none follow the store's limit all the same.
       rate_limit_timeout: seconds a ``flush()`` may wait for a rate-limited learner
         of this store (``samples_per_insert``, docs/rate_limits.md) before raising
         :class:`~grain_replay.RateLimitTimeoutError` (the rows stay pending); None
         waits as long as it takes, logging why every 30 s. ``close()`` never waits.
+        Default: ``rate_limit.timeout``; both given must agree.
 
     Device arrays: ``append`` of a tree with ``jax.Array`` leaves (sharded or not, on
     any device, mixed with numpy leaves or not) checks the tree at once, queues it and
@@ -131,11 +140,13 @@ class ReplayWriter:
         resume_from: int | Watermark | None = None,
         max_inflight_bytes: int = background.DEFAULT_MAX_INFLIGHT_BYTES,
         rate_limit_timeout: float | None = None,
+        rate_limit: RateLimit | None = None,
     ):
         self._store: PartWriter | StoreWriter | None = None
         self._bg: background.BackgroundWriter | None = None
         self._path = _local_path(path, writer_id)
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
+        limit, timeout = check_writer_limit(rate_limit, timeout, self._path)
         parts = capacity is not None or writer_id is not None or segment_rows is not None
         if parts and writer_id is None:
             writer_id = "default"
@@ -171,6 +182,12 @@ class ReplayWriter:
                 self._path, format, chunk_rows=chunk_rows, compression=compression, resume=resume
             )
         self._format = self._store.format
+        if limit is not None:
+            try:
+                self._gate.declare(limit)  # before the first row: writers hold from it on
+            except BaseException:
+                self._store.abandon()  # nothing appended: releases the writer id
+                raise
         # Counted here, not from the store's counters, which the background thread moves.
         self._appended = self._committed = self._flushed = self._store.committed
 

@@ -27,8 +27,10 @@ def run_writer(
     report: str,
     capacity: int = 100_000,
     timeout: float | None = None,
+    rate_limit: dict[str, Any] | None = None,
 ) -> None:
     """Appends ``blocks`` blocks of ``block`` rows, flushing each, sleeping ``delay`` between.
+    ``rate_limit``: the keyword arguments of the ``gr.RateLimit`` it declares.
 
     Writes ``report`` (JSON) at the end: rows committed, seconds spent in flush(), and
     the seconds it waited for learners (``rate_limit_wait_s``), the error's class and
@@ -44,6 +46,7 @@ def run_writer(
         writer_id=writer_id,
         segment_rows=4096,
         rate_limit_timeout=timeout,
+        rate_limit=None if rate_limit is None else gr.RateLimit(**rate_limit),
     ) as w:
         try:
             for b in range(blocks):
@@ -55,6 +58,7 @@ def run_writer(
                     time.sleep(delay)
         except gr.GrainReplayError as e:
             out["error"] = [type(e).__name__, str(e)]
+            out["pending"] = len(w) - w.committed
         out["committed"] = w.committed
         out["wait_s"] = w.rate_limit_wait_s
         _write(report, out)

@@ -478,9 +478,9 @@ def test_second_live_learner_is_refused(tmp_path: Path) -> None:
     path = str(tmp_path / "s")
     _store(path, 64)
     _publish_other_learner(path, sampled=8, tolerance=16.0, stale_after=60.0, pid=4242)
-    it = iter(_loader(path, samples_per_insert=1.0))
+    # refused when the loader is built: from then on it would hold the writers
     with pytest.raises(gr.InvalidSamplingError, match=r"another rate-limited learner.*pid 4242"):
-        next(it)
+        _loader(path, samples_per_insert=1.0)
     # without a ratio nothing is published: no conflict
     next(iter(_loader(path, min_size=8)))
 
@@ -492,7 +492,8 @@ def test_second_learner_in_the_same_process_is_refused_and_removes_nothing(
     learners = os.path.join(path, "learners")
     _store(path, 20)
     opts = {"min_size": 20, "samples_per_insert": 1.0, "tolerance": 8, "timeout": 0.2}
-    first = iter(_loader(path, batch_size=4, **opts))  # ceiling 1 * (20 - 20) + 8: 2 batches
+    loader = _loader(path, batch_size=4, **opts)
+    first = iter(loader)  # ceiling 1 * (20 - 20) + 8: 2 batches
     next(first)
     time.sleep(0.05)
     mine = learners_lib.read_progress(learners, "process-0-of-1.json")
@@ -503,9 +504,8 @@ def test_second_learner_in_the_same_process_is_refused_and_removes_nothing(
     with pytest.raises(gr.RateLimitTimeoutError):
         w.flush()
     assert 0.2 <= w.rate_limit_wait_s < 5  # a flush that timed out waited too
-    second = iter(_loader(path, batch_size=4, **opts))
     with pytest.raises(gr.InvalidSamplingError) as e:
-        next(second)
+        _loader(path, batch_size=4, **opts)  # refused when built
     msg = str(e.value)
     for part in (
         "in this process",
@@ -516,6 +516,10 @@ def test_second_learner_in_the_same_process_is_refused_and_removes_nothing(
     ):
         assert part in msg, msg
     assert isinstance(e.value, ValueError)
+    # a second iterator of the first loader is refused before its first draw
+    second = iter(loader)
+    with pytest.raises(gr.InvalidSamplingError, match="in this process"):
+        next(second)
     with pytest.raises(gr.InvalidSamplingError):  # still refused, nothing drawn meanwhile
         next(second)
     second.close()
@@ -543,10 +547,8 @@ def test_learner_of_another_process_count_is_refused(tmp_path: Path) -> None:
     _publish_other_learner(
         path, sampled=8, tolerance=16.0, stale_after=60.0, pid=4343, name="process-1-of-2.json"
     )
-    it = iter(_loader(path, samples_per_insert=1.0))
     with pytest.raises(gr.InvalidSamplingError, match=r"process-1-of-2\.json.*pid 4343"):
-        next(it)
-    it.close()
+        _loader(path, samples_per_insert=1.0)
 
 
 def test_dropped_learner_and_leftover_file_of_this_pid_are_taken_over(tmp_path: Path) -> None:

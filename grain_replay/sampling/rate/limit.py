@@ -7,8 +7,11 @@ drawn only once ``(t + 1) * B <= r * (inserted - min_size) + e`` (``B`` the
 global batch) and ``min_size`` rows are live, so neither a batch handed out nor
 one drawn ahead for the loader's workers is ever past the ceiling. Writers wait
 for the floor (``grain_replay.writers.rate_wait``), reading the progress this
-module publishes into the store (:mod:`grain_replay.store.progress`). See
-docs/rate_limits.md.
+module publishes into the store (:mod:`grain_replay.store.progress`) from the
+moment the loader is built (:meth:`RateLimiter.hold`: the loader's limiter
+publishes ``sampled = 0`` and hands its file to the first iterator). The limit is
+the sampler's, or the one its store declares (:mod:`grain_replay.store.rate_limit`):
+one that contradicts the store's is refused. See docs/rate_limits.md.
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ from grain_replay.errors import (
     RateLimitTimeoutError,
     ReplayCheckpointError,
 )
-from grain_replay.sampling.rate.options import default_tolerance, is_rate_limited, least_tolerance
+from grain_replay.sampling.rate.options import default_tolerance, least_tolerance, limit_of
 from grain_replay.sampling.rate.publish import ProgressPublisher
 from grain_replay.sampling.replay import probe_copy
 from grain_replay.sources.capabilities import ReadsIds, Refreshable
 from grain_replay.store import progress as learners_lib
-from grain_replay.store.parts import is_parts_store
+from grain_replay.store.rate_limit import RateLimit, learners_dir, read_declared
 
-__all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter"]
+__all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter", "sampling_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,8 @@ class RateLimiter:
 
     Args:
       source: the replayed store.
-      options: a ``UniformReplay`` or ``PrioritizedReplay`` with rate-limit fields.
+      limit: the limit it samples by (the sampler's, or its store's).
+      owner: the sampler's name (``UniformReplay``), as messages name it.
       batch_size: rows per batch of this process.
       shard_index, shard_count: this process among the learner's processes.
       refresh: asks the sampler to look for new rows before its next draw.
@@ -86,17 +90,19 @@ class RateLimiter:
     def __init__(
         self,
         source: Any,
-        options: Any,
+        limit: RateLimit,
+        owner: str,
         *,
         batch_size: int,
         shard_index: int,
         shard_count: int,
         refresh: Callable[[], None],
     ) -> None:
-        self.owner = type(options).__name__
-        self.min_size = int(options.min_size)
-        self.r: float | None = options.samples_per_insert
-        self.timeout: float | None = options.timeout
+        self.owner = owner
+        self.limit = limit
+        self.min_size = int(limit.min_size)
+        self.r: float | None = limit.samples_per_insert
+        self.timeout: float | None = limit.timeout
         self.batch = int(batch_size) * int(shard_count)
         self._process = (int(shard_index), int(shard_count))
         self._refresh = refresh
@@ -104,7 +110,7 @@ class RateLimiter:
         self._counts = _Counts(source)
         self.tolerance: float | None = None
         if self.r is not None:
-            given = options.tolerance
+            given = limit.tolerance
             self.tolerance = (
                 default_tolerance(self.batch, self.r, self.min_size) if given is None else given
             )
@@ -114,14 +120,12 @@ class RateLimiter:
         self._handed = 0  # batches handed out / drawn by this process
         self._drawn = 0
         self._ready = False  # min_size reached and one batch drawn: no more refresh requests
-        # Publishing (from the first batch on, only with a ratio).
-        path = getattr(source, "path", None)
+        # Publishing (from hold() or the first batch on, only with a ratio).
         self._publisher: ProgressPublisher | None = None
-        if self.r is not None and isinstance(path, str) and "://" not in path:
+        directory = _learners_dir(source)
+        if self.r is not None and directory is not None:
             self._publisher = ProgressPublisher(
-                learners_lib.learners_dir(path, parts=is_parts_store(path)),
-                f"process-{shard_index}-of-{shard_count}.json",
-                self.owner,
+                directory, f"process-{shard_index}-of-{shard_count}.json", self.owner
             )
         self._waiting = False
 
@@ -290,13 +294,41 @@ class RateLimiter:
                 waiting=self._waiting,
                 token=self._publisher.token,
                 learner=self._publisher.label,
+                given_tolerance=self.limit.tolerance,
             )
         )
 
     def close(self) -> None:
-        """Stops publishing and withdraws this process's file (writers stop waiting on it)."""
+        """Stops publishing and withdraws this process's file (writers stop waiting on it,
+        unless the store declares a limit: then they hold at what this learner handed out)."""
         if self._publisher is not None:
             self._publisher.close()
+
+    def hold(self) -> None:
+        """Publishes now (nothing handed out yet): the writers hold for this learner from
+        here on, before its first batch. The loader's limiter does this when it is built.
+
+        Raises:
+          InvalidSamplingError: another rate-limited learner samples this store.
+        """
+        self._refresh = _no_refresh  # this limiter never draws: it holds the sampler not
+        if self._publisher is not None and not self._publisher.started:
+            self._publisher.start(self)
+
+    def take_over(self, other: RateLimiter | None) -> None:
+        """Takes ``other``'s published file (a loader's, see :meth:`hold`) when it samples
+        by the same limit: the writers stay held, with no gap, by this iterator now."""
+        if other is None or self._publisher is None or other._publisher is None:
+            return
+        if not other._publisher.started or (other.batch, other.tolerance) != (
+            self.batch,
+            self.tolerance,
+        ):
+            return
+        if other._publisher.name != self._publisher.name:
+            return
+        self._publisher, other._publisher = other._publisher, None
+        self._publisher.rebind(self)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -334,19 +366,76 @@ class RateLimiter:
             self.publish()
 
 
-def make_limiter(stream: Any) -> RateLimiter | None:
-    """The rate limiter of a uniform or prioritized stream whose options ask for one."""
+def _no_refresh() -> None:
+    pass
+
+
+def _learners_dir(source: Any) -> str | None:
+    """The learners' folder of a local store (None: not one, or a URL)."""
+    path = getattr(source, "path", None)
+    if not isinstance(path, str) or "://" in path:
+        return None
+    return learners_dir(path)
+
+
+def sampling_limit(source: Any, options: Any) -> RateLimit | None:
+    """The limit a learner over ``source`` samples by: its options', checked against the
+    one the store declares, else the store's (timeout: the options').
+
+    Raises:
+      InvalidSamplingError: the two contradict (naming both).
+    """
+    own = limit_of(options)
+    directory = _learners_dir(source)
+    declared = None if directory is None else read_declared(directory)
+    if declared is None:
+        return own
+    owner = type(options).__name__
+    if own is None:
+        logger.info(
+            "%s over %s: samples by the limit the store declares, %s",
+            owner,
+            getattr(source, "path", source),
+            declared.terms(),
+        )
+        return RateLimit(
+            min_size=declared.min_size,
+            samples_per_insert=declared.samples_per_insert,
+            tolerance=declared.tolerance,
+            timeout=getattr(options, "timeout", None),
+        )
+    if not own.agrees(declared):
+        raise InvalidSamplingError(
+            f"{owner} over {getattr(source, 'path', source)}: its limit {own.terms()} "
+            f"contradicts the one the store declares, {declared.terms()} (written by its "
+            "first writer given rate_limit=). Expected one limit per store, on every writer "
+            f"and learner. Fix: sample with rate_limit={declared.terms()}, or with no "
+            "limit (the learner then takes the store's)."
+        )
+    return own
+
+
+def make_limiter(stream: Any, *, take_over: RateLimiter | None = None) -> RateLimiter | None:
+    """The rate limiter of a uniform or prioritized stream whose options, or whose store,
+    ask for one; ``take_over``: the loader's limiter whose published file it takes."""
     sampler = getattr(stream, "sampler", None)
+    source = getattr(sampler, "source", None)
     options = getattr(sampler, "options", None)
-    if sampler is None or not is_rate_limited(options):
+    if sampler is None or source is None or options is None:
+        return None
+    limit = sampling_limit(source, options)
+    if limit is None:
         return None
     described: Mapping[str, Any] = stream.describe()
     shard_index, shard_count = described.get("shard", (0, 1))
-    return RateLimiter(
-        sampler.source,
-        options,
+    limiter = RateLimiter(
+        source,
+        limit,
+        type(options).__name__,
         batch_size=int(described["batch_size"]),
         shard_index=int(shard_index),
         shard_count=int(shard_count),
         refresh=sampler.refresh,
     )
+    limiter.take_over(take_over)
+    return limiter

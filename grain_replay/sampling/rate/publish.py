@@ -1,9 +1,12 @@
 """A rate-limited learner's progress, published into the store for the writers that wait on it.
 
 One file per learner process (``learners/process-<i>-of-<n>.json``, see
-:mod:`grain_replay.store.progress`): written when the counts change (coalesced over
-``PUBLISH_EVERY_S``), at least every ``HEARTBEAT_S`` while the limiter lives, and
-withdrawn when it goes away, so writers never wait on a learner that is gone.
+:mod:`grain_replay.store.progress`): written when the loader is built (the loader's
+limiter holds it until its first iterator takes it over, :meth:`ProgressPublisher.rebind`),
+when the counts change (coalesced over ``PUBLISH_EVERY_S``), at least every
+``HEARTBEAT_S`` while the limiter lives, and withdrawn when it goes away, so writers
+never wait on a learner that is gone (where the store declares a limit, the file stays,
+marked closed: its writers hold at what the learner handed out).
 
 One rate-limited learner per store, whatever process it runs in: a publisher
 refuses to start while another learner's file is live (one of another process,
@@ -28,6 +31,7 @@ from typing import Any
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline import shutdown
 from grain_replay.store import progress as learners_lib
+from grain_replay.store.rate_limit import LIMIT_FILE
 
 __all__ = ["HEARTBEAT_S", "PUBLISH_EVERY_S", "ProgressPublisher"]
 
@@ -56,7 +60,7 @@ def _read_all(directory: str) -> list[learners_lib.Progress]:
         names = sorted(
             e.name
             for e in os.scandir(directory)
-            if e.name.endswith(".json") and not e.name.startswith(".")
+            if e.name.endswith(".json") and not e.name.startswith(".") and e.name != LIMIT_FILE
         )
     except (FileNotFoundError, NotADirectoryError):
         return []
@@ -84,6 +88,8 @@ class ProgressPublisher:
         self.label = f"{what} learner #{next(_NUMBERS)} of its process"
         self.started = False
         self._thread: threading.Thread | None = None
+        # The owner the heartbeat thread publishes for, held weakly (one slot: rebind).
+        self._owner: list[weakref.ReferenceType[Any]] = []
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -111,8 +117,8 @@ class ProgressPublisher:
                 f"{self.directory}: another rate-limited learner samples this store {where}: "
                 f"{other.describe()}. Expected one rate-limited learner per store (this one, "
                 f"{self.label}, would publish as {self.name}). Fix: close() the other "
-                "learner's iterator (or stop its process) before iterating this one; a "
-                "learner that died is taken over once its heartbeat is "
+                "learner's iterator (or stop its process) before building or iterating this "
+                "one; a learner that died is taken over once its heartbeat is "
                 f"{other.stale_after:g} s old."
             )
 
@@ -148,19 +154,33 @@ class ProgressPublisher:
                 _CLAIMED.discard(self.token)
             self.check()  # raises, naming it (or the next change claims the file again)
             return
+        self._owner = [weakref.ref(owner)]
         self._thread = threading.Thread(
             target=_heartbeat,
-            args=(weakref.ref(owner), self._dirty, self._stop),
+            args=(self._owner, self._dirty, self._stop),
             name="grain_replay-rate-limit",
             daemon=True,
         )
         self._thread.start()
         shutdown.register(self, ProgressPublisher.close)
+        self._watch(owner)
+
+    def _watch(self, owner: Any) -> None:
         # Withdraw the file when the owner goes away (or the interpreter exits).
         self._finalizer = weakref.finalize(
             owner, _stop_and_withdraw, self._stop, self._dirty, self._lock, self.directory,
             self.name, self.token,
         )  # fmt: skip
+
+    def rebind(self, owner: Any) -> None:
+        """Publishes for ``owner`` from now on (the file, its token and the heartbeat stay):
+        the loader's limiter hands its file to its first iterator's, with no gap."""
+        if not self.started:
+            return
+        self._finalizer.detach()
+        self._owner[0] = weakref.ref(owner)
+        self._watch(owner)
+        owner.publish()
 
     def changed(self) -> None:
         """The counts changed: the heartbeat thread publishes them soon."""
@@ -191,16 +211,16 @@ class ProgressPublisher:
 
 
 def _heartbeat(
-    ref: weakref.ReferenceType[Any], dirty: threading.Event, stop: threading.Event
+    ref: list[weakref.ReferenceType[Any]], dirty: threading.Event, stop: threading.Event
 ) -> None:
-    """Publishes coalesced changes, and a heartbeat, while the owner lives."""
+    """Publishes coalesced changes, and a heartbeat, while the owner (``ref[0]``) lives."""
     while not stop.is_set():
         dirty.wait(HEARTBEAT_S)
         if stop.is_set():
             return
         time.sleep(PUBLISH_EVERY_S)
         dirty.clear()
-        owner = ref()
+        owner = ref[0]()
         if owner is None:
             return
         owner.publish()
