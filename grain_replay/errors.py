@@ -132,7 +132,8 @@ class ReferenceRefusedError(InvalidStoreError):
 
 
 class WriterBusyError(GrainReplayError, BlockingIOError):
-    """Another ReplayWriter holds the store, or HDF5 refuses a second handle in this process."""
+    """Another ReplayWriter holds the store, HDF5 refuses a second handle in this process, or
+    a writer in another process holds an HDF5 file that HDF5 lets no reader open."""
 
 
 class InvalidShardingError(GrainReplayError, TypeError):

@@ -37,6 +37,21 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
+def _open_left_open(path: Path) -> Any:
+    """A file its writer had open (libver='latest'), as a writer that died leaves it."""
+    import shutil
+
+    import h5py
+
+    writing = path.with_name("writing.h5")
+    with h5py.File(writing, "w", libver="latest") as f:
+        f["x"] = np.arange(4.0)
+        f.flush()
+        shutil.copyfile(writing, path)  # the superblock still says "open for write"
+    writing.unlink()
+    return gr.open_source(path)
+
+
 def _open_damaged(path: Path) -> Any:
     path.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)  # an HDF5 signature, then nothing
     return gr.open_source(path)
@@ -71,6 +86,13 @@ CASES: list[tuple[str, type[BaseException], type[BaseException], str, Callable[.
         gr.InvalidStoreError,
         "bad.h5",
         lambda s, t: _open_damaged(t / "bad.h5"),
+    ),
+    (
+        "file left marked open for writing",
+        ValueError,
+        gr.InvalidStoreError,
+        "h5clear -s",
+        lambda s, t: _open_left_open(t / "left_open.h5"),
     ),
     (
         "record index out of range",
@@ -264,7 +286,7 @@ def test_deliberate_error_has_its_class_and_builtin(
     assert isinstance(e, builtin)
     assert phrase in str(e), str(e)
     # Nothing was written (a damaged file the case itself wrote is the only exception).
-    assert sorted(os.listdir(tmp_path)) in (before, ["bad.h5"])
+    assert sorted(os.listdir(tmp_path)) in (before, ["bad.h5"], ["left_open.h5"])
 
 
 def test_every_error_class_is_exported_and_subclasses_a_builtin():

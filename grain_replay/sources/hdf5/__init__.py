@@ -1,4 +1,5 @@
-"""HDF5 stores: the source, raw chunk reads, codecs, references out of the file, remote files."""
+"""HDF5 stores: the source, raw chunk reads, codecs, references out of the file, remote files,
+files another process holds open for writing (held)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,14 @@ from grain_replay.sources.hdf5 import filters as hdf5_filters
 from grain_replay.sources.hdf5 import raw as hdf5_raw
 from grain_replay.sources.hdf5 import refs as hdf5_refs
 from grain_replay.sources.hdf5.codecs import hdf5_direct_block_reader
+from grain_replay.sources.hdf5.held import (
+    Access,
+    fresh,
+    lock_held,
+    open_h5,
+    say_written,
+    written_prefix,
+)
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from grain_replay.sources.reading.chunked import ChunkedLeafReader, grow_stitched, stitched_map
 from grain_replay.sources.reading.files import Descriptor, MappedFile
@@ -47,6 +55,7 @@ class _HDF5Handle(Handle):
         self._fileobj: Any = None
         self._guards: list[MappedFile] = []  # descriptors of raw chunk reads
         self.file: Any = None
+        access = Access.FREE
         if is_url(source.path):
             from grain_replay.sources.hdf5 import remote as remote_hdf5
 
@@ -56,7 +65,7 @@ class _HDF5Handle(Handle):
                 source.path, source._storage_options, source._retry
             )
         else:
-            self.file = open_h5(source.path)
+            self.file, access = open_h5(source.path)
         self.cache = ChunkCache(source._cache_bytes)
         n = len(source)
         self._n = n
@@ -87,7 +96,7 @@ class _HDF5Handle(Handle):
         def open_leaf(key: str, loc: str) -> bool:
             """Opens one leaf's reader; True if it reads through h5py."""
             uses_h5py = False
-            dset = self.file[loc]
+            dset = fresh(self.file[loc], access)
             hdf5_filters.require_filters(dset, source.path, key)  # loads hdf5plugin in workers
             spec = source._layout.spec[key]
             row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
@@ -164,7 +173,8 @@ class _HDF5Handle(Handle):
             return False
         n = layout.num_records
         plans = []
-        with open_h5(source.path) as f:
+        f, access = open_h5(source.path)
+        with f:
             for key, loc in layout.locations.items():
                 reader = self.readers.get(key)
                 stitched = stitched_map(reader)
@@ -173,7 +183,7 @@ class _HDF5Handle(Handle):
                     return False
                 spec = layout.spec[key]
                 row_bytes = spec.dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64))
-                dset = f[loc]
+                dset = fresh(f[loc], access)
                 if dset.chunks is None or dset.chunks[0] * row_bytes != stitched.chunk_bytes:
                     return False
                 parts = hdf5_raw.chunk_parts(dset, source.path, n, row_bytes)
@@ -208,21 +218,6 @@ class _HDF5Handle(Handle):
         self.readers = {}
         self._close_file()
         self._guards = []  # each descriptor closes when its last reader is gone
-
-
-def open_h5(path: str) -> Any:
-    """Opens read-only with HDF5's default file locking, or without it if that is refused.
-
-    Locking stays on for compatibility with other h5py users in the process; a
-    file already opened without locking (a ReplayWriter) refuses a locking open.
-    """
-    h5py = import_h5py()
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        if "lock" not in str(e).lower():
-            raise
-        return h5py.File(path, "r", locking=False)
 
 
 def _rows_per(dset: Any, target_bytes: int) -> int:
@@ -280,7 +275,54 @@ class HDF5DataSource(ReplaySource):
     ):
         self._cache_bytes = cache_bytes
         self._retry = remote_lib.retry_options(retries)
+        # Who held the file for writing when its layout was last read, and what was said.
+        self._access = Access.FREE
+        self._said = Access.FREE
         super().__init__(path, keys, storage_options=storage_options, allow_external=allow_external)
+
+    def refresh(self) -> int:
+        """Re-reads the file to see rows flushed since; returns the new length.
+
+        While a writer not in SWMR mode still holds the file open (see the warning
+        given at open), nothing is read again: the rows stay those read at open,
+        because HDF5 orders nothing between that writer's flushes and a reader. Once
+        it has closed the file, this reads every row. A writer in SWMR mode is read
+        again at each call (``swmr=True``, its datasets refreshed).
+        """
+        if self._keeps_snapshot():
+            return len(self)
+        if self._access is Access.HELD:
+            # The writer let go: open afresh (a handle opened while it wrote, still
+            # open, would share its view of the file with the next open here).
+            self.close()
+        return super().refresh()
+
+    def grow_in_place(self) -> bool:
+        """See :meth:`ReplaySource.grow_in_place`; False while a writer not in SWMR mode
+        still holds the file (as :meth:`refresh`, the rows stay those read at open)."""
+        if self._keeps_snapshot():
+            return False
+        return super().grow_in_place()
+
+    def _keeps_snapshot(self) -> bool:
+        """Whether the rows read while a writer (not SWMR) held the file stay as they are."""
+        if self._access is not Access.HELD or not lock_held(self._path):
+            return False
+        logger.debug(
+            "%s: still open for writing in another process (not SWMR); refresh() keeps the "
+            "%d rows read at open",
+            self._path,
+            len(self),
+        )
+        return True
+
+    def _say_written(self, access: Access, rows: int) -> None:
+        """Logs once (per writer seen) that the file is open for writing elsewhere."""
+        self._access = access
+        if access is self._said:
+            return
+        self._said = access
+        say_written(self._path, access, rows)
 
     def _open(self) -> Handle:
         if is_url(self._path):
@@ -307,7 +349,9 @@ class HDF5DataSource(ReplaySource):
 
             return inspect_remote(self._path, self._storage_options, self._retry, self._layout_of)
         try:
-            return hdf5_raw.retry_while_written(self._path, self._read_layout)
+            layout, access = hdf5_raw.retry_while_written(self._path, self._read_layout)
+            self._say_written(access, layout.num_records)
+            return layout
         except GrainReplayError:
             raise
         except FileNotFoundError as e:
@@ -315,11 +359,12 @@ class HDF5DataSource(ReplaySource):
         except STORE_FAULTS as e:  # RuntimeError, KeyError too: "bad symbol table node", ...
             raise damaged_store(self._path, e, doing="h5py opening the file") from e
 
-    def _read_layout(self) -> Layout:
-        with open_h5(self._path) as f:
-            return self._layout_of(f)
+    def _read_layout(self) -> tuple[Layout, Access]:
+        f, access = open_h5(self._path)
+        with f:
+            return self._layout_of(f, access), access
 
-    def _layout_of(self, f: Any) -> Layout:
+    def _layout_of(self, f: Any, access: Access = Access.FREE) -> Layout:
         try:
             meta = metadata_from_attrs(f.attrs, self._path)
         except GrainReplayError:
@@ -332,15 +377,17 @@ class HDF5DataSource(ReplaySource):
             locations = {k: layout_lib.disk_name(k) for k in meta.leaves}
             for key, loc in locations.items():
                 try:
-                    self._check_leaf(f, key, loc, meta)
+                    self._check_leaf(f, key, loc, meta, access)
                 except GrainReplayError:
                     raise
                 except STORE_FAULTS as e:
                     raise damaged_store(self._path, e, leaf=key, doing=f"opening {loc!r}") from e
             return Layout.of_store(meta, locations)
-        return self._foreign_layout(f)
+        return self._foreign_layout(f, access)
 
-    def _check_leaf(self, f: Any, key: str, loc: str, meta: layout_lib.StoreMetadata) -> None:
+    def _check_leaf(
+        self, f: Any, key: str, loc: str, meta: layout_lib.StoreMetadata, access: Access
+    ) -> None:
         """The dataset of a leaf the metadata lists: there, in the file, as the metadata says."""
         h5py = import_h5py()
         if not self._allow_external:
@@ -354,9 +401,9 @@ class HDF5DataSource(ReplaySource):
         if not self._allow_external:
             hdf5_refs.check_dataset_refs(dset, self._path, key)
         hdf5_filters.require_filters(dset, self._path, key)
-        self._check_dataset(key, dset, meta.num_records, meta.leaves[key])
+        self._check_dataset(key, fresh(dset, access), meta.num_records, meta.leaves[key])
 
-    def _foreign_layout(self, f: Any) -> Layout:
+    def _foreign_layout(self, f: Any, access: Access = Access.FREE) -> Layout:
         """A file written by others: every dataset with a records axis is a leaf."""
         try:
             found, links = hdf5_refs.foreign_datasets(f, self._allow_external)
@@ -386,12 +433,16 @@ class HDF5DataSource(ReplaySource):
         keys = layout_lib.foreign_keys(found, self._requested_keys)
         spec = {}
         for k in keys:
+            fresh(found[k], access)
             if not self._allow_external:
                 hdf5_refs.check_dataset_refs(found[k], self._path, k)
             hdf5_filters.require_filters(found[k], self._path, k)
             dtype = layout_lib.check_dtype(found[k].dtype, k, self._path)
             spec[k] = layout_lib.LeafSpec(dtype, tuple(found[k].shape[1:]))
-        n = layout_lib.common_length(self._path, {k: found[k].shape[0] for k in keys})
+        lengths = {k: found[k].shape[0] for k in keys}
+        n = written_prefix(self._path, found, lengths) if access is not Access.FREE else None
+        if n is None:
+            n = layout_lib.common_length(self._path, lengths)
         return Layout(n, spec, tree_lib.treedef_from_keys(keys), {k: k for k in keys})
 
     def _check_dataset(self, key: str, dset: Any, n: int, want: layout_lib.LeafSpec) -> None:

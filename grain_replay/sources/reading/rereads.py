@@ -13,7 +13,9 @@ one schedule, because their premises differ:
   only while the file is seen being written (its mtime or size moved during the read, or
   it was written within the last 0.2 s): a broken file nobody writes fails at once, not
   after a pointless wait. A writer's flush takes milliseconds, so the pauses double
-  from 5 ms (6 reads, 155 ms in all).
+  from 5 ms (6 reads, 155 ms in all). What a reader gets of a file another process
+  holds open for writing (the flushed rows and a warning, SWMR, a refusal) is
+  ``grain_replay.sources.hdf5.held``'s.
 * ``.npy`` (``grain_replay.sources.npy``): a read of the page cache is not ordered
   against a write to it, so a header can read torn with no change of mtime or size
   visible to ``stat``: it is read again whatever ``stat`` says. A header rewrite takes
