@@ -49,12 +49,23 @@ def has_pinned_host() -> bool:
 
 
 def _pinned_if_available(pinned: bool) -> bool:
-    """``pinned``, unless the backend has no pinned host memory (then False, with a warning)."""
+    """``pinned``, unless the backend has no pinned host memory or it was measured to lose
+    there (TPU): then False, with a warning saying why."""
     if pinned and not has_pinned_host():
         logger.warning(
             "sharded_device_put(pinned=True): the %s backend has no pinned_host memory; "
             "putting pageable host batches instead",
             jax.default_backend(),
+        )
+        return False
+    if pinned and jax.default_backend() == "tpu":
+        logger.warning(
+            "sharded_device_put(pinned=True) is off on TPU: measured slower than pageable "
+            "puts on a v5e (numpy -> pinned_host runs at 0.4-0.6 GB/s; even a reused pinned "
+            "buffer filled in place then moved to HBM reached 4.3 GB/s for frame batches, "
+            "against 13.3 GB/s for a packed pageable buffer, 4 in flight; "
+            "benchmarks/probe_link.py). Putting pageable host batches instead; "
+            "docs/loader.md has the numbers."
         )
         return False
     return pinned
@@ -359,7 +370,8 @@ def sharded_device_put(
         pinned: Stage each numpy leaf in pinned host memory (``memory_kind="pinned_host"``)
             before the device copy. Off by default: not yet measured to pay on a GPU (the
             ``device`` benchmark section measures it); on a backend without pinned host
-            memory it logs a warning and puts pageable batches.
+            memory, and on TPU (measured slower there, docs/loader.md), it logs a warning
+            and puts pageable batches.
         packed: Move each batch as one lane-aligned ``uint32[rows, 128]`` buffer per
             device and lay the leaves out on the device (one jitted program per batch
             layout), instead of one put per leaf. The arrays are the same (values,

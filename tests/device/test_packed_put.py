@@ -247,3 +247,21 @@ def test_by_default_a_batch_alone_in_its_transfer_goes_leaf_by_leaf(
     assert asked.transfers(batch)[0] == 1
     monkeypatch.setattr(packing, "GROUP_BYTES", 10_000)
     assert asked.transfers(batch)[0] > 1
+
+
+def test_on_tpu_pinned_is_switched_off_with_the_reason_and_packing_is_the_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    batches = [next(_Stateful(1)) for _ in range(2)]
+    want = next(gr.sharded_device_put(iter(batches), packed=False))
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with caplog.at_level("WARNING", logger="grain_replay.device.put"):
+        it = gr.sharded_device_put(iter(batches), pinned=True)
+    assert "pinned=True) is off on TPU" in caplog.text
+    assert "docs/loader.md" in caplog.text
+    _assert_same(next(it), want)
+    it.close()
+    # packed=None on a TPU: small batches go several to a transfer
+    auto = gr.sharded_device_put(iter(batches))
+    _assert_same(next(auto), want)
+    auto.close()
