@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -151,7 +153,13 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
                 setattr(packing, k, v)
         return fed
 
+    def wanted(case: str) -> bool:
+        return not args.cases or re.search(args.cases, case) is not None
+
     for w in WORKERS:
+        labels = ("before", "leaves", "packed", "default")
+        if not any(wanted(c) for c in [f"loader-w{w}"] + [f"fed-w{w}-{x}" for x in labels]):
+            continue
         it = iter(gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1, worker_count=w))
         iters[f"loader-w{w}"] = it
 
@@ -167,9 +175,14 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
             "default": (None, {}),
         }
         for label, (packed, consts) in variants.items():
+            if not wanted(f"fed-w{w}-{label}"):
+                continue
             fed = feed(w, packed, **consts)
             iters[f"fed-w{w}-{label}"] = fed
             cases[f"fed-w{w}-{label}"] = steps_on(lambda fed=fed: next(fed))
+    if args.cases:
+        keep = re.compile(args.cases)
+        cases = {c: f for c, f in cases.items() if c == "step" or keep.search(c)}
     # warm up every case (compiles, worker start-up), then time the per-call cost
     per_call = {}
     for c, run in cases.items():
@@ -186,7 +199,8 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
         if close:
             close()
     med = {c: statistics.median(r) for c, r in rates.items()}
-    link = max(med["put-plain-1"], med["put-plain-4"], med["put-flat-u8-4"])
+    puts = [med[c] for c in ("put-plain-1", "put-plain-4", "put-flat-u8-4") if c in med]
+    link = max(puts) if puts else float("inf")
     bound = min(med["step"], link)
     out = {
         "batch_bytes": int(sum(v.nbytes for v in host.values())),
@@ -209,7 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--only", default="", help="mlp or conv")
     p.add_argument("--out", default="")
+    p.add_argument("--cases", default="", help="a regex: time only these cases (and step)")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval(S) first (the interpreter's 5 ms by default)",
+    )
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.rows, args.frames, args.seconds, args.batch = 4_000, 1_000, 0.3, 64
     print(
@@ -228,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                 extra = f"  ratio {r['ratios'][c]:.3f}" if c in r["ratios"] else ""
                 print(f"  {c:22s} {v:9.1f} /s{extra}", flush=True)
             print(
-                f"  link {r['link']:.1f}/s, step {r['rates']['step']:.1f}/s: "
+                f"  switch interval {sys.getswitchinterval() * 1e3:g} ms;"
+                f" link {r['link']:.1f}/s, step {r['rates']['step']:.1f}/s: "
                 f"bound min(step, link) = {r['bound']:.1f}/s",
                 flush=True,
             )
