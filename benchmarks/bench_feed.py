@@ -54,7 +54,9 @@ from grain_replay.device import packed as packing
 WORKERS = (0, 4)
 
 
-class _InFlight:
+class InFlight:
+    """Keeps ``depth`` results in flight: blocks on the one ``depth`` calls earlier."""
+
     def __init__(self, depth: int) -> None:
         self.q: collections.deque[Any] = collections.deque()
         self.depth = depth
@@ -128,7 +130,7 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
 
     def in_flight(make: Callable[[], Any]) -> Callable[[int], None]:
         def run(k: int) -> None:
-            f = _InFlight(4)
+            f = InFlight(4)
             for _ in range(k):
                 f.push(make())
             f.flush()

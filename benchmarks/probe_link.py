@@ -21,7 +21,6 @@ Prints one line per case: batches/s and GB/s, medians of ``--repeats`` windows.
 from __future__ import annotations
 
 import argparse
-import collections
 import ctypes
 import json
 import statistics
@@ -94,23 +93,6 @@ def _time(fn: Callable[[], Any], n: int, repeats: int, flush: Callable[[], Any] 
             flush()
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
-
-
-class _InFlight:
-    """Keeps ``depth`` results in flight: blocks on the one ``depth`` calls earlier."""
-
-    def __init__(self, depth: int) -> None:
-        self.q: collections.deque[Any] = collections.deque()
-        self.depth = depth
-
-    def push(self, x: Any) -> None:
-        self.q.append(x)
-        while len(self.q) > self.depth:
-            jax.block_until_ready(self.q.popleft())
-
-    def flush(self) -> None:
-        while self.q:
-            jax.block_until_ready(self.q.popleft())
 
 
 def main() -> None:
