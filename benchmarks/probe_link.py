@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from bench_feed import InFlight
 
 
 def _batches(kind: str, b: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -121,17 +122,17 @@ def main() -> None:
         u32 = buf.reshape(-1).view(np.uint32).reshape(-1, 128) if rows % 4 == 0 else None
         cases: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {}
         cases["plain"] = (lambda: jax.block_until_ready(jax.device_put(batch, s_dev)), None)
-        f4 = _InFlight(4)
+        f4 = InFlight(4)
         cases["plain-4"] = (lambda: f4.push(jax.device_put(batch, s_dev)), f4.flush)
         cases["flat-u8"] = (lambda: jax.block_until_ready(jax.device_put(buf, s_dev)), None)
-        g4 = _InFlight(4)
+        g4 = InFlight(4)
         cases["flat-u8-4"] = (lambda: g4.push(jax.device_put(buf, s_dev)), g4.flush)
         if u32 is not None:
-            h4 = _InFlight(4)
+            h4 = InFlight(4)
             cases["flat-u32-4"] = (lambda: h4.push(jax.device_put(u32, s_dev)), h4.flush)
         if rows % 4 == 0:
             parts = np.split(buf, 4)
-            i4 = _InFlight(4)
+            i4 = InFlight(4)
             cases["flat-u8-split4"] = (
                 lambda: i4.push([jax.device_put(q, s_dev) for q in parts]),
                 i4.flush,
@@ -159,7 +160,7 @@ def main() -> None:
         cases["unpack"] = (lambda: jax.block_until_ready(unpack(on)), None)
         spare = np.zeros_like(buf)
         cases["pack"] = (lambda: _pack(batch, layout, spare), None)
-        k4 = _InFlight(4)
+        k4 = InFlight(4)
         cases["packed-pipeline"] = (
             lambda: k4.push(
                 unpack(jax.device_put(_pack(batch, layout, np.empty_like(buf)), s_dev))
