@@ -1,8 +1,10 @@
 """Smoke test of benchmarks/run.py --quick: it runs and reports every section and format.
 
 Performance targets are not asserted here: timings on shared CI machines are noise.
-The datasets are smaller than --quick's own (the same code runs on fewer records):
-the run is a smoke test of every section and format, not a measurement.
+The datasets and batches are smaller than --quick's own (the same code runs on fewer
+records; batches of 16 still split over the 8 fake devices): the run is a smoke test of
+every section and format, not a measurement. Batches of 16 halve the run (the conv step
+and the per-record baselines scale with the batch).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "run.py"
 SECTIONS = ("formats", "pipeline", "cold", "write")
 FORMATS = ("npy", "hdf5", "zarr")
-TRANSITIONS, IMAGES = 4000, 400
-QUICK = ("--quick", "--transitions", str(TRANSITIONS), "--image-records", str(IMAGES))
+TRANSITIONS, IMAGES, BATCH = 4000, 400, 16
+QUICK = (
+    "--quick", "--transitions", str(TRANSITIONS), "--image-records", str(IMAGES),
+    "--batch-size", str(BATCH),
+)  # fmt: skip
 LAYOUTS = (
     "npy",
     "hdf5",

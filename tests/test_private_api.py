@@ -42,6 +42,7 @@ its public attributes. So, beyond 1-3:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -117,15 +118,16 @@ def _defined_private_names(files: list[Path]) -> set[str]:
     return {n for n in names if _private(n)}
 
 
-def _zarr_private_names() -> set[str]:
+@functools.cache  # parses every file of zarr and of grain_replay: once per process
+def _zarr_private_names() -> frozenset[str]:
     """Private names zarr defines that grain_replay does not (so ``x._name`` is zarr's)."""
     try:
         import zarr
     except ImportError:
-        return set()
+        return frozenset()
     theirs = _defined_private_names(sorted(Path(zarr.__file__).parent.rglob("*.py")))
     ours = _defined_private_names([path for _, path in _module_files()])
-    return theirs - ours
+    return frozenset(theirs - ours)
 
 
 def _root(node: ast.AST) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conformance import SourceTests
+from conformance import SourceTests, slow_in_this_class
 from rl_fixtures import ref_nstep, write_d4rl
 
 import grain_replay as gr
@@ -62,6 +62,10 @@ class TestD4RLStoredNextObs(SourceTests):
 
 
 class TestD4RLDerivedNextObs(TestD4RLStoredNextObs):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestD4RLStoredNextObs.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     stored = False
 
 

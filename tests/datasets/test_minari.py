@@ -9,7 +9,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conformance import SourceTests, flat
+from conformance import SourceTests, flat, slow_in_this_class
 from rl_fixtures import collect_minari, register_dict_env, write_minari_file
 
 import grain_replay as gr
@@ -107,6 +107,10 @@ class TestMinariCartPole(SourceTests):
 
 
 class TestMinariDictSpace(SourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestMinariCartPole.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     make = TestMinariCartPole.make
 
     @pytest.fixture

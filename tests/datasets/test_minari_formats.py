@@ -14,7 +14,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conformance import SourceTests
+from conformance import SourceTests, slow_in_this_class
 from rl_fixtures import collect_minari, register_dict_env, register_image_env, write_minari_file
 from test_minari import _expect_from_minari
 
@@ -79,6 +79,11 @@ def _check_all_match_minari(src: MinariDataSource, dataset_id: str, infos: bool 
 
 
 class TestJpegImagesHdf5(SourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on
+    # TestArrowCartPole (Arrow) and test_minari.py::TestMinariCartPole (HDF5).
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
@@ -116,6 +121,10 @@ class TestJpegImagesHdf5(SourceTests):
 
 
 class TestJpegImagesArrow(SourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestArrowCartPole.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture
@@ -146,6 +155,10 @@ class TestJpegImagesArrow(SourceTests):
 
 
 class TestArrowDictSpace(SourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestArrowCartPole.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     make = staticmethod(_make)  # type: ignore[assignment]
 
     @pytest.fixture

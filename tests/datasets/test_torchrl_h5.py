@@ -13,7 +13,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conformance import SourceTests, assert_flat_equal, flat
+from conformance import SourceTests, assert_flat_equal, flat, slow_in_this_class
 from format_checks import assert_loader_delivers_every_record
 from torchrl_fixture import h5_records, write_h5_checkpoint
 
@@ -110,6 +110,10 @@ class TestH5PartlyFilled(_H5Tests):
 
 
 class TestH5Wrapped(_H5Tests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestH5PartlyFilled.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     capacity = 60  # 94 steps through 60 slots: the groups are rolled, oldest first
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import DataSourceTests, N, flat, make_tree
+from conformance import DataSourceTests, N, flat, make_tree, slow_in_this_class
 from format_checks import assert_loader_delivers_every_record, sorted_tree
 from torchrl_fixture import write_dump
 
@@ -44,6 +44,10 @@ class TestTorchRLPartlyFilled(_TorchRLTests):
 
 
 class TestTorchRLPytree(_TorchRLTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestTorchRLPartlyFilled.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     pytree = True  # a storage of a dict of tensors (no TensorDict): storage_metadata.json
 
 

@@ -18,7 +18,10 @@ def _run_job(args: list[str], out_dir: Path) -> list[dict[str, Any]]:
     return run_workers(WORKER, 2, out_dir, *args)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# In-process draws (workers=0) under -m slow: the 2-process job's own part (each process
+# draws its share of the mixture and of the prioritized store) is the same with loader
+# workers, and tests/sampling/ covers drawing in process.
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_two_processes_mix_and_prioritize_their_own_shares(tmp_path: Path, workers: int) -> None:
     gr.write_npy(tmp_path / "a", {"id": np.arange(48, dtype=np.int64)})
     gr.write_npy(tmp_path / "b", {"id": 1000 + np.arange(48, dtype=np.int64)})

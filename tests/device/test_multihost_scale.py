@@ -37,7 +37,9 @@ def _write_store(path: Path, n: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("num_processes", [2, 4])
+# 4 processes: `make test-slow`. make test covers 4-process coverage and resume in
+# test_resume_on_another_process_count_continues_the_global_stream (jobs of 4, 2, 4).
+@pytest.mark.parametrize("num_processes", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_processes_cover_each_epoch_once_and_resume_the_identical_stream(
     tmp_path: Path, num_processes: int
 ) -> None:

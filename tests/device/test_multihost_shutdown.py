@@ -24,7 +24,10 @@ def _run_job(num_processes: int, out_dir: Path) -> list[dict[str, object]]:
     return run_workers(WORKER, num_processes, out_dir, f"--num-processes={num_processes}")
 
 
-@pytest.mark.parametrize("attempt", [0, 1])
+# A second attempt under -m slow: in make test the other 2-process jobs (test_multihost*.py,
+# test_rl_examples.py; about a dozen jobs, each ending in gr.shutdown_distributed()) run under the
+# same job limit, so a stall still fails make test there.
+@pytest.mark.parametrize("attempt", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_two_processes_leave_within_the_job_limit_after_sync_global_devices(
     tmp_path: Path, attempt: int
 ) -> None:

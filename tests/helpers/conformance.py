@@ -8,6 +8,7 @@ to open, ``keys=`` selection, a missing-store error) and builds ``src`` and
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -112,6 +113,22 @@ def _record_bytes(leaves: dict[str, np.ndarray]) -> list[bytes]:
 
 
 Expect = Callable[[np.ndarray], dict[str, Any]]
+
+
+def slow_in_this_class(test: Callable[..., None]) -> Callable[..., None]:
+    """An inherited contract test, marked ``slow`` for one subclass only.
+
+    For a variant of a source class (another compression, chunking, padding) whose
+    code path for that test another subclass of the same source class runs in
+    ``make test``: ``make test-slow`` still runs it here. Marking the inherited
+    function itself would mark it in every subclass, hence the copy.
+    """
+
+    @functools.wraps(test)
+    def copy(self: Any, *args: Any, **kwargs: Any) -> None:
+        test(self, *args, **kwargs)
+
+    return pytest.mark.slow(copy)
 
 
 class SourceTests:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import SourceTests, flat
+from conformance import SourceTests, flat, slow_in_this_class
 from rl_fixtures import ArraySource, ref_nstep, step_tree
 
 import grain_replay as gr
@@ -222,7 +222,10 @@ class _NStepContract(SourceTests):
 
 
 class TestNStepDerivedNextObs(_NStepContract):
-    pass
+    # Grain's worker loader (seconds of spawns): make test runs it on TestNStepStoredNextObs.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
 
 
 class TestNStepStoredNextObs(_NStepContract):

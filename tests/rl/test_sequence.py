@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import SourceTests, assert_flat_equal, flat
+from conformance import SourceTests, assert_flat_equal, flat, slow_in_this_class
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rl_fixtures import ArraySource, step_tree, write_d4rl, write_minari_file
@@ -117,7 +117,10 @@ class _SequenceContract(SourceTests):
 
 
 class TestSequenceEdgeHDF5(_SequenceContract):
-    pass
+    # Grain's worker loader (seconds of spawns): make test runs it on TestSequenceZeroNpy.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
 
 
 class TestSequenceZeroNpy(_SequenceContract):
@@ -125,6 +128,10 @@ class TestSequenceZeroNpy(_SequenceContract):
 
 
 class TestSequenceDropZarr(_SequenceContract):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestSequenceZeroNpy.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     pad, fmt = "drop", "zarr"
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import SourceTests, flat
+from conformance import SourceTests, flat, slow_in_this_class
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rl_fixtures import ArraySource, ref_windows, step_tree
@@ -58,7 +58,10 @@ class _WindowContract(SourceTests):
 
 
 class TestWindowsHDF5(_WindowContract):
-    pass
+    # Grain's worker loader (seconds of spawns): make test runs it on TestWindowsNpyPaddedStrided.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        SourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
 
 
 class TestWindowsNpyPaddedStrided(_WindowContract):

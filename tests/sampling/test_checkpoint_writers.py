@@ -110,9 +110,23 @@ def _below(rows: np.ndarray, mark: gr.Watermark) -> bool:
     return bool(((read % 1000) < marks[read // 1000]).all())
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("mode", ["prioritized", "uniform"])
+# Every mode and format in process; with loader workers, each mode once in make test
+# (prioritized on npy, uniform on hdf5), the other four under -m slow.
+_WORKERS_IN_MAKE_TEST = {("prioritized", "npy"), ("uniform", "hdf5")}
+
+
+@pytest.mark.parametrize(
+    ("mode", "fmt", "workers"),
+    [
+        pytest.param(
+            mode, fmt, workers,
+            marks=() if not workers or (mode, fmt) in _WORKERS_IN_MAKE_TEST else pytest.mark.slow,
+        )
+        for mode in ("prioritized", "uniform")
+        for fmt in FORMATS
+        for workers in (0, 2)
+    ],
+)  # fmt: skip
 def test_restore_checks_every_writer_of_the_watermark(
     tmp_path: Path, fmt: str, workers: int, mode: str
 ) -> None:

@@ -5,7 +5,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conformance import DataSourceTests, make_tree
+from conformance import DataSourceTests, make_tree, slow_in_this_class
 
 import grain_replay as gr
 
@@ -19,6 +19,10 @@ class TestHDF5Contiguous(DataSourceTests):
 
 
 class TestHDF5Compressed(DataSourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestHDF5Contiguous.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     cls = gr.HDF5DataSource
     suffix = ".h5"
 
@@ -83,6 +87,11 @@ def test_scalar_datasets_in_foreign_files_are_skipped(tmp_path: Any) -> None:
 
 class TestHDF5ChunkedUnaligned(DataSourceTests):
     """Unfiltered chunks that are not whole pages: memory maps per run of chunks."""
+
+    # Grain's worker loader (seconds of spawns): make test runs it on TestHDF5Contiguous.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
 
     cls = gr.HDF5DataSource
     suffix = ".h5"

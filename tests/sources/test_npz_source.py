@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import DataSourceTests, N, flat, make_tree
+from conformance import DataSourceTests, N, flat, make_tree, slow_in_this_class
 from format_checks import assert_loader_delivers_every_record
 
 import grain_replay as gr
@@ -74,6 +74,10 @@ class TestNpzStored(_NpzTests):
 
 
 class TestNpzCompressed(_NpzTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestNpzStored.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     save = staticmethod(np.savez_compressed)
 
     def test_members_inflate_once_per_process(self, src: gr.NpzDataSource) -> None:

@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conformance import DataSourceTests, make_tree
+from conformance import DataSourceTests, make_tree, slow_in_this_class
 
 import grain_replay as gr
 
@@ -18,6 +18,10 @@ class TestZarrDefault(DataSourceTests):
 
 
 class TestZarrCompressedSmallChunks(DataSourceTests):
+    # Grain's worker loader (seconds of spawns): make test runs it on TestZarrDefault.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
     cls = gr.ZarrDataSource
     suffix = ".zarr"
 
@@ -35,6 +39,11 @@ def test_batch_fetches_each_chunk_once(tmp_path: Any) -> None:
 
 class TestZarrUncompressedUnalignedChunks(DataSourceTests):
     """Chunks that are not whole pages: one memory map per chunk file."""
+
+    # Grain's worker loader (seconds of spawns): make test runs it on TestZarrDefault.
+    test_grain_dataloader_with_workers_reads_every_record_once = slow_in_this_class(
+        DataSourceTests.test_grain_dataloader_with_workers_reads_every_record_once
+    )
 
     cls = gr.ZarrDataSource
     suffix = ".zarr"
