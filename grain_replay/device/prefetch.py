@@ -194,5 +194,8 @@ def _produce(
                 out.put(last)
                 return
     finally:
-        if pool is not None:  # no put left running once the producer is gone (exit: jax)
-            pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            # No put left running once the producer is gone (at exit: before jax's
+            # teardown). Stopped: the queued ones are dropped with it; at the end of the
+            # stream (or a failure) the consumer still takes them, so none is cancelled.
+            pool.shutdown(wait=True, cancel_futures=stop.is_set())
