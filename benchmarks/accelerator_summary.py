@@ -298,7 +298,8 @@ def summarize(out: Path, backend: str | None) -> tuple[list[Row], list[str]]:
         except SummaryInputError as e:  # a value that is not a number: every row says so
             errors.append(str(e))
             rows += make(None, unreadable, path, backend)
-    return rows, errors
+    # Issue 41's targets first, in the order above; the device section's own (#17) below.
+    return sorted(rows, key=lambda r: r.issue != "#41"), errors
 
 
 def markdown(rows: list[Row], backend: str | None) -> str:

@@ -6,8 +6,10 @@
   malformed file is named with a fix.
 - The script's dry run: which carried wheels it installs, keeps, skips or refuses, and the
   plan it prints (the steps in order, one process at a time, the PYTHONPATH order).
-- The end-to-end run (slow; needs ``make accelerator-wheels``): the carried wheels installed
-  beside this venv's packages, every benchmark on CPU at toy sizes, the table printed.
+- Real runs (slow; need ``make accelerator-wheels``): without ``--cpu`` on this machine it
+  stops before any benchmark (no accelerator); a benchmark past ``--timeout`` is stopped
+  and its rows say so; and the whole path, the carried wheels installed beside this venv's
+  packages, every benchmark on CPU at toy sizes, the table printed.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def test_every_target_is_judged_on_an_accelerator(tmp_path: Path, capsys: Any) -
     text = capsys.readouterr().out
     assert md.read_text() == text and "backend tpu" in text
     rows = _table(text)
-    assert [t for t in rows if rows[t][0] == "#41"] == ISSUE_41  # in this order, each once
+    assert list(rows)[: len(ISSUE_41)] == ISSUE_41  # in this order, each once, then #17's
+    assert {rows[t][0] for t in list(rows)[len(ISSUE_41) :]} == {"#17"}
     verdicts = {t: (rows[t][1], rows[t][2], rows[t][4]) for t in ISSUE_41}
     assert verdicts == {
         FEED_ROWS[0]: ("0.900", ">= 0.9", "PASS"),  # exactly the target passes
@@ -422,14 +425,52 @@ def test_bad_usage_is_named_with_a_fix(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "no interpreter" in proc.stderr
 
 
+# -- real installs (slow; need make accelerator-wheels) ---------------------------------------
+
+needs_wheels = pytest.mark.skipif(
+    not list(WHEELS.glob("grain_replay-*.whl")),
+    reason="no .accelerator-wheels/ (make accelerator-wheels)",
+)
+
+
+@pytest.mark.slow  # installs the wheels: a minute or two here
+@needs_wheels
+def test_no_accelerator_without_cpu_stops_before_any_benchmark(tmp_path: Path) -> None:
+    proc = _run("--carry", str(WHEELS), "--out", str(tmp_path))  # this machine: jax on CPU
+    assert proc.returncode == 5, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "jax's backend is cpu: no accelerator is visible" in proc.stderr
+    assert "Fix:" in proc.stderr and "--cpu" in proc.stderr
+    assert "==> unchanged: jax=" in proc.stdout  # installed and checked first
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "runs.tsv").exists()
+
+
+@pytest.mark.slow  # installs the wheels: a minute or two here
+@needs_wheels
+def test_a_benchmark_past_its_timeout_is_stopped_and_the_table_says_so(tmp_path: Path) -> None:
+    # One second: not enough for any of them to import jax and write its stores.
+    proc = _run("--carry", str(WHEELS), "--out", str(tmp_path), "--cpu", "--timeout", "1")
+    assert proc.returncode == 6, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "a benchmark failed or timed out" in proc.stderr
+    runs = [line.split("\t") for line in (tmp_path / "runs.tsv").read_text().splitlines()]
+    assert [(r[0], r[1]) for r in runs] == [
+        ("bench_feed", "124"), ("bench_device_replay", "124"), ("bench_device_writes", "124"),
+        ("device_section", "124"),
+    ]  # fmt: skip
+    rows = _table(proc.stdout.split("==> summary", 1)[1])
+    assert list(rows) == ISSUE_41  # every target still has its row
+    assert re.fullmatch(r"no result: bench_feed timed out after \d+ s \(logs/bench_feed.log\)",
+                        rows[FEED_ROWS[0]][4])  # fmt: skip
+    assert rows[WRITES_ROW][4].startswith("no result: bench_device_writes timed out")
+    left = subprocess.run(["pgrep", "-f", f"--out {tmp_path}/"], capture_output=True, text=True)
+    assert left.stdout == ""  # timeout ended each benchmark before the next started
+
+
 # -- the whole path on CPU --------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not list(WHEELS.glob("grain_replay-*.whl")),
-    reason="no .accelerator-wheels/ (make accelerator-wheels)",
-)
+@pytest.mark.timeout(3600)  # four benchmarks at toy sizes: 7 minutes on 2 loaded cores
+@needs_wheels
 def test_cpu_run_installs_the_wheels_and_prints_every_target(tmp_path: Path) -> None:
     proc = _run("--carry", str(WHEELS), "--out", str(tmp_path), "--cpu", timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
