@@ -158,26 +158,42 @@ bench-online-peers: $(STAMP) $(PEERS_STAMP) $(REVERB_STAMP)
 	$(PY) benchmarks/bench_online.py --reverb-python $(abspath $(REVERB_VENV))/bin/python \
 		--torchrl-python $(abspath $(PEERS_VENV))/bin/python
 
-# Wheels for benchmarks/gpu_check.sh on a GPU machine with Python 3.12, its own jax and no
-# network: grain and zarr with everything they depend on (resolved for that Python), and
-# this package. The script installs only what that machine lacks, never jax or numpy.
-.PHONY: gpu-wheels gpu-check-cpu
-GPU_WHEELS ?= .gpu-wheels
+# Wheels for benchmarks/accelerator_check.sh on a TPU or GPU machine with its own jax and no
+# network: the packages grain_replay needs that such a machine lacks, pinned to what a TPU v5e
+# run used and downloaded without dependencies (the list is the whole closure), for
+# PYTHON_VERSION (default 3.11, the TPU v5e host's: `make accelerator-wheels PYTHON_VERSION=3.12`;
+# set with := so that a PYTHON_VERSION in the environment does not change it), and this
+# package's wheel. The script installs only what that machine lacks, never jax, jaxlib,
+# libtpu or numpy. gpu-wheels and gpu-check-cpu are the old names (gpu-wheels: Python 3.12).
+.PHONY: accelerator-wheels accelerator-check-cpu gpu-wheels gpu-check-cpu
+ACCELERATOR_WHEELS ?= .accelerator-wheels
+PYTHON_VERSION := 3.11
 GPU_PYTHON_VERSION ?= 3.12
-GPU_WHEEL_PACKAGES ?= grain zarr
-GPU_WHEELS_MAX_MB := 64
+# grain's wheels are manylinux_2_28: manylinux2014 alone finds none of its recent releases.
+ACCELERATOR_PLATFORMS ?= manylinux2014_x86_64 manylinux_2_28_x86_64
+ACCELERATOR_WHEEL_PACKAGES ?= grain==0.2.18 array-record==0.8.6 etils==1.15.0 \
+	cloudpickle==3.1.3 portpicker==1.6.0 protobuf==7.36.2 zarr==3.1.6 numcodecs==0.16.6 \
+	donfig==0.8.1.post1 google-crc32c==1.9.0 crc32c==2.9.post0 deflate==0.9.0 \
+	typing-extensions==4.16.0 flashbax==0.1.3 chex==0.1.92 toolz==1.2.0
+ACCELERATOR_WHEELS_MAX_MB := 64
 
-gpu-wheels: $(STAMP)
-	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
-	$(PY) -m pip download --quiet --python-version $(GPU_PYTHON_VERSION) --only-binary=:all: \
-		-d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
-	$(PY) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) .
-	@du -sm $(GPU_WHEELS) | awk '{ if ($$1 > $(GPU_WHEELS_MAX_MB)) { print "$(GPU_WHEELS): " $$1 " MB, over $(GPU_WHEELS_MAX_MB) MB"; exit 1 } else print "$(GPU_WHEELS): " $$1 " MB of wheels for Python $(GPU_PYTHON_VERSION)" }'
+accelerator-wheels: $(STAMP)
+	rm -rf $(ACCELERATOR_WHEELS) && mkdir -p $(ACCELERATOR_WHEELS)
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(PYTHON_VERSION) \
+		$(addprefix --platform ,$(ACCELERATOR_PLATFORMS)) --no-deps -d $(ACCELERATOR_WHEELS) \
+		$(ACCELERATOR_WHEEL_PACKAGES)
+	$(PY) -m pip wheel --quiet --no-deps -w $(ACCELERATOR_WHEELS) .
+	@du -sm $(ACCELERATOR_WHEELS) | awk '{ if ($$1 > $(ACCELERATOR_WHEELS_MAX_MB)) { print "$(ACCELERATOR_WHEELS): " $$1 " MB, over $(ACCELERATOR_WHEELS_MAX_MB) MB"; exit 1 } else print "$(ACCELERATOR_WHEELS): " $$1 " MB of wheels for Python $(PYTHON_VERSION)" }'
 
-# The script's whole path on this machine's CPU (this venv stands in for the GPU machine's).
-gpu-check-cpu: $(STAMP)
-	benchmarks/gpu_check.sh --cpu --python $(PY) --carry $(GPU_WHEELS) --out bench_out/gpu-cpu \
-		--transitions 2000 --image-records 200 --batch-size 16 --repeats 1 --target-s 0.002
+# The script's whole path on this machine's CPU at toy sizes (this venv stands in for the
+# accelerator machine's interpreter; the targets are printed, not judged).
+accelerator-check-cpu: $(STAMP)
+	benchmarks/accelerator_check.sh --cpu --python $(PY) --carry $(ACCELERATOR_WHEELS) \
+		--out bench_out/accelerator-cpu
+
+gpu-wheels: PYTHON_VERSION = $(GPU_PYTHON_VERSION)
+gpu-wheels: accelerator-wheels
+gpu-check-cpu: accelerator-check-cpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check grain_replay tests examples benchmarks
@@ -185,4 +201,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy grain_replay
 
 clean:
-	rm -rf $(VENV) .venv-peers .venv-docs .gpu-wheels build *.egg-info demo_out bench_out site
+	rm -rf $(VENV) .venv-peers .venv-docs .gpu-wheels .accelerator-wheels build *.egg-info demo_out bench_out site

@@ -50,7 +50,7 @@ MLP_RESIDENT_GPU_TARGET = 1 / 1.02  # resident replay adds < 2 % to the MLP step
 
 def _gpu_target(res: SectionResult, ratio: Any, target: float, on_accelerator: bool) -> None:
     """Records a GPU target with its ratio in ``extra["gpu_targets"]`` on every backend (judged
-    only on an accelerator), so that ``gpu_check.sh`` prints each one, on CPU too."""
+    only on an accelerator), so that ``accelerator_check.sh`` prints each one, on CPU too."""
     if ratio is None:
         return
     res.extra.setdefault("gpu_targets", []).append(

@@ -25,12 +25,16 @@ buffer holds ``--peer-frames`` frames (its natural ``(n, 84, 84, 4)`` layout pad
 channels to 128 lanes on a TPU: 50,000 frames would not fit).
 
     python benchmarks/bench_device_replay.py [--quick] [--rows N] [--frames N]
-        [--batch B] [--steps S] [--repeats R] [--peers] [--peer-frames N]
+        [--batch B] [--steps S] [--repeats R] [--peers] [--peer-frames N] [--out FILE]
+
+``--out FILE`` also writes the results as JSON: per workload its rates (``bare``,
+``uniform``, ``prioritized``, steps/s) and ratios, and flashbax's rates under ``peers``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -225,11 +229,14 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
 
 def bench_flashbax(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace) -> Any:
     """flashbax's item buffer (uniform) and prioritised flat buffer (sample +
-    ``set_priorities``) in the same steps, their states donated. None: not installed."""
+    ``set_priorities``) in the same steps, their states donated. ``{"skipped": why}``
+    where it does not import."""
     try:
         import flashbax as fbx  # the optional peer
-    except ImportError:
-        return None
+    except ImportError as e:
+        if getattr(e, "name", None) == "flashbax":
+            return {"skipped": "flashbax is not installed (pip install flashbax==0.1.3)"}
+        return {"skipped": f"flashbax does not import ({e})"}
     n = len(next(iter(tree.values())))
     train, params = _model(name)
     b = args.batch
@@ -287,15 +294,18 @@ def bench_flashbax(name: str, tree: dict[str, np.ndarray], args: argparse.Namesp
     return {"rows": n, "rates": rates, "version": metadata.version("flashbax")}
 
 
-def _peers(ours: dict[str, dict], trees: dict[str, Any], args: argparse.Namespace) -> None:
-    """flashbax's rates and ours over theirs (a line saying so when it is not installed)."""
+def _peers(ours: dict[str, dict], trees: dict[str, Any], args: argparse.Namespace) -> dict:
+    """flashbax's rates and ours over theirs (a line saying so when it is not installed);
+    returns its results per workload, or ``{"skipped": why}``."""
+    found: dict[str, Any] = {}
     for name, tree in trees.items():
         if name == "conv":  # its natural layout pads 4 -> 128 lanes on a TPU: 36x the bytes
             tree = {k: v[: args.peer_frames] for k, v in tree.items()}
         r = bench_flashbax(name, tree, args)
-        if r is None:
-            print("peers: flashbax is not installed (pip install flashbax==0.1.3): skipped")
-            return
+        if "skipped" in r:
+            print(f"peers: {r['skipped']}: skipped")
+            return r
+        found[name] = r
         theirs, mine = r["rates"], ours[name]["rates"]
         print(
             f"flashbax {r['version']} {name:<5}{r['rows']:>8} rows: uniform "
@@ -303,6 +313,7 @@ def _peers(ours: dict[str, dict], trees: dict[str, Any], args: argparse.Namespac
             f"prioritised {theirs['prioritized']:.1f}/s "
             f"(ours/theirs {mine['prioritized'] / theirs['prioritized']:.2f})"
         )
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--peer-frames", type=int, default=2048, help="frames in flashbax's conv buffer"
     )
+    parser.add_argument("--out", default="", help="also write the results to FILE (JSON)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.frames = min(args.rows, 20_000), min(args.frames, 1_000)
@@ -348,8 +360,22 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  memory_stats before init: {r['memory_before']}")
                 print(f"  memory_stats after init:  {r['memory_after']}")
     print("ratio: steps/s with sampling inside the jit / steps/s of the bare step (1.0: free)")
-    if args.peers:
-        _peers(ours, trees, args)
+    peers = _peers(ours, trees, args) if args.peers else {"skipped": "--peers not given"}
+    if args.out:
+        for r in ours.values():
+            r["ratios"] = {
+                m: r["rates"][m] / r["rates"]["bare"] for m in ("uniform", "prioritized")
+            }
+        doc = {
+            "backend": jax.default_backend(),
+            "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind,
+            "batch": args.batch,
+            "workloads": ours,
+            "peers": peers,
+        }
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

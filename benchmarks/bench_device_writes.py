@@ -17,13 +17,15 @@ there, which is ~4% of a 2,000-step loop but ~1% of this one; an actor that runs
 hours pays it once. ``--steps 2000`` gives the shorter loops (same code, noisier here:
 0.82-0.93 against 0.85-0.88 in three runs each, docs/device_writes.md).
 
-Run:  python benchmarks/bench_device_writes.py [--quick] [--steps N] [--repeats N]
+Run:  python benchmarks/bench_device_writes.py [--quick] [--steps N] [--repeats N] [--out FILE]
+(``--out``: the rows as JSON too, with the backend they ran on.)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import statistics
@@ -231,11 +233,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--out", default="", help="also write the rows to FILE (JSON)")
     args = p.parse_args(argv)
     rows = run(args.quick, steps=args.steps, repeats=args.repeats)
     for row in rows:
         target = "" if row["target"] is None else f"  (target >= {row['target']})"
         print(f"{row['name']}: {row['value']:.3g} {row['unit']}{target}")
+    if args.out:
+        import jax
+
+        # rows[0] is the loop with writing / without; NaN (no sample) is written as null.
+        clean = [{**r, "value": None if r["value"] != r["value"] else r["value"]} for r in rows]
+        doc = {"backend": jax.default_backend(), "jax": jax.__version__, "rows": clean}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
     return rows
 
 

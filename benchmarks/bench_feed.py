@@ -258,9 +258,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"bound min(step, link) = {r['bound']:.1f}/s",
                 flush=True,
             )
-    if args.out:
+    if args.out:  # per workload: rates, ratios (fed cases), link, bound; the run's backend
+        meta = {"backend": jax.default_backend(), "jax": jax.__version__}
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({**meta, **results}, f, indent=1)
 
 
 if __name__ == "__main__":
