@@ -405,7 +405,10 @@ def test_sigkill_loses_only_rows_after_the_last_completed_commit(
 
         def read(proc: Any = proc, lines: list[str] = lines) -> None:
             for line in proc.stdout:
-                lines.append(line.decode().split("\n")[0])
+                # Only whole lines: the child's print can reach the pipe in two writes (its
+                # buffer fills between "C " and the number) and the kill can fall between.
+                if line.endswith(b"\n"):
+                    lines.append(line.decode()[:-1])
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
