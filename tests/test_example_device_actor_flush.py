@@ -33,7 +33,10 @@ def test_device_actor_commits_every_step_either_way(
     # Append order: a step's obs is the previous step's next_obs unless that episode ended.
     obs, nxt, done = (batch[k].reshape(40, 32, -1) for k in ("obs", "next_obs", "done"))
     same = ~done[:-1, :, 0]
-    np.testing.assert_array_equal(obs[1:][same], nxt[:-1][same])
+    # Equal up to float32 rounding: jax 0.12.1's XLA fuses the step so that the stored
+    # next_obs and the carried obs may differ in the last bit (1.2e-7, seen on 3.13); a
+    # row out of order would differ by a whole step.
+    np.testing.assert_allclose(obs[1:][same], nxt[:-1][same], rtol=1e-6, atol=0)
 
 
 def test_run_loop_flushes_as_asked(device_actor: ModuleType, tmp_path: Path) -> None:
