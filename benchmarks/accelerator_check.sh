@@ -15,6 +15,7 @@
 # Usage: benchmarks/accelerator_check.sh [--carry DIR] [--python PY] [--out DIR]
 #          [--index-url URL] [--index-packages LIST] [--cpu] [--dry-run] [--timeout S]
 #          [--repeats N] [--transitions N] [--image-records N] [--batch-size N] [--target-s S]
+#          [--only STEPS]
 #   --carry DIR      the wheels (default: .accelerator-wheels/ beside benchmarks/)
 #   --python PY      the machine's interpreter, the one with jax (default: python3)
 #   --out DIR        results, logs and the install (default: bench_out/accelerator)
@@ -27,6 +28,10 @@
 #                    install, detect and run nothing
 #   --timeout S      seconds each benchmark may run (default 1800; 900 with --cpu)
 #   --repeats N      repeats of every benchmark (default 3)
+#   --only STEPS     run only these steps (comma-separated: bench_feed, bench_device_replay,
+#                    bench_device_writes, device_section); the other steps' results already in
+#                    OUT are kept and summarized, so one OUT fills over several invocations (a
+#                    machine that limits a command's time)
 #   the rest: the device section's sizes (run.py's flags of the same names)
 # Results: OUT/feed.json, device_replay.json, device_writes.json, device/results.json,
 # logs/NAME.log, runs.tsv, summary.md. Exit status: 0 every benchmark ran (a missed target is
@@ -51,13 +56,15 @@ IMAGES=""
 BATCH=""
 TARGET_S=""
 HOST_EXTRAS=(h5py absl-py pyyaml tqdm)
+ONLY=""
+STEPS="bench_feed bench_device_replay bench_device_writes device_section"
 
 die() { echo "accelerator_check: $2" >&2; exit "$1"; }
 # What runs is the machine's packages and the carried wheels, never a checkout on PYTHONPATH.
 unset PYTHONPATH
 while [ $# -gt 0 ]; do
   case "$1" in
-    --carry|--python|--out|--index-url|--index-packages|--timeout|--repeats|--transitions|--image-records|--batch-size|--target-s)
+    --carry|--python|--out|--index-url|--index-packages|--timeout|--repeats|--transitions|--image-records|--batch-size|--target-s|--only)
       [ $# -ge 2 ] || die 2 "$1 needs a value (see --help)" ;;&
     --carry) CARRY="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
@@ -70,6 +77,7 @@ while [ $# -gt 0 ]; do
     --image-records) IMAGES="$2"; shift 2 ;;
     --batch-size) BATCH="$2"; shift 2 ;;
     --target-s) TARGET_S="$2"; shift 2 ;;
+    --only) ONLY="${2//,/ }"; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -80,6 +88,9 @@ for pair in "--timeout:$TIMEOUT" "--repeats:$REPEATS" "--transitions:$TRANSITION
             "--image-records:$IMAGES" "--batch-size:$BATCH"; do
   v="${pair#*:}"
   [ -z "$v" ] || [[ "$v" =~ ^[1-9][0-9]*$ ]] || die 2 "${pair%%:*} $v is not a positive whole number. Fix: e.g. ${pair%%:*} 3."
+done
+for step in $ONLY; do
+  case " $STEPS " in *" $step "*) ;; *) die 2 "--only: no step $step. Fix: name some of: ${STEPS// /, }." ;; esac
 done
 [ -z "$TIMEOUT" ] && TIMEOUT=$([ "$CPU" = 1 ] && echo 900 || echo 1800)
 
@@ -214,6 +225,9 @@ SUMMARY=("$B/accelerator_summary.py" "$OUT" --md "$OUT/summary.md")
 ENV_SHOWN="PYTHONPATH=$RUN_PATH"
 [ "$CPU" = 1 ] && ENV_SHOWN+=" JAX_PLATFORMS=cpu"
 
+skipped() { # a step's note in the plan when --only leaves it out
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $1 "* ]]; then echo " (not in --only: not run)"; fi
+}
 if [ "$DRY" = 1 ]; then
   echo "==> dry run: nothing installed, detected or run. The plan, in order:"
   echo "step 1: install: ${INSTALL[*]} ${WHEELS[*]}"
@@ -229,10 +243,11 @@ if [ "$DRY" = 1 ]; then
   echo "step 4: check jax, jaxlib, libtpu, numpy unchanged ($BEFORE); import grain, zarr, h5py, grain_replay (from $SITE)"
   echo "step 5: detect the backend once: $PY -c \"import jax; print(jax.default_backend())\""
   echo "one process at a time: each step starts after the one before has exited (libtpu lets one process hold a TPU); nothing else may use the accelerator meanwhile"
-  echo "step 6: bench_feed, timeout ${TIMEOUT}s: $PY ${FEED[*]}"
-  echo "step 7: bench_device_replay, timeout ${TIMEOUT}s: $PY ${REPLAY[*]}"
-  echo "step 8: bench_device_writes, timeout ${TIMEOUT}s: $PY ${WRITES[*]}"
-  echo "step 9: device_section, timeout ${TIMEOUT}s: $PY ${DEVICE[*]}"
+  [ -n "$ONLY" ] && echo "only: $ONLY (the other steps' results in $OUT are kept)"
+  echo "step 6: bench_feed, timeout ${TIMEOUT}s: $PY ${FEED[*]}$(skipped bench_feed)"
+  echo "step 7: bench_device_replay, timeout ${TIMEOUT}s: $PY ${REPLAY[*]}$(skipped bench_device_replay)"
+  echo "step 8: bench_device_writes, timeout ${TIMEOUT}s: $PY ${WRITES[*]}$(skipped bench_device_writes)"
+  echo "step 9: device_section, timeout ${TIMEOUT}s: $PY ${DEVICE[*]}$(skipped device_section)"
   echo "step 10: summary (no jax): $PY ${SUMMARY[*]} --backend BACKEND"
   exit 0
 fi
@@ -284,13 +299,22 @@ case "$BACKEND" in
 esac
 
 mkdir -p "$OUT/logs"
-: > "$OUT/runs.tsv"
+# With --only, the runs of earlier invocations stay listed (their results are summarized too).
+[ -n "$ONLY" ] || : > "$OUT/runs.tsv"
+touch "$OUT/runs.tsv"
 FAILED=0
 # One benchmark, in the foreground, alone: the next starts only after it (and every process
 # it started: timeout signals its whole process group) has exited.
 run_step() {
   local name="$1" result="$2"; shift 2
   local start=$SECONDS rc
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+    echo "==> $name: not in --only; its earlier result, if any, is summarized"
+    return
+  fi
+  if [ -n "$ONLY" ]; then  # this step's earlier run is replaced by this one
+    awk -F'\t' -v n="$name" '$1 != n' "$OUT/runs.tsv" > "$OUT/runs.tsv.new" && mv "$OUT/runs.tsv.new" "$OUT/runs.tsv"
+  fi
   rm -f "$result"  # a file left by an earlier run is not this run's result
   echo "==> $name (timeout ${TIMEOUT}s): $PY $*"
   set +e

@@ -423,6 +423,21 @@ def test_bad_usage_is_named_with_a_fix(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "no grain_replay wheel" in proc.stderr
     proc = _run("--python", str(tmp_path / "no-python"), "--dry-run")
     assert proc.returncode == 2 and "no interpreter" in proc.stderr
+    proc = _run("--only", "bench_feed,bench_replay", "--dry-run")
+    assert proc.returncode == 2 and "--only: no step bench_replay" in proc.stderr
+    assert "Fix: name some of: bench_feed, bench_device_replay" in proc.stderr
+
+
+def test_dry_run_with_only_names_the_steps_it_leaves_out(tmp_path: Path) -> None:
+    proc = _run("--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run",
+                "--only", "bench_feed,device_section")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plan = dict(_steps(proc.stdout))
+    assert not plan[6].endswith("(not in --only: not run)")
+    assert plan[7].endswith("(not in --only: not run)")
+    assert plan[8].endswith("(not in --only: not run)")
+    assert not plan[9].endswith("(not in --only: not run)")
+    assert f"only: bench_feed device_section (the other steps' results in {tmp_path}/out are kept)" in proc.stdout
 
 
 # -- real installs (slow; need make accelerator-wheels) ---------------------------------------
@@ -463,6 +478,23 @@ def test_a_benchmark_past_its_timeout_is_stopped_and_the_table_says_so(tmp_path:
     assert rows[WRITES_ROW][4].startswith("no result: bench_device_writes timed out")
     left = subprocess.run(["pgrep", "-f", f"--out {tmp_path}/"], capture_output=True, text=True)
     assert left.stdout == ""  # timeout ended each benchmark before the next started
+
+
+@pytest.mark.slow  # installs the wheels twice: a few minutes here
+@needs_wheels
+def test_only_fills_one_folder_over_several_invocations(tmp_path: Path) -> None:
+    first = _run("--carry", str(WHEELS), "--out", str(tmp_path), "--cpu", "--timeout", "1",
+                 "--only", "bench_feed,bench_device_writes")  # fmt: skip
+    assert first.returncode == 6, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "bench_device_replay: not in --only" in first.stdout
+    second = _run("--carry", str(WHEELS), "--out", str(tmp_path), "--cpu", "--timeout", "1",
+                  "--only", "bench_device_writes")  # fmt: skip
+    assert second.returncode == 6
+    runs = [line.split("\t")[:2] for line in (tmp_path / "runs.tsv").read_text().splitlines()]
+    # The first invocation's bench_feed stays; bench_device_writes is the second's alone.
+    assert runs == [["bench_feed", "124"], ["bench_device_writes", "124"]]
+    rows = _table(second.stdout.split("==> summary", 1)[1])
+    assert rows[FEED_ROWS[0]][4].startswith("no result: bench_feed timed out")
 
 
 # -- the whole path on CPU --------------------------------------------------------------------
