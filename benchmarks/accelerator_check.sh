@@ -61,7 +61,14 @@ STEPS="bench_feed bench_device_replay bench_device_writes device_section"
 
 die() { echo "accelerator_check: $2" >&2; exit "$1"; }
 # What runs is the machine's packages and the carried wheels, never a checkout on PYTHONPATH.
-unset PYTHONPATH
+# The machine's own PYTHONPATH may be where its jax lives (a TPU host's image: kept, first);
+# a folder holding a grain_replay package (a checkout) is dropped from it.
+KEEP_PATH=""
+IFS=: read -r -a _entries <<< "${PYTHONPATH:-}"
+for _d in "${_entries[@]}"; do
+  [ -n "$_d" ] && [ ! -e "$_d/grain_replay/__init__.py" ] && KEEP_PATH="${KEEP_PATH:+$KEEP_PATH:}$_d"
+done
+if [ -n "$KEEP_PATH" ]; then export PYTHONPATH="$KEEP_PATH"; else unset PYTHONPATH; fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --carry|--python|--out|--index-url|--index-packages|--timeout|--repeats|--transitions|--image-records|--batch-size|--target-s|--only)
@@ -124,7 +131,7 @@ MACHINE_SITE="$("$PY" -c 'import sys; print(":".join(p for p in sys.path if p.en
 [ -n "$MACHINE_SITE" ] || die 4 "$PY has no site-packages on sys.path. Fix: pass --python PATH, the interpreter that has the machine's own jax."
 # The machine's site-packages first, the carried packages last: a carried wheel never
 # shadows one of the machine's.
-RUN_PATH="$MACHINE_SITE:$SITE"
+RUN_PATH="${KEEP_PATH:+$KEEP_PATH:}$MACHINE_SITE:$SITE"
 
 # Which carried wheels to install: each whose package the machine lacks, and grain_replay
 # always (the code under test). A carried jax, jaxlib, libtpu or numpy is refused.

@@ -279,9 +279,11 @@ def test_the_summary_refuses_a_folder_that_is_not_there(tmp_path: Path, capsys: 
 # -- the script's dry run ---------------------------------------------------------------------
 
 
-def _run(*args: str, script: Path = SCRIPT, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(
+    *args: str, script: Path = SCRIPT, timeout: float = 120, pythonpath: str = str(ROOT)
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONPATH")}
-    env["PYTHONPATH"] = str(ROOT)  # the script must drop it: a checkout is not what runs
+    env["PYTHONPATH"] = pythonpath  # the script must drop ROOT: a checkout is not what runs
     return subprocess.run(
         ["bash", str(script), "--python", sys.executable, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
@@ -360,6 +362,20 @@ def test_dry_run_prints_the_plan_one_process_at_a_time(tmp_path: Path) -> None:
     assert lines[single - 1].startswith("step 5:") and lines[single + 1].startswith("step 6:")
     assert "libtpu lets one process hold a TPU" in lines[single]
     assert "step 2: install from the index (none): nothing, the machine has h5py" in proc.stdout
+
+
+def test_the_machines_own_pythonpath_stays_first_and_a_checkout_on_it_goes(tmp_path: Path) -> None:
+    # A TPU host's image puts its jax on PYTHONPATH (/opt/...): dropping it loses jax.
+    machine = tmp_path / "machine-jax"
+    machine.mkdir()
+    out_dir = tmp_path / "out"
+    proc = _run("--carry", str(_carry(tmp_path)), "--out", str(out_dir), "--dry-run",
+                "--index-url", "", pythonpath=f"{machine}:{ROOT}:")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    env = dict(_steps(proc.stdout))[3].split(": ", 1)[1].split()
+    path = env[0].removeprefix("PYTHONPATH=").split(":")
+    site = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    assert path == [str(machine), *site, str(out_dir / "site")]
 
 
 def test_dry_run_with_cpu_runs_toy_sizes_on_cpu(tmp_path: Path) -> None:
