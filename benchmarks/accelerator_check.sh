@@ -22,6 +22,10 @@
 #   --index-url URL  where h5py, absl-py, pyyaml, tqdm come from when the machine lacks
 #                    them (default file:///opt/pypi/simple where that folder exists; '' none)
 #   --index-packages LIST  what may come from there (default "h5py absl-py pyyaml tqdm")
+#   --peer-packages LIST   what the peers need from there where the machine lacks it, best
+#                    effort (default: flashbax's flax and what importing flax needs: "flax
+#                    msgpack optax rich treescope markdown-it-py mdurl pygments"); if it cannot
+#                    be installed, bench_device_replay --peers skips flashbax and says why
 #   --cpu            everything on CPU (JAX_PLATFORMS=cpu) at toy sizes (--quick): the path
 #                    without an accelerator; targets printed, not judged
 #   --dry-run        print the plan (what it installs, the PYTHONPATH, each step in order);
@@ -56,6 +60,7 @@ IMAGES=""
 BATCH=""
 TARGET_S=""
 HOST_EXTRAS=(h5py absl-py pyyaml tqdm)
+PEER_EXTRAS=(flax msgpack optax rich treescope markdown-it-py mdurl pygments)
 ONLY=""
 STEPS="bench_feed bench_device_replay bench_device_writes device_section"
 
@@ -71,13 +76,14 @@ done
 if [ -n "$KEEP_PATH" ]; then export PYTHONPATH="$KEEP_PATH"; else unset PYTHONPATH; fi
 while [ $# -gt 0 ]; do
   case "$1" in
-    --carry|--python|--out|--index-url|--index-packages|--timeout|--repeats|--transitions|--image-records|--batch-size|--target-s|--only)
+    --carry|--python|--out|--index-url|--index-packages|--peer-packages|--timeout|--repeats|--transitions|--image-records|--batch-size|--target-s|--only)
       [ $# -ge 2 ] || die 2 "$1 needs a value (see --help)" ;;&
     --carry) CARRY="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --index-url) INDEX_URL="$2"; shift 2 ;;
     --index-packages) read -r -a HOST_EXTRAS <<< "$2"; shift 2 ;;
+    --peer-packages) read -r -a PEER_EXTRAS <<< "$2"; shift 2 ;;
     --timeout) TIMEOUT="$2"; shift 2 ;;
     --repeats) REPEATS="$2"; shift 2 ;;
     --transitions) TRANSITIONS="$2"; shift 2 ;;
@@ -197,6 +203,17 @@ grep -q '^refuse ' <<< "$PLAN" && die 3 "the carry folder holds jax, jaxlib, lib
 grep -q '^install .*grain_replay' <<< "$PLAN" || die 2 "no grain_replay wheel in $CARRY. Fix: make accelerator-wheels."
 mapfile -t WHEELS < <(awk -v d="$CARRY/" '$1 == "install" {print d $2}' <<< "$PLAN")
 mapfile -t FROM_INDEX < <(awk '$1 == "index" {print $2}' <<< "$PLAN")
+# The peers' packages the machine lacks (best effort: without them flashbax is skipped).
+mapfile -t PEER_FROM_INDEX < <("$PY" - "${PEER_EXTRAS[@]}" <<'PY'
+import importlib.metadata as md
+import sys
+for name in sys.argv[1:]:
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(name)
+PY
+)
 if [ "${#FROM_INDEX[@]}" -gt 0 ]; then
   if [ -n "$INDEX_URL" ]; then
     echo "==> the machine lacks ${FROM_INDEX[*]}: from $INDEX_URL"
@@ -245,6 +262,9 @@ if [ "$DRY" = 1 ]; then
   else
     echo "step 2: install from the index (${INDEX_URL:-none}): nothing, the machine has ${HOST_EXTRAS[*]}"
   fi
+  if [ "${#PEER_FROM_INDEX[@]}" -gt 0 ] && [ -n "$INDEX_URL" ]; then
+    echo "        and, best effort, for the peers (flashbax): ${PEER_FROM_INDEX[*]}"
+  fi
   echo "step 3: environment of every later step: $ENV_SHOWN"
   echo "        (sys.path: the machine's site-packages first, then $SITE)"
   echo "step 4: check jax, jaxlib, libtpu, numpy unchanged ($BEFORE); import grain, zarr, h5py, grain_replay (from $SITE)"
@@ -268,6 +288,10 @@ rm -rf "$SITE" && mkdir -p "$SITE"
 if [ "${#FROM_INDEX[@]}" -gt 0 ] && [ -n "$INDEX_URL" ]; then
   "${EXTRA[@]}" "${FROM_INDEX[@]}" \
     || die 4 "pip could not install ${FROM_INDEX[*]} from $INDEX_URL. Fix: pass --index-url a local index that has them, or carry their wheels in $CARRY."
+fi
+if [ "${#PEER_FROM_INDEX[@]}" -gt 0 ] && [ -n "$INDEX_URL" ]; then
+  "${EXTRA[@]}" "${PEER_FROM_INDEX[@]}" \
+    || echo "==> warning: pip could not install ${PEER_FROM_INDEX[*]} from $INDEX_URL (above): bench_device_replay --peers skips flashbax"
 fi
 export PYTHONPATH="$RUN_PATH"
 [ "$CPU" = 1 ] && export JAX_PLATFORMS=cpu

@@ -404,6 +404,18 @@ def test_packages_the_machine_lacks_come_from_the_index(tmp_path: Path) -> None:
     assert "nothing, no --index-url (lacking no-such-dist-here)" in proc.stdout
 
 
+def test_the_peers_packages_come_from_the_index_best_effort(tmp_path: Path) -> None:
+    # flashbax imports flax, which a TPU host's image lacks and its index has.
+    args = ("--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run")
+    proc = _run(*args, "--index-url", "file:///srv/simple",
+                "--peer-packages", "numpy no-such-peer-here")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    peers = "best effort, for the peers (flashbax): no-such-peer-here\n"  # numpy is here
+    assert peers in proc.stdout
+    proc = _run(*args, "--index-url", "", "--peer-packages", "no-such-peer-here")
+    assert "for the peers" not in proc.stdout  # no index: nothing to try
+
+
 def test_the_old_name_runs_the_new_script(tmp_path: Path) -> None:
     assert len(OLD_SCRIPT.read_text().splitlines()) == 3
     args = ("--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run")
@@ -453,7 +465,8 @@ def test_dry_run_with_only_names_the_steps_it_leaves_out(tmp_path: Path) -> None
     assert plan[7].endswith("(not in --only: not run)")
     assert plan[8].endswith("(not in --only: not run)")
     assert not plan[9].endswith("(not in --only: not run)")
-    assert f"only: bench_feed device_section (the other steps' results in {tmp_path}/out are kept)" in proc.stdout
+    kept = f"(the other steps' results in {tmp_path}/out are kept)"
+    assert f"only: bench_feed device_section {kept}" in proc.stdout
 
 
 # -- real installs (slow; need make accelerator-wheels) ---------------------------------------
