@@ -8,11 +8,13 @@ output, as a training loop does (no per-step host work). Prints steps/s, the rat
 bare step and the HBM each ring takes (``memory_stats``; None on CPU).
 
 Usage: python benchmarks/probe_device_layouts.py [--quick] [--steps N] [--repeats N]
+         [--only mlp|conv|prio] [--cases REGEX]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -130,6 +132,31 @@ def frame_cases(n: int) -> dict[str, Any]:
             ),
         ),
     }
+    # The gathered rows materialized before the step reads them (no gather fused into the
+    # conv's input): what resident replay's separate gather program gets.
+    cases["flat-u8+barrier"] = (
+        {**small, "obs": obs.reshape(n, -1)},
+        with_small(lambda r, i: jax.lax.optimization_barrier(r[i]).reshape(B, 84, 84, 4)),
+    )
+    # Frames as columns (the ring's minor axis the frame): the gathered batch comes out
+    # batch-minor, the layout the chip keeps a (256, 84, 84, 4) uint8 batch in; no tile
+    # padding (28,224 rows of 32, frames of 128).
+    cols = np.ascontiguousarray(obs.reshape(n, -1).T)
+    cases["cols-u8 (28224,n)"] = (
+        {**small, "obs": cols},
+        with_small(lambda r, i: jnp.transpose(r[:, i].reshape(84, 84, 4, B), (3, 0, 1, 2))),
+    )
+    words = np.ascontiguousarray(obs.reshape(n, -1).view(np.uint32).T)  # (7056, n)
+    cases["cols-u32 (7056,n)"] = (
+        {**small, "obs": words},
+        with_small(
+            lambda r, i: jnp.transpose(
+                jax.lax.bitcast_convert_type(r[:, i], jnp.uint8).reshape(84, 84, B, 4),
+                (2, 0, 1, 3),
+            )
+        ),
+    )
+    del cols, words
     m = min(n, 2048)  # the natural layout pads 4 -> 128 lanes: only a small ring fits
     cases[f"natural (first {m})"] = (
         {**{k: v[:m] for k, v in small.items()}, "obs": obs[:m]},
@@ -160,6 +187,8 @@ def run_model(name: str, cases: dict[str, Any], args: argparse.Namespace) -> Non
     base = _rate(bare, (params, jax.random.key(1)), args.steps, args.repeats)
     print(f"{name:5s} {'bare step (fixed device batch)':28s} {base:9.1f}/s   1.00")
     for case, (host, gather) in cases.items():
+        if args.cases and not re.search(args.cases, case):
+            continue
         ring, used = _put(host)
         n = len(jax.tree.leaves(host)[0]) if case != "packed" else len(first_ring["obs"])
 
@@ -231,14 +260,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="", help="mlp, conv or prio")
+    ap.add_argument("--cases", default="", help="a regex: only the ring layouts it matches")
     args = ap.parse_args()
     n_rows, n_frames = (4096, 64) if args.quick else (1 << 20, 50_000)
     if args.quick:
         args.steps = min(args.steps, 5)
     print(f"device: {jax.devices()[0].device_kind}, batch {B}")
-    run_model("mlp", mlp_cases(n_rows), args)
-    run_model("conv", frame_cases(n_frames), args)
-    prioritized_cases(n_rows, args)
+    if args.only in ("", "mlp"):
+        run_model("mlp", mlp_cases(n_rows), args)
+    if args.only in ("", "conv"):
+        run_model("conv", frame_cases(n_frames), args)
+    if args.only in ("", "prio"):
+        prioritized_cases(n_rows, args)
 
 
 if __name__ == "__main__":
