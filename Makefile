@@ -11,7 +11,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 # Test processes (pytest-xdist; one test file per process): `make test TEST_WORKERS=auto`.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow test-lerobot test-rlds test-formats bench bench-quick bench-s3 bench-lerobot bench-peers lint docs clean
+.PHONY: install demo test test-slow test-lerobot test-rlds test-formats test-ray bench bench-quick bench-s3 bench-lerobot bench-peers lint docs clean
 
 install: $(STAMP)
 
@@ -92,6 +92,23 @@ test-formats: $(STAMP) $(FORMATS_STAMP)
 	FORMATS_PYTHON=$(abspath $(FORMATS_VENV))/bin/python $(PY) -m pytest -q -n 0 \
 		tests/datasets/test_formats_peer.py tests/sources/test_npz_source.py \
 		tests/datasets/test_torchrl_source.py tests/datasets/test_vault_source.py
+
+# Ray in a venv of its own (Python 3.11): examples/ray_actors.py runs there, its actors
+# writing one store beside a JAX learner; the main venv's test drives it through RAY_PYTHON
+# (tests/test_example_ray.py skips in `make test`). The package goes in editable, with the s3
+# extra so that `--store s3://...` needs nothing more.
+RAY_VENV ?= .venv-ray
+RAY_STAMP := $(RAY_VENV)/.installed
+RAY_BASE_PYTHON ?= python3.11
+
+$(RAY_STAMP): pyproject.toml
+	test -x $(RAY_VENV)/bin/python || $(RAY_BASE_PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(RAY_VENV)/bin/python -m pip install --quiet -e ".[s3]" "ray>=2.60"
+	touch $(RAY_STAMP)
+
+test-ray: $(STAMP) $(RAY_STAMP)
+	RAY_PYTHON=$(abspath $(RAY_VENV))/bin/python $(PY) -m pytest -q -n 0 tests/test_example_ray.py
 
 # The site (docs/, mkdocs.yml) in a venv of its own: the `docs` extra's packages only, read from
 # pyproject.toml; mkdocstrings reads the docstrings from the source, so neither the package
@@ -201,4 +218,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy grain_replay
 
 clean:
-	rm -rf $(VENV) .venv-peers .venv-docs .gpu-wheels .accelerator-wheels build *.egg-info demo_out bench_out site
+	rm -rf $(VENV) .venv-peers .venv-docs .venv-ray .gpu-wheels .accelerator-wheels build *.egg-info demo_out bench_out site

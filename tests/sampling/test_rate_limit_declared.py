@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
+from grain_replay.sampling.rate import publish as publish_lib
 from grain_replay.sampling.rate.options import limit_of
 from grain_replay.store import progress as learners_lib
 
@@ -262,6 +263,38 @@ def test_writer_processes_started_before_any_learner_hold_then_follow_it(
         w.flush()
     w.append(make_rows("after", max(room, 0), 1))
     with pytest.raises(gr.RateLimitTimeoutError, match=r"last learner process-0-of-1\.json gone"):
+        w.flush()
+    w.close()
+
+
+def test_a_closed_learner_leaves_its_last_count_not_the_heartbeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The heartbeat thread publishes hand-outs coalesced, later; here it never runs (as one
+    # descheduled on a loaded machine). close() must still leave the rows handed out: a
+    # file closed at an older count held examples/ray_actors.py's actors short of their
+    # last rows, with no learner left to release them.
+    monkeypatch.setattr(publish_lib, "_heartbeat", lambda ref, dirty, stop: stop.wait())
+    path = str(tmp_path / "s")
+    limit = gr.RateLimit(min_size=16, samples_per_insert=1.0, tolerance=16)
+    seed = _writer(path, "seed", rate_limit=limit)
+    seed.append(make_rows("seed", 0, 32))
+    seed.flush()
+    seed.close()
+    it = iter(_loader(path))  # the store's limit; ceiling 1 * (32 - 16) + 16 = 32 rows
+    for _ in range(3):
+        check_rows(next(it))
+    early = _progress(path)
+    assert early is not None and early.sampled < 24  # only the first draw was published
+    it.close()
+    p = _progress(path)
+    assert p is not None and p.closed and p.sampled == 24
+    # the writers hold at those 24 rows: room for 16 + (24 + 16) / 1 - 32 = 24 more
+    w = _writer(path, "after", rate_limit_timeout=0.2)
+    w.append(make_rows("after", 0, 24))
+    w.flush()
+    w.append(make_rows("after", 24, 1))
+    with pytest.raises(gr.RateLimitTimeoutError, match="handed out 24 rows"):
         w.flush()
     w.close()
 

@@ -300,8 +300,15 @@ class RateLimiter:
 
     def close(self) -> None:
         """Stops publishing and withdraws this process's file (writers stop waiting on it,
-        unless the store declares a limit: then they hold at what this learner handed out)."""
+        unless the store declares a limit: then they hold at what this learner handed out).
+
+        The counts are published first: the heartbeat thread coalesces hand-outs, and a
+        file closed at an older count would hold the writers short of the rows this
+        learner's last batches left room for (with no learner to release them).
+        """
         if self._publisher is not None:
+            if self._publisher.started:
+                self.publish()
             self._publisher.close()
 
     def hold(self) -> None:
