@@ -36,12 +36,23 @@ class RowStage:
     keeps its rows when it raises (a later drain writes them again, at the same place).
     """
 
-    def __init__(self, leaves: dict[str, LeafSpec], limit_bytes: int = STAGE_BYTES):
+    def __init__(self, leaves: dict[str, LeafSpec], limit_bytes: int | None = None):
         row = sum(s.dtype.itemsize * int(np.prod(s.shape, dtype=np.int64)) for s in leaves.values())
-        self.capacity = max(1, limit_bytes // max(1, row))
+        limit = STAGE_BYTES if limit_bytes is None else limit_bytes
+        self.capacity = max(1, limit // max(1, row))
         self._leaves = leaves
         self._buffers: dict[str, np.ndarray] | None = None
         self.rows = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers held (0 before the first append and after :meth:`clear`)."""
+        return 0 if self._buffers is None else sum(b.nbytes for b in self._buffers.values())
+
+    @property
+    def buffers(self) -> dict[str, np.ndarray] | None:
+        """The per-leaf buffers (None until the first append), the same ones throughout."""
+        return self._buffers
 
     def takes(self, n: int) -> bool:
         """Whether an append of ``n`` rows is gathered here (else written as it comes)."""
