@@ -160,3 +160,28 @@ def test_a_stacked_group_is_written_as_one_block_a_leaf(
     got, want = read_all(path), _expected(steps)
     for k, v in want.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_tree_signature_takes_a_jitted_steps_tree_on_identities_and_nothing_else() -> None:
+    """A jitted step's leaves share their shape, dtype and sharding objects call after
+    call: the quick check takes them on identities; a tree that differs in any of them
+    (or holds a deleted leaf) is checked attribute by attribute, and refused when unlike."""
+    state = _start(True)
+    state, first = _step(state)
+    sig = device_leaves.TreeSignature.of(first, dict(first), lambda _: True, "store")
+    assert sig is not None
+    row_bytes = 4 * 4 + 4 + 4 + 1
+    state, second = _step(state)
+    assert all(second[k].shape is first[k].shape for k in first)  # what the quick path uses
+    assert sig.check(second) == (ENVS, ENVS * row_bytes)
+    assert sig.check(second) == (ENVS, ENVS * row_bytes)  # taken on identities now
+    assert sig.check({**second, "action": second["action"].astype(jnp.float32)}) is None
+    assert sig.check({**second, "obs": second["obs"][:, :3]}) is None
+    assert sig.check({k: second[k] for k in reversed(second)}) is None
+    unsharded = {k: jax.device_put(v, jax.devices()[0]) for k, v in second.items()}
+    assert sig.check(unsharded) is None, "a leaf on another sharding was taken"
+    doubled = {k: jnp.concatenate([v, v]) for k, v in second.items()}
+    assert sig.check(doubled) == (2 * ENVS, 2 * ENVS * row_bytes)  # any row count
+    state, third = _step(state)
+    third["reward"].delete()
+    assert sig.check(third) is None, "a deleted leaf was taken"
