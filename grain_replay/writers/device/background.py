@@ -98,7 +98,7 @@ class BackgroundWriter:
         self._where = where
         self._max_bytes = max_inflight_bytes
         self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
-        lock = threading.Lock()
+        lock = self._lock = threading.Lock()
         self._work = threading.Condition(lock)  # the thread waits here for trees
         self._done = threading.Condition(lock)  # callers wait here for the thread
         self._queue: collections.deque[Item | Commit | None] = collections.deque()  # None: stop
@@ -229,8 +229,9 @@ class BackgroundWriter:
             self._raise_locked()
 
     def _enqueue(self, item: Item | Commit) -> None:
-        with self._work:
-            self._raise_locked()
+        with self._lock:  # the conditions' lock, taken without their Python wrappers
+            if self._error is not None:
+                self._raise_locked()
             self._queue.append(item)
             self._bytes += item.nbytes
             self._queued_bytes += item.nbytes
