@@ -4,12 +4,13 @@
 step's transitions (``jax.Array``s, 41 B a row) to a bounded store, committing every
 ``flush_every`` steps with ``flush(wait=False)`` (in the background) as the example
 does. The ratio of steps/s with writing to without, interleaved repeats, median: the
-target is >= 0.85 on CPU (>= 0.95 on a GPU). Beside it, in the same run: the same loop
-with a blocking ``flush()`` every ``flush_every`` steps (the durability barrier in the
-loop) and with one flush at the end. The diagnostic rows say where a miss goes: the
-writer's own throughput on the same host arrays (what the background thread must
-keep up with), each thread's CPU per append, the time of one blocking flush, the
-caller's time in ``flush(wait=False)`` and how long its commit takes to be visible.
+target is >= 0.85 on CPU, >= 0.9 on a TPU (>= 0.95 on a GPU). Beside it, in the same
+run: the same loop with a blocking ``flush()`` every ``flush_every`` steps (the
+durability barrier in the loop) and with one flush at the end. The diagnostic rows
+say where a miss goes: the writer's own throughput on the same host arrays (what the
+background thread must keep up with), each thread's CPU per append, the time of one
+blocking flush, the caller's time in ``flush(wait=False)`` and how long its commit
+takes to be visible; then the device memory before and after a 10,000-step writing loop.
 
 Loops of 6,000 steps by default (about 1.2 s each on a 2-core VM): each timed loop ends
 with a blocking ``flush()`` (every row durable before the clock stops), a fixed ~15 ms
@@ -17,8 +18,12 @@ there, which is ~4% of a 2,000-step loop but ~1% of this one; an actor that runs
 hours pays it once. ``--steps 2000`` gives the shorter loops (same code, noisier here:
 0.82-0.93 against 0.85-0.88 in three runs each, docs/device_writes.md).
 
-Run:  python benchmarks/bench_device_writes.py [--quick] [--steps N] [--repeats N] [--out FILE]
-(``--out``: the rows as JSON too, with the backend they ran on.)
+Run:  python benchmarks/bench_device_writes.py [--quick] [--steps N] [--repeats N]
+      [--memory-steps N] [--out FILE]
+(``--out``: the rows as JSON too, with the backend they ran on and, under ``memory``,
+``jax.devices()[0].memory_stats()`` and the count of live jax arrays before and after a
+writing loop of ``--memory-steps`` steps (10,000): what the writer holds on the device
+stays flat. ``memory_stats()`` is None on CPU devices; the live arrays say it there.)
 """
 
 from __future__ import annotations
@@ -56,7 +61,45 @@ def _example() -> ModuleType:
 
 
 def _target(platform: str) -> float:
-    return 0.85 if platform == "cpu" else 0.95
+    return {"cpu": 0.85, "tpu": 0.9}.get(platform, 0.95)
+
+
+def _device_memory() -> dict[str, int] | None:
+    """``jax.devices()[0].memory_stats()`` (None on CPU devices, which keep no count)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return None if stats is None else {k: int(v) for k, v in stats.items()}
+
+
+def _memory(
+    da: ModuleType, step: Any, carry: Any, steps: int, flush_every: int, store: str
+) -> dict[str, Any]:
+    """Device memory and live jax arrays before and after one writing loop of ``steps``
+    steps (flush(wait=False) every ``flush_every``, as the example), the writer closed:
+    what the writer holds on the device must not grow with the steps."""
+    import gc
+
+    import jax
+
+    jax.block_until_ready(carry)
+    gc.collect()
+    before, live_before = _device_memory(), len(jax.live_arrays())
+    with gr.ReplayWriter(store, format="npy", capacity=CAPACITY) as w:
+        carry, _ = da.run_loop(step, carry, steps, w, flush_every, wait=False)
+        rows = w.live
+    jax.block_until_ready(carry)
+    del carry
+    gc.collect()
+    after, live_after = _device_memory(), len(jax.live_arrays())
+    return {
+        "steps": steps,
+        "rows_live": rows,
+        "memory_stats_before": before,
+        "memory_stats_after": after,
+        "live_arrays_before": live_before,
+        "live_arrays_after": live_after,
+    }
 
 
 def _thread_cpu(prefix: str) -> float:
@@ -114,9 +157,17 @@ def _profile(
 
 
 def run(
-    quick: bool, *, steps: int | None = None, repeats: int | None = None, envs: int = ENVS
+    quick: bool,
+    *,
+    steps: int | None = None,
+    repeats: int | None = None,
+    envs: int = ENVS,
+    memory_steps: int | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of ``{"name", "value", "target", "unit"}``; ``target`` None for diagnostics.
+    ``memory``, when given, receives the device memory before and after a writing loop
+    of ``memory_steps`` steps (default 10,000; 1,000 with ``quick``): :func:`_memory`.
 
     Fair by construction: both loops run the same jitted step from the same carry for
     the same number of steps in the same process (so with the same XLA threads), one
@@ -180,6 +231,10 @@ def run(
         load.append(os.getloadavg()[0])
         prof = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-on"), False)
         blocking = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-bl"), True)
+        mem_steps = memory_steps or (1000 if quick else 10_000)
+        mem = _memory(da, step, carry, mem_steps, flush_every, os.path.join(root, "mem"))
+        if memory is not None:
+            memory.update(mem)
         load.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -223,9 +278,21 @@ def run(
          "value": prof["flush_ms"], "target": None, "unit": "ms"},
         {"name": "flush(wait=False) until its rows are visible (committed moves; seen at "
          "the next step)", "value": prof["visible_ms"], "target": None, "unit": "ms"},
+        {"name": f"device bytes in use before a {mem_steps}-step writing loop (memory_stats(); "
+         "None on CPU devices)", "value": _in_use(mem["memory_stats_before"]), "target": None,
+         "unit": "B"},
+        {"name": "device bytes in use after it (the writer closed)",
+         "value": _in_use(mem["memory_stats_after"]), "target": None, "unit": "B"},
+        {"name": f"live jax arrays before / after the {mem_steps}-step writing loop",
+         "value": mem["live_arrays_after"] - mem["live_arrays_before"], "target": None,
+         "unit": f"arrays more ({mem['live_arrays_before']} before)"},
         {"name": "1-min load average (highest seen)", "value": max(load), "target": None,
          "unit": ""},
     ]  # fmt: skip
+
+
+def _in_use(stats: dict[str, int] | None) -> float | None:
+    return None if stats is None else float(stats.get("bytes_in_use", float("nan")))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -233,18 +300,43 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--memory-steps",
+        type=int,
+        default=None,
+        help="steps of the loop whose device memory is taken before and after (10,000)",
+    )
     p.add_argument("--out", default="", help="also write the rows to FILE (JSON)")
     args = p.parse_args(argv)
-    rows = run(args.quick, steps=args.steps, repeats=args.repeats)
+    memory: dict[str, Any] = {}
+    rows = run(
+        args.quick,
+        steps=args.steps,
+        repeats=args.repeats,
+        memory_steps=args.memory_steps,
+        memory=memory,
+    )
     for row in rows:
         target = "" if row["target"] is None else f"  (target >= {row['target']})"
-        print(f"{row['name']}: {row['value']:.3g} {row['unit']}{target}")
+        value = "None" if row["value"] is None else f"{row['value']:.3g}"
+        print(f"{row['name']}: {value} {row['unit']}{target}")
+    print(f"memory_stats() before: {memory['memory_stats_before']}")
+    print(f"memory_stats() after:  {memory['memory_stats_after']}")
     if args.out:
         import jax
 
         # rows[0] is the loop with writing / without; NaN (no sample) is written as null.
-        clean = [{**r, "value": None if r["value"] != r["value"] else r["value"]} for r in rows]
-        doc = {"backend": jax.default_backend(), "jax": jax.__version__, "rows": clean}
+        clean = [
+            {**r, "value": None if r["value"] is None or r["value"] != r["value"] else r["value"]}
+            for r in rows
+        ]
+        doc = {
+            "backend": jax.default_backend(),
+            "jax": jax.__version__,
+            "devices": [str(d) for d in jax.devices()],
+            "rows": clean,
+            "memory": memory,
+        }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return rows

@@ -35,6 +35,7 @@ from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
 from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.part_manifest import default_segment_rows
+from grain_replay.writers.row_stage import HostSignature, RowStage
 from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["PartWriter", "default_segment_rows"]
@@ -133,7 +134,9 @@ class PartWriter(LockedWriter):
         self._open: _Open | None = None
         self._full: list[_Open] = []  # filled since the last flush, not yet committed
         self._default_rows = segment_rows is None
-        self._pending = 0
+        self._pending = 0  # rows written, not committed (the stage's not counted)
+        self._stage: RowStage | None = None  # small appends, gathered (row_stage.py)
+        self._host: HostSignature | None = None  # the last flat numpy tree checked
         # Segments a flush evicted, not yet removed; with ``defer_evictions`` (a device
         # writer's sync thread) they are removed by commit_filled, off the flush.
         self._evicted: list[str] = []
@@ -248,7 +251,8 @@ class PartWriter(LockedWriter):
 
     @property
     def pending(self) -> int:
-        return self._pending
+        """Rows appended, not committed (gathered ones included)."""
+        return self._pending + (0 if self._stage is None else self._stage.rows)
 
     @property
     def manifest(self) -> parts_lib.Manifest:
@@ -272,6 +276,8 @@ class PartWriter(LockedWriter):
         """The tree's leaves and rows, checked against the store's (binding it on the first
         append); leaves ``keep`` accepts (device arrays) are checked without a copy."""
         self._check_open(self._where)
+        if self._host is not None and (n := self._host.check(tree)):
+            return dict(tree), n  # a flat numpy tree like the last: it passes the same checks
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._where, keep=keep)
         leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
         if self._meta is None:
@@ -282,11 +288,26 @@ class PartWriter(LockedWriter):
                 self._manifest = dataclasses.replace(m, segment_rows=rows)
         assert self._meta is not None
         check_tree_matches(self._where, arrays, treedef, self._meta)
+        self._host = HostSignature.of(tree, arrays)
         return arrays, n
 
     def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
-        """Writes checked host rows (not yet committed). ``by_leaf``: one write per leaf,
-        a failure raised as :class:`LeafWriteError` naming it."""
+        """Writes checked host rows (not yet committed): small blocks are gathered and
+        written together (:class:`RowStage`), at the latest by the next ``flush``.
+        ``by_leaf`` (the device writer's thread, whose blocks are batches already): written
+        now, one write per leaf, a failure raised as :class:`LeafWriteError` naming it."""
+        if n == 0:
+            return
+        if self._stage is None:
+            assert self._meta is not None
+            self._stage = RowStage(self._meta.leaves)
+        if not by_leaf and self._stage.takes(n):
+            self._stage.add(arrays, n, self._write_block)
+            return
+        self._stage.drain(self._write_block)
+        self._write_block(arrays, n, by_leaf=by_leaf)
+
+    def _write_block(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool) -> None:
         done = 0
         while done < n:
             seg = self._segment_for_next()
@@ -386,7 +407,11 @@ class PartWriter(LockedWriter):
         beside the old one (all files at once), the segments' directories, then the
         manifest's rename. A crash before the last leaves the old manifest in force;
         segments ahead of it are cut back on reopen (:meth:`_reopen_tail`)."""
-        if self._lock_fd is None or not self._pending:
+        if self._lock_fd is None:
+            return self.committed
+        if self._stage is not None:
+            self._stage.drain(self._write_block)
+        if not self._pending:
             return self.committed
         m = self._manifest
         staged = [s for s in [*self._full, self._open] if s is not None and s.dirty]
@@ -437,5 +462,6 @@ class PartWriter(LockedWriter):
 
     def abandon(self) -> None:
         """Releases the id without committing (the rows since the last flush are lost)."""
+        self._stage = None
         self._let_go()
         self._release_lock()

@@ -53,7 +53,8 @@ def _local_path(path: str | os.PathLike[str], writer_id: str | None) -> str:
 class ReplayWriter:
     """Appends blocks of rows to a replay store; readers see only committed rows.
 
-    ``append(tree)`` writes rows straight to the store (memory stays bounded);
+    ``append(tree)`` writes rows to the store (small appends gathered in ~1 MiB of
+    buffers first, written a block a leaf: memory stays bounded);
     ``flush()`` makes them durable and commits them: the metadata's record
     count, which every source reads, moves only after the rows are on disk.
     ``flush(wait=False)`` commits in the background instead (the caller goes on).
@@ -115,7 +116,8 @@ class ReplayWriter:
     are queued, are copied at ``append``. A failure in the background is raised by
     the next ``append``/``flush``/``close`` as :class:`~grain_replay.BackgroundWriteError`
     naming the leaf; the committed rows stay intact and the writer must be reopened.
-    Host-only appends to an idle writer are written in the call, as always.
+    Host-only appends to an idle writer are checked and copied in the call (small ones
+    gathered and written together, at the latest by the next ``flush()``).
     ``flush(wait=False)`` queues a commit behind the trees appended so far: the thread
     writes them, then commits while the caller steps on (docs/device_writes.md).
 

@@ -30,6 +30,7 @@ from grain_replay.store.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
 from grain_replay.writers.lifecycle import LockedWriter
 from grain_replay.writers.oneshot import choice_fix
+from grain_replay.writers.row_stage import HostSignature, RowStage
 
 __all__ = ["StoreWriter", "check_tree_matches"]
 
@@ -105,7 +106,9 @@ class StoreWriter(LockedWriter):
         self._lock_fd: int | None = self._acquire_lock()
         self._backend: Backend | None = None
         self._summer: Checksummer | None = None
-        self._pending = 0
+        self._pending = 0  # rows written, not committed (the stage's not counted)
+        self._stage: RowStage | None = None  # small appends, gathered (row_stage.py)
+        self._host: HostSignature | None = None  # the last flat numpy tree checked
         try:
             if os.path.exists(path):
                 self._backend = self._open_existing()
@@ -192,6 +195,7 @@ class StoreWriter(LockedWriter):
 
     def abandon(self) -> None:
         """Releases the store without committing (the rows since the last flush are lost)."""
+        self._stage = None
         if self._backend is not None:
             with contextlib.suppress(Exception):
                 self._backend.close()
@@ -210,7 +214,8 @@ class StoreWriter(LockedWriter):
 
     @property
     def pending(self) -> int:
-        return self._pending
+        """Rows appended, not committed (gathered ones included)."""
+        return self._pending + (0 if self._stage is None else self._stage.rows)
 
     # -- appending ---------------------------------------------------------------
 
@@ -224,6 +229,8 @@ class StoreWriter(LockedWriter):
           InvalidTreeError: the tree's structure, dtypes or per-row shapes differ.
         """
         self._check_open(self._path)
+        if self._host is not None and (n := self._host.check(tree)):
+            return dict(tree), n  # a flat numpy tree like the last: it passes the same checks
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._path, keep=keep)
         if self._backend is None:
             leaves = {
@@ -235,13 +242,26 @@ class StoreWriter(LockedWriter):
             )
             self._summer = Checksummer(leaves)
         check_tree_matches(self._path, arrays, treedef, self._backend.meta)
+        self._host = HostSignature.of(tree, arrays)
         return arrays, n
 
     def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
-        """Writes checked host rows (not yet committed). ``by_leaf``: one write per leaf,
-        a failure raised as :class:`LeafWriteError` naming it."""
+        """Writes checked host rows (not yet committed): small blocks are gathered and
+        written together (:class:`RowStage`), at the latest by the next ``flush``.
+        ``by_leaf`` (the device writer's thread, whose blocks are batches already): written
+        now, one write per leaf, a failure raised as :class:`LeafWriteError` naming it."""
         if n == 0:
             return
+        assert self._backend is not None
+        if self._stage is None:
+            self._stage = RowStage(self._backend.meta.leaves)
+        if not by_leaf and self._stage.takes(n):
+            self._stage.add(arrays, n, self._write_block)
+            return
+        self._stage.drain(self._write_block)
+        self._write_block(arrays, n, by_leaf=by_leaf)
+
+    def _write_block(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool) -> None:
         assert self._backend is not None
         if by_leaf:
             write_by_leaf(self._backend, arrays, self.committed + self._pending)
@@ -253,6 +273,8 @@ class StoreWriter(LockedWriter):
 
     def flush(self) -> int:
         """Commits the pending rows; returns the committed N."""
+        if self._stage is not None:
+            self._stage.drain(self._write_block)
         if self._backend is not None and self._pending:
             checksums = self._summer.state() if self._summer is not None else None
             self._backend.commit(self.committed + self._pending, checksums)

@@ -32,10 +32,11 @@ def accelerator(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state: dict[str, Any] = {"packs": [], "copies": []}
     real_pack = device_pack.pack_batch
 
-    def pack_batch(batch: list[Any]) -> int:
-        n = real_pack(batch)
+    def pack_batch(batch: list[Any]) -> list[Any]:
+        packed = real_pack(batch)
+        n = sum(p.count for p in packed)
         state["packs"].append((len(batch), n, threading.current_thread().name))
-        return n
+        return packed
 
     monkeypatch.setattr(device_pack, "pack_batch", pack_batch)
     array_type = type(jnp.zeros(1))
@@ -86,8 +87,9 @@ def test_like_trees_are_stacked_and_copied_once_a_group(
             w.append(t)
         assert not accelerator["copies"], "append started a copy in the caller's thread"
     _check(path, trees)
-    # 100 like trees in one batch: groups of 64, 32 and 4, one transfer a leaf each.
-    assert accelerator["packs"] == [(100, 100, THREAD)]
+    # 100 like trees: a batch of 64 (one group), then 36 at close (groups of 32 and 4),
+    # one transfer a leaf a group.
+    assert accelerator["packs"] == [(64, 64, THREAD), (36, 36, THREAD)]
     assert [shape for _, shape in accelerator["copies"]] == [
         (n, *v.shape) for n in (64, 32, 4) for v in trees[0].values()
     ]
@@ -158,7 +160,7 @@ def test_a_deleted_leaf_is_named_by_the_background_error(
     gate = threading.Event()
     real = device_pack.pack_batch
 
-    def held(batch: list[Any]) -> int:
+    def held(batch: list[Any]) -> list[Any]:
         assert gate.wait(30)
         return real(batch)
 

@@ -192,8 +192,8 @@ def test_segment_commits_give_way_to_a_waiting_flush(
         path, "npy", writer_id="a", capacity=1000, segment_rows=ROWS, chunk_rows=None,
         compression=None,
     )  # fmt: skip
-    for i in range(3):  # fills [0, 16) and [16, 32)
-        w.append(_block(i))
+    for i in range(3):  # fills [0, 16) and [16, 32), written as the device writer's thread does
+        w.write(*w.check(_block(i)), by_leaf=True)
     w.commit_filled(stop=lambda: True)  # a flush waits: nothing committed here
     assert commits == []
     asked: list[int] = []

@@ -62,7 +62,10 @@ DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 # Bytes of trees on the host that the thread writes as one block (at most a quarter
 # of the bound): its per-write costs (a write and a checksum per leaf, the store's
 # bookkeeping) are paid once per batch, not once per append.
-WRITE_BATCH_BYTES = 2 << 20
+WRITE_BATCH_BYTES = 4 << 20
+# Trees in a batch at the most: an accelerator's batch is then one group of like trees
+# stacked on the device (pack.MAX_GROUP), one transfer a leaf and one block to write.
+WRITE_BATCH_TREES = device_pack.MAX_GROUP
 
 
 def check_max_inflight_bytes(value: Any, where: str) -> int:
@@ -95,12 +98,13 @@ class BackgroundWriter:
         self._where = where
         self._max_bytes = max_inflight_bytes
         self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
-        lock = threading.Lock()
+        lock = self._lock = threading.Lock()
         self._work = threading.Condition(lock)  # the thread waits here for trees
         self._done = threading.Condition(lock)  # callers wait here for the thread
         self._queue: collections.deque[Item | Commit | None] = collections.deque()  # None: stop
         self._bytes = 0  # queued, on host or being written
         self._queued_bytes = 0  # queued, not yet taken by the thread
+        self._queued_trees = 0  # trees queued, not yet taken by the thread
         self._rows = 0
         self._items = 0  # trees and commits queued or under way
         self._commits = 0  # commits queued, not yet taken by the thread
@@ -225,8 +229,9 @@ class BackgroundWriter:
             self._raise_locked()
 
     def _enqueue(self, item: Item | Commit) -> None:
-        with self._work:
-            self._raise_locked()
+        with self._lock:  # the conditions' lock, taken without their Python wrappers
+            if self._error is not None:
+                self._raise_locked()
             self._queue.append(item)
             self._bytes += item.nbytes
             self._queued_bytes += item.nbytes
@@ -234,13 +239,14 @@ class BackgroundWriter:
             self._items += 1
             commit = isinstance(item, Commit)
             self._commits += commit
+            self._queued_trees += not commit
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 shutdown.register(self, BackgroundWriter.close_at_exit)
                 self._thread.start()
-            elif self._idle and (commit or self._queued_bytes >= self._batch_bytes):
+            elif self._idle and (commit or self._batch_queued_locked()):
                 # A batch (or a commit) is queued; below a batch, the thread sleeps on.
                 self._work.notify_all()
 
@@ -313,9 +319,10 @@ class BackgroundWriter:
                     if self._error is not None:  # the sync thread failed
                         return
                     batch, commit, stop = self._take_locked()
-                error = self._to_host(batch) if batch else None
+                parts, error = self._to_host(batch) if batch else ([], None)
                 if error is None and batch:
-                    error = self._write(batch)
+                    error = self._write(batch, parts)
+                del parts
                 if batch or error is not None:
                     # The commit behind the batch syncs its segments: no sync of them before.
                     self._done_with(batch, error, sync=commit is None)
@@ -360,17 +367,19 @@ class BackgroundWriter:
         for them, or the stop behind them."""
         q = self._queue
         return bool(q) and (
-            self._queued_bytes >= self._batch_bytes
-            or self._urgent > 0
-            or self._commits > 0
-            or q[-1] is None
+            self._batch_queued_locked() or self._urgent > 0 or self._commits > 0 or q[-1] is None
         )
+
+    def _batch_queued_locked(self) -> bool:
+        """Whether a batch of trees is queued (its bytes, or its trees)."""
+        return self._queued_bytes >= self._batch_bytes or self._queued_trees >= WRITE_BATCH_TREES
 
     def _take_locked(self) -> tuple[list[Item], Commit | None, bool]:
         """Up to a batch of queued trees, then the commit right behind them (see
         :func:`write_queue.take_batch`), counted out of the queue's bytes and commits."""
-        batch, commit, stop, size = take_batch(self._queue, self._batch_bytes)
+        batch, commit, stop, size = take_batch(self._queue, self._batch_bytes, WRITE_BATCH_TREES)
         self._queued_bytes -= size
+        self._queued_trees -= len(batch)
         self._commits -= commit is not None
         return batch, commit, stop
 
@@ -396,29 +405,59 @@ class BackgroundWriter:
         PartWriter.commit_filled)."""
         return self._urgent > 0 or self._committing or self._commits > 0
 
-    def _to_host(self, batch: list[Item]) -> BackgroundWriteError | None:
-        """Replaces the items' leaves by their host copies: accelerator leaves of like
-        trees stacked on the device and copied as one buffer a group (device_pack), the
-        rest leaf by leaf, newest first (the steps finish in append order, so the first
-        wait is the only one); a failure is the leaf's whose copy failed."""
+    def _to_host(
+        self, batch: list[Item]
+    ) -> tuple[list[tuple[dict[str, np.ndarray], int]], BackgroundWriteError | None]:
+        """The batch's rows on the host, as blocks in order (``(arrays, rows)``): the
+        accelerator leaves of like trees stacked on the device and copied as one buffer a
+        group (device_pack), a group one block; the rest copied leaf by leaf, newest first
+        (the steps finish in append order, so the first wait is the only one); a failure
+        is the leaf's whose copy failed."""
         try:
-            device_pack.pack_batch(batch)
+            packed = device_pack.pack_batch(batch)
         except Exception as e:  # the copies below meet the failure again and name the leaf
             logger.debug("%s: stacked copies failed (%s); copying leaf by leaf", self._where, e)
+            packed = []
+        groups = {p.start: p for p in packed}
+        stacked = {i: p.arrays for p in packed for i in range(p.start, p.start + p.count)}
         key = ""
-        for item in reversed(batch):
+        for i in range(len(batch) - 1, -1, -1):
+            item = batch[i]
+            arrays = item.arrays
+            done = stacked.get(i, {})
+            if len(done) == len(arrays):
+                continue  # every leaf is in its group's block
             try:
-                arrays = item.arrays
                 for key in arrays:
-                    arrays[key] = to_host(arrays[key])
+                    if key not in done:
+                        arrays[key] = to_host(arrays[key])
             except Exception as e:
-                return self._failure([item], e, copying=key)
-        return None
+                return [], self._failure([item], e, copying=key)
+        parts: list[tuple[dict[str, np.ndarray], int]] = []
+        i = 0
+        while i < len(batch):
+            group = groups.get(i)
+            if group is None:
+                parts.append((batch[i].arrays, batch[i].rows))
+                i += 1
+                continue
+            items = batch[i : i + group.count]
+            block = {
+                k: group.arrays[k]
+                if k in group.arrays
+                else np.concatenate([item.arrays[k] for item in items])
+                for k in items[0].arrays
+            }
+            parts.append((block, sum(item.rows for item in items)))
+            i += group.count
+        return parts, None
 
-    def _write(self, batch: list[Item]) -> BackgroundWriteError | None:
-        """Writes host trees as one block: one write per leaf."""
+    def _write(
+        self, batch: list[Item], parts: list[tuple[dict[str, np.ndarray], int]]
+    ) -> BackgroundWriteError | None:
+        """Writes the batch's host blocks as one block: one write per leaf."""
         try:
-            host, rows = self._joins.host_block(batch)
+            host, rows = self._joins.host_block(parts)
             batch[0].write(host, rows)
         except Exception as e:
             return self._failure(batch, e)

@@ -115,6 +115,10 @@ class TreeSignature:
         self._where = where
         # The leaves on an accelerator (not host memory): what the writer's thread stacks.
         self.accel = accel
+        # The last tree taken, as (key, type, shape, dtype, sharding) a leaf, with its rows
+        # and bytes: a jitted step's outputs share these objects call after call, so the
+        # next step's tree is taken on identities alone (a few attribute reads a leaf).
+        self._same: tuple[tuple[tuple[Any, ...], ...], int, int] | None = None
 
     @classmethod
     def of(
@@ -149,6 +153,33 @@ class TreeSignature:
         if type(tree) is not dict or len(tree) != len(self._leaves):
             return None
         given: dict[str, Any] = tree
+        same = self._same
+        if same is not None:
+            for (key, leaf), (k, t, shape, dtype, sharding) in zip(given.items(), same[0]):
+                if (
+                    key != k
+                    or type(leaf) is not t
+                    or leaf.shape is not shape
+                    or leaf.dtype is not dtype
+                    or leaf.sharding is not sharding
+                    or leaf.is_deleted()
+                ):
+                    break
+            else:
+                return same[1], same[2]
+        checked = self._check_attributes(given)
+        if checked is not None:
+            self._same = (
+                tuple(
+                    (key, type(leaf), leaf.shape, leaf.dtype, leaf.sharding)
+                    for key, leaf in given.items()
+                ),
+                *checked,
+            )
+        return checked
+
+    def _check_attributes(self, given: dict[str, Any]) -> tuple[int, int] | None:
+        """``(rows, nbytes)`` from every leaf's keys, type, shape, dtype and sharding."""
         rows = -1
         nbytes = 0
         for (key, leaf), spec in zip(given.items(), self._leaves):

@@ -8,11 +8,14 @@ than the step. The writer's thread therefore takes the trees of a batch, groups
 consecutive trees whose device leaves have the same dtypes, shapes and shardings (the
 same actor step, append after append), and for each group runs one jitted function on
 the device that stacks every leaf over the group: one transfer a leaf a group (up to
-:data:`MAX_GROUP` trees), each tree's rows then a view of the stacked host array (no
-copy). Groups have power-of-two sizes, so at most ``log2(MAX_GROUP)`` programs are
-compiled for a tree shape (about a second each on a TPU; laying the leaves' bytes end to
-end in one buffer, one transfer a group, compiled for 11 to 78 s there, for a few
-percent). A CPU device's array is host memory already and is never packed (the thread
+:data:`MAX_GROUP` trees), the group's rows of a leaf then one host block, written as it
+is (no Python work tree by tree: the writer's thread holds the GIL, which the actor's
+dispatch needs, a few microseconds a group rather than a few a tree). Groups have
+power-of-two sizes, so at most ``log2(MAX_GROUP)`` programs are compiled for a tree
+shape (about a second each on a TPU; laying the leaves' bytes end to end in one buffer,
+one transfer a group, compiled for 11 to 78 s there, for a few percent); the writer's
+thread takes batches of up to ``MAX_GROUP`` trees, so a steady actor's batch is one
+group. A CPU device's array is host memory already and is never packed (the thread
 reads it in place). Anything the packer cannot take (leaves on different devices, an
 unusual array) is left to the per-leaf copy, which also words the error naming the leaf.
 
@@ -21,7 +24,9 @@ jax is imported only here and only once a device leaf was appended (so it is loa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import operator
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -31,7 +36,7 @@ import numpy as np
 from grain_replay.writers.device import leaves as device_leaves
 from grain_replay.writers.device.queue import Item
 
-__all__ = ["MAX_GROUP", "pack_batch"]
+__all__ = ["MAX_GROUP", "Packed", "pack_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,60 +97,81 @@ def _sizes(n: int) -> list[int]:
     return out
 
 
-def _groups(batch: list[Item]) -> list[tuple[Any, list[Item]]]:
-    """Consecutive like trees of ``batch`` in power-of-two groups of 2 or more."""
-    runs: list[tuple[Any, list[Item]]] = []
-    for item in batch:
+def _groups(batch: list[Item]) -> list[tuple[Any, int, int]]:
+    """Consecutive like trees of ``batch`` in power-of-two groups of 2 or more: each
+    group's key, its first tree's index in ``batch`` and its size."""
+    runs: list[tuple[Any, int, int]] = []  # (key, start, length)
+    for i, item in enumerate(batch):
         key = None if item.pack is None else item.pack[0]
         if key is None or key in _unpackable:
-            runs.append((None, [item]))
+            runs.append((None, i, 1))
         elif runs and runs[-1][0] == key:
-            runs[-1][1].append(item)
+            runs[-1] = (key, runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((key, [item]))
+            runs.append((key, i, 1))
     groups = []
-    for key, items in runs:
+    for key, start, length in runs:
         if key is None:
             continue
-        start = 0
-        for size in _sizes(len(items)):
-            groups.append((key, items[start : start + size]))
+        for size in _sizes(length):
+            groups.append((key, start, size))
             start += size
     return groups
 
 
-def _unpack(stacked: list[np.ndarray], want: list[tuple[str, Any, Any]], items: list[Item]) -> None:
-    """Replaces each item's packed leaves by its view of the stacked host arrays."""
+@dataclasses.dataclass(slots=True)
+class Packed:
+    """A group of like trees copied to host: trees ``[start, start + count)`` of the
+    batch; ``arrays``, their stacked leaves with the trees' rows end to end (views of
+    the one host copy a leaf); the trees' other leaves are the caller's to copy."""
+
+    start: int
+    count: int
+    arrays: dict[str, np.ndarray]
+
+
+def _rows_end_to_end(
+    stacked: list[np.ndarray], want: list[tuple[str, Any, Any]], count: int
+) -> dict[str, np.ndarray]:
+    """Each stacked host leaf ``(count, rows, ...)`` as ``(count * rows, ...)`` (a view)."""
+    out = {}
     for (name, dtype, shape), host in zip(want, stacked, strict=True):
-        if host.shape != (len(items), *shape) or host.dtype != dtype:
+        if host.shape != (count, *shape) or host.dtype != dtype:
             raise ValueError(f"stacked {name!r} came back {host.dtype}{host.shape}")
-        for i, item in enumerate(items):
-            item.arrays[name] = host[i]
+        out[name] = host.reshape(count * shape[0], *shape[1:])
+    return out
 
 
-def pack_batch(batch: list[Item]) -> int:
+def pack_batch(batch: list[Item]) -> list[Packed]:
     """Copies the accelerator leaves of like consecutive trees of ``batch`` to host, a
-    transfer per leaf per group, replacing them in the items' arrays; returns the trees packed.
+    transfer per leaf per group; returns the groups, in batch order, each with its
+    leaves' rows end to end (one block a group: nothing is unpacked tree by tree).
 
     Leaves it leaves alone (lone trees, CPU arrays, what the packer refused) are the
     caller's to copy one by one; a group whose packing fails is left whole to that path
     (which names the failing leaf), and its key is not tried again when the failure was
     the packer's (tracing, devices), not the arrays' (a deleted one)."""
     if not any(item.pack is not None for item in batch):
-        return 0  # CPU devices' arrays (or lone host trees): nothing to stack
+        return []  # CPU devices' arrays (or lone host trees): nothing to stack
     groups = _groups(batch)
     if not groups:
-        return 0
+        return []
     pack = _packer_fn()
     started = []
-    for key, items in groups:
+    for key, start, size in groups:
         if key in _unpackable:  # refused by an earlier group of this batch
             continue
+        items = batch[start : start + size]
         names = items[0].pack[1] if items[0].pack is not None else ()
         try:
             first = items[0].arrays
             want = [(n, np.dtype(first[n].dtype), tuple(first[n].shape)) for n in names]
-            out = pack([tuple(item.arrays[n] for n in names) for item in items])
+            get = operator.itemgetter(*names)
+            if len(names) == 1:
+                args = [(get(item.arrays),) for item in items]
+            else:
+                args = [get(item.arrays) for item in items]
+            out = pack(args)
             for leaf in out:
                 leaf.copy_to_host_async()
         except Exception as e:
@@ -153,12 +179,11 @@ def pack_batch(batch: list[Item]) -> int:
                 _unpackable.add(key)
                 logger.info("device leaves not stacked (%s: %s); copied one by one", type(e), e)
             continue
-        started.append((want, items, out))
-    packed = 0
-    for want, items, out in started:
-        _unpack([np.asarray(leaf) for leaf in out], want, items)
-        packed += len(items)
-    return packed
+        started.append((want, start, size, out))
+    return [
+        Packed(start, size, _rows_end_to_end([np.asarray(leaf) for leaf in out], want, size))
+        for want, start, size, out in started
+    ]
 
 
 def _deleted(leaf: Any) -> bool:

@@ -49,10 +49,11 @@ class Commit:
 
 
 def take_batch(
-    queue: collections.deque[Item | Commit | None], batch_bytes: int
+    queue: collections.deque[Item | Commit | None], batch_bytes: int, batch_trees: int
 ) -> tuple[list[Item], Commit | None, bool, int]:
-    """Takes up to ``batch_bytes`` of queued trees of one store, in order, then the commit
-    queued right behind them if one is (at least one of the two), off ``queue``.
+    """Takes up to ``batch_bytes`` (and ``batch_trees``) of queued trees of one store, in
+    order, then the commit queued right behind them if one is (at least one of the two),
+    off ``queue``.
 
     Returns the trees, the commit or None, whether the stop is next
     (``([], None, True, 0)`` once it is the queue's head), and the trees' bytes.
@@ -60,7 +61,7 @@ def take_batch(
     batch: list[Item] = []
     commit = None
     size = 0
-    while queue and size < batch_bytes:
+    while queue and size < batch_bytes and len(batch) < batch_trees:
         head = queue[0]
         if head is None:
             if not batch:
@@ -86,13 +87,16 @@ class JoinBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
 
-    def host_block(self, batch: list[Item]) -> tuple[dict[str, np.ndarray], int]:
-        """A batch's host trees as one block (a lone tree as it is) and its rows."""
-        rows = sum(item.rows for item in batch)
-        if len(batch) == 1:
-            return batch[0].arrays, rows
-        keys = batch[0].arrays
-        return {k: self._join(k, [i.arrays[k] for i in batch], rows) for k in keys}, rows
+    def host_block(
+        self, parts: list[tuple[dict[str, np.ndarray], int]]
+    ) -> tuple[dict[str, np.ndarray], int]:
+        """A batch's host blocks (``(arrays, rows)``: a tree, or a group of trees stacked
+        on the device) as one block (a lone part as it is) and its rows."""
+        rows = sum(r for _, r in parts)
+        if len(parts) == 1:
+            return parts[0][0], rows
+        keys = parts[0][0]
+        return {k: self._join(k, [p[k] for p, _ in parts], rows) for k in keys}, rows
 
     def _join(self, key: str, parts: list[np.ndarray], rows: int) -> np.ndarray:
         first = parts[0]
