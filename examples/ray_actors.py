@@ -31,7 +31,9 @@ printed say how close the run came to the ceiling.
 
 Ray starts a local instance of its own (``address="local"``: never another
 cluster), with ``--num-cpus`` CPUs (default: one per actor), no dashboard and usage
-statistics off; ``ray.shutdown()`` ends it, on errors too.
+statistics off, its node address 127.0.0.1 so that every server of Ray's listens on
+loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, set before ``import ray``);
+``ray.shutdown()`` ends it, on errors too.
 
 ``--store`` is a path, or a URL with ``--storage-options`` (JSON, given to the
 writers and to ``gr.open_source``) where the package's writers take one.
@@ -62,6 +64,7 @@ import grain_replay as gr
 OBS_DIM, ACTIONS = 4, 2
 EPISODE_STEPS = 64
 LEAVES = ("obs", "action", "reward", "next_obs", "done")
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP is 127.0.0.1
 
 
 # ---------------------------------------------------------------------------
@@ -257,6 +260,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the actors and the learner; returns the run's summary (also printed)."""
     args = parse_args(argv)
+    # Ray's servers on loopback only. Ray 2.60 reads this when ``ray`` is first imported
+    # (ray/_private/ray_constants.py: ENABLE_RAY_CLUSTER); off, the node's IP is
+    # 127.0.0.1 (services.get_node_ip_address) and its GCS, raylet, object manager,
+    # workers and runtime-env agent listen there. On, Linux's default, ray.init turns
+    # even ``_node_ip_address="127.0.0.1"`` into the machine's address
+    # (services.resolve_ip_for_localhost) and they listen on every interface.
+    os.environ[LOOPBACK_ENV] = "0"
     try:
         import ray
     except ImportError:
@@ -278,8 +288,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_cpus=args.num_cpus or args.actors,
         include_dashboard=False,
         configure_logging=False,
+        _node_ip_address="127.0.0.1",
     )
     try:
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != "127.0.0.1":  # ray was imported before the variable was set
+            raise RuntimeError(
+                f"Ray's node address is {node_ip}, not 127.0.0.1: its servers would listen "
+                f"beyond this machine. Fix: set {LOOPBACK_ENV}=0 before ray is first "
+                "imported (run this script as a program, not after `import ray`)"
+            )
         return _run(args, ray, started)
     finally:
         ray.shutdown()
