@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from parts_child import check_rows, make_rows
+from parts_child import check_rows, make_rows, open_writers
 
 import grain_replay as gr
 from grain_replay.sources import base
@@ -155,3 +155,132 @@ def test_refresh_beside_an_eviction_never_raises(
     check_rows(rows)
     np.testing.assert_array_equal(rows["seq"], np.arange(150 - CAPACITY, 150))
     w.close()
+
+
+class _AheadOfEachOpen:
+    """Drives writers between the reader's manifest read and its opens: each time the
+    reader builds a writer's part, ``ahead[writer_id]`` writers commit two segments'
+    rows first (two evictions: the oldest segment of the manifest the reader just read is
+    unlinked before it opens it, the writer's promise being only the newest evicted one)."""
+
+    def __init__(self, ws: dict[str, Any], ahead: dict[str, list[str]], monkeypatch: Any):
+        self.ws, self.ahead, self.calls = ws, ahead, 0
+        real = snapshot.build_part
+
+        def build_part(store: str, m: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            for wid in self.ahead.get(m.writer_id, []):
+                w = self.ws[wid]
+                w.append(make_rows(wid, w.committed, 2 * SEGMENT))
+                w.flush()
+            return real(store, m, *args, **kwargs)
+
+        monkeypatch.setattr(snapshot, "build_part", build_part)
+
+
+def _whole_and_live(src: Any, ws: dict[str, Any]) -> None:
+    """Each writer's rows in the snapshot are whole, back to back, the newest ``CAPACITY``
+    of a commit the writer made (the snapshot's manifest)."""
+    batch = src.read_flat(np.arange(len(src)))
+    check_rows(batch)
+    starts = [*src.writer_starts(), len(src)]
+    for m, start, stop in zip(src.writers, starts[:-1], starts[1:]):
+        seq = batch["seq"][start:stop]
+        assert m.committed <= ws[m.writer_id].committed
+        np.testing.assert_array_equal(seq, np.arange(m.committed - CAPACITY, m.committed))
+
+
+@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
+def test_refresh_catches_up_with_a_writer_that_evicts_before_every_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    # However fast the writer, each attempt keeps the segments it opened: the next one
+    # only opens the segments committed since (the newest, the last to be evicted).
+    path = str(tmp_path / "store")
+    w = _writer(path, fmt)
+    src = gr.open_source(path)
+    w.append(make_rows("w0", w.committed, 2 * CAPACITY))  # none of the snapshot's is live
+    w.flush()
+    driver = _AheadOfEachOpen({"w0": w}, {"w0": ["w0"]}, monkeypatch)
+    src.refresh()
+    assert driver.calls >= 2, "no attempt found its oldest segment evicted"
+    _whole_and_live(src, {"w0": w})
+    w.close()
+
+
+def test_refresh_reads_each_writers_manifest_just_before_opening_its_segments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # w1 commits (and evicts) while the reader opens w0's segments: the reader must not
+    # open w1's segments from the manifest it read before that, nor open w0's again.
+    path = str(tmp_path / "store")
+    ws = {}
+    for wid in ("w0", "w1"):
+        ws[wid] = gr.ReplayWriter(
+            path, "npy", capacity=CAPACITY, writer_id=wid, segment_rows=SEGMENT
+        )
+        ws[wid].append(make_rows(wid, 0, 150))
+        ws[wid].flush()
+    src = gr.open_source(path)
+    for wid, w in ws.items():
+        w.append(make_rows(wid, w.committed, 2 * CAPACITY))
+        w.flush()
+    driver = _AheadOfEachOpen(ws, {"w0": ["w1"]}, monkeypatch)
+    src.refresh()
+    assert driver.calls == 2  # one build a writer: no attempt failed
+    _whole_and_live(src, ws)
+    for w in ws.values():
+        w.close()
+
+
+def test_refresh_gives_up_after_the_deadline_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grain_replay.sources.parts import catch_up
+
+    path = str(tmp_path / "store")
+    w = _writer(path, "npy")
+    src = gr.open_source(path)
+    w.append(make_rows("w0", w.committed, 2 * CAPACITY))
+    w.flush()
+    _AheadOfEachOpen({"w0": w}, {"w0": ["w0"]}, monkeypatch)
+    monkeypatch.setattr(catch_up, "CATCH_UP_S", 0.0)
+    with pytest.raises(gr.InvalidStoreError, match=r"evict faster.*Fix: raise capacity"):
+        src.refresh()
+    w.close()
+
+
+def test_a_segment_missing_under_an_unchanged_manifest_is_named_as_damage(
+    tmp_path: Path,
+) -> None:
+    # No writer evicts: retrying cannot help, and the error says what is wrong.
+    path = str(tmp_path / "store")
+    w = _writer(path, "npy")
+    w.close()
+    (_, _, _, seg), *_ = _live_segments(w)
+    shutil.rmtree(seg)
+    with pytest.raises(gr.InvalidStoreError, match=r"seg-0+20: writer 'w0'.*damaged.*Fix"):
+        gr.open_source(path)
+
+
+def test_a_writer_removed_during_a_refresh_leaves_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "store")
+    ws = open_writers(path, "npy", capacity=CAPACITY)
+    src = gr.open_source(path)
+    for w in ws:
+        w.append(make_rows(w.writer_id, w.committed, 30))
+        w.flush()
+    ws[1].close()
+    real = snapshot.build_part
+
+    def build_part(store: str, m: Any, *args: Any, **kwargs: Any) -> Any:
+        if m.writer_id == "w0":  # w1's folder goes after its manifest was read
+            shutil.rmtree(os.path.join(path, "writers", "w1"), ignore_errors=True)
+        return real(store, m, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "build_part", build_part)
+    assert src.refresh() == CAPACITY
+    assert [m.writer_id for m in src.writers] == ["w0"]
+    ws[0].close()

@@ -345,11 +345,13 @@ def build_part(
     strict: bool,
     spec: Mapping[str, LeafSpec],
     kwargs: Mapping[str, Any],
+    opened: Mapping[int, ReplaySource] | None = None,
 ) -> Part:
-    """Writer ``m``'s part of a snapshot: its segments opened (those of ``old`` reused),
-    its live ``.npy`` segments mapped back to back. ``seen``: the manifest file's
-    :func:`stamp` before ``m`` was read. ``strict=False`` skips a segment evicted since
-    ``m`` was read (the caller takes the snapshot again).
+    """Writer ``m``'s part of a snapshot: its segments opened (those of ``opened``, then of
+    ``old``, reused), its live ``.npy`` segments mapped back to back. ``seen``: the manifest
+    file's :func:`stamp` before ``m`` was read. ``strict=False`` skips a segment evicted
+    since ``m`` was read (the caller reads a newer manifest and builds again, passing the
+    segments this part holds as ``opened``: each was checked whole when it was opened).
 
     A writer unlinks an evicted segment file by file, after the manifest that drops it.
     An open or grow beside that sees part of it: the format's library raises what it
@@ -364,10 +366,11 @@ def build_part(
     wdir = parts_lib.writer_dir(store, m.writer_id)
     looked = []
     for s in m.segments:
+        prior = None if opened is None else opened.get(s.first)
+        if prior is None and old is not None:
+            prior = old.segments.get(s.first)
         try:
-            src, look = _open_or_grow(
-                store, m, s, None if old is None else old.segments.get(s.first), keys, kwargs
-            )
+            src, look = _open_or_grow(store, m, s, prior, keys, kwargs)
         except Exception as e:
             gone = evicted(wdir, m, s.first)
             if gone and not strict:

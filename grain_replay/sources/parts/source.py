@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,11 +25,10 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     EvictedRowError,
     GrainReplayError,
-    InvalidStoreError,
     UnknownLeafError,
 )
 from grain_replay.sources.checks import as_record_index, check_indices, check_out, record_in_range
-from grain_replay.sources.parts import gather
+from grain_replay.sources.parts import catch_up, gather
 from grain_replay.sources.parts import ids as parts_ids
 from grain_replay.sources.parts import snapshot as snapshots
 from grain_replay.sources.parts.snapshot import WRITER_KEY, Part, Snapshot
@@ -101,9 +101,15 @@ class PartsDataSource(SourceSurface):
         self._seg_keys = [k for k in spec if k != WRITER_KEY]
 
     def _take(self, previous: Snapshot | None) -> Snapshot:
-        """A snapshot of the store now, reusing what did not change since ``previous``."""
+        """A snapshot of the store now, reusing what did not change since ``previous``.
+
+        Each writer's manifest is read again just before its segments are opened, and a
+        writer that evicts a segment before it is opened is caught up with
+        (:mod:`~grain_replay.sources.parts.catch_up`): the other writers' parts stay.
+        """
         old = {} if previous is None else {p.manifest.writer_id: p for p in previous.parts}
-        for _ in range(20):
+        deadline = time.monotonic() + catch_up.CATCH_UP_S
+        while True:
             found: list[tuple[parts_lib.Manifest, Any, Part | None, bool]] = []
             for wid in parts_lib.list_writers(self._path):
                 wdir = parts_lib.writer_dir(self._path, wid)
@@ -118,26 +124,19 @@ class PartsDataSource(SourceSurface):
                 if m is not None:
                     found.append((m, stamp, prev, False))
             self._schema([m for m, _, _, _ in found])
-            parts, ok = [], True
+            parts: list[Part] = []
             for m, stamp, prev, same in found:
-                if same:
-                    assert prev is not None
-                    parts.append(prev)
-                    continue
-                part = snapshots.build_part(
-                    self._path, m, stamp, prev, False, self._spec, self._kwargs
-                )
-                if any(s.first not in part.segments for s in m.segments):
-                    ok = False  # a segment went between reading the manifest and opening it
-                    break
+                part = prev if same else catch_up.take_part(
+                    self._path, m, stamp, prev, self._spec, self._kwargs, deadline
+                )  # fmt: skip
+                if part is None:
+                    break  # a writer's folder or schema changed meanwhile: list them again
                 parts.append(part)
-            if ok:
+            else:
                 self._manifests = [(p.manifest, p.stamp) for p in parts]
                 return Snapshot(parts)
-        raise InvalidStoreError(
-            f"{self._path}: the writers evict faster than this reader can open their "
-            "segments. Fix: raise capacity (more rows per segment)."
-        )
+            if time.monotonic() >= deadline:
+                raise catch_up.too_fast(self._path, catch_up.CATCH_UP_S)
 
     def _restore(self) -> Snapshot:
         """This process's snapshot of the manifests a pickle carried (same positions)."""
