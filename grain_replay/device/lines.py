@@ -261,7 +261,7 @@ class RowLayout:
             if k > 1:  # (L, B, 128) lines -> (L, B, lanes): part s % k of each
                 rows = rows.reshape(len(members), b, k, lanes)
                 part = (slots % k)[None, :, None, None]
-                rows = jnp.take_along_axis(rows, part, axis=2)[:, :, 0]
+                rows = jnp.take_along_axis(rows, part, axis=2, mode="promise_in_bounds")[:, :, 0]
             for j, i in enumerate(members):
                 leaves[i] = from_words(rows[j], self.probe.shapes[i], self.probe.dtypes[i])
         return leaves

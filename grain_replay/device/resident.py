@@ -2,7 +2,8 @@
 
 ``sharded_device_put(loader, resident=True)`` hands out the batches of ``loader``
 (same permutation, epochs, process shards and checkpoint bytes) without reading
-the store again: every device holds a replica of the store's rows, and each
+the store again: every device holds a replica of the store's rows (each leaf's
+32-bit words in 128-lane lines, ``device/lines.py``: no TPU tile padding), and each
 device gathers its own slice of every batch from its replica, so a batch costs
 no host read, no host-to-device copy and no communication between devices.
 Batches are gathered a window at a time (one dispatch for up to
