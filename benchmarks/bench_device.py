@@ -10,7 +10,11 @@ devices under ``run.py`` unless a GPU or TPU is present):
 - ``gr.sharded_device_put(loader, resident=True)`` on the same store;
 - a jitted training step (an MLP on transitions, a small conv net on images) on
   batches already on the devices, fed by the loader, and fed by resident replay:
-  the fraction of the step time the input pipeline adds.
+  the fraction of the step time the input pipeline adds;
+- the resident store's device memory: ``memory_stats()["bytes_in_use"]`` after loading
+  less before, over the records' bytes (target <= 1.1x: the store's line layout, not
+  the TPU's tiles, sets it), in the results' ``resident_hbm`` and a note; jax's CPU
+  backend reports no memory stats (None: not measured, the note says so).
 
 The training step runs one model replica per device with no cross-device
 reduction: the host CPU backend's in-process collectives can deadlock with
@@ -46,6 +50,67 @@ RESIDENT_CPU_TARGET = 5.0
 PUT_VS_PINNED_GPU_TARGET = 0.8
 CONV_FED_GPU_TARGET = 1 / 1.05  # the loader adds < 5 % to the conv step
 MLP_RESIDENT_GPU_TARGET = 1 / 1.02  # resident replay adds < 2 % to the MLP step
+# Issue 41 point 3: the resident store's device memory (memory_stats' bytes_in_use, after
+# loading less before) over its records' bytes; the layout's tiles must not inflate it.
+RESIDENT_HBM_TARGET = 1.1  # at most
+
+
+def _bytes_in_use(device: Any) -> int | None:
+    """``bytes_in_use`` of ``device.memory_stats()``; None where the backend reports none
+    (jax's CPU backend returns None)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return int(stats["bytes_in_use"])
+
+
+def _resident_hbm(
+    res: SectionResult,
+    ds_name: str,
+    records_bytes: int,
+    store_bytes: int,
+    layout_bytes: int,
+    before: int | None,
+    after: int | None,
+    backend: str,
+    log: Callable[[str], None],
+) -> None:
+    """Records the resident store's device memory against its records' bytes (in the dtypes
+    the devices hold; ``store_bytes``: the store's, on the host): the results'
+    ``resident_hbm`` and a note (the table), measured where ``memory_stats()`` reports."""
+    hbm = None if before is None or after is None else after - before
+    ratio = None if hbm is None else hbm / records_bytes
+    res.extra.setdefault("resident_hbm", {})[ds_name] = {
+        "records_bytes": records_bytes,  # device dtypes
+        "store_bytes": store_bytes,  # the store's own dtypes
+        "layout_bytes": layout_bytes,  # what the budget counts: the layout, TPU tiles included
+        "layout_over_records": layout_bytes / records_bytes,
+        "bytes_in_use_before": before,
+        "bytes_in_use_after": after,
+        "hbm_bytes": hbm,
+        "hbm_over_records": ratio,
+        "hbm_over_store": None if hbm is None else hbm / store_bytes,
+        "target_at_most": RESIDENT_HBM_TARGET,
+        "passed": None if ratio is None else ratio <= RESIDENT_HBM_TARGET,
+    }
+    layout = f"layout {layout_bytes / 2**20:,.1f} MiB ({layout_bytes / records_bytes:.3f}x)"
+    if ratio is None:
+        line = (
+            f"{ds_name}: resident store's device memory: not measured, memory_stats() is None "
+            f"on {backend}; records {records_bytes / 2**20:,.1f} MiB in device dtypes "
+            f"(store {store_bytes / 2**20:,.1f} MiB), {layout}"
+        )
+    else:
+        assert hbm is not None
+        line = (
+            f"{ds_name}: resident store's device memory (memory_stats bytes_in_use, after "
+            f"loading - before) {hbm / 2**20:,.1f} MiB = {ratio:.3f}x its records' "
+            f"{records_bytes / 2**20:,.1f} MiB in device dtypes ({hbm / store_bytes:.3f}x the "
+            f"store's {store_bytes / 2**20:,.1f} MiB; target <= {RESIDENT_HBM_TARGET}x: "
+            f"{'met' if ratio <= RESIDENT_HBM_TARGET else 'MISSED'}); {layout}"
+        )
+    res.notes.append(line)
+    log(f"  {line}")
 
 
 def _gpu_target(res: SectionResult, ratio: Any, target: float, on_accelerator: bool) -> None:
@@ -243,9 +308,11 @@ def run_device(
         def loader() -> Any:
             return gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1)  # noqa: B023
 
-        host_it = gr.sharded_device_put(loader())
-        pinned_it = gr.sharded_device_put(loader(), pinned=True) if pinned_ok else None
+        # Resident replay first, while nothing else allocates device memory: its store's
+        # bytes are bytes_in_use after loading less before.
         resident_it: Any = None
+        gc.collect()
+        in_use_before = _bytes_in_use(jax.local_devices()[0])
         t0 = time.perf_counter()
         try:
             resident_it = gr.sharded_device_put(loader(), resident=True)
@@ -255,6 +322,19 @@ def run_device(
         else:
             res.extra.setdefault("resident_load_s", {})[ds_name] = time.perf_counter() - t0
             res.extra.setdefault("resident_device_bytes", {})[ds_name] = resident_it.device_bytes
+            # The records in the dtypes the devices hold (int64 -> int32 without x64): the
+            # ratio is then the layout's own overhead (the store's bytes: store_bytes).
+            device_record = sum(
+                np.dtype(jax.dtypes.canonicalize_dtype(d)).itemsize * int(np.prod(s))
+                for _, d, s in ds.leaves
+            )
+            _resident_hbm(
+                res, ds_name, ds.n * device_record, ds.n * ds.record_bytes,
+                resident_it.store_bytes, in_use_before, _bytes_in_use(jax.local_devices()[0]),
+                backend, log,
+            )  # fmt: skip
+        host_it = gr.sharded_device_put(loader())
+        pinned_it = gr.sharded_device_put(loader(), pinned=True) if pinned_ok else None
 
         rng = np.random.default_rng(0)
         params0 = {

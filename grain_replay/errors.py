@@ -81,7 +81,11 @@ class BatchShardingError(GrainReplayError, ValueError):
 
 
 class ResidentBudgetError(GrainReplayError, ValueError):
-    """A store does not fit in the device-memory budget of device-resident replay."""
+    """A store does not fit in the device-memory budget of device-resident replay.
+
+    The store counts as the devices hold it: its leaves' 32-bit words in 128-lane lines,
+    padded to a TPU's ``(8, 128)`` tiles, plus the batches gathered ahead.
+    """
 
 
 class ResidentUnsupportedError(GrainReplayError, TypeError):

@@ -34,10 +34,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from grain_replay.device.lines import LANES, WORD, from_words, packable
+
 __all__ = ["GROUP_BYTES", "MAX_GROUP", "PARALLEL_BYTES", "PUT_THREADS", "PackedLayout", "plan"]
 
-LANES = 128
-ROW_BYTES = LANES * 4  # one row of 128 uint32 lanes
+ROW_BYTES = LANES * WORD  # one row of 128 uint32 lanes
 ELEMENT_ROWS_BYTES = 4096  # elements this large get rows of their own
 # Small batches go several to a transfer: each put and each unpack program costs the host
 # ~0.2 ms on a TPU v5e whatever its size (a 134 KB batch of transitions), as much as the
@@ -141,35 +142,14 @@ class PackedLayout:
 
 
 def _unpack_leaf(x: Any, leaf: _Leaf) -> Any:
-    """One leaf out of a device's ``uint32[rows, 128]`` buffer."""
+    """One leaf out of a device's ``uint32[rows, 128]`` buffer (``lines.from_words``: a
+    uint8 frame's words become its pixels with one bitcast, no flat byte axis)."""
     slab = x[leaf.row : leaf.row + leaf.rows]
-    size = leaf.dtype.itemsize
     n = leaf.shape[0]
+    if leaf.per_element:
+        return from_words(slab.reshape(n, leaf.per_element * LANES), leaf.shape[1:], leaf.dtype)
     count = math.prod(leaf.shape[1:])
-    if leaf.per_element:
-        slab = slab.reshape(n, leaf.per_element * LANES)
-    else:
-        slab = slab.reshape(1, -1)
-    target = np.dtype(np.uint8) if leaf.dtype == np.bool_ else leaf.dtype
-    if leaf.per_element and size < 4 and leaf.shape[-1] * size == 4 and len(leaf.shape) > 1:
-        # e.g. uint8 frames (n, 84, 84, 4): each 32-bit lane is one pixel's channels, so
-        # the words take the element's shape less its last axis and one bitcast ends it
-        # (a TPU lays such arrays out batch-minor: an unpack through a flat uint8 axis cost
-        # 2.4 ms a batch of 256 frames, this one the latency floor)
-        words = count // leaf.shape[-1]
-        values = jax.lax.bitcast_convert_type(slab[:, :words].reshape(n, *leaf.shape[1:-1]), target)
-        return values != 0 if leaf.dtype == np.bool_ else values
-    if size == 4:
-        values = jax.lax.bitcast_convert_type(slab, target)
-    elif size == 8:
-        values = jax.lax.bitcast_convert_type(slab.reshape(*slab.shape[:-1], -1, 2), target)
-    else:  # 1 or 2 bytes: each lane holds 4 / size of them
-        values = jax.lax.bitcast_convert_type(slab, target).reshape(slab.shape[0], -1)
-    if leaf.dtype == np.bool_:
-        values = values != 0
-    if leaf.per_element:
-        return values[:, :count].reshape(leaf.shape)
-    return values.reshape(-1)[: n * count].reshape(leaf.shape)
+    return from_words(slab.reshape(1, -1), (n * count,), leaf.dtype).reshape(leaf.shape)
 
 
 def plan(arrays: Sequence[Any], shardings: Sequence[Sharding]) -> PackedLayout | None:
@@ -189,7 +169,7 @@ def plan(arrays: Sequence[Any], shardings: Sequence[Sharding]) -> PackedLayout |
     leaves, row = [], 0
     for a in arrays:
         dtype = _canonical(a.dtype)
-        if a.dtype.kind not in "biuf" or dtype.itemsize not in (1, 2, 4, 8) or a.shape[0] % d:
+        if a.dtype.kind not in "biuf" or not packable(dtype) or a.shape[0] % d:
             return None
         if _devices_in_order(sharding, a.shape) != devices:
             return None

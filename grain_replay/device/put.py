@@ -391,7 +391,10 @@ def sharded_device_put(
             next group queued while half of the current one is left.
         budget_bytes: Device memory per device that ``resident`` may use (the store plus
             the batches gathered ahead); default: half of the free memory the device
-            reports (on CPU, half of the available host memory over the devices).
+            reports (on CPU, half of the available host memory over the devices). The
+            store counts as laid out on the device (each leaf's 32-bit words in 128-lane
+            lines, padded to a TPU's ``(8, 128)`` tiles): a few percent over its records'
+            bytes for the usual leaves (the iterator's ``store_bytes``).
 
     Returns:
         A :class:`ShardedDevicePutIterator` (a ``ResidentReplayIterator`` with

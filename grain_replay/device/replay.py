@@ -11,7 +11,7 @@ import numpy as np
 
 from grain_replay.device import replay_draws as draws
 from grain_replay.device import replay_tree as tree
-from grain_replay.device.replay_layout import RowLayout
+from grain_replay.device.lines import Probe, RowLayout
 from grain_replay.device.replay_state import (
     FIELDS,
     DeviceReplayState,
@@ -20,7 +20,6 @@ from grain_replay.device.replay_state import (
     news,
     replaced,
 )
-from grain_replay.device.resident_store import Probe
 from grain_replay.errors import (
     ArgumentTypeError,
     InvalidArgumentError,

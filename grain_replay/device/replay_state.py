@@ -50,7 +50,7 @@ class DeviceReplayState(NamedTuple):
 
     Attributes:
       rows: the row buffers: the leaves' 32-bit words in 128-lane lines, one buffer per
-        layout and width (see ``device/replay_layout.py``).
+        layout and width (see ``device/lines.py``).
       slot_hi: int32[C]: the row id held by each slot, high bits (``id >> 31``); -1: empty.
       slot_lo: int32[C]: its low 31 bits. A row id is the store position for a plain or
         growing store, ``ordinal << 40 | seq`` for a bounded many-writer store.

@@ -2,7 +2,8 @@
 
 ``sharded_device_put(loader, resident=True)`` hands out the batches of ``loader``
 (same permutation, epochs, process shards and checkpoint bytes) without reading
-the store again: every device holds a replica of the store's rows, and each
+the store again: every device holds a replica of the store's rows (each leaf's
+32-bit words in 128-lane lines, ``device/lines.py``: no TPU tile padding), and each
 device gathers its own slice of every batch from its replica, so a batch costs
 no host read, no host-to-device copy and no communication between devices.
 Batches are gathered a window at a time (one dispatch for up to
@@ -18,12 +19,12 @@ from collections.abc import Iterator
 from typing import Any, Literal, Self
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grain_replay.device.converter import default_sharding, mesh_sharding
-from grain_replay.device.resident_store import Probe, default_budget, format_bytes, load_store
+from grain_replay.device.lines import Probe, RowLayout
+from grain_replay.device.resident_store import default_budget, format_bytes, load_store
 from grain_replay.errors import (
     BatchShardingError,
     InvalidArgumentError,
@@ -92,7 +93,11 @@ class ResidentReplayIterator(Iterator[Any]):
     Attributes:
         window: Batches gathered by one dispatch (up to 64, fewer for big batches); the
             next window is queued when half of the current one is handed out.
-        device_bytes: Device memory used per device: the store's replica plus two windows.
+        store_bytes: Device memory the store's replica takes per device, as laid out (the
+            records' words in 128-lane lines, ``device/lines.py``) and padded to a TPU's
+            ``(8, 128)`` tiles: a few percent over ``records x record bytes`` for the usual
+            leaves.
+        device_bytes: Device memory used per device: ``store_bytes`` plus two windows.
     """
 
     def __init__(
@@ -123,12 +128,16 @@ class ResidentReplayIterator(Iterator[Any]):
                 "Fix: use resident=False."
             )
         probe = Probe(source)
+        layout = RowLayout(probe, n)
         rows_per_device = self._batch_size // local
         self._window = max(
             1, min(_MAX_WINDOW, _WINDOW_BYTES // max(1, rows_per_device * probe.record_bytes))
         )
         self.window = self._window  # batches gathered by one dispatch
-        store_bytes = n * probe.record_bytes
+        # What the layout allocates, TPU tiles included: the budget is checked against the
+        # device's real bytes, not the records' (n x record_bytes).
+        store_bytes = layout.device_bytes()
+        self.store_bytes = store_bytes
         # Up to one and a half windows are alive at once (see __next__); count two.
         window_bytes = 2 * self._window * rows_per_device * (probe.record_bytes + 4)
         self.device_bytes = store_bytes + window_bytes
@@ -140,8 +149,9 @@ class ResidentReplayIterator(Iterator[Any]):
             raise ResidentBudgetError(
                 f"Device-resident replay of {source!r} needs {format_bytes(self.device_bytes)} "
                 f"per device ({format_bytes(store_bytes)} for {n:,} records of "
-                f"{probe.record_bytes:,} B on every device, plus {format_bytes(window_bytes)} for "
-                f"{self._window} batches gathered ahead), over the budget of "
+                f"{probe.record_bytes:,} B on every device, as laid out there: 32-bit words in "
+                f"128-lane lines, padded to the device's tiles; plus {format_bytes(window_bytes)} "
+                f"for {self._window} batches gathered ahead), over the budget of "
                 f"{format_bytes(budget)} per device ({why}). Fix: raise budget_bytes= if the "
                 "devices have room, read fewer leaves (keys=[...]), or pass resident='auto' to "
                 "fall back to the host pipeline."
@@ -154,14 +164,11 @@ class ResidentReplayIterator(Iterator[Any]):
             len(sharding.device_set),
         )
         self._treedef = probe.treedef
-        self._store = load_store(source, n, probe, replicated, progress, _CHUNK_BYTES)
+        self._store = load_store(source, layout, replicated, progress, _CHUNK_BYTES)
 
         def gather(store: list[jax.Array], ids: jax.Array) -> tuple[list[jax.Array], ...]:
             # Per device: ids is (steps, this device's rows); store is the whole replica.
-            return tuple(
-                probe.unpack([jnp.take(group, ids[k], axis=0, mode="clip") for group in store])
-                for k in range(ids.shape[0])
-            )
+            return tuple(layout.gather(store, ids[k]) for k in range(ids.shape[0]))
 
         self._gather = jax.jit(
             jax.shard_map(
@@ -169,7 +176,10 @@ class ResidentReplayIterator(Iterator[Any]):
                 mesh=mesh,
                 in_specs=(PartitionSpec(), PartitionSpec(None, axis)),
                 out_specs=PartitionSpec(axis),
-            )
+            ),
+            # The batch sharding itself: shard_map alone gives PartitionSpec() on a mesh of
+            # one device, where the host pipeline gives this one.
+            out_shardings=sharding,
         )
         self._next = 0  # elements of this process handed out
         self._ready: collections.deque[Any] = collections.deque()

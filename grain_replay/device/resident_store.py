@@ -1,4 +1,4 @@
-"""A store's leaves packed into row matrices and loaded onto every device, and its budget."""
+"""A store loaded onto every device in the line layout (``device/lines.py``), and its budget."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from grain_replay.device.lines import ROW_ALIGN, Probe, RowLayout
 from grain_replay.errors import ResidentUnsupportedError
 
-__all__ = ["Probe", "default_budget", "format_bytes", "load_store"]
+__all__ = ["chunk_rows", "default_budget", "format_bytes", "load_store"]
 
 _DEFAULT_BUDGET_FRACTION = 0.5  # of the free memory a device reports, when no budget is given
 
@@ -52,92 +52,6 @@ def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-class Probe:
-    """A source's leaves (structure, device dtypes, bytes) from its first record; their packing."""
-
-    def __init__(self, source: Any) -> None:
-        first = source.read_batch(np.arange(1))
-        leaves, self.treedef = jax.tree_util.tree_flatten(first)
-        self.shapes = [tuple(np.shape(a))[1:] for a in leaves]
-        # The dtype jax gives the leaf on the device (float64 -> float32 without x64),
-        # as the host pipeline's transfer does.
-        self.dtypes = [jax.dtypes.canonicalize_dtype(np.asarray(a).dtype) for a in leaves]
-        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self.record_bytes = sum(
-            n * np.dtype(d).itemsize for n, d in zip(self.sizes, self.dtypes, strict=True)
-        )
-        # The store is held as one row matrix per group of leaves: leaves whose dtype
-        # can be bitcast to an unsigned int share the group of that width (a transition's
-        # float32 and int32 leaves become one uint32 row), so a batch is one gather per
-        # group rather than one per leaf (on XLA:CPU, 3-4x less time per batch).
-        # A leaf alone in its group, or of another dtype (complex), is held as it is.
-        self.groups: list[list[int]] = []
-        self.group_dtypes: list[np.dtype[Any]] = []
-        by_width: dict[int, int] = {}
-        for i, d in enumerate(self.dtypes):
-            d = np.dtype(d)
-            packable = d == np.bool_ or d.kind in "iuf" or jnp.issubdtype(d, jnp.floating)
-            if packable and d.itemsize in (1, 2, 4, 8):
-                g = by_width.get(d.itemsize)
-                if g is None:
-                    g = by_width[d.itemsize] = len(self.groups)
-                    self.groups.append([])
-                    self.group_dtypes.append(np.dtype(f"uint{8 * d.itemsize}"))
-                self.groups[g].append(i)
-            else:
-                self.groups.append([i])
-                self.group_dtypes.append(d)
-        for g, members in enumerate(self.groups):  # a leaf alone is held as it is
-            if len(members) == 1:
-                self.group_dtypes[g] = np.dtype(self.dtypes[members[0]])
-
-    def group_shapes(self, n: int) -> list[tuple[int, ...]]:
-        """Shape of each group's row matrix for ``n`` records."""
-        out: list[tuple[int, ...]] = []
-        for members in self.groups:
-            if len(members) == 1:
-                out.append((n, *self.shapes[members[0]]))
-            else:
-                out.append((n, sum(self.sizes[i] for i in members)))
-        return out
-
-    def pack(self, leaves: list[jax.Array]) -> list[jax.Array]:
-        """Traced: the leaves of a chunk of rows as the groups' row matrices (bit-exact)."""
-        out = []
-        for members, dtype in zip(self.groups, self.group_dtypes, strict=True):
-            if len(members) == 1:
-                out.append(leaves[members[0]])
-                continue
-            cols = []
-            for i in members:
-                x = leaves[i].reshape(leaves[i].shape[0], -1)
-                x = (
-                    x.astype(dtype)
-                    if x.dtype == jnp.bool_
-                    else jax.lax.bitcast_convert_type(x, dtype)
-                )
-                cols.append(x)
-            out.append(cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1))
-        return out
-
-    def unpack(self, rows: list[jax.Array]) -> list[jax.Array]:
-        """Traced: the leaves of gathered group rows, in leaf order."""
-        leaves: list[Any] = [None] * len(self.dtypes)
-        for members, r in zip(self.groups, rows, strict=True):
-            if len(members) == 1:
-                leaves[members[0]] = r
-                continue
-            offset = 0
-            for i in members:
-                x = r[:, offset : offset + self.sizes[i]].reshape(r.shape[0], *self.shapes[i])
-                offset += self.sizes[i]
-                target = self.dtypes[i]
-                leaves[i] = (
-                    x != 0 if target == jnp.bool_ else jax.lax.bitcast_convert_type(x, target)
-                )
-        return leaves
-
-
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     if enabled:
         try:
@@ -149,36 +63,38 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return None
 
 
+def chunk_rows(record_bytes: int, chunk_bytes: int) -> int:
+    """Rows read (and copied to the devices) per loading step: ``chunk_bytes`` of records,
+    a multiple of :data:`~grain_replay.device.lines.ROW_ALIGN` rows (each chunk starts a
+    line of every leaf's buffer), at least one such block."""
+    rows = chunk_bytes // max(1, record_bytes)
+    return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
+
+
 def load_store(
     source: Any,
-    n: int,
-    probe: Probe,
+    layout: RowLayout,
     replicated: NamedSharding,
     progress: bool,
     chunk_bytes: int,
 ) -> list[jax.Array]:
-    """Rows ``[0, n)`` of ``source`` as the probe's group matrices, replicated on every device.
+    """Rows ``[0, layout.capacity)`` of ``source`` in the layout's buffers, replicated on
+    every device.
 
-    Reads ``chunk_bytes`` of rows at a time and writes them into preallocated device
+    Reads :func:`chunk_rows` rows at a time and writes them into preallocated device
     buffers (donated, so updated in place): the host holds one chunk, never the store.
     Each chunk's leaves are put as the host pipeline puts them (same dtype conversion)
-    and packed on the devices.
+    and laid out on the devices (:meth:`RowLayout.write_rows`).
     """
-    shapes = probe.group_shapes(n)
-    allocate = jax.jit(
-        lambda: [jnp.zeros(s, d) for s, d in zip(shapes, probe.group_dtypes, strict=True)],
-        out_shardings=replicated,
-    )
+    probe, n = layout.probe, layout.capacity
+    allocate = jax.jit(layout.allocate, out_shardings=replicated)
     update = jax.jit(
-        lambda bufs, chunk, lo: [
-            jax.lax.dynamic_update_slice_in_dim(b, c, lo, axis=0)
-            for b, c in zip(bufs, probe.pack(chunk), strict=True)
-        ],
+        layout.write_rows,
         donate_argnums=0,
         out_shardings=replicated,
     )
     bufs = allocate()
-    rows = max(1, chunk_bytes // max(1, probe.record_bytes))
+    rows = chunk_rows(probe.record_bytes, chunk_bytes)
     bar = _progress(n, "loading store onto devices", progress)
     try:
         for lo in range(0, n, rows):
@@ -195,7 +111,7 @@ def load_store(
                 jax.make_array_from_callback(np.shape(a), replicated, np.asarray(a).__getitem__)
                 for a in leaves
             ]
-            bufs = update(bufs, chunk, lo)
+            bufs = update(bufs, chunk, np.int32(lo))
             del leaves, chunk
             jax.block_until_ready(bufs)  # one chunk in flight: host memory stays one chunk
             if bar is not None:

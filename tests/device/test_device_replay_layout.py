@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import grain_replay as gr
-from grain_replay.device.replay_layout import words
+from grain_replay.device.lines import words
 
 CAP = 300  # not a multiple of 128
 

@@ -1,8 +1,14 @@
-"""Rows of a device replay ring held per leaf in 128-lane lines: no tiling waste, cheap gathers.
+"""A store's leaves as 32-bit words in 128-lane lines: the one device layout of rows.
 
-A TPU tiles an array's two minor dimensions to ``(8, 128)`` 32-bit words: a ``(capacity,
-64)`` float32 leaf takes the room of ``(capacity, 128)``, a ``(capacity, 1)`` one 128 times
-its size, and a gather of such narrow rows is slow. So each leaf is held as 32-bit words
+Three parts of the package put a record's leaves into lanes, and all use this module:
+``gr.DeviceReplay``'s ring (``device/replay.py``), device-resident replay's store
+(``device/resident_store.py``) and packed transfers (``device/packed.py``, which packs a
+batch on the host and unpacks it here, with :func:`from_words`).
+
+A TPU tiles an array's two minor dimensions to ``(8, 128)`` 32-bit words: a ``(n, 64)``
+float32 leaf takes the room of ``(n, 128)``, a ``(n, 1)`` one 128 times its size, a
+``(n, 131)`` row matrix 256 lanes, a ``(n, 84, 84, 4)`` uint8 frame pads its 4 channels
+to 128 lanes, and a gather of such rows is slow. So each leaf is held as 32-bit words
 (``uint32``; bitcast on the way in and out, bit-exact), ``w`` words a row (bytes packed:
 a uint8 leaf of 28,224 bytes is 7,056 words; a scalar narrower than a word, a bool or a
 uint8, is zero-extended to one: 4 bytes for 1, fine for the few scalars of a record), and
@@ -10,18 +16,21 @@ laid out by ``w``:
 
 - *lines* (``w <= 128``): ``w`` rounded up to a power of two ``v`` (a divisor of 128: 3 ->
   4, 5 -> 8, 100 -> 128; the waste is ``v - w`` words a row, none for the usual 1, 2, 4,
-  ..., 64-word leaves), ``k = 128 // v`` rows a 128-lane line: ``(ceil(capacity / k),
-  128)``. A draw gathers row ``s``'s line ``s // k`` and picks its part ``s % k``;
-- *wide* (``w > 128``): ``(capacity, w)``, one row a line (the device's tiling pads ``w``
-  to a multiple of 128: an 84x84x4 uint8 frame's 7,056 words take 7,168, 1.6%);
+  ..., 64-word leaves), ``k = 128 // v`` rows a 128-lane line: ``(ceil(n / k), 128)``.
+  A draw gathers row ``s``'s line ``s // k`` and picks its part ``s % k``;
+- *wide* (``w > 128``): ``(n, w)``, one row a line (the device's tiling pads ``w`` to a
+  multiple of 128: an 84x84x4 uint8 frame's 7,056 words take 7,168, 1.6%);
 
 and the leaves of one layout and width share a buffer ``(leaves, lines, lanes)``: a draw
 is one gather per buffer (a transition's two 64-float observations one, its four scalars
-another). A leaf of a dtype that does not pack into words (complex) keeps its own
-``(capacity, *shape)`` buffer.
+another). A leaf of a dtype that does not pack into words (complex), or with no elements,
+keeps its own ``(n, *shape)`` buffer ("as-is").
 
-A refresh writes its new rows with one scatter a buffer whose windows are the rows' lane
-spans (``(line, part * v)``, ``v`` lanes): no reshape of the ring, so no relayout copy.
+Rows are written two ways: :meth:`RowLayout.scatter`, one scatter a buffer whose windows
+are the rows' lane spans (``(line, part * v)``, ``v`` lanes; no reshape of the buffer, so
+no relayout copy: the ring's refresh), and :meth:`RowLayout.write_rows`, a block of
+consecutive rows from a row that starts a line (one ``dynamic_update_slice`` a buffer: the
+resident store's chunked load).
 """
 
 from __future__ import annotations
@@ -33,44 +42,88 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grain_replay.device.resident_store import Probe
-
-__all__ = ["LANES", "RowLayout", "words"]
+__all__ = [
+    "LANES",
+    "ROW_ALIGN",
+    "WORD",
+    "Probe",
+    "RowLayout",
+    "from_words",
+    "packable",
+    "to_words",
+    "tiled_bytes",
+    "words",
+]
 
 LANES = 128
-_WORD = 4  # bytes
+WORD = 4  # bytes
+SUBLANES = 8  # the second-minor tile of 32-bit words on a TPU
+ROW_ALIGN = LANES  # write_rows starts on a multiple of this: a line's first row in every layout
+
+
+def packable(dtype: Any) -> bool:
+    """Whether a leaf of ``dtype`` packs into 32-bit words (bool, ints, floats of 1, 2, 4
+    or 8 bytes, bfloat16 and the other ml_dtypes floats included)."""
+    d = np.dtype(dtype)
+    kind_ok = d == np.bool_ or d.kind in "iu" or jnp.issubdtype(d, jnp.floating)
+    return bool(kind_ok and d.itemsize in (1, 2, 4, 8))
 
 
 def words(shape: tuple[int, ...], dtype: Any) -> int | None:
     """32-bit words a row of a leaf of ``shape`` and ``dtype`` takes, or None: the dtype
-    does not pack into words (held as it is)."""
-    d = np.dtype(dtype)
-    packable = d == np.bool_ or d.kind in "iu" or jnp.issubdtype(d, jnp.floating)
+    does not pack into words, or the leaf has no elements (held as it is)."""
     size = int(np.prod(shape, dtype=np.int64))
-    if not packable or d.itemsize not in (1, 2, 4, 8) or size == 0:
+    if not packable(dtype) or size == 0:
         return None
-    return math.ceil(size * d.itemsize / _WORD)
+    return math.ceil(size * np.dtype(dtype).itemsize / WORD)
+
+
+def tiled_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes an array takes on a TPU, its two minor dimensions padded to ``(8, 128)`` tiles
+    of 32-bit words (sub-word dtypes: ``8 * 4 / itemsize`` rows a tile); an upper bound on
+    other backends, whose arrays are not padded."""
+    d = np.dtype(dtype)
+    if len(shape) == 0:
+        return d.itemsize
+    dims = list(shape)
+    dims[-1] = -(-dims[-1] // LANES) * LANES
+    if len(dims) >= 2:
+        sub = SUBLANES * max(1, WORD // d.itemsize)
+        dims[-2] = -(-dims[-2] // sub) * sub
+    return int(np.prod(dims, dtype=np.int64)) * d.itemsize
 
 
 def _uint(itemsize: int) -> Any:
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[itemsize]
 
 
+def _channels_in_a_word(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether the leaf's last axis is one word (a uint8 frame's 4 channels): its words are
+    then the leaf less that axis, and one bitcast makes the leaf, with no flat byte axis (a
+    TPU lays such arrays out batch-minor: the unpack of a batch of 256 frames through a
+    flat uint8 axis cost 2.4 ms, this one the latency floor; ``benchmarks/probe_link.py``)."""
+    return itemsize < WORD and len(shape) > 1 and shape[-1] * itemsize == WORD
+
+
 def to_words(x: jax.Array, w: int) -> jax.Array:
     """Traced: ``x`` (K, ...) as uint32 words (K, w) (bit-exact; zero padded)."""
     k = x.shape[0]
-    x = x.reshape(k, -1)
+    shape = tuple(x.shape[1:])
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     it = x.dtype.itemsize
-    if it < _WORD and x.shape[1] == 1:  # a scalar byte or half: zero-extended, no relayout
+    if _channels_in_a_word(shape, it):
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(k, -1)
+        return jnp.pad(u, ((0, 0), (0, w - u.shape[1])))
+    x = x.reshape(k, -1)
+    if it < WORD and x.shape[1] == 1:  # a scalar byte or half: zero-extended, no relayout
         u = jax.lax.bitcast_convert_type(x, _uint(it)).astype(jnp.uint32)
     elif it == 8:
         u = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(k, -1)
-    elif it == _WORD:
+    elif it == WORD:
         u = jax.lax.bitcast_convert_type(x, jnp.uint32)
     else:
-        per = _WORD // it
+        per = WORD // it
         b = jax.lax.bitcast_convert_type(x, _uint(it))
         b = jnp.pad(b, ((0, 0), (0, -b.shape[1] % per)))
         u = jax.lax.bitcast_convert_type(b.reshape(k, -1, per), jnp.uint32)
@@ -78,32 +131,56 @@ def to_words(x: jax.Array, w: int) -> jax.Array:
 
 
 def from_words(u: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """Traced: :func:`to_words` undone: uint32 words (B, >= w) as (B, *shape) of ``dtype``."""
+    """Traced: :func:`to_words` undone: uint32 words (B, >= w) as (B, *shape) of ``dtype``.
+
+    Also reads a packed transfer's rows: a leaf's bytes from the first lane on, in order,
+    whatever the lanes after them hold."""
     b = u.shape[0]
     d = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64))
     it = d.itemsize
-    if it < _WORD and size == 1:
+    target = np.dtype(np.uint8) if d == np.bool_ else d
+    if _channels_in_a_word(shape, it):
+        n = size // shape[-1]
+        x = jax.lax.bitcast_convert_type(u[:, :n].reshape(b, *shape[:-1]), target)
+        return x != 0 if d == np.bool_ else x
+    if it < WORD and size == 1:
         x = u[:, :1].astype(_uint(it))
         x = x != 0 if d == np.bool_ else jax.lax.bitcast_convert_type(x, d)
     elif it == 8:
         x = jax.lax.bitcast_convert_type(u[:, : 2 * size].reshape(b, size, 2), d)
-    elif it == _WORD:
+    elif it == WORD:
         x = jax.lax.bitcast_convert_type(u[:, :size], d)
     else:
-        per = _WORD // it
+        per = WORD // it
         n = -(-size // per)
         x = jax.lax.bitcast_convert_type(u[:, :n], _uint(it)).reshape(b, n * per)[:, :size]
         x = x != 0 if d == np.bool_ else jax.lax.bitcast_convert_type(x, d)
     return x.reshape(b, *shape)
 
 
+class Probe:
+    """A source's leaves (structure, shapes, device dtypes, bytes), from its first record."""
+
+    def __init__(self, source: Any) -> None:
+        first = source.read_batch(np.arange(1))
+        leaves, self.treedef = jax.tree_util.tree_flatten(first)
+        self.shapes = [tuple(np.shape(a))[1:] for a in leaves]
+        # The dtype jax gives the leaf on the device (float64 -> float32 without x64),
+        # as the host pipeline's transfer does.
+        self.dtypes = [np.dtype(jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in leaves]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.record_bytes = sum(
+            n * d.itemsize for n, d in zip(self.sizes, self.dtypes, strict=True)
+        )
+
+
 class RowLayout:
-    """Where each leaf of a probe lives in the ring, and how to gather or write rows.
+    """Where each leaf of a probe lives in the buffers, and how to gather or write rows.
 
     Args:
       probe: the store's leaves (shapes, device dtypes, structure).
-      capacity: rows the ring holds.
+      capacity: rows the buffers hold (a ring's slots, a resident store's records).
 
     Attributes:
       groups: per buffer, ``(kind, lanes, members)``: ``kind`` "lines", "wide" or
@@ -143,14 +220,19 @@ class RowLayout:
                 self.dtypes.append(np.dtype(np.uint32))
 
     def nbytes(self) -> int:
-        """Bytes of the ring's row buffers (as allocated, before any device tiling)."""
+        """Bytes of the row buffers (as allocated, before any device tiling)."""
         return sum(
             int(np.prod(s, dtype=np.int64)) * d.itemsize
             for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
 
+    def device_bytes(self) -> int:
+        """Bytes of the row buffers on a TPU, tiles included (:func:`tiled_bytes`: lines
+        pad to 8 a buffer, wide rows to a multiple of 128 lanes); an upper bound elsewhere."""
+        return sum(tiled_bytes(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True))
+
     def row_bytes(self) -> int:
-        """Bytes of one record's leaves as the ring holds them (lanes included)."""
+        """Bytes of one record's leaves as the buffers hold them (lanes included)."""
         total = 0
         for (kind, lanes, members), dtype in zip(self.groups, self.dtypes, strict=True):
             if kind == "as-is":
@@ -158,7 +240,7 @@ class RowLayout:
                     int(np.prod(self.probe.shapes[members[0]], dtype=np.int64)) * dtype.itemsize
                 )
             else:
-                total += len(members) * lanes * _WORD
+                total += len(members) * lanes * WORD
         return total
 
     def allocate(self) -> list[jax.Array]:
@@ -179,7 +261,7 @@ class RowLayout:
             if k > 1:  # (L, B, 128) lines -> (L, B, lanes): part s % k of each
                 rows = rows.reshape(len(members), b, k, lanes)
                 part = (slots % k)[None, :, None, None]
-                rows = jnp.take_along_axis(rows, part, axis=2)[:, :, 0]
+                rows = jnp.take_along_axis(rows, part, axis=2, mode="promise_in_bounds")[:, :, 0]
             for j, i in enumerate(members):
                 leaves[i] = from_words(rows[j], self.probe.shapes[i], self.probe.dtypes[i])
         return leaves
@@ -215,4 +297,28 @@ class RowLayout:
                     mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
                 )
             )
+        return out
+
+    def write_rows(self, bufs: Any, leaves: list[jax.Array], lo: Any) -> list[jax.Array]:
+        """Traced: ``bufs`` with rows ``[lo, lo + K)`` set to ``leaves`` (one per leaf,
+        leading axis ``K``), one ``dynamic_update_slice`` a buffer.
+
+        ``lo`` (static or traced) is a multiple of :data:`ROW_ALIGN`, so that it starts a
+        line in every layout, and ``lo + K <= capacity``; the words of a last, partial line
+        are zero.
+        """
+        n = leaves[0].shape[0]
+        out = []
+        for (kind, lanes, members), buf in zip(self.groups, bufs, strict=True):
+            if kind == "as-is":
+                x = leaves[members[0]].astype(buf.dtype)
+                out.append(jax.lax.dynamic_update_slice_in_dim(buf, x, lo, axis=0))
+                continue
+            rows = jnp.stack([to_words(leaves[i], lanes) for i in members])  # (L, K, lanes)
+            k = LANES // lanes if kind == "lines" else 1
+            if k > 1:  # K rows -> ceil(K / k) whole lines
+                rows = jnp.pad(rows, ((0, 0), (0, -n % k), (0, 0)))
+                rows = rows.reshape(len(members), -1, LANES)
+            start = lo // k if k > 1 else lo
+            out.append(jax.lax.dynamic_update_slice(buf, rows, (0, start, 0)))
         return out
