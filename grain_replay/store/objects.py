@@ -270,9 +270,7 @@ class ObjectStore:
         the place of a range that failed (``FileNotFoundError``: the object is gone)."""
         if not keys:
             return []
-        return list(
-            self.fs.cat_ranges(list(keys), list(starts), list(ends), on_error="return")
-        )
+        return list(self.fs.cat_ranges(list(keys), list(starts), list(ends), on_error="return"))
 
     def server_now(self) -> float:
         """The server's clock now (seconds since the epoch), from the LastModified of an
@@ -454,4 +452,3 @@ def is_object_store(url: str, storage_options: Mapping[str, Any] | None) -> bool
         return bool(json.loads(raw).get("storage") == STORAGE)
     except (ValueError, AttributeError):
         return False
-

@@ -12,6 +12,7 @@ manifest names) is deleted by the id's next holder once older than the grace per
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -277,7 +278,7 @@ class ObjectPartWriter:
         now = versions[-1][1]  # the newest version, created moments ago: the server's now
         grace = self._grace_s + CLOCK_SLACK_S
         drop = [
-            v for (v, _), (_, after) in zip(versions, versions[1:], strict=False)
+            v for (v, _), (_, after) in itertools.pairwise(versions)
             if now - after > grace
         ]  # fmt: skip
         kept = [v for v, _ in versions if v not in set(drop)]

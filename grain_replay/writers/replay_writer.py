@@ -17,13 +17,13 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
+from grain_replay.remote.options import redact_url
 from grain_replay.store.formats import is_url
+from grain_replay.store.objects import DEFAULT_EVICT_GRACE_S, DEFAULT_LEASE_S
 from grain_replay.store.parts import is_parts_store
 from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
-from grain_replay.remote.options import redact_url
-from grain_replay.store.objects import DEFAULT_EVICT_GRACE_S, DEFAULT_LEASE_S
 from grain_replay.writers.object_parts import NoRateGate, ObjectPartWriter, check_url_arguments
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout, check_writer_limit

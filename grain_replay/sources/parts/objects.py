@@ -454,4 +454,3 @@ class ObjectPartsDataSource(SourceSurface):
         with self._lock:
             self._objects = None
             self._pid = None
-
