@@ -67,6 +67,9 @@ class ObjectPartWriter:
         self._id = parts_lib.check_writer_id(writer_id, url)
         self._store = ObjectStore(url, storage_options)
         self._where = f"{self._store.shown} (writer {self._id!r})"
+        suffix = url.rstrip("/").rsplit("/", 1)[-1].rpartition(".")[2].lower()
+        if format is None and suffix in ("h5", "hdf5", "zarr", "npz"):
+            format = {"h5": "hdf5", "hdf5": "hdf5"}.get(suffix, suffix)  # refused below
         if format not in (None, "npy"):
             raise InvalidArgumentError(
                 f"{self._where}: format {format!r} cannot be written to object storage; "
