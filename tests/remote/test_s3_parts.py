@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from parts_child import check_rows, make_rows
-from s3_server import S3Server, moto_unavailable_reason, serve_bucket
+from s3_server import HTTPProxy, S3Server, moto_unavailable_reason, serve_bucket
 
 import grain_replay as gr
 from grain_replay.store.objects import ObjectManifest, ObjectStore
@@ -344,3 +344,26 @@ def test_bad_inputs_on_object_storage_are_named_with_a_fix(s3: S3Server) -> None
     w.close()
     with pytest.raises(gr.InvalidArgumentError, match=r"capacity=10.*Fix: pass capacity=10"):
         _writer(s3, url, "a", capacity=20)
+
+
+def test_a_batch_is_one_ranged_get_per_leaf_per_run_of_a_piece(s3: S3Server) -> None:
+    """Counted at the wire (a proxy before moto): rows 0-2 and 15-16 lie in two pieces of
+    three leaves (seq, tag, vec): six GETs, adjacent rows in one range, no listing."""
+    url = _url()
+    w = _writer(s3, url, "a")
+    for start in range(0, 30, 10):
+        w.append(make_rows("a", start, 10))
+        w.flush()
+    w.close()
+    with HTTPProxy(s3.port) as proxy:
+        opts = s3.storage_options()
+        opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url)
+        src = gr.open_source(url, storage_options=opts)
+        proxy.reset_counts()
+        got = src.read_batch([16, 0, 1, 2, 15])
+        assert dict(proxy.counts) == {"GET": 6}
+        check_rows(got)
+        np.testing.assert_array_equal(got["seq"], [16, 0, 1, 2, 15])
+        proxy.reset_counts()
+        src.read_batch([25])
+        assert dict(proxy.counts) == {"GET": 3}
