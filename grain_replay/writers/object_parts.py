@@ -35,19 +35,9 @@ from grain_replay.store.lease import Lease, check_seconds
 from grain_replay.store.objects import CLOCK_SLACK_S, ObjectManifest, ObjectStore, Piece
 from grain_replay.writers.store_writer import check_tree_matches
 
-__all__ = ["NoRateGate", "ObjectPartWriter"]
+__all__ = ["ObjectPartWriter", "check_url_arguments"]
 
 logger = logging.getLogger(__name__)
-
-
-class NoRateGate:
-    """The rate-limit gate of a writer on object storage: no learner publishes progress
-    there yet (docs/replay_store.md#on-object-storage), so a flush never waits."""
-
-    waited_s = 0.0
-
-    def wait(self, committed: int, pending: int) -> float:
-        return 0.0
 
 
 class ObjectPartWriter:
@@ -158,6 +148,11 @@ class ObjectPartWriter:
     @property
     def format(self) -> str:
         return "npy"
+
+    @property
+    def objects(self) -> ObjectStore:
+        """The store's objects (the rate-limit gate reads the learners' folder there)."""
+        return self._store
 
     @property
     def epoch(self) -> int:
@@ -327,8 +322,6 @@ def check_url_arguments(
     *,
     segment_rows: int | None,
     resume_from: object,
-    rate_limit: object,
-    rate_limit_timeout: object,
 ) -> None:
     """Refuses what a writer on object storage does not do (yet), naming the fix."""
     objects_lib.check_object_url(url, writer_id)
@@ -336,8 +329,6 @@ def check_url_arguments(
     unsupported = {
         "segment_rows": (segment_rows, "each flush is one piece object there"),
         "resume_from": (resume_from, "a checkpoint cut is not built for object storage yet"),
-        "rate_limit": (rate_limit, "learners publish no progress to object storage yet"),
-        "rate_limit_timeout": (rate_limit_timeout, "no rate limit is applied there yet"),
     }
     for name, (value, why) in unsupported.items():
         if value is not None:

@@ -24,7 +24,7 @@ from grain_replay.store.parts import is_parts_store
 from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
-from grain_replay.writers.object_parts import NoRateGate, ObjectPartWriter, check_url_arguments
+from grain_replay.writers.object_parts import ObjectPartWriter, check_url_arguments
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout, check_writer_limit
 from grain_replay.writers.resume import resume_rows
@@ -203,9 +203,7 @@ class ReplayWriter:
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
         limit, timeout = check_writer_limit(rate_limit, timeout, self._path)
         self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
-        self._gate: WriterGate | NoRateGate = WriterGate(
-            self._path, parts=parts, timeout=timeout, who=self._who
-        )
+        self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
         if flush_every is not None and flush_every <= 0:
             raise InvalidArgumentError(
@@ -256,18 +254,18 @@ class ReplayWriter:
         *,
         segment_rows: int | None,
         resume_from: object,
-        rate_limit: object,
-        rate_limit_timeout: object,
+        rate_limit: RateLimit | None,
+        rate_limit_timeout: float | None,
         flush_every: int | None,
         max_inflight_bytes: int,
     ) -> None:
         """A writer part on object storage (docs/replay_store.md#on-object-storage)."""
         check_url_arguments(
-            self._path, writer_id, segment_rows=segment_rows, resume_from=resume_from,
-            rate_limit=rate_limit, rate_limit_timeout=rate_limit_timeout,
-        )  # fmt: skip
+            self._path, writer_id, segment_rows=segment_rows, resume_from=resume_from
+        )
         self._who = f"{redact_url(self._path)} (writer {writer_id!r})"
-        self._gate = NoRateGate()
+        timeout = check_rate_limit_timeout(rate_limit_timeout, self._who)
+        limit, timeout = check_writer_limit(rate_limit, timeout, self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
         if flush_every is not None and flush_every <= 0:
             raise InvalidArgumentError(
@@ -275,7 +273,7 @@ class ReplayWriter:
                 "None (commit only at flush()) or a row count >= 1."
             )
         self._flush_every = flush_every
-        self._store = ObjectPartWriter(
+        store = self._store = ObjectPartWriter(
             self._path,
             format,
             writer_id=writer_id,
@@ -284,8 +282,17 @@ class ReplayWriter:
             lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
             evict_grace_s=DEFAULT_EVICT_GRACE_S if evict_grace_s is None else evict_grace_s,
         )
-        self._format = self._store.format
-        self._appended = self._committed = self._flushed = self._store.committed
+        self._gate = WriterGate(
+            self._path, parts=True, timeout=timeout, who=self._who, objects=store.objects
+        )
+        if limit is not None:
+            try:
+                self._gate.declare(limit)  # before the first row: writers hold from it on
+            except BaseException:
+                store.abandon()  # nothing appended: frees the writer id
+                raise
+        self._format = store.format
+        self._appended = self._committed = self._flushed = store.committed
 
     # -- lifecycle -------------------------------------------------------------
 

@@ -333,10 +333,6 @@ def test_bad_inputs_on_object_storage_are_named_with_a_fix(s3: S3Server) -> None
     for name, value in (("segment_rows", 10), ("resume_from", 0)):
         with pytest.raises(gr.InvalidArgumentError, match=rf"{name}=.*Fix: drop {name}="):
             gr.ReplayWriter(url, writer_id="a", storage_options=so, **{name: value})
-    with pytest.raises(gr.InvalidArgumentError, match=r"rate_limit=.*Fix"):
-        gr.ReplayWriter(
-            url, writer_id="a", storage_options=so, rate_limit=gr.RateLimit(samples_per_insert=1.0)
-        )
     with pytest.raises(gr.InvalidArgumentError, match=r"lease_s.*s3:// URL\) only.*Fix"):
         gr.ReplayWriter("local-dir", writer_id="a", lease_s=5)
     assert _keys(s3, url.split("/", 3)[3]) == []  # nothing written by a refused writer
@@ -367,3 +363,38 @@ def test_a_batch_is_one_ranged_get_per_leaf_per_run_of_a_piece(s3: S3Server) -> 
         proxy.reset_counts()
         src.read_batch([25])
         assert dict(proxy.counts) == {"GET": 3}
+
+
+def test_a_rate_limit_holds_writers_and_learners_over_s3(s3: S3Server) -> None:
+    """The limit declared in the bucket holds the writer before any learner; the learner
+    publishes its progress into the bucket, and each side goes on as the other does."""
+    url = _url()
+    terms = {"min_size": 20, "samples_per_insert": 1.0, "tolerance": 16}
+    w = _writer(s3, url, "a", rate_limit=gr.RateLimit(**terms), rate_limit_timeout=0.3)
+    w.append(make_rows("a", 0, 30))
+    assert w.flush() == 30  # 1.0 * (30 - 20) - 0 <= 16
+    w.append(make_rows("a", 30, 10))
+    with pytest.raises(gr.RateLimitTimeoutError, match=r"limit\.json.*no learner yet"):
+        w.flush()  # 1.0 * (40 - 20) - 0 > 16: held by the declaration alone
+    src = gr.open_source(url, storage_options=s3.storage_options())
+    learner = gr.UniformReplay(rate_limit=gr.RateLimit(**terms, timeout=0.3))
+    it = iter(gr.make_data_loader(src, batch_size=8, sampling=learner, seed=0))
+    for _ in range(3):  # the ceiling: 1.0 * (30 - 20) + 16 = 26 rows
+        check_rows(next(it))
+    with pytest.raises(gr.RateLimitTimeoutError, match=r"handed out 24 rows"):
+        next(it)
+    prefix = url.split("/", 3)[3] + "/learners/"
+    assert _keys(s3, prefix) == [prefix + "limit.json", prefix + "process-0-of-1.json"]
+
+    def committed() -> bool:  # once the learner's 24 rows are published: -4 <= 16
+        try:
+            return w.flush() == 40
+        except gr.RateLimitTimeoutError:
+            return False
+
+    _wait(committed, "the writer to commit after the learner sampled")
+    check_rows(next(it))  # 1.0 * (40 - 20) + 16 = 36 >= 32
+    it.close()
+    w.close()
+    with pytest.raises(gr.InvalidSamplingError, match=r"contradicts.*Fix"):
+        _writer(s3, url, "b", rate_limit=gr.RateLimit(min_size=5, samples_per_insert=2.0))

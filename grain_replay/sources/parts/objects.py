@@ -27,6 +27,7 @@ from grain_replay.sources.parts.snapshot import WRITER_KEY
 from grain_replay.sources.surface import SourceSurface
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec, StoreMetadata
+from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
 from grain_replay.store.objects import ObjectManifest, ObjectStore, leaf_offsets
 
 __all__ = ["ObjectPartsDataSource"]
@@ -253,6 +254,14 @@ class ObjectPartsDataSource(SourceSurface):
     def current_store_id(self) -> str | None:
         found = self._store().read_store_file()
         return None if found is None else found.get("store_id")
+
+    def learners_folder(self) -> ObjectFolder:
+        """Where rate-limited learners of this store publish (``learners/`` in the bucket)."""
+        return ObjectFolder(self._store())
+
+    def inserted_count(self) -> ObjectInsertedCount:
+        """Every writer's committed and live rows, from the newest manifest versions."""
+        return ObjectInsertedCount(self._store())
 
     def committed_rows(self) -> dict[str, int]:
         """Each writer's committed rows in the store now (its newest manifest version)."""
