@@ -398,3 +398,53 @@ def test_a_rate_limit_holds_writers_and_learners_over_s3(s3: S3Server) -> None:
     w.close()
     with pytest.raises(gr.InvalidSamplingError, match=r"contradicts.*Fix"):
         _writer(s3, url, "b", rate_limit=gr.RateLimit(min_size=5, samples_per_insert=2.0))
+
+
+def test_views_over_s3_start_at_the_oldest_live_row_and_never_cross_writers(
+    s3: S3Server,
+) -> None:
+    """As tests/rl/test_bounded_views.py over a local store."""
+
+    def steps(writer: int, start: int, n: int) -> dict[str, np.ndarray]:
+        seq = np.arange(start, start + n, dtype=np.int64)
+        return {"seq": seq, "writer": np.full(n, writer, np.int64), "done": seq % 10 == 9}
+
+    url = _url()
+    ws = [_writer(s3, url, f"w{i}", capacity=45) for i in range(2)]
+    for i, w in enumerate(ws):
+        for start in range(0, 104, 26):
+            w.append(steps(i, start, 26))  # live: 59..103; the episode 50..59 lost its head
+            w.flush()
+    src = gr.open_source(url, storage_options=s3.storage_options())
+    index = gr.build_episode_index(src)
+    starts, lengths = np.asarray(index.starts), np.asarray(index.lengths)
+    batch = src.read_batch(np.arange(len(src)))
+    for s, n in zip(starts, lengths, strict=True):
+        assert len(np.unique(batch["writer"][s : s + n])) == 1  # one writer per episode
+        np.testing.assert_array_equal(batch["seq"][s : s + n], np.arange(n) + batch["seq"][s])
+    assert (
+        sorted(batch["seq"][starts].tolist())
+        == [59, 59, 60, 60, 70, 70, 80, 80, 90, 90] + [100] * 2
+    )
+    view = gr.SequenceDataSource(src, {"seq": [-3, 0, 2], "writer": [-3, 0, 2]}, pad="edge")
+    got = view.read_batch(np.arange(len(view)))
+    assert (got["writer"] == got["writer"][:, :1]).all()  # no window crosses writers
+    assert got["seq"].min() >= 59  # no window reaches an evicted row
+    for w in ws:
+        w.close()
+
+
+@pytest.mark.slow  # spawned workers start slowly; a pickled source is read in the union test
+def test_loader_workers_read_the_bucket_in_their_own_processes(s3: S3Server) -> None:
+    url = _url()
+    w = _writer(s3, url, "a", capacity=100)
+    w.append(make_rows("a", 0, 64))
+    w.close()
+    src = gr.open_source(url, storage_options=s3.storage_options())
+    loader = gr.make_data_loader(
+        src, batch_size=8, sampling=gr.UniformReplay(), seed=0, worker_count=1
+    )
+    it = iter(loader)
+    for _ in range(2):
+        check_rows(next(it))
+    it.close()
