@@ -240,11 +240,16 @@ class ObjectPartWriter:
             schema=m.schema or self._meta.to_json(),
         )
         if not self._store.publish(new):
-            self._fenced(new.version)
+            self._fenced(new.version, "are not committed")
         if self._lease.stale() and self._lease.taken_over() is not None:
-            # Paused past the lease: the version created may be one a newer holder's
-            # collection had deleted (old), which readers pass over for the newest.
-            self._fenced(new.version)
+            # Paused past the lease: the version created is the newest (the new holder
+            # continues after it) or one its collection had deleted as old (readers pass
+            # over it for the newest): either way this writer stops here.
+            self._fenced(
+                new.version,
+                "are committed only if the new holder had not committed yet (it continues "
+                "after the newest commit)",
+            )
         self._manifest = new
         self._pieces_of[new.version] = frozenset(p.name for p in pieces)
         self._chunks, self._pending = [], 0
@@ -252,17 +257,17 @@ class ObjectPartWriter:
             self._collect()
         return committed
 
-    def _fenced(self, version: int) -> None:
+    def _fenced(self, version: int, rows: str) -> None:
         self._open = False
         self._lease.stop()
         holder = self._lease.taken_over() or {}
         raise WriterBusyError(
-            f"{self._where}: this writer's commit {version} lost: another writer took its "
+            f"{self._where}: manifest version {version}: another writer took this writer's "
             f"id over (host {holder.get('host')!r}, pid {holder.get('pid')}, lease epoch "
             f"{holder.get('epoch')}) after this one's lease of {self._lease_s:g} s ran out "
-            f"unrenewed; the {self._pending} rows since the last flush are not committed. "
-            "Fix: give each writer its own writer_id, and a lease_s longer than its "
-            "longest pause."
+            f"unrenewed; this writer stops, and the {self._pending} rows of this flush "
+            f"{rows}. Fix: give each writer its own writer_id, and a lease_s longer than "
+            "its longest pause."
         )
 
     def _collect(self) -> None:

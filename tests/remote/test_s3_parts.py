@@ -243,7 +243,7 @@ def test_a_paused_writer_is_fenced_after_a_takeover_and_loses_nothing_committed(
         assert w.flush() == 9
         zombie.send_signal(signal.SIGCONT)
         answer = _tell(zombie, "flush 7")
-        assert answer.startswith("fenced ") and "took its id over" in answer, answer
+        assert answer.startswith("fenced ") and "took this writer's id over" in answer, answer
         assert f"pid {os.getpid()}" in answer
         w.append(make_rows("w", 9, 1))
         assert w.flush() == 10
