@@ -24,6 +24,7 @@ takeover) exactly one commits each version and the other learns it lost. Readers
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import uuid
@@ -285,7 +286,7 @@ class ObjectStore:
     @staticmethod
     def modified(entry: Mapping[str, Any]) -> float:
         stamp = entry.get("LastModified") or entry.get("mtime") or entry.get("updated")
-        if hasattr(stamp, "timestamp"):
+        if isinstance(stamp, datetime.datetime):
             return float(stamp.timestamp())
         if isinstance(stamp, (int, float)):
             return float(stamp)

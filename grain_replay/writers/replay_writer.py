@@ -499,7 +499,7 @@ class ReplayWriter:
             self._bg.request_sync()  # removes the segments this flush evicted
         return committed
 
-    def _flush_in_background(self, store: PartWriter | StoreWriter) -> int:
+    def _flush_in_background(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> int:
         """``flush(wait=False)``: queues a commit of every row appended so far behind them."""
         upto = self._appended
         if store.closed:
@@ -514,7 +514,7 @@ class ReplayWriter:
         self._flushed = upto
         return upto
 
-    def _commit_queued(self, store: PartWriter | StoreWriter) -> None:
+    def _commit_queued(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> None:
         """The background thread's commit (every row queued before it is written)."""
         self._committed = store.flush()
 
