@@ -285,13 +285,17 @@ class ObjectPartWriter:
             if now - after > grace
         ]  # fmt: skip
         kept = [v for v, _ in versions if v not in set(drop)]
+        # The versions this writer did not publish itself (a takeover's), read at once.
+        keys = {self._store.manifest_key(self._id, v): v for v in kept if v not in self._pieces_of}
+        for key, raw in self._store.get_many(list(keys)).items():
+            v = keys.get(key, keys.get(key.split("://", 1)[-1]))
+            if v is not None:
+                m = ObjectManifest.from_json(raw, f"{self._store.shown}:{key}")
+                self._pieces_of[v] = frozenset(p.name for p in m.pieces)
+        if any(v not in self._pieces_of for v in kept):
+            return  # a version unread: which pieces it names is unknown, so none goes now
         named: set[str] = set()
         for v in kept:
-            if v not in self._pieces_of:
-                m = self._store.read_manifest(self._id, v)
-                if m is None:
-                    continue
-                self._pieces_of[v] = frozenset(p.name for p in m.pieces)
             named |= self._pieces_of[v]
         self._store.remove([self._store.manifest_key(self._id, v) for v in drop])
         for v in drop:

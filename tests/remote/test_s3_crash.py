@@ -152,14 +152,17 @@ def _campaign(s3: S3Server, kills: int, writers: int, seed: int) -> dict[str, in
     reader.start()
     try:
         for _ in range(kills):
-            w = rng.choice(ws)
+            # A random writer whose process has opened (the others are taking over).
+            w = rng.choice([w for w in ws if w.open_event.is_set()] or ws)
+            assert w.open_event.wait(120), f"{w.id}: the lease was not taken over"
             w.check_alive()
             time.sleep(rng.uniform(0.05, 1.0))  # a random moment of its work
             w.kill()
             counts["kills"] += 1
             w.spawn()
-            assert w.open_event.wait(120), f"{w.id}: the lease was not taken over"
             assert not failures, failures
+        for w in ws:
+            assert w.open_event.wait(120), f"{w.id}: the lease was not taken over"
     finally:
         stop.set()
         reader.join()
@@ -200,6 +203,7 @@ def test_sigkilled_writers_on_s3_lose_no_committed_row(s3: S3Server) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_sigkilled_writers_on_s3_lose_no_committed_row_many_kills(s3: S3Server) -> None:
     counts = _campaign(s3, kills=40, writers=3, seed=2)
     assert counts["kills"] == 40 and counts["rows_lost"] == 0 and counts["rows_checked"] > 0

@@ -448,3 +448,28 @@ def test_loader_workers_read_the_bucket_in_their_own_processes(s3: S3Server) -> 
     for _ in range(2):
         check_rows(next(it))
     it.close()
+
+
+def test_a_piece_no_version_names_is_deleted_once_older_than_the_grace(s3: S3Server) -> None:
+    """What a writer killed between its piece and its commit leaves: deleted by the
+    id's next holder, never a committed piece."""
+    url = _url()
+    prefix = url.split("/", 3)[3] + "/writers/a/pieces/"
+    w = _writer(s3, url, "a", evict_grace_s=0)
+    w.append(make_rows("a", 0, 5))
+    w.close()
+    orphan = prefix + "000000000005-000000000099-000000000001.raw"
+    s3.client().put_object(Bucket=BUCKET, Key=orphan, Body=b"never committed")
+    w = _writer(s3, url, "a", evict_grace_s=0)
+    n = 5
+
+    def gone() -> bool:
+        nonlocal n
+        w.append(make_rows("a", n, 1))
+        n += 1
+        w.flush()
+        return orphan not in _keys(s3, prefix)
+
+    _wait(gone, "the orphan piece to be deleted")
+    w.close()
+    np.testing.assert_array_equal(got_seq_after(url, s3), np.arange(n))

@@ -49,9 +49,10 @@ class _Part:
     @classmethod
     def of(cls, m: ObjectManifest, previous: _Part | None) -> _Part:
         pieces = {p.first: (p.rows, p.name) for p in m.pieces}
-        if previous is not None:
-            for f, r, name in zip(previous.firsts, previous.rows, previous.names, strict=True):
-                pieces.setdefault(int(f), (int(r), name))
+        # The previous manifest's own pieces only (not those it kept in turn): one
+        # snapshot back, as the writers' grace period promises.
+        for p in () if previous is None else previous.manifest.pieces:
+            pieces.setdefault(p.first, (p.rows, p.name))
         order = sorted(pieces)
         return cls(
             m,
