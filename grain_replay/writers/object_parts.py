@@ -32,7 +32,13 @@ from grain_replay.store import layout as layout_lib
 from grain_replay.store import objects as objects_lib
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.lease import Lease, check_seconds
-from grain_replay.store.objects import CLOCK_SLACK_S, ObjectManifest, ObjectStore, Piece
+from grain_replay.store.objects import (
+    CLOCK_SLACK_S,
+    ObjectManifest,
+    ObjectStore,
+    Piece,
+    leaf_offsets,
+)
 from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["ObjectPartWriter", "check_url_arguments"]
@@ -94,7 +100,7 @@ class ObjectPartWriter:
             if self._manifest.schema is None
             else layout_lib.StoreMetadata.from_json(self._manifest.schema, where=self._where)
         )
-        self._chunks: list[dict[str, bytes]] = []
+        self._chunks: list[tuple[int, dict[str, bytes]]] = []  # rows, leaf -> bytes
         self._pending = 0
         self._attempts = 0
         self._open = True
@@ -206,7 +212,13 @@ class ObjectPartWriter:
         self._check_open()
         assert self._meta is not None
         self._chunks.append(
-            {k: np.ascontiguousarray(np.asarray(arrays[k])).tobytes() for k in self._meta.leaves}
+            (
+                n,
+                {
+                    k: np.ascontiguousarray(np.asarray(arrays[k])).tobytes()
+                    for k in self._meta.leaves
+                },
+            )
         )
         self._pending += n
 
@@ -217,16 +229,25 @@ class ObjectPartWriter:
 
         Raises:
           WriterBusyError: another writer took the id over (this one's lease ran out):
-            nothing of this flush is committed, and this writer stops.
+            this writer stops (the message says which rows may be committed).
         """
         self._check_open()
-        if not self._pending:
-            return self._manifest.committed
+        while self._pending:
+            if self._commit_pending():
+                break
+        if time.monotonic() - self._last_gc >= min(10.0, self._grace_s / 10):
+            self._collect()
+        return self._manifest.committed
+
+    def _commit_pending(self) -> bool:
+        """One attempt at committing the pending rows: True once they are committed; False
+        when a flush of this writer whose answer was lost (it raised) had committed some of
+        them, which are dropped from the pending rows (the rest: another attempt)."""
         assert self._meta is not None
         m = self._manifest
         self._attempts += 1  # a piece is never rewritten: a retried flush writes a new one
         piece = Piece(m.committed, self._pending, self._lease.epoch, self._attempts)
-        data = b"".join(c[k] for k in self._meta.leaves for c in self._chunks)
+        data = b"".join(c[k] for k in self._meta.leaves for _, c in self._chunks)
         self._store.put(self._store.piece_key(self._id, piece), data)
         committed = m.committed + self._pending
         live_start = 0 if m.capacity is None else max(0, committed - m.capacity)
@@ -240,6 +261,10 @@ class ObjectPartWriter:
             schema=m.schema or self._meta.to_json(),
         )
         if not self._store.publish(new):
+            found = self._store.read_manifest(self._id, new.version)
+            if found is not None and found.epoch == self._lease.epoch:
+                self._adopt(found)  # this writer's own commit: no other holds its epoch
+                return not self._pending
             self._fenced(new.version, "are not committed")
         if self._lease.stale() and self._lease.taken_over() is not None:
             # Paused past the lease: the version created is the newest (the new holder
@@ -253,9 +278,25 @@ class ObjectPartWriter:
         self._manifest = new
         self._pieces_of[new.version] = frozenset(p.name for p in pieces)
         self._chunks, self._pending = [], 0
-        if time.monotonic() - self._last_gc >= min(10.0, self._grace_s / 10):
-            self._collect()
-        return committed
+        return True
+
+    def _adopt(self, found: ObjectManifest) -> None:
+        """Takes ``found``, an earlier commit of this writer, as the commit point, and drops
+        the rows it committed from the pending ones (the oldest)."""
+        assert self._meta is not None
+        done = found.committed - self._manifest.committed
+        self._manifest = found
+        self._pieces_of[found.version] = frozenset(p.name for p in found.pieces)
+        width = {k: w for k, (_, w) in leaf_offsets(self._meta.leaves, 1).items()}
+        self._pending -= done
+        while done:
+            n, chunk = self._chunks[0]
+            if n <= done:
+                self._chunks.pop(0)
+                done -= n
+                continue
+            self._chunks[0] = (n - done, {k: b[done * width[k] :] for k, b in chunk.items()})
+            done = 0
 
     def _fenced(self, version: int, rows: str) -> None:
         self._open = False

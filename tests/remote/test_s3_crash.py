@@ -191,6 +191,8 @@ def _campaign(s3: S3Server, kills: int, writers: int, seed: int) -> dict[str, in
     counts["rows_checked"] += _check_snapshot(src, {})
     for w, m in zip(ws, sorted(src.writers, key=lambda m: m.writer_id), strict=True):
         assert m.committed >= w.acked and m.live == min(m.committed, CAPACITY)
+        counts["rows_committed"] = counts.get("rows_committed", 0) + m.committed
+    counts["takeovers"] = sum(len(w.opened) for w in ws) - len(ws)
     for fw in final:
         fw.close()
     print(f"s3 crash campaign (seed {seed}): {counts}")

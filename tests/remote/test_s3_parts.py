@@ -473,3 +473,33 @@ def test_a_piece_no_version_names_is_deleted_once_older_than_the_grace(s3: S3Ser
     _wait(gone, "the orphan piece to be deleted")
     w.close()
     np.testing.assert_array_equal(got_seq_after(url, s3), np.arange(n))
+
+
+def test_a_flush_retried_after_a_lost_answer_commits_each_row_once(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest version was created but its answer lost (the flush raised): the next
+    flush finds the version its own (its epoch) and commits the rest after it."""
+    url = _url()
+    w = _writer(s3, url, "a")
+    w.append(make_rows("a", 0, 4))
+    w.flush()
+    w.append(make_rows("a", 4, 3))
+    real = ObjectStore.create
+
+    def create_then_fail(self: ObjectStore, key: str, data: bytes) -> bool:
+        made = real(self, key, data)
+        if "/manifests/" in key:
+            monkeypatch.setattr(ObjectStore, "create", real)
+            raise ConnectionError("the answer was lost")
+        return made
+
+    monkeypatch.setattr(ObjectStore, "create", create_then_fail)
+    with pytest.raises(ConnectionError):
+        w.flush()
+    w.append(make_rows("a", 7, 2))
+    assert w.flush() == 9
+    w.close()
+    got = gr.open_source(url, storage_options=s3.storage_options()).read_batch(np.arange(9))
+    check_rows(got)
+    np.testing.assert_array_equal(got["seq"], np.arange(9))
