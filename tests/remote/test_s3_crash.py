@@ -14,6 +14,10 @@ run out. A reader refreshes and reads every live row meanwhile. Checked:
 * no torn row: every row read, meanwhile and at the end, equals the row its writer
   appended at that sequence number (leaves agree, ``tag`` names the writer);
 * the ids are taken over after the lease (each new process opens within its deadline).
+
+The counts, and what each killed process was doing (the last ``phase`` line it printed:
+``append``, ``piece`` upload, ``commit``, ``evict``, ``lease`` renewal, or ``committed``:
+between a flush's end and the next append), are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -65,9 +69,11 @@ class _Writer:
         self._reader: threading.Thread | None = None
         self.open_event = threading.Event()
         self.lost: list[tuple[int, int]] = []  # (opened at, acknowledged before)
+        self.phase = "open"  # what the process printed it was doing last
 
     def spawn(self) -> None:
         self.open_event.clear()
+        self.phase = "open"
         self.proc = subprocess.Popen(
             [sys.executable, CHILD, self.s3.endpoint_url, self.url, self.id,
              str(CAPACITY), "1", "loop", "8"],
@@ -91,6 +97,9 @@ class _Writer:
                 self.open_event.set()
             elif word == "committed":
                 self.acked = max(self.acked, int(rest[0]))
+                self.phase = "committed"
+            elif word == "phase":
+                self.phase = rest[0]
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -133,6 +142,7 @@ def _campaign(s3: S3Server, kills: int, writers: int, seed: int) -> dict[str, in
     counts = {"kills": 0, "rows_checked": 0, "rows_lost": 0, "reads": 0, "late_reads": 0}
     stop = threading.Event()
     failures: list[BaseException] = []
+    phases: dict[str, int] = {}  # what the killed process was doing (its last phase line)
 
     def read_meanwhile() -> None:
         src = gr.open_source(url, storage_options=opts, keys=["seq", "tag", "vec", "_writer"])
@@ -159,6 +169,7 @@ def _campaign(s3: S3Server, kills: int, writers: int, seed: int) -> dict[str, in
             time.sleep(rng.uniform(0.05, 1.0))  # a random moment of its work
             w.kill()
             counts["kills"] += 1
+            phases[w.phase] = phases.get(w.phase, 0) + 1
             w.spawn()
             assert not failures, failures
         for w in ws:
@@ -195,7 +206,7 @@ def _campaign(s3: S3Server, kills: int, writers: int, seed: int) -> dict[str, in
     counts["takeovers"] = sum(len(w.opened) for w in ws) - len(ws)
     for fw in final:
         fw.close()
-    print(f"s3 crash campaign (seed {seed}): {counts}")
+    print(f"s3 crash campaign (seed {seed}): {counts}; kills by phase: {phases}")
     return counts
 
 

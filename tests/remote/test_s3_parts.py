@@ -186,12 +186,12 @@ def _tell(proc: subprocess.Popen[bytes], text: str) -> str:
 
 def test_a_sigkilled_writers_id_is_refused_while_live_then_taken_over(s3: S3Server) -> None:
     url = _url()
-    child = _spawn(s3, url, "actor-3", "stdin")
+    child = _spawn(s3, url, "actor-3", "stdin", lease_s=3.0)  # refused while renewed
     try:
         assert _line(child).startswith("open 0 ")
         assert _tell(child, "flush 12") == "committed 12"
         with pytest.raises(gr.WriterBusyError, match=rf"host '.+', pid {child.pid}.*Fix"):
-            _writer(s3, url, "actor-3", lease_s=1)
+            _writer(s3, url, "actor-3", lease_s=1)  # within 3 s + 1 s of a renewal
         child.send_signal(signal.SIGKILL)
         child.wait()
         taker: list[gr.ReplayWriter] = []
