@@ -503,3 +503,52 @@ def test_a_flush_retried_after_a_lost_answer_commits_each_row_once(
     got = gr.open_source(url, storage_options=s3.storage_options()).read_batch(np.arange(9))
     check_rows(got)
     np.testing.assert_array_equal(got["seq"], np.arange(9))
+
+
+def test_two_writers_racing_for_one_free_id_one_takes_it(s3: S3Server) -> None:
+    """Both see the id free (released) and create the same lease epoch: one holds the id,
+    the other is refused naming it; the holder's commits follow the last one."""
+    url = _url()
+    w = _writer(s3, url, "a")
+    w.append(make_rows("a", 0, 6))
+    w.close()
+
+    def take() -> Any:
+        try:
+            return _writer(s3, url, "a")
+        except gr.WriterBusyError as e:
+            return e
+
+    got = _race([take, take])
+    holders = [g for g in got if isinstance(g, gr.ReplayWriter)]
+    refused = [g for g in got if isinstance(g, gr.WriterBusyError)]
+    assert len(holders) == 1 and len(refused) == 1, got
+    assert f"pid {os.getpid()}" in str(refused[0])
+    holders[0].append(make_rows("a", 6, 2))
+    assert holders[0].flush() == 8
+    holders[0].close()
+    np.testing.assert_array_equal(got_seq_after(url, s3), np.arange(8))
+
+
+def test_a_prioritized_replay_checkpoint_over_s3_restores_the_draws(s3: S3Server) -> None:
+    url = _url()
+    w = _writer(s3, url, "a", capacity=100)
+    w.append(make_rows("a", 0, 50))
+    w.close()
+    src = gr.open_source(url, storage_options=s3.storage_options())
+
+    def loader() -> Any:
+        return gr.make_data_loader(src, batch_size=8, sampling=gr.PrioritizedReplay(), seed=1)
+
+    it = iter(loader())
+    first = next(it)
+    it.update_priorities(first.index, np.arange(8) + 1.0)
+    state = it.get_state()
+    assert gr.read_watermark(state).writers == {"a": 50}
+    want = [np.asarray(next(it).index) for _ in range(3)]
+    again = iter(loader())
+    again.set_state(state)
+    for ids in want:
+        np.testing.assert_array_equal(np.asarray(next(again).index), ids)
+    it.close()
+    again.close()
