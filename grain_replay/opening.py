@@ -19,9 +19,10 @@ from grain_replay.errors import (
     StoreNotFoundError,
     UnfinishedWriteError,
 )
+from grain_replay.remote.options import redact_url
 from grain_replay.sources.base import ReplaySource
 from grain_replay.store.formats import detect_format, is_url, shown_path
-from grain_replay.store.objects import is_object_store
+from grain_replay.store.objects import what_is_at
 from grain_replay.store.parts import being_made, is_parts_store
 
 __all__ = ["SOURCE_CLASSES", "open_source", "source_class"]
@@ -97,12 +98,20 @@ def _open(path: str | os.PathLike[str], keys: Any, kwargs: dict[str, Any]) -> Re
     try:
         fmt = detect_format(path)
     except InvalidStoreError:
-        if not (is_url(text) and is_object_store(text, kwargs.get("storage_options"))):
+        if not is_url(text):
             raise
-        fmt = None
-    if fmt in (None, "npy") and is_url(text):
-        if fmt is None or is_object_store(text, kwargs.get("storage_options")):
+        found = what_is_at(text, kwargs.get("storage_options"))
+        if found == "store":  # a many-writer store on object storage
             return source_class("ObjectPartsDataSource")(text, keys, **kwargs)
+        if found == "nothing":
+            raise StoreNotFoundError(
+                f"Nothing at {redact_url(text)}: no object under it (a many-writer store "
+                "there has a replay_store.json once its first writer opened it). Fix: "
+                "check the URL and storage_options, start a writer of it "
+                "(gr.ReplayWriter(url, writer_id=..., storage_options=...)), or wait for "
+                "one: open_source(url, wait=60.0, storage_options=...)."
+            ) from None
+        raise
     cls: type[ReplaySource] = next(
         source_class(name) for name, (_, opens) in SOURCE_CLASSES.items() if opens == fmt
     )

@@ -52,6 +52,7 @@ __all__ = [
     "Piece",
     "check_object_url",
     "is_object_store",
+    "what_is_at",
     "leaf_offsets",
 ]
 
@@ -447,16 +448,23 @@ def schema_spec(schema: str, where: str) -> StoreMetadata:
 
 def is_object_store(url: str, storage_options: Mapping[str, Any] | None) -> bool:
     """Whether ``url`` holds a many-writer store on object storage (its store file)."""
+    return what_is_at(url, storage_options) == "store"
+
+
+def what_is_at(url: str, storage_options: Mapping[str, Any] | None) -> str:
+    """``"store"``: a many-writer store on object storage is at ``url``; ``"nothing"``: no
+    object is under it (a learner may wait for its writers); ``"other"``: something else,
+    or not an object-storage URL this package writes."""
     if protocol_of(url) not in OBJECT_PROTOCOLS:
-        return False
+        return "other"
     try:
         store = ObjectStore(url, storage_options)
         raw = store.get(store.key(parts_lib.STORE_FILE))
+        if raw is None:
+            return "other" if store.fs.exists(store.root) else "nothing"
     except (OSError, ValueError):
-        return False
-    if raw is None:
-        return False
+        return "other"
     try:
-        return bool(json.loads(raw).get("storage") == STORAGE)
+        return "store" if json.loads(raw).get("storage") == STORAGE else "other"
     except (ValueError, AttributeError):
-        return False
+        return "other"

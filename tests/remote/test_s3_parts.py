@@ -552,3 +552,22 @@ def test_a_prioritized_replay_checkpoint_over_s3_restores_the_draws(s3: S3Server
         np.testing.assert_array_equal(np.asarray(next(again).index), ids)
     it.close()
     again.close()
+
+
+def test_a_learner_started_first_waits_for_the_writers(s3: S3Server) -> None:
+    url = _url()
+    so = s3.storage_options()
+    with pytest.raises(gr.StoreNotFoundError, match=r"Nothing at s3://.*Fix:.*wait="):
+        gr.open_source(url, storage_options=so)
+    opened: list[Any] = []
+    learner = threading.Thread(
+        target=lambda: opened.append(gr.open_source(url, storage_options=so, wait=60.0))
+    )
+    learner.start()  # polls: no store, then a store with no committed row, then rows
+    w = _writer(s3, url, "a")
+    w.append(make_rows("a", 0, 3))
+    w.flush()
+    learner.join(60)
+    assert len(opened) == 1 and isinstance(opened[0], gr.ObjectPartsDataSource)
+    assert len(opened[0]) == 3
+    w.close()
