@@ -298,7 +298,11 @@ class ObjectStore:
             return float(stamp.timestamp())
         if isinstance(stamp, (int, float)):
             return float(stamp)
-        raise InvalidStoreError(f"no modification time in the listing entry {dict(entry)!r}")
+        raise InvalidStoreError(
+            f"no modification time in the listing entry {dict(entry)!r}: leases and the grace "
+            "period need the server's LastModified. Fix: use S3 (or a server that lists "
+            "LastModified)."
+        )
 
     # -- the store file ------------------------------------------------------------
 
@@ -366,7 +370,10 @@ class ObjectStore:
             if self.get(f"{folder}/{k}") == writer_id.encode():
                 return k  # a takeover racing this one claimed it for the same id
             k += 1
-        raise InvalidStoreError(f"{self.shown}: no row-id ordinal left for writer {writer_id!r}.")
+        raise InvalidStoreError(
+            f"{self.shown}: no row-id ordinal left for writer {writer_id!r} (2**23 writer ids "
+            "were claimed). Fix: write to a new store URL."
+        )
 
     # -- writers and manifests -----------------------------------------------------
 

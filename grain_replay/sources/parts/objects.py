@@ -391,7 +391,10 @@ class ObjectPartsDataSource(SourceSurface):
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         if key not in self._spec:
-            raise UnknownLeafError(f"{self.path}: no leaf {key!r}; leaves: {list(self._spec)}")
+            raise UnknownLeafError(
+                f"{self.path}: no leaf {key!r}; leaves: {list(self._spec)}. Fix: pass one of "
+                "those (or open the source with keys= naming it)."
+            )
         snap = self._snap
         idx = check_indices(indices, snap.n, self.path)
         p, seq = snap.locate(idx)
