@@ -466,9 +466,12 @@ def what_is_at(url: str, storage_options: Mapping[str, Any] | None) -> str:
         return "other"
     try:
         store = ObjectStore(url, storage_options)
+        # Looked at before the store file: a writer creates that first, so "something,
+        # and no store file after it" is never a store being made.
+        something = store.fs.exists(store.root)
         raw = store.get(store.key(parts_lib.STORE_FILE))
         if raw is None:
-            return "other" if store.fs.exists(store.root) else "nothing"
+            return "other" if something else "nothing"
     except (OSError, ValueError):
         return "other"
     try:

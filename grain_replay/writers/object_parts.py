@@ -27,6 +27,7 @@ from grain_replay.errors import (
     InvalidTreeError,
     WriterBusyError,
 )
+from grain_replay.pipeline import shutdown
 from grain_replay.remote.options import redact_url
 from grain_replay.store import layout as layout_lib
 from grain_replay.store import objects as objects_lib
@@ -104,6 +105,10 @@ class ObjectPartWriter:
         self._pending = 0
         self._attempts = 0
         self._open = True
+        # Closed (pending rows committed, the id freed) before the interpreter exits: a
+        # close from __del__ during finalization would wait forever on fsspec's event
+        # loop thread, already gone.
+        shutdown.register(self, ObjectPartWriter.close)
 
     # -- taking the id ---------------------------------------------------------------
 
@@ -300,6 +305,7 @@ class ObjectPartWriter:
 
     def _fenced(self, version: int, rows: str) -> None:
         self._open = False
+        shutdown.unregister(self)
         self._lease.stop()
         holder = self._lease.taken_over() or {}
         raise WriterBusyError(
@@ -357,12 +363,14 @@ class ObjectPartWriter:
             self._collect()
         finally:
             self._open = False
+            shutdown.unregister(self)
             self._lease.release()
 
     def abandon(self) -> None:
         """Frees the id without committing anything more."""
         if self._open:
             self._open = False
+            shutdown.unregister(self)
             self._lease.release()
 
 

@@ -571,3 +571,25 @@ def test_a_learner_started_first_waits_for_the_writers(s3: S3Server) -> None:
     assert len(opened) == 1 and isinstance(opened[0], gr.ObjectPartsDataSource)
     assert len(opened[0]) == 3
     w.close()
+
+
+def test_a_writer_left_open_commits_and_frees_its_id_at_exit(s3: S3Server) -> None:
+    """A script that never closes its writer: the exit hook commits its rows and releases
+    the lease (a close from __del__ at finalization would wait forever on fsspec's loop)."""
+    url = _url()
+    helpers = os.path.join(os.path.dirname(__file__), "..", "helpers")
+    script = (
+        f"import sys; sys.path.insert(0, {helpers!r})\n"
+        "import grain_replay as gr\n"
+        "from parts_child import make_rows\n"
+        "from s3_server import s3_storage_options\n"
+        f"w = gr.ReplayWriter({url!r}, capacity=100, writer_id='a', "
+        f"storage_options=s3_storage_options({s3.endpoint_url!r}))\n"
+        "w.append(make_rows('a', 0, 5))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    np.testing.assert_array_equal(got_seq_after(url, s3), np.arange(5))
+    w = _writer(s3, url, "a", capacity=100)  # released: taken at once, no lease to wait out
+    assert w.committed == 5
+    w.close()
