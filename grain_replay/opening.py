@@ -15,11 +15,14 @@ import numpy as np
 from grain_replay.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
+    InvalidStoreError,
     StoreNotFoundError,
     UnfinishedWriteError,
 )
+from grain_replay.remote.options import redact_url
 from grain_replay.sources.base import ReplaySource
 from grain_replay.store.formats import detect_format, is_url, shown_path
+from grain_replay.store.objects import what_is_at
 from grain_replay.store.parts import being_made, is_parts_store
 
 __all__ = ["SOURCE_CLASSES", "open_source", "source_class"]
@@ -31,6 +34,7 @@ SOURCE_CLASSES = {
     "NpyDataSource": ("grain_replay.sources.npy", "npy"),
     "NpzDataSource": ("grain_replay.sources.npz", "npz"),
     "PartsDataSource": ("grain_replay.sources.parts", None),
+    "ObjectPartsDataSource": ("grain_replay.sources.parts", None),
     "RLDSDataSource": ("grain_replay.datasets.rlds", "rlds"),
     "TorchRLDataSource": ("grain_replay.datasets.torchrl", "torchrl"),
     "VaultDataSource": ("grain_replay.datasets.vault", "vault"),
@@ -90,7 +94,24 @@ def _open(path: str | os.PathLike[str], keys: Any, kwargs: dict[str, Any]) -> Re
     if is_parts_store(os.fspath(path)):
         kwargs = {k: v for k, v in kwargs.items() if k != "storage_options"}
         return source_class("PartsDataSource")(path, keys, **kwargs)
-    fmt = detect_format(path)
+    text = os.fspath(path)
+    try:
+        fmt = detect_format(path)
+    except InvalidStoreError:
+        if not is_url(text):
+            raise
+        found = what_is_at(text, kwargs.get("storage_options"))
+        if found == "store":  # a many-writer store on object storage
+            return source_class("ObjectPartsDataSource")(text, keys, **kwargs)
+        if found == "nothing":
+            raise StoreNotFoundError(
+                f"Nothing at {redact_url(text)}: no object under it (a many-writer store "
+                "there has a replay_store.json once its first writer opened it). Fix: "
+                "check the URL and storage_options, start a writer of it "
+                "(gr.ReplayWriter(url, writer_id=..., storage_options=...)), or wait for "
+                "one: open_source(url, wait=60.0, storage_options=...)."
+            ) from None
+        raise
     cls: type[ReplaySource] = next(
         source_class(name) for name, (_, opens) in SOURCE_CLASSES.items() if opens == fmt
     )

@@ -21,6 +21,7 @@ SOURCES = [
     "HDF5DataSource",
     "NpyDataSource",
     "NpzDataSource",
+    "ObjectPartsDataSource",
     "PartsDataSource",
     "ReplaySource",
     "ZarrDataSource",

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # loaded on first use: a loader worker imports only the room 
     from grain_replay.sources.hdf5 import HDF5DataSource
     from grain_replay.sources.npy import NpyDataSource
     from grain_replay.sources.npz import NpzDataSource
-    from grain_replay.sources.parts import PartsDataSource
+    from grain_replay.sources.parts import ObjectPartsDataSource, PartsDataSource
     from grain_replay.sources.zarr import ZarrDataSource
 
 # Class name -> its room, imported on first use.
@@ -21,6 +21,7 @@ _ROOMS = {
     "HDF5DataSource": "grain_replay.sources.hdf5",
     "NpyDataSource": "grain_replay.sources.npy",
     "NpzDataSource": "grain_replay.sources.npz",
+    "ObjectPartsDataSource": "grain_replay.sources.parts",
     "PartsDataSource": "grain_replay.sources.parts",
     "ZarrDataSource": "grain_replay.sources.zarr",
 }
@@ -35,6 +36,7 @@ __all__ = [
     "HDF5DataSource",
     "NpyDataSource",
     "NpzDataSource",
+    "ObjectPartsDataSource",
     "PartsDataSource",
     "ZarrDataSource",
 ]

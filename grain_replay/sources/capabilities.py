@@ -40,6 +40,7 @@ __all__ = [
     "HasWatermark",
     "HasWriters",
     "ManyWriterStore",
+    "OnObjectStorage",
     "Prefetches",
     "PriorityUpdates",
     "ReadsIds",
@@ -170,6 +171,21 @@ class ManyWriterStore(Protocol):
 
     def writer_starts(self) -> np.ndarray:
         """The position of each writer's oldest live row in the snapshot."""
+        ...
+
+
+@runtime_checkable
+class OnObjectStorage(Protocol):
+    """A many-writer store on object storage (``ObjectPartsDataSource``): a rate-limited
+    learner publishes its progress into the folder it gives (in the bucket) and counts the
+    writers' rows from its manifests, as it does in a local store's folder."""
+
+    def learners_folder(self) -> Any:
+        """Where learners publish (``grain_replay.store.object_folder.ObjectFolder``)."""
+        ...
+
+    def inserted_count(self) -> Any:
+        """The writers' rows (``ObjectInsertedCount``: ``read() -> (inserted, live)``)."""
         ...
 
 

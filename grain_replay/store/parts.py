@@ -58,6 +58,7 @@ __all__ = [
     "id_ordinals",
     "being_made",
     "is_parts_store",
+    "is_safe_writer_id",
     "list_writers",
     "make_ids",
     "read_manifest",
@@ -132,6 +133,11 @@ def being_made(path: str) -> bool:
         return False
     made = {WRITERS_DIR, ORDINALS_DIR}
     return all(n in made or n.startswith(STORE_FILE) for n in names)
+
+
+def is_safe_writer_id(name: str) -> bool:
+    """Whether ``name`` is a writer id :func:`check_writer_id` accepts."""
+    return bool(_SAFE_ID.match(name)) and name != ".."
 
 
 def check_writer_id(writer_id: Any, store: str) -> str:

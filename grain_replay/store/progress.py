@@ -31,9 +31,11 @@ import math
 import os
 import socket
 import time
+from typing import Any
 
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import atomic_replace, pid_alive
+from grain_replay.store.object_folder import ObjectFolder
 from grain_replay.store.rate_limit import LIMIT_FILE, RateLimit, learners_dir
 
 __all__ = [
@@ -174,21 +176,27 @@ class Progress:
         return None
 
 
-def publish(directory: str, progress: Progress) -> None:
+def publish(directory: str | ObjectFolder, progress: Progress) -> None:
     """Replaces ``directory/<name>`` with ``progress`` (not fsync'ed: it is a live hint)."""
+    if isinstance(directory, ObjectFolder):
+        directory.replace(progress.name, progress.to_json())  # one PUT: whole or not at all
+        return
     os.makedirs(directory, exist_ok=True)
     # The temp name ends in .partial, not .json: LearnerWatch.live() never lists it.
     with atomic_replace(os.path.join(directory, progress.name), durable=False) as f:
         f.write(progress.to_json().encode())
 
 
-def read_progress(directory: str, name: str) -> Progress | None:
+def read_progress(directory: str | ObjectFolder, name: str) -> Progress | None:
+    if isinstance(directory, ObjectFolder):
+        text = directory.read(name)
+        return None if text is None else Progress.from_json(name, text)
     with contextlib.suppress(OSError), open(os.path.join(directory, name)) as f:
         return Progress.from_json(name, f.read())
     return None
 
 
-def withdraw(directory: str, name: str, token: str) -> bool:
+def withdraw(directory: str | ObjectFolder, name: str, token: str) -> bool:
     """Withdraws the file ``name`` if it holds ``token``: a learner withdraws only what it
     published, never another learner's file (of this process or another); whether it did.
 
@@ -199,6 +207,17 @@ def withdraw(directory: str, name: str, token: str) -> bool:
     p = read_progress(directory, name)
     if p is None or not token or p.token != token:
         return False
+    if isinstance(directory, ObjectFolder):
+        try:
+            if directory.exists(LIMIT_FILE):
+                if not p.closed:
+                    publish(directory, dataclasses.replace(p, closed=True, waiting=False))
+            else:
+                directory.remove(name)
+        except Exception as e:  # unreachable: the heartbeat goes stale, writers go on
+            logger.warning("%s: could not withdraw %s: %s", directory, name, e)
+            return False
+        return True
     with contextlib.suppress(OSError):
         if os.path.exists(os.path.join(directory, LIMIT_FILE)):
             if not p.closed:
@@ -248,9 +267,9 @@ def stand_in(limit: RateLimit, gone: list[Progress]) -> Progress | None:
 class LearnerWatch:
     """The live learners of a store, re-read only when their files change."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str | ObjectFolder) -> None:
         self.directory = directory
-        self._cache: dict[str, tuple[tuple[int, int, int], Progress | None]] = {}
+        self._cache: dict[str, tuple[Any, Progress | None]] = {}
         self._told: set[tuple[str, int, str]] = set()
 
     def live(self) -> list[Progress]:
@@ -261,11 +280,7 @@ class LearnerWatch:
         """``(live, gone)``: the learners whose file is fresh and whose process may be alive,
         and those closed, stale or exited."""
         try:
-            entries = [
-                e
-                for e in os.scandir(self.directory)
-                if e.name.endswith(".json") and not e.name.startswith(".") and e.name != LIMIT_FILE
-            ]
+            entries = self._entries()
         except (FileNotFoundError, NotADirectoryError):
             self._cache.clear()
             return [], []
@@ -273,16 +288,12 @@ class LearnerWatch:
         out = []
         gone = []
         seen = set()
-        for e in entries:
-            try:
-                stamp = _stamp(e.stat())
-            except OSError:
-                continue
-            seen.add(e.name)
-            cached = self._cache.get(e.name)
+        for name, stamp in entries:
+            seen.add(name)
+            cached = self._cache.get(name)
             if cached is None or cached[0] != stamp:
-                cached = (stamp, read_progress(self.directory, e.name))
-                self._cache[e.name] = cached
+                cached = (stamp, read_progress(self.directory, name))
+                self._cache[name] = cached
             p = cached[1]
             if p is None:
                 continue
@@ -302,6 +313,23 @@ class LearnerWatch:
         for name in set(self._cache) - seen:
             del self._cache[name]
         return out, gone
+
+    def _entries(self) -> list[tuple[str, Any]]:
+        """``(name, stamp)`` of each progress file (the stamp changes when it is replaced)."""
+        if isinstance(self.directory, ObjectFolder):
+            found = self.directory.entries()
+        else:
+            found = []
+            for e in os.scandir(self.directory):
+                try:
+                    found.append((e.name, _stamp(e.stat())))
+                except OSError:
+                    continue
+        return [
+            (name, stamp)
+            for name, stamp in found
+            if name.endswith(".json") and not name.startswith(".") and name != LIMIT_FILE
+        ]
 
 
 class InsertedCount:

@@ -25,6 +25,7 @@ import numpy as np
 from grain_replay.errors import InvalidSamplingError, InvalidStoreError
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import fsync_path, temp_path
+from grain_replay.store.object_folder import ObjectFolder
 
 __all__ = [
     "LIMIT_FILE",
@@ -237,18 +238,25 @@ class RateLimit:
         )
 
 
-def read_declared(directory: str) -> RateLimit | None:
+def read_declared(directory: str | ObjectFolder) -> RateLimit | None:
     """The limit declared in the learners' folder ``directory``, or None.
 
     Raises:
       InvalidStoreError: the file is not a declaration this version reads.
     """
-    path = os.path.join(directory, LIMIT_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+    if isinstance(directory, ObjectFolder):
+        path = f"{directory}/{LIMIT_FILE}"
+        found = directory.read(LIMIT_FILE)
+        if found is None:
+            return None
+        text = found
+    else:
+        path = os.path.join(directory, LIMIT_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
     try:
         raw = json.loads(text)
         if int(raw["version"]) != _VERSION:
@@ -267,7 +275,7 @@ def read_declared(directory: str) -> RateLimit | None:
         ) from e
 
 
-def declare(directory: str, limit: RateLimit, who: str) -> RateLimit:
+def declare(directory: str | ObjectFolder, limit: RateLimit, who: str) -> RateLimit:
     """Declares ``limit`` in ``directory`` unless a limit is declared there already;
     returns the declared one (``limit`` itself, timeout included, when it agrees).
 
@@ -279,7 +287,12 @@ def declare(directory: str, limit: RateLimit, who: str) -> RateLimit:
       InvalidSamplingError: the store declares another limit (naming both).
     """
     declared = read_declared(directory)
+    if declared is None and isinstance(directory, ObjectFolder):
+        directory.create(LIMIT_FILE, limit._to_json(who))  # the first declaration stays
+        declared = read_declared(directory)
+        assert declared is not None
     if declared is None:
+        assert isinstance(directory, str)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LIMIT_FILE)
         tmp = temp_path(path)
@@ -304,7 +317,8 @@ def declare(directory: str, limit: RateLimit, who: str) -> RateLimit:
     if not declared.agrees(limit):
         raise InvalidSamplingError(
             f"{who}: rate_limit={limit.terms()} contradicts the limit the store declares, "
-            f"{declared.terms()} ({os.path.join(directory, LIMIT_FILE)}, written by its "
+            f"{declared.terms()} ({directory}{os.sep if isinstance(directory, str) else '/'}"
+            f"{LIMIT_FILE}, written by its "
             "first rate-limited writer). Expected the same min_size, samples_per_insert and "
             f"tolerance on every writer and learner of a store. Fix: pass "
             f"rate_limit={declared.terms()} (or no rate_limit=: every writer of the store "

@@ -14,6 +14,10 @@ import math
 import time
 
 from grain_replay.errors import InvalidArgumentError, InvalidSamplingError, RateLimitTimeoutError
+from grain_replay.store.object_folder import POLL_MAX_S as OBJECT_POLL_MAX_S
+from grain_replay.store.object_folder import POLL_MIN_S as OBJECT_POLL_MIN_S
+from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
+from grain_replay.store.objects import ObjectStore
 from grain_replay.store.progress import (
     InsertedCount,
     LearnerWatch,
@@ -86,10 +90,26 @@ class WriterGate:
       who: the writer, as error messages name it.
     """
 
-    def __init__(self, store: str, *, parts: bool, timeout: float | None, who: str) -> None:
-        self._dir = learners_dir(store, parts=parts)
+    def __init__(
+        self,
+        store: str,
+        *,
+        parts: bool,
+        timeout: float | None,
+        who: str,
+        objects: ObjectStore | None = None,
+    ) -> None:
+        self._dir: str | ObjectFolder
+        self._count: InsertedCount | ObjectInsertedCount | None
+        self._polls = (_POLL_MIN_S, _POLL_MAX_S)
+        if objects is not None:  # a many-writer store on object storage
+            self._dir = ObjectFolder(objects)
+            self._count = ObjectInsertedCount(objects)
+            self._polls = (OBJECT_POLL_MIN_S, OBJECT_POLL_MAX_S)
+        else:
+            self._dir = learners_dir(store, parts=parts)
+            self._count = InsertedCount(store) if parts else None
         self._watch = LearnerWatch(self._dir)
-        self._count = InsertedCount(store) if parts else None
         self._timeout = timeout
         self._who = who
         self._limit: RateLimit | None = None  # the store's, once read (it never changes)
@@ -159,7 +179,7 @@ class WriterGate:
 
     def _wait(self, learners: list[Progress], start: float, committed: int, pending: int) -> float:
         told = start
-        poll = _POLL_MIN_S
+        poll, most = self._polls
         while True:
             inserted, live = self._counts(committed)
             blocking = [p for p in learners if p.blocks_insert(inserted, live, pending)]
@@ -173,7 +193,7 @@ class WriterGate:
                 told = now
                 logger.warning("%s", self._message(blocking[0], inserted, pending, waited))
             time.sleep(poll)
-            poll = min(2 * poll, _POLL_MAX_S)
+            poll = min(2 * poll, most)
             learners = self._learners()
 
     def _message(self, p: Progress, inserted: int, pending: int, waited: float) -> str:

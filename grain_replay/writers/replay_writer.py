@@ -17,11 +17,14 @@ from grain_replay.errors import (
     InvalidStoreError,
     WriterBusyError,
 )
+from grain_replay.remote.options import redact_url
 from grain_replay.store.formats import is_url
+from grain_replay.store.objects import DEFAULT_EVICT_GRACE_S, DEFAULT_LEASE_S
 from grain_replay.store.parts import is_parts_store
 from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
+from grain_replay.writers.object_parts import ObjectPartWriter, check_url_arguments
 from grain_replay.writers.parts_writer import PartWriter
 from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout, check_writer_limit
 from grain_replay.writers.resume import resume_rows
@@ -31,23 +34,50 @@ __all__ = ["ReplayWriter", "WriterBusyError"]
 
 logger = logging.getLogger(__name__)
 
+# The writers of a part of a many-writer store: on a file system, on object storage.
+_PARTS = (PartWriter, ObjectPartWriter)
+
 
 def _local_path(path: str | os.PathLike[str], writer_id: str | None) -> str:
-    """The absolute path of a store on a file system; URLs are refused (see
-    docs/replay_store.md#file-systems-and-formats)."""
+    """The absolute path of a store on a file system, or a many-writer store's URL
+    (s3://); a plain store's URL is refused (see docs/replay_store.md#file-systems-and-formats)."""
     text = os.fspath(path)
     if is_url(text):
-        who = "" if writer_id is None else f" (writer {writer_id!r})"
+        if writer_id is not None:
+            return text
         raise InvalidArgumentError(
-            f"{text}{who}: ReplayWriter writes to a POSIX file system only (a local disk, or "
-            "NFSv4 / Lustre / GPFS shared by the hosts), in every format: commits rename "
-            "files, writer ids are flock'ed and evicted segments stay readable while open, "
-            "which object storage does not offer. Fix: write to a path on such a file "
-            "system; to serve the rows from object storage, copy them into one Zarr store "
-            "(grain-replay convert) and upload it, then read it with "
+            f"{text}: a plain ReplayWriter (no capacity= or writer_id=) writes to a POSIX "
+            "file system only (a local disk, or NFSv4 / Lustre / GPFS shared by the hosts), "
+            "in every format: it appends to files in place, which object storage does not "
+            "offer. Fix: pass writer_id=... (and capacity=...) for a many-writer store of "
+            "npy pieces on s3:// (docs/replay_store.md#on-object-storage), or write to a "
+            "path on such a file system; to serve a plain store from object storage, copy "
+            "it into one Zarr store (grain-replay convert) and upload it, then read it with "
             "gr.ZarrDataSource(url, storage_options=...)."
         )
     return os.path.abspath(text)
+
+
+def _object_only(
+    path: str, storage_options: Any, lease_s: Any, evict_grace_s: Any, writer_id: str | None
+) -> None:
+    """Refuses the object-storage arguments for a POSIX path, naming the fix."""
+    given = [
+        n
+        for n, v in (
+            ("storage_options", storage_options),
+            ("lease_s", lease_s),
+            ("evict_grace_s", evict_grace_s),
+        )
+        if v is not None
+    ]
+    if given and not is_url(path):
+        who = "" if writer_id is None else f" (writer {writer_id!r})"
+        raise InvalidArgumentError(
+            f"{path}{who}: {', '.join(given)} apply to a many-writer store on object storage "
+            "(an s3:// URL) only; on a POSIX file system writer ids are held by flock and "
+            f"evicted segments stay readable while open. Fix: drop {', '.join(given)}."
+        )
 
 
 class ReplayWriter:
@@ -106,6 +136,15 @@ class ReplayWriter:
         :class:`~grain_replay.RateLimitTimeoutError` (the rows stay pending); None
         waits as long as it takes, logging why every 30 s. ``close()`` never waits.
         Default: ``rate_limit.timeout``; both given must agree.
+      storage_options: fsspec options of an ``s3://`` URL: ``path`` may be one for a
+        many-writer store (``writer_id=``), of npy pieces on object storage
+        (docs/replay_store.md#on-object-storage); POSIX paths take none.
+      lease_s: on object storage, seconds the lease on ``writer_id`` lasts unrenewed (a
+        heartbeat thread renews it every ``lease_s / 4``): the id of a writer that died
+        is taken over that long after its last renewal (default 30).
+      evict_grace_s: on object storage, seconds evicted pieces and superseded manifest
+        versions are kept, so that a reader whose snapshot is younger reads all its
+        rows (default 300).
 
     Device arrays: ``append`` of a tree with ``jax.Array`` leaves (sharded or not, on
     any device, mixed with numpy leaves or not) checks the tree at once, queues it and
@@ -143,15 +182,28 @@ class ReplayWriter:
         max_inflight_bytes: int = background.DEFAULT_MAX_INFLIGHT_BYTES,
         rate_limit_timeout: float | None = None,
         rate_limit: RateLimit | None = None,
+        storage_options: dict[str, Any] | None = None,
+        lease_s: float | None = None,
+        evict_grace_s: float | None = None,
     ):
-        self._store: PartWriter | StoreWriter | None = None
+        self._store: PartWriter | StoreWriter | ObjectPartWriter | None = None
         self._bg: background.BackgroundWriter | None = None
-        self._path = _local_path(path, writer_id)
-        timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
-        limit, timeout = check_writer_limit(rate_limit, timeout, self._path)
         parts = capacity is not None or writer_id is not None or segment_rows is not None
         if parts and writer_id is None:
             writer_id = "default"
+        self._path = _local_path(path, writer_id)
+        _object_only(self._path, storage_options, lease_s, evict_grace_s, writer_id)
+        if is_url(self._path):
+            assert writer_id is not None
+            self._open_object_part(
+                format, writer_id, capacity, storage_options, lease_s, evict_grace_s,
+                segment_rows=segment_rows, resume_from=resume_from, rate_limit=rate_limit,
+                rate_limit_timeout=rate_limit_timeout, flush_every=flush_every,
+                max_inflight_bytes=max_inflight_bytes,
+            )  # fmt: skip
+            return
+        timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
+        limit, timeout = check_writer_limit(rate_limit, timeout, self._path)
         self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
@@ -192,6 +244,57 @@ class ReplayWriter:
                 raise
         # Counted here, not from the store's counters, which the background thread moves.
         self._appended = self._committed = self._flushed = self._store.committed
+
+    def _open_object_part(
+        self,
+        format: str | None,
+        writer_id: str,
+        capacity: int | None,
+        storage_options: dict[str, Any] | None,
+        lease_s: float | None,
+        evict_grace_s: float | None,
+        *,
+        segment_rows: int | None,
+        resume_from: object,
+        rate_limit: RateLimit | None,
+        rate_limit_timeout: float | None,
+        flush_every: int | None,
+        max_inflight_bytes: int,
+    ) -> None:
+        """A writer part on object storage (docs/replay_store.md#on-object-storage)."""
+        check_url_arguments(
+            self._path, writer_id, segment_rows=segment_rows, resume_from=resume_from
+        )
+        self._who = f"{redact_url(self._path)} (writer {writer_id!r})"
+        timeout = check_rate_limit_timeout(rate_limit_timeout, self._who)
+        limit, timeout = check_writer_limit(rate_limit, timeout, self._who)
+        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
+        if flush_every is not None and flush_every <= 0:
+            raise InvalidArgumentError(
+                f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
+                "None (commit only at flush()) or a row count >= 1."
+            )
+        self._flush_every = flush_every
+        store = self._store = ObjectPartWriter(
+            self._path,
+            format,
+            writer_id=writer_id,
+            capacity=capacity,
+            storage_options=storage_options,
+            lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
+            evict_grace_s=DEFAULT_EVICT_GRACE_S if evict_grace_s is None else evict_grace_s,
+        )
+        self._gate = WriterGate(
+            self._path, parts=True, timeout=timeout, who=self._who, objects=store.objects
+        )
+        if limit is not None:
+            try:
+                self._gate.declare(limit)  # before the first row: writers hold from it on
+            except BaseException:
+                store.abandon()  # nothing appended: frees the writer id
+                raise
+        self._format = store.format
+        self._appended = self._committed = self._flushed = store.committed
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -269,16 +372,16 @@ class ReplayWriter:
     @property
     def writer_id(self) -> str | None:
         """This writer's id in a many-writer store (None for a single-writer store)."""
-        return self._store.manifest.writer_id if isinstance(self._store, PartWriter) else None
+        return self._store.manifest.writer_id if isinstance(self._store, _PARTS) else None
 
     @property
     def capacity(self) -> int | None:
-        return self._store.manifest.capacity if isinstance(self._store, PartWriter) else None
+        return self._store.manifest.capacity if isinstance(self._store, _PARTS) else None
 
     @property
     def live(self) -> int:
         """Committed rows readers see: the newest ``min(committed, capacity)``."""
-        if isinstance(self._store, PartWriter):
+        if isinstance(self._store, _PARTS):
             return self._store.manifest.live
         return self.committed
 
@@ -398,7 +501,7 @@ class ReplayWriter:
             self._bg.request_sync()  # removes the segments this flush evicted
         return committed
 
-    def _flush_in_background(self, store: PartWriter | StoreWriter) -> int:
+    def _flush_in_background(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> int:
         """``flush(wait=False)``: queues a commit of every row appended so far behind them."""
         upto = self._appended
         if store.closed:
@@ -413,13 +516,13 @@ class ReplayWriter:
         self._flushed = upto
         return upto
 
-    def _commit_queued(self, store: PartWriter | StoreWriter) -> None:
+    def _commit_queued(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> None:
         """The background thread's commit (every row queued before it is written)."""
         self._committed = store.flush()
 
     def __repr__(self) -> str:
         pending = 0 if self._store is None else self._store.pending
-        if isinstance(self._store, PartWriter):
+        if isinstance(self._store, _PARTS):
             m = self._store.manifest
             return (
                 f"ReplayWriter(path={self._path!r}, format={self._format!r}, "

@@ -1,10 +1,12 @@
 """What object storage holds of a many-writer store: what docs/replay_store.md claims.
 
-Every format's writers (plain and many-writer) need a POSIX file system: a URL is
+Plain writers need a POSIX file system in every format, and many-writer ones on
+object storage write npy pieces only (tests/remote/test_s3_parts.py): the rest is
 refused, naming the fix, and nothing is written anywhere (not a local ``s3:``
-folder). Object storage serves a many-writer store's rows read-only, as one Zarr
-store copied out of it (``grain-replay convert``) and uploaded; the writer-parts
-folder itself is not a store readers open over an URL. A real moto S3 server.
+folder). A POSIX many-writer store's rows are served from object storage read-only,
+as one Zarr store copied out of it (``grain-replay convert``) and uploaded; the
+writer-parts folder itself is not a store readers open over an URL. A real moto S3
+server.
 """
 
 from __future__ import annotations
@@ -46,16 +48,21 @@ def _many_writer_store(path: str) -> dict[str, np.ndarray]:
     return rows
 
 
-@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
-@pytest.mark.parametrize("writer_id", [None, "actor-0"])
+@pytest.mark.parametrize(
+    ("fmt", "writer_id"),
+    [("npy", None), ("hdf5", None), ("zarr", None), ("hdf5", "actor-0"), ("zarr", "actor-0")],
+)
 def test_writers_refuse_object_storage_and_write_nothing(
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, writer_id: str | None
 ) -> None:
+    """Plain writers refuse URLs in every format; many-writer ones take npy pieces only
+    (tests/remote/test_s3_parts.py), and refuse HDF5 and Zarr naming the one that works."""
     monkeypatch.chdir(tmp_path)
     url = f"s3://{BUCKET}/store.{ {'npy': 'npy', 'hdf5': 'h5', 'zarr': 'zarr'}[fmt] }"
     kw = {} if writer_id is None else {"writer_id": writer_id, "capacity": 100}
-    with pytest.raises(gr.InvalidArgumentError, match=r"POSIX file system.*Fix:.*convert") as e:
-        gr.ReplayWriter(url, fmt, **kw)  # type: ignore[arg-type]
+    fix = r"POSIX file system.*Fix:.*writer_id=.*convert" if writer_id is None else "format='npy'"
+    with pytest.raises(gr.InvalidArgumentError, match=fix) as e:
+        gr.ReplayWriter(url, fmt, storage_options=s3.storage_options(), **kw)  # type: ignore[arg-type]
     assert url in str(e.value)
     if writer_id is not None:
         assert repr(writer_id) in str(e.value)

@@ -31,8 +31,11 @@ from grain_replay.errors import (
 from grain_replay.sampling.rate.options import default_tolerance, least_tolerance, limit_of
 from grain_replay.sampling.rate.publish import ProgressPublisher
 from grain_replay.sampling.replay import probe_copy
-from grain_replay.sources.capabilities import ReadsIds, Refreshable
+from grain_replay.sources.capabilities import OnObjectStorage, ReadsIds, Refreshable
 from grain_replay.store import progress as learners_lib
+from grain_replay.store.object_folder import POLL_MAX_S as OBJECT_POLL_MAX_S
+from grain_replay.store.object_folder import POLL_MIN_S as OBJECT_POLL_MIN_S
+from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
 from grain_replay.store.rate_limit import RateLimit, learners_dir, read_declared
 
 __all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter", "sampling_limit"]
@@ -50,9 +53,12 @@ class _Counts:
 
     def __init__(self, source: Any) -> None:
         self.parts = isinstance(source, ReadsIds) and isinstance(getattr(source, "path", None), str)
-        self._inserted: learners_lib.InsertedCount | None = None
+        self._inserted: learners_lib.InsertedCount | ObjectInsertedCount | None = None
         self._probe: Any = None
         self.grows = True
+        if isinstance(source, OnObjectStorage):  # the manifests in the bucket
+            self._inserted = source.inserted_count()
+            return
         if self.parts:
             self._inserted = learners_lib.InsertedCount(source.path)
             return
@@ -108,6 +114,12 @@ class RateLimiter:
         self._refresh = refresh
         self._source_name = str(getattr(source, "path", None) or repr(source))
         self._counts = _Counts(source)
+        # Each poll of a store on object storage is a LIST a writer: spaced wider.
+        self._polls = (
+            (OBJECT_POLL_MIN_S, OBJECT_POLL_MAX_S)
+            if isinstance(source, OnObjectStorage)
+            else (_POLL_MIN_S, _POLL_MAX_S)
+        )
         self.tolerance: float | None = None
         if self.r is not None:
             given = limit.tolerance
@@ -203,12 +215,12 @@ class RateLimiter:
             return False
         start = time.monotonic()
         told = start
-        poll = _POLL_MIN_S
+        poll, most = self._polls
         self._set_waiting(True)
         try:
             while True:
                 time.sleep(poll)
-                poll = min(2 * poll, _POLL_MAX_S)
+                poll = min(2 * poll, most)
                 self._count()
                 if self._allows(step):
                     self._ready_draw(looked=True)
@@ -377,8 +389,11 @@ def _no_refresh() -> None:
     pass
 
 
-def _learners_dir(source: Any) -> str | None:
-    """The learners' folder of a local store (None: not one, or a URL)."""
+def _learners_dir(source: Any) -> str | ObjectFolder | None:
+    """The learners' folder of a local store or of a many-writer store on object storage
+    (None: not one, or another URL)."""
+    if isinstance(source, OnObjectStorage):
+        return source.learners_folder()
     path = getattr(source, "path", None)
     if not isinstance(path, str) or "://" in path:
         return None

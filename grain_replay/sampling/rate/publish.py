@@ -31,6 +31,7 @@ from typing import Any
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline import shutdown
 from grain_replay.store import progress as learners_lib
+from grain_replay.store.object_folder import ObjectFolder
 from grain_replay.store.rate_limit import LIMIT_FILE
 
 __all__ = ["HEARTBEAT_S", "PUBLISH_EVERY_S", "ProgressPublisher"]
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Progress is published at most this often (hand-outs in between are coalesced) ...
 PUBLISH_EVERY_S = 0.005
+# Into a bucket each publish is a PUT: coalesced over a longer while (writers there poll
+# every 0.25 s at most).
+OBJECT_PUBLISH_EVERY_S = 0.05
 # ... and at least this often (the heartbeat), while the limiter lives.
 HEARTBEAT_S = 2.0
 
@@ -55,15 +59,17 @@ def _processes(name: str) -> str | None:
     return None if m is None else m.group(2)
 
 
-def _read_all(directory: str) -> list[learners_lib.Progress]:
+def _read_all(directory: str | ObjectFolder) -> list[learners_lib.Progress]:
     try:
-        names = sorted(
-            e.name
-            for e in os.scandir(directory)
-            if e.name.endswith(".json") and not e.name.startswith(".") and e.name != LIMIT_FILE
-        )
+        if isinstance(directory, ObjectFolder):
+            found = [name for name, _ in directory.entries()]
+        else:
+            found = [e.name for e in os.scandir(directory)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+    names = sorted(
+        n for n in found if n.endswith(".json") and not n.startswith(".") and n != LIMIT_FILE
+    )
     out = []
     for name in names:
         p = learners_lib.read_progress(directory, name)
@@ -80,9 +86,14 @@ class ProgressPublisher:
     At interpreter exit :mod:`grain_replay.pipeline.shutdown` closes it, if still open.
     """
 
-    def __init__(self, directory: str, name: str, what: str = "rate-limited") -> None:
+    def __init__(
+        self, directory: str | ObjectFolder, name: str, what: str = "rate-limited"
+    ) -> None:
         self.directory = directory
         self.name = name
+        self._every = (
+            OBJECT_PUBLISH_EVERY_S if isinstance(directory, ObjectFolder) else PUBLISH_EVERY_S
+        )
         # Identifies this learner among the learners of its process (and its file's owner).
         self.token = secrets.token_hex(8)
         self.label = f"{what} learner #{next(_NUMBERS)} of its process"
@@ -157,7 +168,7 @@ class ProgressPublisher:
         self._owner = [weakref.ref(owner)]
         self._thread = threading.Thread(
             target=_heartbeat,
-            args=(self._owner, self._dirty, self._stop),
+            args=(self._owner, self._dirty, self._stop, self._every),
             name="grain_replay-rate-limit",
             daemon=True,
         )
@@ -211,14 +222,17 @@ class ProgressPublisher:
 
 
 def _heartbeat(
-    ref: list[weakref.ReferenceType[Any]], dirty: threading.Event, stop: threading.Event
+    ref: list[weakref.ReferenceType[Any]],
+    dirty: threading.Event,
+    stop: threading.Event,
+    every: float,
 ) -> None:
     """Publishes coalesced changes, and a heartbeat, while the owner (``ref[0]``) lives."""
     while not stop.is_set():
         dirty.wait(HEARTBEAT_S)
         if stop.is_set():
             return
-        time.sleep(PUBLISH_EVERY_S)
+        time.sleep(every)
         dirty.clear()
         owner = ref[0]()
         if owner is None:
@@ -231,7 +245,7 @@ def _stop_and_withdraw(
     stop: threading.Event,
     dirty: threading.Event,
     lock: threading.Lock,
-    directory: str,
+    directory: str | ObjectFolder,
     name: str,
     token: str,
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grain_replay.sources.parts.objects import ObjectPartsDataSource
 from grain_replay.sources.parts.source import PartsDataSource
 
-__all__ = ["PartsDataSource"]
+__all__ = ["ObjectPartsDataSource", "PartsDataSource"]

@@ -1,0 +1,396 @@
+"""One writer's part of a bounded, many-writer store on object storage (s3://).
+
+The protocol is ``store/objects.py``'s (layout, manifest versions) and ``store/lease.py``'s
+(who holds the id). Rows appended are kept in memory (an object cannot be appended
+to); ``flush()`` writes them as one new piece object, then creates the writer's next
+manifest version (the commit point; a conditional create), then deletes what has been
+superseded for longer than ``evict_grace_s``. A SIGKILL at any moment leaves the newest
+manifest version and every piece it names intact; what it left half done (a piece no
+manifest names) is deleted by the id's next holder once older than the grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from grain_replay.errors import (
+    GrainReplayError,
+    InvalidArgumentError,
+    InvalidStoreError,
+    InvalidTreeError,
+    WriterBusyError,
+)
+from grain_replay.pipeline import shutdown
+from grain_replay.remote.options import redact_url
+from grain_replay.store import layout as layout_lib
+from grain_replay.store import objects as objects_lib
+from grain_replay.store import parts as parts_lib
+from grain_replay.store.lease import Lease, check_seconds
+from grain_replay.store.objects import (
+    CLOCK_SLACK_S,
+    ObjectManifest,
+    ObjectStore,
+    Piece,
+    leaf_offsets,
+)
+from grain_replay.writers.store_writer import check_tree_matches
+
+__all__ = ["ObjectPartWriter", "check_url_arguments"]
+
+logger = logging.getLogger(__name__)
+
+
+class ObjectPartWriter:
+    """Appends one writer's rows to its part of a many-writer store on object storage."""
+
+    def __init__(
+        self,
+        url: str,
+        format: str | None,
+        *,
+        writer_id: str,
+        capacity: int | None,
+        storage_options: Mapping[str, Any] | None,
+        lease_s: float,
+        evict_grace_s: float,
+    ) -> None:
+        self._id = parts_lib.check_writer_id(writer_id, url)
+        self._store = ObjectStore(url, storage_options)
+        self._where = f"{self._store.shown} (writer {self._id!r})"
+        suffix = url.rstrip("/").rsplit("/", 1)[-1].rpartition(".")[2].lower()
+        if format is None and suffix in ("h5", "hdf5", "zarr", "npz"):
+            format = {"h5": "hdf5", "hdf5": "hdf5"}.get(suffix, suffix)  # refused below
+        if format not in (None, "npy"):
+            raise InvalidArgumentError(
+                f"{self._where}: format {format!r} cannot be written to object storage; "
+                "a many-writer store there holds npy pieces (one immutable object a flush, "
+                "read with ranged GETs): an HDF5 file cannot be appended to as an object, "
+                "and a Zarr chunk filled over several flushes is rewritten, which readers "
+                "of it could see torn. Fix: pass format='npy' (or None)."
+            )
+        self._capacity = parts_lib.check_capacity(capacity, url, self._id)
+        self._lease_s = check_seconds(lease_s, "lease_s", self._where)
+        self._grace_s = check_seconds(evict_grace_s, "evict_grace_s", self._where, zero_ok=True)
+        self._store.check_bucket()
+        found = self._store.read_store_file() or self._store.create_store_file("npy")
+        if found.get("format") != "npy":
+            raise InvalidStoreError(
+                f"{self._where}: the store holds {found.get('format')!r} pieces; this "
+                "grain_replay writes npy ones only. Fix: upgrade grain_replay."
+            )
+        self._lease = Lease(self._store, self._id, self._lease_s, self._where)
+        self._lease.acquire()
+        self._pieces_of: dict[int, frozenset[str]] = {}  # manifest version -> its pieces
+        try:
+            self._manifest = self._take_over()
+            self._lease.start()
+            self._last_gc = -float("inf")
+            self._collect()
+        except BaseException:
+            self._lease.release()
+            raise
+        self._meta = (
+            None
+            if self._manifest.schema is None
+            else layout_lib.StoreMetadata.from_json(self._manifest.schema, where=self._where)
+        )
+        self._chunks: list[tuple[int, dict[str, bytes]]] = []  # rows, leaf -> bytes
+        self._pending = 0
+        self._attempts = 0
+        self._open = True
+        # Closed (pending rows committed, the id freed) before the interpreter exits: a
+        # close from __del__ during finalization would wait forever on fsspec's event
+        # loop thread, already gone.
+        shutdown.register(self, ObjectPartWriter.close)
+
+    # -- taking the id ---------------------------------------------------------------
+
+    def _take_over(self) -> ObjectManifest:
+        """Publishes a manifest version stamped with this writer's epoch, the commit of
+        the last holder's rows as they are: a zombie of an older epoch cannot commit
+        after it (the version it would create exists)."""
+        epoch = self._lease.epoch
+        for _ in range(100):
+            newest = self._store.newest_manifest(self._id)
+            if newest is None:
+                ordinal = self._store.claim_ordinal(self._id)
+                m = ObjectManifest(self._id, ordinal, self._capacity, 0, (), 0, epoch)
+            else:
+                if newest.capacity != self._capacity:
+                    raise InvalidArgumentError(
+                        f"{self._where}: capacity={self._capacity} but this writer was "
+                        f"created with capacity={newest.capacity}; it cannot change on "
+                        f"reopen. Fix: pass capacity={newest.capacity}, or another writer_id."
+                    )
+                m = dataclasses.replace(newest, version=newest.version + 1, epoch=epoch)
+            if self._store.publish(m):
+                self._pieces_of[m.version] = frozenset(p.name for p in m.pieces)
+                return m
+        raise WriterBusyError(
+            f"{self._where}: another writer of this id keeps committing while this one "
+            "takes it over. Fix: stop the other writer (start one writer per writer_id)."
+        )
+
+    # -- what ReplayWriter asks --------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    @property
+    def committed(self) -> int:
+        return self._manifest.committed
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def manifest(self) -> parts_lib.Manifest:
+        return self._manifest.as_manifest()
+
+    @property
+    def format(self) -> str:
+        return "npy"
+
+    @property
+    def objects(self) -> ObjectStore:
+        """The store's objects (the rate-limit gate reads the learners' folder there)."""
+        return self._store
+
+    @property
+    def epoch(self) -> int:
+        """The lease epoch this writer holds its id under."""
+        return self._lease.epoch
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise GrainReplayError(
+                f"{self._where}: the ReplayWriter is closed. Fix: append before close(), or "
+                "open a new gr.ReplayWriter on the same URL: it continues after the "
+                "committed rows."
+            )
+
+    def check(
+        self, tree: Any, keep: Callable[[Any], bool] | None = None
+    ) -> tuple[dict[str, Any], int]:
+        """The tree's leaves and rows, checked against the store's (binding it on the first
+        append)."""
+        self._check_open()
+        arrays, treedef, n = layout_lib.check_leaves(tree, where=self._where, keep=keep)
+        leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
+        if self._meta is None:
+            self._meta = self._schema_of_store(layout_lib.StoreMetadata(0, leaves, treedef))
+        check_tree_matches(self._where, arrays, treedef, self._meta)
+        return arrays, n
+
+    def _schema_of_store(self, mine: layout_lib.StoreMetadata) -> layout_lib.StoreMetadata:
+        """The first writer's leaves bind the store: a later writer must match them."""
+        for other in self._store.list_writers():
+            if other == self._id:
+                continue
+            m = self._store.newest_manifest(other)
+            if m is None or m.schema is None:
+                continue
+            theirs = layout_lib.StoreMetadata.from_json(m.schema, where=self._store.shown)
+            if theirs.leaves != mine.leaves or theirs.treedef != mine.treedef:
+                raise InvalidTreeError(
+                    f"{self._where}: the appended tree has leaves "
+                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in mine.leaves.items()} } but "
+                    f"writer {other!r} of this store wrote "
+                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in theirs.leaves.items()} }. "
+                    "Fix: append trees with the store's structure, dtypes and shapes, or use "
+                    "another store URL."
+                )
+            return theirs
+        return mine
+
+    def write(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool = False) -> None:
+        """Keeps checked host rows until the next flush (copied: the caller may reuse them)."""
+        self._check_open()
+        assert self._meta is not None
+        self._chunks.append(
+            (
+                n,
+                {
+                    k: np.ascontiguousarray(np.asarray(arrays[k])).tobytes()
+                    for k in self._meta.leaves
+                },
+            )
+        )
+        self._pending += n
+
+    # -- committing --------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Writes the pending rows as one piece and commits them; returns the committed N.
+
+        Raises:
+          WriterBusyError: another writer took the id over (this one's lease ran out):
+            this writer stops (the message says which rows may be committed).
+        """
+        self._check_open()
+        while self._pending:
+            if self._commit_pending():
+                break
+        if time.monotonic() - self._last_gc >= min(10.0, self._grace_s / 10):
+            self._collect()
+        return self._manifest.committed
+
+    def _commit_pending(self) -> bool:
+        """One attempt at committing the pending rows: True once they are committed; False
+        when a flush of this writer whose answer was lost (it raised) had committed some of
+        them, which are dropped from the pending rows (the rest: another attempt)."""
+        assert self._meta is not None
+        m = self._manifest
+        self._attempts += 1  # a piece is never rewritten: a retried flush writes a new one
+        piece = Piece(m.committed, self._pending, self._lease.epoch, self._attempts)
+        data = b"".join(c[k] for k in self._meta.leaves for _, c in self._chunks)
+        self._store.put(self._store.piece_key(self._id, piece), data)
+        committed = m.committed + self._pending
+        live_start = 0 if m.capacity is None else max(0, committed - m.capacity)
+        pieces = tuple(p for p in (*m.pieces, piece) if p.first + p.rows > live_start)
+        new = dataclasses.replace(
+            m,
+            committed=committed,
+            pieces=pieces,
+            version=m.version + 1,
+            epoch=self._lease.epoch,
+            schema=m.schema or self._meta.to_json(),
+        )
+        if not self._store.publish(new):
+            found = self._store.read_manifest(self._id, new.version)
+            if found is not None and found.epoch == self._lease.epoch:
+                self._adopt(found)  # this writer's own commit: no other holds its epoch
+                return not self._pending
+            self._fenced(new.version, "are not committed")
+        if self._lease.stale() and self._lease.taken_over() is not None:
+            # Paused past the lease: the version created is the newest (the new holder
+            # continues after it) or one its collection had deleted as old (readers pass
+            # over it for the newest): either way this writer stops here.
+            self._fenced(
+                new.version,
+                "are committed only if the new holder had not committed yet (it continues "
+                "after the newest commit)",
+            )
+        self._manifest = new
+        self._pieces_of[new.version] = frozenset(p.name for p in pieces)
+        self._chunks, self._pending = [], 0
+        return True
+
+    def _adopt(self, found: ObjectManifest) -> None:
+        """Takes ``found``, an earlier commit of this writer, as the commit point, and drops
+        the rows it committed from the pending ones (the oldest)."""
+        assert self._meta is not None
+        done = found.committed - self._manifest.committed
+        self._manifest = found
+        self._pieces_of[found.version] = frozenset(p.name for p in found.pieces)
+        width = {k: w for k, (_, w) in leaf_offsets(self._meta.leaves, 1).items()}
+        self._pending -= done
+        while done:
+            n, chunk = self._chunks[0]
+            if n <= done:
+                self._chunks.pop(0)
+                done -= n
+                continue
+            self._chunks[0] = (n - done, {k: b[done * width[k] :] for k, b in chunk.items()})
+            done = 0
+
+    def _fenced(self, version: int, rows: str) -> None:
+        self._open = False
+        shutdown.unregister(self)
+        self._lease.stop()
+        holder = self._lease.taken_over() or {}
+        raise WriterBusyError(
+            f"{self._where}: manifest version {version}: another writer took this writer's "
+            f"id over (host {holder.get('host')!r}, pid {holder.get('pid')}, lease epoch "
+            f"{holder.get('epoch')}) after this one's lease of {self._lease_s:g} s ran out "
+            f"unrenewed; this writer stops, and the {self._pending} rows of this flush "
+            f"{rows}. Fix: give each writer its own writer_id, and a lease_s longer than "
+            "its longest pause."
+        )
+
+    def _collect(self) -> None:
+        """Deletes manifest versions superseded for longer than the grace period, then
+        the pieces no remaining version names that are older than it (evicted, or left
+        by a writer killed before its commit)."""
+        self._last_gc = time.monotonic()
+        versions = self._store.manifest_versions(self._id)
+        if not versions:
+            return
+        now = versions[-1][1]  # the newest version, created moments ago: the server's now
+        grace = self._grace_s + CLOCK_SLACK_S
+        drop = [
+            v for (v, _), (_, after) in itertools.pairwise(versions)
+            if now - after > grace
+        ]  # fmt: skip
+        kept = [v for v, _ in versions if v not in set(drop)]
+        # The versions this writer did not publish itself (a takeover's), read at once.
+        keys = {self._store.manifest_key(self._id, v): v for v in kept if v not in self._pieces_of}
+        for key, raw in self._store.get_many(list(keys)).items():
+            v = keys.get(key, keys.get(key.split("://", 1)[-1]))
+            if v is not None:
+                m = ObjectManifest.from_json(raw, f"{self._store.shown}:{key}")
+                self._pieces_of[v] = frozenset(p.name for p in m.pieces)
+        if any(v not in self._pieces_of for v in kept):
+            return  # a version unread: which pieces it names is unknown, so none goes now
+        named: set[str] = set()
+        for v in kept:
+            named |= self._pieces_of[v]
+        self._store.remove([self._store.manifest_key(self._id, v) for v in drop])
+        for v in drop:
+            self._pieces_of.pop(v, None)
+        gone = [
+            key
+            for key, modified in self._store.list_pieces(self._id)
+            if key.rsplit("/", 1)[-1] not in named and now - modified > grace
+        ]
+        self._store.remove(gone)
+
+    def close(self) -> None:
+        """Commits pending rows, collects, and frees the id."""
+        if not self._open:
+            return
+        try:
+            self.flush()
+            self._collect()
+        finally:
+            self._open = False
+            shutdown.unregister(self)
+            self._lease.release()
+
+    def abandon(self) -> None:
+        """Frees the id without committing anything more."""
+        if self._open:
+            self._open = False
+            shutdown.unregister(self)
+            self._lease.release()
+
+
+def check_url_arguments(
+    url: str,
+    writer_id: str | None,
+    *,
+    segment_rows: int | None,
+    resume_from: object,
+) -> None:
+    """Refuses what a writer on object storage does not do (yet), naming the fix."""
+    objects_lib.check_object_url(url, writer_id)
+    where = f"{redact_url(url)} (writer {writer_id!r})"
+    unsupported = {
+        "segment_rows": (segment_rows, "each flush is one piece object there"),
+        "resume_from": (resume_from, "a checkpoint cut is not built for object storage yet"),
+    }
+    for name, (value, why) in unsupported.items():
+        if value is not None:
+            raise InvalidArgumentError(
+                f"{where}: {name}= is not taken by a writer on object storage ({why}). "
+                f"Fix: drop {name}=, or write to a POSIX path."
+            )
