@@ -78,6 +78,25 @@ class StoreMetadata:
     version: int = FORMAT_VERSION
     store_id: str | None = None
 
+    def check_like(self, theirs: StoreMetadata, *, where: str, other: str, place: str) -> None:
+        """Refuses a tree unlike another writer's: ``self`` the appended tree's metadata,
+        ``theirs`` writer ``other``'s; ``place`` says what another store is ("path", "URL").
+
+        Raises:
+          InvalidTreeError: the leaves or the structure differ, naming both.
+        """
+        if theirs.leaves == self.leaves and theirs.treedef == self.treedef:
+            return
+
+        def shown(leaves: dict[str, LeafSpec]) -> dict[str, str]:
+            return {k: f"{v.dtype}{list(v.shape)}" for k, v in leaves.items()}
+
+        raise InvalidTreeError(
+            f"{where}: the appended tree has leaves {shown(self.leaves)} but writer "
+            f"{other!r} of this store wrote {shown(theirs.leaves)}. Fix: append trees with "
+            f"the store's structure, dtypes and shapes, or use another store {place}."
+        )
+
     def to_json(self) -> str:
         return json.dumps(
             {

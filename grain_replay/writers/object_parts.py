@@ -24,7 +24,6 @@ from grain_replay.errors import (
     GrainReplayError,
     InvalidArgumentError,
     InvalidStoreError,
-    InvalidTreeError,
     WriterBusyError,
 )
 from grain_replay.pipeline import shutdown
@@ -200,15 +199,7 @@ class ObjectPartWriter:
             if m is None or m.schema is None:
                 continue
             theirs = layout_lib.StoreMetadata.from_json(m.schema, where=self._store.shown)
-            if theirs.leaves != mine.leaves or theirs.treedef != mine.treedef:
-                raise InvalidTreeError(
-                    f"{self._where}: the appended tree has leaves "
-                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in mine.leaves.items()} } but "
-                    f"writer {other!r} of this store wrote "
-                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in theirs.leaves.items()} }. "
-                    "Fix: append trees with the store's structure, dtypes and shapes, or use "
-                    "another store URL."
-                )
+            mine.check_like(theirs, where=self._where, other=other, place="URL")
             return theirs
         return mine
 

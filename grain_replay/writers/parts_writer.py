@@ -20,7 +20,6 @@ import numpy as np
 from grain_replay.errors import (
     InvalidArgumentError,
     InvalidStoreError,
-    InvalidTreeError,
 )
 from grain_replay.store import layout as layout_lib
 from grain_replay.store import ownership
@@ -369,15 +368,7 @@ class PartWriter(LockedWriter):
             if m is None or m.schema is None:
                 continue
             theirs = layout_lib.StoreMetadata.from_json(m.schema, where=self._path)
-            if theirs.leaves != mine.leaves or theirs.treedef != mine.treedef:
-                raise InvalidTreeError(
-                    f"{self._where}: the appended tree has leaves "
-                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in mine.leaves.items()} } but "
-                    f"writer {other!r} of this store wrote "
-                    f"{ {k: f'{v.dtype}{list(v.shape)}' for k, v in theirs.leaves.items()} }. "
-                    "Fix: append trees with the store's structure, dtypes and shapes, or use "
-                    "another store path."
-                )
+            mine.check_like(theirs, where=self._where, other=other, place="path")
             return theirs
         return mine
 

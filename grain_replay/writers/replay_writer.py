@@ -80,6 +80,15 @@ def _object_only(
         )
 
 
+def _check_flush_every(flush_every: int | None) -> int | None:
+    if flush_every is not None and flush_every <= 0:
+        raise InvalidArgumentError(
+            f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
+            "None (commit only at flush()) or a row count >= 1."
+        )
+    return flush_every
+
+
 class ReplayWriter:
     """Appends blocks of rows to a replay store; readers see only committed rows.
 
@@ -207,12 +216,7 @@ class ReplayWriter:
         self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
         self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
-        if flush_every is not None and flush_every <= 0:
-            raise InvalidArgumentError(
-                f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
-                "None (commit only at flush()) or a row count >= 1."
-            )
-        self._flush_every = flush_every
+        self._flush_every = _check_flush_every(flush_every)
         if not parts and is_parts_store(self._path):
             raise InvalidStoreError(
                 f"{self._path} is a many-writer store (made with capacity= or writer_id=). "
@@ -269,12 +273,7 @@ class ReplayWriter:
         timeout = check_rate_limit_timeout(rate_limit_timeout, self._who)
         limit, timeout = check_writer_limit(rate_limit, timeout, self._who)
         self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
-        if flush_every is not None and flush_every <= 0:
-            raise InvalidArgumentError(
-                f"flush_every must be positive or None, got {flush_every}. Fix: flush_every="
-                "None (commit only at flush()) or a row count >= 1."
-            )
-        self._flush_every = flush_every
+        self._flush_every = _check_flush_every(flush_every)
         store = self._store = ObjectPartWriter(
             self._path,
             format,

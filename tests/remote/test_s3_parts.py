@@ -76,6 +76,18 @@ def test_moto_honours_a_conditional_create(s3: S3Server) -> None:
     assert fs.cat_file(key) == b"first"
 
 
+def test_a_tree_unlike_another_writers_is_refused_naming_both(s3: S3Server) -> None:
+    url = _url()
+    with _writer(s3, url, "a", capacity=10) as w:
+        w.append(make_rows("a", 0, 3))
+        w.flush()
+    with _writer(s3, url, "b", capacity=10) as w:
+        with pytest.raises(gr.InvalidTreeError, match=r"writer 'b'.*writer 'a'.*another store URL"):
+            w.append({"seq": np.arange(3)})
+        w.append(make_rows("b", 0, 2))
+    assert len(gr.open_source(url, storage_options=s3.storage_options())) == 5
+
+
 def test_two_writers_commit_and_a_reader_sees_the_union(s3: S3Server) -> None:
     url = _url()
     ws = [_writer(s3, url, f"actor-{i}", capacity=50) for i in range(2)]
