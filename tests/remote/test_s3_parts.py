@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -354,27 +355,186 @@ def test_bad_inputs_on_object_storage_are_named_with_a_fix(s3: S3Server) -> None
         _writer(s3, url, "a", capacity=20)
 
 
-def test_a_batch_is_one_ranged_get_per_leaf_per_run_of_a_piece(s3: S3Server) -> None:
-    """Counted at the wire (a proxy before moto): rows 0-2 and 15-16 lie in two pieces of
-    three leaves (seq, tag, vec): six GETs, adjacent rows in one range, no listing."""
+def _proxied(s3: S3Server, proxy: HTTPProxy) -> dict[str, Any]:
+    opts = s3.storage_options()
+    opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url)
+    return opts
+
+
+def _gets(proxy: HTTPProxy, read: Any) -> tuple[Any, dict[str, int]]:
+    proxy.reset_counts()
+    got = read()
+    return got, dict(proxy.counts)
+
+
+def _one_writer_of_three_pieces(s3: S3Server) -> str:
     url = _url()
     w = _writer(s3, url, "a")
     for start in range(0, 30, 10):
         w.append(make_rows("a", start, 10))
         w.flush()
     w.close()
+    return url
+
+
+PIECE_BYTES = 10 * (8 + 8 + 4 * 8)  # 10 rows of seq, tag, vec[4]
+
+
+def test_a_batch_is_one_ranged_get_per_leaf_per_run_of_a_piece(s3: S3Server) -> None:
+    """cache_bytes=0, counted at the wire (a proxy before moto): rows 0-2 and 15-16 lie in
+    two pieces of three leaves (seq, tag, vec): six GETs, adjacent rows in one range, no
+    listing; the same rows again: six GETs again (nothing held)."""
+    url = _one_writer_of_three_pieces(s3)
     with HTTPProxy(s3.port) as proxy:
-        opts = s3.storage_options()
-        opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url)
-        src = gr.open_source(url, storage_options=opts)
-        proxy.reset_counts()
-        got = src.read_batch([16, 0, 1, 2, 15])
-        assert dict(proxy.counts) == {"GET": 6}
-        check_rows(got)
-        np.testing.assert_array_equal(got["seq"], [16, 0, 1, 2, 15])
-        proxy.reset_counts()
-        src.read_batch([25])
-        assert dict(proxy.counts) == {"GET": 3}
+        src = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=0)
+        for _ in range(2):
+            got, counts = _gets(proxy, lambda: src.read_batch([16, 0, 1, 2, 15]))
+            assert counts == {"GET": 6}
+            check_rows(got)
+            np.testing.assert_array_equal(got["seq"], [16, 0, 1, 2, 15])
+        assert _gets(proxy, lambda: src.read_batch([25]))[1] == {"GET": 3}
+        assert src.cached_bytes == 0
+
+
+def test_a_warm_reader_reads_cached_pieces_from_memory(s3: S3Server) -> None:
+    """Whole pieces, one GET each, then no GET at all: the values equal ranged reads (three
+    writers, a keys subset with "_writer", by position and by id)."""
+    url = _url()
+    ws = [_writer(s3, url, f"actor-{i}", capacity=40) for i in range(3)]
+    for start in range(0, 50, 10):
+        for i, w in enumerate(ws):
+            w.append(make_rows(f"actor-{i}", start, 10))
+            w.flush()
+    for w in ws:
+        w.close()
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 120, size=64)
+    with HTTPProxy(s3.port) as proxy:
+        opts = _proxied(s3, proxy)
+        for keys in (None, ["vec", "_writer"], ["seq", "tag", "vec"]):
+            ranged = gr.open_source(url, storage_options=opts, keys=keys, cache_bytes=0)
+            want = ranged.read_batch(idx)
+            src = gr.open_source(url, storage_options=opts, keys=keys)
+            pieces = len({(int(s // 10)) for s in idx})  # 10-row pieces, one part each 40
+            got, counts = _gets(proxy, lambda src=src: src.read_batch(idx))
+            assert counts == {"GET": pieces}, keys
+            assert src.cached_bytes == pieces * PIECE_BYTES
+            assert set(got) == set(want)
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+            again, counts = _gets(proxy, lambda src=src: src.read_batch(idx))
+            assert counts == {}
+            for k in want:
+                np.testing.assert_array_equal(again[k], want[k], err_msg=k)
+            by_id, counts = _gets(proxy, lambda src=src: src.read_ids(src.ids(idx[:8])))
+            assert counts == {}
+            for k in want:
+                np.testing.assert_array_equal(by_id[k], want[k][:8], err_msg=k)
+        check_rows(src.read_batch(np.arange(120)))
+
+
+def test_the_piece_cache_drops_the_least_recently_used_beyond_its_bound(s3: S3Server) -> None:
+    """Room for two pieces of three: the one read longest ago is fetched again; a piece
+    larger than the cache is read with ranged GETs and never held."""
+    url = _one_writer_of_three_pieces(s3)
+    with HTTPProxy(s3.port) as proxy:
+        src = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=1000)
+
+        def read(rows: list[int], gets: int) -> None:
+            got, counts = _gets(proxy, lambda: src.read_batch(rows))
+            assert counts == ({"GET": gets} if gets else {}), rows
+            np.testing.assert_array_equal(got["seq"], rows)
+            check_rows(got)
+            assert src.cached_bytes <= 1000
+
+        read([1, 12], 2)  # pieces 0, 1
+        read([3], 0)  # 0 is now the newest
+        read([25], 1)  # piece 2 in, piece 1 out
+        read([4, 29], 0)
+        read([11], 1)  # piece 1 in, piece 0 out
+        read([28, 19], 0)
+        read([0], 1)
+        assert src.cached_bytes == 2 * PIECE_BYTES
+        small = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=100)
+        for _ in range(2):
+            got, counts = _gets(proxy, lambda: small.read_batch([16, 0, 1, 2, 15]))
+            assert counts == {"GET": 6}
+            np.testing.assert_array_equal(got["seq"], [16, 0, 1, 2, 15])
+        assert small.cached_bytes == 0
+
+
+def test_a_pickled_reader_starts_with_an_empty_piece_cache(s3: S3Server) -> None:
+    url = _one_writer_of_three_pieces(s3)
+    with HTTPProxy(s3.port) as proxy:
+        src = gr.open_source(url, storage_options=_proxied(s3, proxy))
+        src.read_batch([0, 15])
+        assert src.cached_bytes == 2 * PIECE_BYTES
+        copy = pickle.loads(pickle.dumps(src))
+        assert copy.cached_bytes == 0
+        got, counts = _gets(proxy, lambda: copy.read_batch([0, 15]))
+        assert counts == {"GET": 2}
+        np.testing.assert_array_equal(got["seq"], [0, 15])
+        assert _gets(proxy, lambda: src.read_batch([0, 15]))[1] == {}
+
+
+def test_threads_of_one_reader_share_its_piece_cache(s3: S3Server) -> None:
+    url = _one_writer_of_three_pieces(s3)
+    src = gr.open_source(url, storage_options=s3.storage_options(), cache_bytes=1000)
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(20):
+                rows = rng.integers(0, 30, size=8)
+                got = src.read_batch(rows)
+                np.testing.assert_array_equal(got["seq"], rows)
+                check_rows(got)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert 0 < src.cached_bytes <= 1000
+
+
+def test_a_deleted_piece_is_evicted_and_a_refresh_drops_unnamed_pieces(s3: S3Server) -> None:
+    url = _url()
+    w = _writer(s3, url, "a", capacity=20, evict_grace_s=3600)
+    for start in range(0, 20, 10):
+        w.append(make_rows("a", start, 10))
+        w.flush()
+    src = gr.open_source(url, storage_options=s3.storage_options())
+    src.read_batch([0])  # the first piece cached; the second deleted behind the reader
+    second = src.segments()[1][3]
+    s3.client().delete_object(Bucket=BUCKET, Key=second.removeprefix("s3://").split("/", 1)[1])
+    np.testing.assert_array_equal(src.read_batch([5])["seq"], [5])
+    with pytest.raises(gr.EvictedRowError, match=r"evict_grace_s.*Fix"):
+        src.read_batch([5, 15])
+    assert src.cached_bytes == PIECE_BYTES
+    for start in range(20, 60, 10):  # two snapshots on, neither piece is named
+        w.append(make_rows("a", start, 10))
+        w.flush()
+        if start in (30, 50):
+            src.refresh()
+    w.close()
+    assert src.cached_bytes == 0
+    np.testing.assert_array_equal(src.read_batch([0, 19])["seq"], [40, 59])
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(-1, gr.InvalidArgumentError), ("256MB", gr.ArgumentTypeError), (1.5, gr.ArgumentTypeError),
+     (True, gr.ArgumentTypeError)],
+)  # fmt: skip
+def test_a_bad_cache_bytes_is_named_with_a_fix(s3: S3Server, bad: Any, error: type) -> None:
+    url = _one_writer_of_three_pieces(s3)
+    with pytest.raises(error, match=rf"cache_bytes.*{re.escape(repr(bad))}.*Fix: "):
+        gr.open_source(url, storage_options=s3.storage_options(), cache_bytes=bad)
 
 
 def test_a_rate_limit_holds_writers_and_learners_over_s3(s3: S3Server) -> None:

@@ -2,9 +2,11 @@
 
 A snapshot (taken at construction and at each :meth:`ObjectPartsDataSource.refresh`) is
 each writer's newest manifest version; its rows are read from the piece objects it
-names with ranged GETs, all of a batch's ranges at once (concurrently). Writers delete a
-piece only ``evict_grace_s`` after the last manifest version naming it was superseded,
-so a snapshot younger than that reads every row of it (objects have no
+names: whole pieces, fetched once (one GET each, a batch's all at once) into a bounded
+LRU of piece bytes (``cache_bytes``) and copied from memory after; a piece larger than
+the cache (or ``cache_bytes=0``) is read with ranged GETs, all of a batch's at once.
+Writers delete a piece only ``evict_grace_s`` after the last manifest version naming it
+was superseded, so a snapshot younger than that reads every row of it (objects have no
 open-after-unlink); rows of the snapshot before it stay readable by id the same way.
 Positions, ids and stand-ins follow :class:`~grain_replay.sources.parts.PartsDataSource`.
 """
@@ -12,17 +14,28 @@ Positions, ids and stand-ins follow :class:`~grain_replay.sources.parts.PartsDat
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import EvictedRowError, StoreNotFoundError, UnknownLeafError
+from grain_replay.errors import (
+    EvictedRowError,
+    InvalidStoreError,
+    StoreNotFoundError,
+    UnknownLeafError,
+)
 from grain_replay.remote.options import redact_url
 from grain_replay.sources.checks import as_record_index, check_indices, record_in_range
 from grain_replay.sources.parts import ids as parts_ids
 from grain_replay.sources.parts import snapshot as snapshots
+from grain_replay.sources.parts.piece_cache import (
+    DEFAULT_PIECE_CACHE_BYTES,
+    PieceCache,
+    check_cache_bytes,
+)
 from grain_replay.sources.parts.snapshot import WRITER_KEY
 from grain_replay.sources.surface import SourceSurface
 from grain_replay.store import parts as parts_lib
@@ -122,27 +135,35 @@ class ObjectPartsDataSource(SourceSurface):
     Made by :func:`grain_replay.open_source` for an ``s3://`` URL written with
     ``gr.ReplayWriter(url, capacity=..., writer_id=..., storage_options=...)``. As
     :class:`~grain_replay.sources.parts.PartsDataSource` (``len``, ``refresh()``, ids,
-    ``read_ids``, the ``"_writer"`` leaf, views and replay), over objects: a batch is one
-    ranged GET per leaf per run of rows of a piece it touches, all sent at once. See
-    docs/replay_store.md#on-object-storage.
+    ``read_ids``, the ``"_writer"`` leaf, views and replay), over objects: a batch fetches
+    each piece it touches that is not cached yet whole (one GET each, all sent at once)
+    into an LRU of piece bytes bounded by ``cache_bytes``, and copies rows of cached
+    pieces from memory (pieces never change: nothing to invalidate). A piece larger than
+    the cache, or ``cache_bytes=0``, is read with one ranged GET per leaf per run of rows.
+    See docs/replay_store.md#on-object-storage.
 
     Args:
       url: the store (``s3://bucket/path``).
       keys: leaves to read, plus ``"_writer"`` for each row's writer ordinal.
       storage_options: fsspec options (endpoint, credentials).
+      cache_bytes: bound of the cache of whole pieces, per process (default 256 MiB; a
+        pickled copy, e.g. a loader worker's, starts empty); 0 disables it.
     """
 
-    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_objects": None, "_pid": None}
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_objects": None, "_pid": None, "_pieces": None}
 
     def __init__(
         self,
         url: str,
         keys: Sequence[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        cache_bytes: int = DEFAULT_PIECE_CACHE_BYTES,
     ) -> None:
         import threading
 
         self._url = str(url).rstrip("/")
+        self._cache_bytes = check_cache_bytes(cache_bytes, redact_url(self._url))
+        self._pieces: PieceCache | None = None
         self._options = dict(storage_options or {})
         self._lock = threading.Lock()
         self._pid: int | None = None
@@ -172,6 +193,26 @@ class ObjectPartsDataSource(SourceSurface):
     def _store(self) -> ObjectStore:
         return self._per_process("_objects", lambda: ObjectStore(self._url, self._options))
 
+    def _piece_cache(self) -> PieceCache | None:
+        """This process's cache of whole pieces (None: disabled). A cache made in another
+        process (inherited across a fork) is replaced by an empty one."""
+        if not self._cache_bytes:
+            return None
+        cache = self._pieces
+        if cache is None or cache.pid != os.getpid():
+            with self._lock:
+                cache = self._pieces
+                if cache is None or cache.pid != os.getpid():
+                    cache = self._pieces = PieceCache(self._cache_bytes)
+        return cache
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of whole pieces this process holds in memory now (at most
+        ``cache_bytes``)."""
+        cache = self._pieces
+        return 0 if cache is None or cache.pid != os.getpid() else cache.nbytes
+
     # -- snapshot -----------------------------------------------------------------------
 
     def refresh(self) -> int:
@@ -196,7 +237,14 @@ class ObjectPartsDataSource(SourceSurface):
                 parts.append(_Part.of(m, prev))
             self._schema([p.manifest for p in parts])
             self._snap = _Snap.of(parts)
-            return self._snap.n
+        cache = self._pieces
+        if cache is not None:  # pieces no longer in the snapshot are never read again
+            cache.keep_only({
+                f"{store.writer_key(p.manifest.writer_id, 'pieces')}/{name}"
+                for p in self._snap.parts
+                for name in p.names
+            })  # fmt: skip
+        return self._snap.n
 
     def _schema(self, manifests: list[ObjectManifest]) -> None:
         found = snapshots.read_schema(redact_url(self._url), [m.as_manifest() for m in manifests])
@@ -328,7 +376,9 @@ class ObjectPartsDataSource(SourceSurface):
             return out, ok
         assert self._full is not None
         store = self._store()
+        cache = self._piece_cache()
         keys_, starts, ends, plan = [], [], [], []
+        whole: list[tuple[str, int, int, np.ndarray, np.ndarray, dict[str, tuple[int, int]]]] = []
         rows_at = np.flatnonzero(ok)
         group = parts_lib.make_ids(p[rows_at], piece[rows_at])  # (part, piece) packed
         order = np.argsort(group, kind="stable")
@@ -340,6 +390,15 @@ class ObjectPartsDataSource(SourceSurface):
             key = f"{store.writer_key(part.manifest.writer_id, 'pieces')}/{part.names[j]}"
             offs = leaf_offsets(self._full.leaves, count)
             local = seq[sel] - first
+            if cache is not None:
+                size = sum(row for _, row in offs.values()) * count
+                if cache.fits(size):
+                    data = cache.get(key)
+                    if data is not None:
+                        self._copy(out, seg_keys, data, offs, count, sel, local)
+                    else:
+                        whole.append((key, size, count, sel, local, offs))
+                    continue
             by_row = np.argsort(local, kind="stable")
             sel, local = sel[by_row], local[by_row]
             for name in seg_keys:
@@ -351,9 +410,31 @@ class ObjectPartsDataSource(SourceSurface):
                     keys_.append(key)
                     starts.append(at + lo * row)
                     ends.append(at + hi * row)
-                    plan.append((name, run_sel, run - lo, j, int(p[sel[0]])))
-        got = store.cat_ranges(keys_, starts, ends)
-        for (name, run_sel, rel, _, _), data in zip(plan, got, strict=True):
+                    plan.append((name, run_sel, run - lo))
+        # One request list: the whole pieces to cache, then the ranges (network I/O
+        # outside every lock).
+        got = store.cat_ranges(
+            [w[0] for w in whole] + keys_, [0] * len(whole) + starts, [w[1] for w in whole] + ends
+        )
+        for (key, size, count, sel, local, offs), data in zip(
+            whole, got[: len(whole)], strict=True
+        ):
+            if isinstance(data, FileNotFoundError):
+                ok[sel] = False  # deleted: past the grace period
+                continue
+            if isinstance(data, BaseException):
+                raise data
+            data = bytes(data)
+            if len(data) != size:
+                raise InvalidStoreError(
+                    f"{self.path}: piece {key!r} holds {len(data)} bytes, its manifest "
+                    f"promises {size}. Fix: the store was changed by something other than "
+                    "its writers; write it again."
+                )
+            assert cache is not None
+            cache.put(key, data)
+            self._copy(out, seg_keys, data, offs, count, sel, local)
+        for (name, run_sel, rel), data in zip(plan, got[len(whole) :], strict=True):
             if isinstance(data, FileNotFoundError):
                 ok[run_sel] = False  # deleted: past the grace period
                 continue
@@ -363,6 +444,23 @@ class ObjectPartsDataSource(SourceSurface):
             block = np.frombuffer(data, dtype=leaf.dtype).reshape(-1, *leaf.shape)
             out[name][run_sel] = block[rel]
         return out, ok
+
+    def _copy(
+        self,
+        out: dict[str, np.ndarray],
+        names: Sequence[str],
+        data: bytes,
+        offs: Mapping[str, tuple[int, int]],
+        count: int,
+        sel: np.ndarray,
+        local: np.ndarray,
+    ) -> None:
+        """Rows ``local`` of a whole piece's bytes into ``out[name][sel]``: one take per
+        leaf."""
+        for name in names:
+            leaf, (at, row) = self._spec[name], offs[name]
+            block = np.frombuffer(data, dtype=np.uint8, count=row * count, offset=at)
+            out[name][sel] = block.view(leaf.dtype).reshape(count, *leaf.shape)[local]
 
     def _evicted(self, snap: _Snap, p: np.ndarray, seq: np.ndarray, ok: np.ndarray) -> None:
         bad = int(np.argmin(ok))
