@@ -667,7 +667,7 @@ def bench_s3_sample(
     }
     log(
         f"  uniform sample+read, batch {BATCH}, {live:,} rows, warm: s3 {rate_s3:,.1f} / disk "
-        f"{rate_disk:,.0f} batches/s = {out['ratio']:.4f} ({gets:,.0f} ranged GETs a batch)"
+        f"{rate_disk:,.0f} batches/s = {out['ratio']:.4f} ({gets:,.0f} GETs a batch)"
     )
     _s3_drop(server, "sample")
     return out

@@ -239,11 +239,7 @@ class ObjectPartsDataSource(SourceSurface):
             self._snap = _Snap.of(parts)
         cache = self._pieces
         if cache is not None:  # pieces no longer in the snapshot are never read again
-            cache.keep_only({
-                f"{store.writer_key(p.manifest.writer_id, 'pieces')}/{name}"
-                for p in self._snap.parts
-                for name in p.names
-            })  # fmt: skip
+            cache.keep_only({(p.manifest.writer_id, n) for p in self._snap.parts for n in p.names})
         return self._snap.n
 
     def _schema(self, manifests: list[ObjectManifest]) -> None:
@@ -378,27 +374,38 @@ class ObjectPartsDataSource(SourceSurface):
         store = self._store()
         cache = self._piece_cache()
         keys_, starts, ends, plan = [], [], [], []
-        whole: list[tuple[str, int, int, np.ndarray, np.ndarray, dict[str, tuple[int, int]]]] = []
+        whole: list[tuple[tuple[str, str], int, int, np.ndarray]] = []
+        one = leaf_offsets(self._full.leaves, 1)  # a piece of n rows: offsets n times these
+        row_bytes = sum(row for _, row in one.values())
         rows_at = np.flatnonzero(ok)
         group = parts_lib.make_ids(p[rows_at], piece[rows_at])  # (part, piece) packed
         order = np.argsort(group, kind="stable")
-        bounds = np.flatnonzero(np.diff(group[order])) + 1
-        for sel in np.split(rows_at[order], bounds):
-            part = snap.parts[int(p[sel[0]])]
-            j = int(piece[sel[0]])
+        srt = rows_at[order]  # rows grouped by piece
+        edges = [0, *(np.flatnonzero(np.diff(group[order])) + 1).tolist(), len(srt)]
+        heads = srt[edges[:-1]]
+        g_part, g_piece = p[heads].tolist(), piece[heads].tolist()
+        # Rows copied from cached pieces land in ``staged`` in grouped order (one take per
+        # leaf per piece into a slice), then in ``out`` by one scatter per leaf.
+        staged = {k: np.empty((len(srt), *self._spec[k].shape), self._spec[k].dtype)
+                  for k in (seg_keys if cache is not None else ())}  # fmt: skip
+        filled = np.zeros(len(srt), dtype=bool)
+        for g in range(len(heads)):
+            lo_g, hi_g = edges[g], edges[g + 1]
+            part, j = snap.parts[g_part[g]], g_piece[g]
             first, count = int(part.firsts[j]), int(part.rows[j])
+            sel = srt[lo_g:hi_g]
+            local = seq[sel] - first
+            if cache is not None and cache.fits(row_bytes * count):
+                views = cache.get((part.manifest.writer_id, part.names[j]))
+                if views is None:
+                    whole.append(((part.manifest.writer_id, part.names[j]), count, g, local))
+                    continue
+                for name in seg_keys:  # one take per leaf
+                    views[name].take(local, axis=0, out=staged[name][lo_g:hi_g], mode="clip")
+                filled[lo_g:hi_g] = True
+                continue
             key = f"{store.writer_key(part.manifest.writer_id, 'pieces')}/{part.names[j]}"
             offs = leaf_offsets(self._full.leaves, count)
-            local = seq[sel] - first
-            if cache is not None:
-                size = sum(row for _, row in offs.values()) * count
-                if cache.fits(size):
-                    data = cache.get(key)
-                    if data is not None:
-                        self._copy(out, seg_keys, data, offs, count, sel, local)
-                    else:
-                        whole.append((key, size, count, sel, local, offs))
-                    continue
             by_row = np.argsort(local, kind="stable")
             sel, local = sel[by_row], local[by_row]
             for name in seg_keys:
@@ -413,27 +420,40 @@ class ObjectPartsDataSource(SourceSurface):
                     plan.append((name, run_sel, run - lo))
         # One request list: the whole pieces to cache, then the ranges (network I/O
         # outside every lock).
+        piece_keys = [f"{store.writer_key(w, 'pieces')}/{n}" for (w, n), *_ in whole]
         got = store.cat_ranges(
-            [w[0] for w in whole] + keys_, [0] * len(whole) + starts, [w[1] for w in whole] + ends
+            piece_keys + keys_,
+            [0] * len(whole) + starts,
+            [row_bytes * count for _, count, _, _ in whole] + ends,
         )
-        for (key, size, count, sel, local, offs), data in zip(
-            whole, got[: len(whole)], strict=True
+        for (name_key, count, g, local), key, data in zip(
+            whole, piece_keys, got[: len(whole)], strict=True
         ):
+            lo_g, hi_g = edges[g], edges[g + 1]
             if isinstance(data, FileNotFoundError):
-                ok[sel] = False  # deleted: past the grace period
+                ok[srt[lo_g:hi_g]] = False  # deleted: past the grace period
                 continue
             if isinstance(data, BaseException):
                 raise data
-            data = bytes(data)
-            if len(data) != size:
+            if len(data) != row_bytes * count:
                 raise InvalidStoreError(
                     f"{self.path}: piece {key!r} holds {len(data)} bytes, its manifest "
-                    f"promises {size}. Fix: the store was changed by something other than "
-                    "its writers; write it again."
+                    f"promises {row_bytes * count}. Fix: the store was changed by something "
+                    "other than its writers; write it again."
                 )
+            views = self._views(data, count)
             assert cache is not None
-            cache.put(key, data)
-            self._copy(out, seg_keys, data, offs, count, sel, local)
+            cache.put(name_key, views, len(data))
+            for name in seg_keys:
+                views[name].take(local, axis=0, out=staged[name][lo_g:hi_g], mode="clip")
+            filled[lo_g:hi_g] = True
+        if filled.any():
+            every = bool(filled.all())
+            for name in seg_keys:
+                if every:
+                    out[name][srt] = staged[name]
+                else:
+                    out[name][srt[filled]] = staged[name][filled]
         for (name, run_sel, rel), data in zip(plan, got[len(whole) :], strict=True):
             if isinstance(data, FileNotFoundError):
                 ok[run_sel] = False  # deleted: past the grace period
@@ -445,22 +465,15 @@ class ObjectPartsDataSource(SourceSurface):
             out[name][run_sel] = block[rel]
         return out, ok
 
-    def _copy(
-        self,
-        out: dict[str, np.ndarray],
-        names: Sequence[str],
-        data: bytes,
-        offs: Mapping[str, tuple[int, int]],
-        count: int,
-        sel: np.ndarray,
-        local: np.ndarray,
-    ) -> None:
-        """Rows ``local`` of a whole piece's bytes into ``out[name][sel]``: one take per
-        leaf."""
-        for name in names:
-            leaf, (at, row) = self._spec[name], offs[name]
-            block = np.frombuffer(data, dtype=np.uint8, count=row * count, offset=at)
-            out[name][sel] = block.view(leaf.dtype).reshape(count, *leaf.shape)[local]
+    def _views(self, data: bytes, count: int) -> dict[str, np.ndarray]:
+        """Every stored leaf of a whole piece of ``count`` rows, as arrays over its bytes."""
+        assert self._full is not None
+        buf = np.frombuffer(data, dtype=np.uint8)
+        views = {}
+        for name, (at, row) in leaf_offsets(self._full.leaves, count).items():
+            leaf = self._full.leaves[name]
+            views[name] = buf[at : at + row * count].view(leaf.dtype).reshape(count, *leaf.shape)
+        return views
 
     def _evicted(self, snap: _Snap, p: np.ndarray, seq: np.ndarray, ok: np.ndarray) -> None:
         bad = int(np.argmin(ok))

@@ -1,4 +1,5 @@
-"""A bounded LRU of whole piece objects (their bytes), for readers of object storage.
+"""A bounded LRU of whole piece objects (their leaves, as arrays over the bytes fetched),
+for readers of object storage.
 
 Pieces never change once written (a piece's name carries its writer's lease epoch and
 flush attempt, and a deleted name is never written again), so a cached piece is never
@@ -10,7 +11,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
+from typing import Any
 
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
 
@@ -37,7 +39,8 @@ def check_cache_bytes(value: object, where: str) -> int:
 
 
 class PieceCache:
-    """Object key -> its bytes, least recently used dropped beyond ``max_bytes``.
+    """Piece -> its leaves (``{name: array}``), least recently used dropped beyond
+    ``max_bytes`` (the bytes of the objects).
 
     Thread-safe; the lock is held only around dict operations, never during I/O. Made in
     the process that uses it (``pid``): a copy inherited across a fork is not used.
@@ -46,7 +49,7 @@ class PieceCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self.pid = os.getpid()
-        self._data: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._data: collections.OrderedDict[Hashable, tuple[Any, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
 
@@ -56,28 +59,32 @@ class PieceCache:
     def fits(self, size: int) -> bool:
         return 0 < size <= self.max_bytes
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: Hashable) -> Any:
+        """The value put under ``key`` (now the most recently used), or None."""
         with self._lock:
-            data = self._data.get(key)
-            if data is not None:
-                self._data.move_to_end(key)
-            return data
+            found = self._data.get(key)
+            if found is None:
+                return None
+            self._data.move_to_end(key)
+            return found[0]
 
-    def put(self, key: str, data: bytes) -> None:
-        if not self.fits(len(data)):
+    def put(self, key: Hashable, value: Any, nbytes: int) -> None:
+        """Holds ``value`` (``nbytes`` of memory) unless larger than the bound, dropping
+        the least recently used beyond it."""
+        if not self.fits(nbytes):
             return
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
-                self.nbytes -= len(old)
-            self._data[key] = data
-            self.nbytes += len(data)
+                self.nbytes -= old[1]
+            self._data[key] = (value, nbytes)
+            self.nbytes += nbytes
             while self.nbytes > self.max_bytes:
-                _, dropped = self._data.popitem(last=False)
-                self.nbytes -= len(dropped)
+                _, (_, dropped) = self._data.popitem(last=False)
+                self.nbytes -= dropped
 
-    def keep_only(self, keys: Collection[str]) -> None:
+    def keep_only(self, keys: Collection[Hashable]) -> None:
         """Drops every piece not in ``keys`` (those a new snapshot no longer names)."""
         with self._lock:
             for key in [k for k in self._data if k not in keys]:
-                self.nbytes -= len(self._data.pop(key))
+                self.nbytes -= self._data.pop(key)[1]
