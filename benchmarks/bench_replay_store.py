@@ -26,7 +26,7 @@ tests/helpers/s3_server.py) beside the same on the local disk, in one run:
   loop; from ``flush()`` returning to the end of the first ``refresh()`` that holds
   the rows (median, p99);
 - uniform ``sample + read`` of batch 256, warm, S3 over disk (target >= 0.5), and
-  the ranged GETs a batch costs (counted at a proxy);
+  the GETs a batch costs (counted at a proxy);
 - the server alone: requests/s of 1, 4 and 16 boto3 processes PUTting a flush's two
   objects (no grain_replay): whether the server or the writers are the ceiling.
 
