@@ -267,6 +267,7 @@ def test_writer_processes_started_before_any_learner_hold_then_follow_it(
     w.close()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_closed_learner_leaves_its_last_count_not_the_heartbeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,7 +275,7 @@ def test_a_closed_learner_leaves_its_last_count_not_the_heartbeats(
     # descheduled on a loaded machine). close() must still leave the rows handed out: a
     # file closed at an older count held examples/ray_actors.py's actors short of their
     # last rows, with no learner left to release them.
-    monkeypatch.setattr(publish_lib, "_heartbeat", lambda ref, dirty, stop: stop.wait())
+    monkeypatch.setattr(publish_lib, "_heartbeat", lambda ref, dirty, stop, *rest: stop.wait())
     path = str(tmp_path / "s")
     limit = gr.RateLimit(min_size=16, samples_per_insert=1.0, tolerance=16)
     seed = _writer(path, "seed", rate_limit=limit)
