@@ -13,7 +13,6 @@ Positions, ids and stand-ins follow :class:`~grain_replay.sources.parts.PartsDat
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -31,6 +30,7 @@ from grain_replay.remote.options import redact_url
 from grain_replay.sources.checks import as_record_index, check_indices, record_in_range
 from grain_replay.sources.parts import ids as parts_ids
 from grain_replay.sources.parts import snapshot as snapshots
+from grain_replay.sources.parts.object_snapshot import ObjectPart, ObjectSnapshot
 from grain_replay.sources.parts.piece_cache import (
     DEFAULT_PIECE_CACHE_BYTES,
     PieceCache,
@@ -47,86 +47,6 @@ __all__ = ["ObjectPartsDataSource"]
 
 # Rows of one piece closer than this many bytes apart are fetched by one ranged GET.
 _MERGE_GAP_BYTES = 64 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class _Part:
-    """One writer in a snapshot: its manifest and the pieces readable (this manifest's and
-    those of the writer's manifest in the snapshot before)."""
-
-    manifest: ObjectManifest
-    firsts: np.ndarray  # int64, sorted
-    rows: np.ndarray  # int64
-    names: tuple[str, ...]
-
-    @classmethod
-    def of(cls, m: ObjectManifest, previous: _Part | None) -> _Part:
-        pieces = {p.first: (p.rows, p.name) for p in m.pieces}
-        # The previous manifest's own pieces only (not those it kept in turn): one
-        # snapshot back, as the writers' grace period promises.
-        for p in () if previous is None else previous.manifest.pieces:
-            pieces.setdefault(p.first, (p.rows, p.name))
-        order = sorted(pieces)
-        return cls(
-            m,
-            np.array(order, dtype=np.int64),
-            np.array([pieces[f][0] for f in order], dtype=np.int64),
-            tuple(pieces[f][1] for f in order),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Snap:
-    parts: tuple[_Part, ...]
-    ordinals: np.ndarray
-    live_start: np.ndarray
-    committed: np.ndarray
-    starts: np.ndarray  # position of each part's first live row; last: the length
-    part_of_ordinal: np.ndarray
-
-    @classmethod
-    def of(cls, parts: Sequence[_Part]) -> _Snap:
-        ms = [p.manifest for p in parts]
-        ordinals = np.array([m.ordinal for m in ms], dtype=np.int64)
-        live = np.array([m.live for m in ms], dtype=np.int64)
-        table = np.full(int(ordinals.max(initial=-1)) + 1, -1, dtype=np.int64)
-        table[ordinals] = np.arange(len(ms))
-        return cls(
-            tuple(parts),
-            ordinals,
-            np.array([m.live_start for m in ms], dtype=np.int64),
-            np.array([m.committed for m in ms], dtype=np.int64),
-            np.concatenate([[0], np.cumsum(live)]).astype(np.int64),
-            table,
-        )
-
-    @property
-    def n(self) -> int:
-        return int(self.starts[-1])
-
-    def locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        p = np.searchsorted(self.starts, pos, side="right") - 1
-        return p, self.live_start[p] + pos - self.starts[p]
-
-    def locate_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        ordinal, seq = parts_lib.split_ids(ids)
-        known = (ordinal >= 0) & (ordinal < len(self.part_of_ordinal))
-        p = np.where(known, self.part_of_ordinal[np.where(known, ordinal, 0)], -1)
-        ahead = (p < 0) | (seq >= self.committed[np.maximum(p, 0)])
-        return p, seq, ahead
-
-    def piece_of(self, p: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(piece index in its part, ok)``: ok where a readable piece holds the row."""
-        piece = np.zeros(len(p), dtype=np.int64)
-        ok = np.zeros(len(p), dtype=bool)
-        for k in np.unique(p):
-            sel = np.flatnonzero(p == k)
-            part = self.parts[int(k)]
-            j = np.searchsorted(part.firsts, seq[sel], side="right") - 1
-            jc = np.maximum(j, 0)
-            inside = (j >= 0) & (seq[sel] < part.firsts[jc] + part.rows[jc])
-            piece[sel], ok[sel] = jc, inside
-        return piece, ok
 
 
 class ObjectPartsDataSource(SourceSurface):
@@ -186,7 +106,7 @@ class ObjectPartsDataSource(SourceSurface):
         self._build = tree_lib.compile_unflatten(self._treedef)
         self._full: StoreMetadata | None = None  # every stored leaf, in piece order
         self._schema_text: str | None = None
-        self._snap = _Snap.of([])
+        self._snap = ObjectSnapshot.of([])
         self.replaced = 0
         self.refresh()
 
@@ -234,9 +154,9 @@ class ObjectPartsDataSource(SourceSurface):
                 m = store.newest_manifest(wid)
                 if m is None or m.schema is None:
                     continue  # no row committed yet
-                parts.append(_Part.of(m, prev))
+                parts.append(ObjectPart.of(m, prev))
             self._schema([p.manifest for p in parts])
-            self._snap = _Snap.of(parts)
+            self._snap = ObjectSnapshot.of(parts)
         cache = self._pieces
         if cache is not None:  # pieces no longer in the snapshot are never read again
             cache.keep_only({(p.manifest.writer_id, n) for p in self._snap.parts for n in p.names})
@@ -357,7 +277,11 @@ class ObjectPartsDataSource(SourceSurface):
     # -- reads ----------------------------------------------------------------------------
 
     def _gather(
-        self, snap: _Snap, p: np.ndarray, seq: np.ndarray, keys: Sequence[str] | None = None
+        self,
+        snap: ObjectSnapshot,
+        p: np.ndarray,
+        seq: np.ndarray,
+        keys: Sequence[str] | None = None,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Rows ``seq`` of parts ``p`` and which of them were read (False: its piece is not
         in the snapshot, or gone from the bucket)."""
@@ -475,7 +399,9 @@ class ObjectPartsDataSource(SourceSurface):
             views[name] = buf[at : at + row * count].view(leaf.dtype).reshape(count, *leaf.shape)
         return views
 
-    def _evicted(self, snap: _Snap, p: np.ndarray, seq: np.ndarray, ok: np.ndarray) -> None:
+    def _evicted(
+        self, snap: ObjectSnapshot, p: np.ndarray, seq: np.ndarray, ok: np.ndarray
+    ) -> None:
         bad = int(np.argmin(ok))
         raise EvictedRowError(
             f"{self.path}: writer {snap.parts[int(p[bad])].manifest.writer_id!r}: row "
