@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from grain_replay.store import parts as parts_lib
-from grain_replay.store.objects import ObjectManifest, ObjectStore
+from grain_replay.store.object_manifest import ObjectManifest
+from grain_replay.store.objects import ObjectStore
 
 __all__ = ["ObjectFolder", "ObjectInsertedCount"]
 

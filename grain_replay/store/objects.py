@@ -23,15 +23,12 @@ takeover) exactly one commits each version and the other learns it lost. Readers
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from grain_replay.errors import (
     InvalidArgumentError,
@@ -41,19 +38,16 @@ from grain_replay.errors import (
 )
 from grain_replay.remote.options import effective_storage_options, protocol_of, redact_url
 from grain_replay.store import parts as parts_lib
-from grain_replay.store.layout import LeafSpec, StoreMetadata
+from grain_replay.store.object_manifest import LAYOUT_VERSION, ObjectManifest, Piece
 
 __all__ = [
     "DEFAULT_EVICT_GRACE_S",
     "DEFAULT_LEASE_S",
     "OBJECT_PROTOCOLS",
-    "ObjectManifest",
     "ObjectStore",
-    "Piece",
     "check_object_url",
     "is_object_store",
     "what_is_at",
-    "leaf_offsets",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +63,6 @@ DEFAULT_LEASE_S = 30.0
 DEFAULT_EVICT_GRACE_S = 300.0
 # S3's LastModified has whole seconds: ages compared with it get this much slack.
 CLOCK_SLACK_S = 1.0
-LAYOUT_VERSION = 1
 STORAGE = "object"
 
 
@@ -92,105 +85,6 @@ def check_object_url(url: str, writer_id: str | None) -> None:
         f"(S3 or an S3-compatible server honouring If-None-Match: *); {why}. Fix: write "
         "to s3://bucket/path with storage_options=..., or to a POSIX path."
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One flush's rows of a writer: ``rows`` rows from sequence number ``first``."""
-
-    first: int
-    rows: int
-    epoch: int  # the lease epoch of the writer that wrote it
-    attempt: int  # the writer's flush attempt that wrote it: with epoch, names it uniquely
-
-    @property
-    def name(self) -> str:
-        return f"{self.first:012d}-{self.epoch:012d}-{self.attempt:012d}.raw"
-
-
-def leaf_offsets(spec: Mapping[str, LeafSpec], rows: int) -> dict[str, tuple[int, int]]:
-    """Leaf -> ``(byte offset in a piece of rows rows, bytes a row)``: leaves one after
-    another in the schema's order."""
-    out, at = {}, 0
-    for key, leaf in spec.items():
-        row = leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
-        out[key] = (at, row)
-        at += row * rows
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectManifest:
-    """One commit of a writer on object storage (an immutable manifest version)."""
-
-    writer_id: str
-    ordinal: int
-    capacity: int | None
-    committed: int
-    pieces: tuple[Piece, ...]  # pieces holding live rows, oldest first
-    version: int
-    epoch: int  # lease epoch of the writer that published it
-    schema: str | None = None
-
-    @property
-    def live_start(self) -> int:
-        return 0 if self.capacity is None else max(0, self.committed - self.capacity)
-
-    @property
-    def live(self) -> int:
-        return self.committed - self.live_start
-
-    def as_manifest(self) -> parts_lib.Manifest:
-        """The POSIX manifest's shape (``src.writers``, sampler slot tables): pieces as
-        segments (``segment_rows``: the largest piece, which no reader arithmetic uses)."""
-        return parts_lib.Manifest(
-            writer_id=self.writer_id,
-            ordinal=self.ordinal,
-            format="npy",
-            capacity=self.capacity,
-            segment_rows=max([p.rows for p in self.pieces] or [1]),
-            committed=self.committed,
-            segments=tuple(parts_lib.Segment(p.first, p.rows) for p in self.pieces),
-            schema=self.schema,
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "layout": LAYOUT_VERSION,
-                "writer_id": self.writer_id,
-                "ordinal": self.ordinal,
-                "format": "npy",
-                "capacity": self.capacity,
-                "committed": self.committed,
-                "pieces": [[p.first, p.rows, p.epoch, p.attempt] for p in self.pieces],
-                "version": self.version,
-                "epoch": self.epoch,
-                "schema": self.schema,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes, where: str) -> ObjectManifest:
-        try:
-            raw = json.loads(text)
-            if int(raw["layout"]) > LAYOUT_VERSION:
-                raise ValueError(f"layout {raw['layout']} is newer than this grain_replay")
-            return cls(
-                writer_id=str(raw["writer_id"]),
-                ordinal=int(raw["ordinal"]),
-                capacity=None if raw["capacity"] is None else int(raw["capacity"]),
-                committed=int(raw["committed"]),
-                pieces=tuple(Piece(*(int(x) for x in p)) for p in raw["pieces"]),
-                version=int(raw["version"]),
-                epoch=int(raw["epoch"]),
-                schema=raw.get("schema"),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise InvalidStoreError(
-                f"{where}: the writer manifest is malformed ({type(e).__name__}: {e}). "
-                "Fix: delete that manifest version; the writer's previous one is in force."
-            ) from e
 
 
 def _open_fs(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -442,15 +336,6 @@ class ObjectStore:
             if m is not None and m.schema is not None:
                 out[wid] = m.committed
         return out
-
-
-def encode_piece(arrays: Iterable[np.ndarray]) -> bytes:
-    """Every leaf's rows, leaf after leaf, C order: one piece object."""
-    return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-
-
-def schema_spec(schema: str, where: str) -> StoreMetadata:
-    return StoreMetadata.from_json(schema, where=where)
 
 
 def is_object_store(url: str, storage_options: Mapping[str, Any] | None) -> bool:

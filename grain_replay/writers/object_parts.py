@@ -32,13 +32,8 @@ from grain_replay.store import layout as layout_lib
 from grain_replay.store import objects as objects_lib
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.lease import Lease, check_seconds
-from grain_replay.store.objects import (
-    CLOCK_SLACK_S,
-    ObjectManifest,
-    ObjectStore,
-    Piece,
-    leaf_offsets,
-)
+from grain_replay.store.object_manifest import ObjectManifest, Piece, leaf_offsets
+from grain_replay.store.objects import CLOCK_SLACK_S, ObjectStore
 from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["ObjectPartWriter", "check_url_arguments"]

@@ -27,7 +27,8 @@ from parts_child import check_rows, make_rows
 from s3_server import HTTPProxy, S3Server, moto_unavailable_reason, serve_bucket
 
 import grain_replay as gr
-from grain_replay.store.objects import ObjectManifest, ObjectStore
+from grain_replay.store.object_manifest import ObjectManifest
+from grain_replay.store.objects import ObjectStore
 
 _reason = moto_unavailable_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from grain_replay.store import parts as parts_lib
-from grain_replay.store.objects import ObjectManifest
+from grain_replay.store.object_manifest import ObjectManifest
 
 __all__ = ["ObjectPart", "ObjectSnapshot"]
 

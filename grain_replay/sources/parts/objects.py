@@ -41,7 +41,8 @@ from grain_replay.sources.surface import SourceSurface
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec, StoreMetadata
 from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
-from grain_replay.store.objects import ObjectManifest, ObjectStore, leaf_offsets
+from grain_replay.store.object_manifest import ObjectManifest, leaf_offsets
+from grain_replay.store.objects import ObjectStore
 
 __all__ = ["ObjectPartsDataSource"]
 
