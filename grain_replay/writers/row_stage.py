@@ -72,6 +72,18 @@ class RowStage:
             buf[self.rows : stop] = arrays[key]
         self.rows = stop
 
+    def write(
+        self, arrays: dict[str, np.ndarray], n: int, by_leaf: bool, write: Callable[..., None]
+    ) -> None:
+        """Gathers ``n`` rows here when they are small (``takes(n)``), else writes what is
+        gathered, then them, with ``write(block, rows, by_leaf=...)``: in append order.
+        ``by_leaf`` blocks (a device writer's batches) are never gathered."""
+        if not by_leaf and self.takes(n):
+            self.add(arrays, n, write)
+            return
+        self.drain(write)
+        write(arrays, n, by_leaf=by_leaf)
+
     def drain(self, write: Callable[..., None]) -> None:
         """Writes the gathered rows as one block (``write(block, rows, by_leaf=False)``)."""
         if not self.rows or self._buffers is None:

@@ -255,11 +255,7 @@ class StoreWriter(LockedWriter):
         assert self._backend is not None
         if self._stage is None:
             self._stage = RowStage(self._backend.meta.leaves)
-        if not by_leaf and self._stage.takes(n):
-            self._stage.add(arrays, n, self._write_block)
-            return
-        self._stage.drain(self._write_block)
-        self._write_block(arrays, n, by_leaf=by_leaf)
+        self._stage.write(arrays, n, by_leaf, self._write_block)
 
     def _write_block(self, arrays: dict[str, np.ndarray], n: int, *, by_leaf: bool) -> None:
         assert self._backend is not None
