@@ -19,12 +19,16 @@ laid out by ``w``:
   ..., 64-word leaves), ``k = 128 // v`` rows a 128-lane line: ``(ceil(n / k), 128)``.
   A draw gathers row ``s``'s line ``s // k`` and picks its part ``s % k``;
 - *wide* (``w > 128``): ``(n, w)``, one row a line (the device's tiling pads ``w`` to a
-  multiple of 128: an 84x84x4 uint8 frame's 7,056 words take 7,168, 1.6%);
+  multiple of 128);
+- *tiles* (``w > 128`` whose ``ceil(w / 128)`` lines round up to a multiple of 8 for at
+  most :data:`TILE_WASTE` more): ``(n, lines, 128)``, a row whole ``(8, 128)`` tiles, one
+  contiguous span of HBM on a TPU, which a DMA copies in one go (``device/row_dma.py``): an
+  84x84x4 uint8 frame's 7,056 words take 56 lines, 7,168 words (1.6%, as in *wide*);
 
-and the leaves of one layout and width share a buffer ``(leaves, lines, lanes)``: a draw
-is one gather per buffer (a transition's two 64-float observations one, its four scalars
-another). A leaf of a dtype that does not pack into words (complex), or with no elements,
-keeps its own ``(n, *shape)`` buffer ("as-is").
+and the leaves of one layout and width share a buffer ``(leaves, lines, lanes)`` (*tiles*:
+``(leaves, n, lines, 128)``): a draw is one gather per buffer (a transition's two 64-float
+observations one, its four scalars another). A leaf of a dtype that does not pack into
+words (complex), or with no elements, keeps its own ``(n, *shape)`` buffer ("as-is").
 
 Rows are written two ways: :meth:`RowLayout.scatter`, one scatter a buffer whose windows
 are the rows' lane spans (``(line, part * v)``, ``v`` lanes; no reshape of the buffer, so
@@ -42,9 +46,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grain_replay.device import row_dma
+
 __all__ = [
     "LANES",
     "ROW_ALIGN",
+    "TILE_WASTE",
     "WORD",
     "Probe",
     "RowLayout",
@@ -58,6 +65,7 @@ __all__ = [
 LANES = 128
 WORD = 4  # bytes
 SUBLANES = 8  # the second-minor tile of 32-bit words on a TPU
+TILE_WASTE = 0.02  # rows become whole tiles ("tiles") when that adds at most this
 ROW_ALIGN = LANES  # write_rows starts on a multiple of this: a line's first row in every layout
 
 
@@ -91,6 +99,14 @@ def tiled_bytes(shape: tuple[int, ...], dtype: Any) -> int:
         sub = SUBLANES * max(1, WORD // d.itemsize)
         dims[-2] = -(-dims[-2] // sub) * sub
     return int(np.prod(dims, dtype=np.int64)) * d.itemsize
+
+
+def tile_lines(w: int) -> int | None:
+    """128-lane lines a row of ``w`` words takes as whole ``(8, 128)`` tiles, or None: the
+    rounding to tiles would add more than :data:`TILE_WASTE` to its lines."""
+    lines = -(-w // LANES)
+    tiled = -(-lines // SUBLANES) * SUBLANES
+    return tiled if w > LANES and tiled - lines <= TILE_WASTE * lines else None
 
 
 def _uint(itemsize: int) -> Any:
@@ -183,9 +199,9 @@ class RowLayout:
       capacity: rows the buffers hold (a ring's slots, a resident store's records).
 
     Attributes:
-      groups: per buffer, ``(kind, lanes, members)``: ``kind`` "lines", "wide" or
-        "as-is"; ``lanes`` the lanes a row takes (``v``; ``w`` when wide); ``members``
-        the leaf indices it holds (in leaf order).
+      groups: per buffer, ``(kind, lanes, members)``: ``kind`` "lines", "wide", "tiles"
+        or "as-is"; ``lanes`` the lanes a row takes (``v``; ``w`` when wide; its lines
+        times 128 as tiles); ``members`` the leaf indices it holds (in leaf order).
       shapes, dtypes: each buffer's shape and dtype.
     """
 
@@ -199,7 +215,11 @@ class RowLayout:
             if w is None:
                 self.groups.append(("as-is", 0, [i]))
                 continue
-            key = ("lines", 1 << (w - 1).bit_length()) if w <= LANES else ("wide", w)
+            if w <= LANES:
+                key = ("lines", 1 << (w - 1).bit_length())
+            else:
+                t = tile_lines(w)
+                key = ("wide", w) if t is None else ("tiles", t * LANES)
             if key not in keys:
                 keys[key] = len(self.groups)
                 self.groups.append((key[0], key[1], []))
@@ -214,6 +234,9 @@ class RowLayout:
             elif kind == "lines":
                 lines = math.ceil(capacity / (LANES // lanes))
                 self.shapes.append((len(members), lines, LANES))
+                self.dtypes.append(np.dtype(np.uint32))
+            elif kind == "tiles":
+                self.shapes.append((len(members), capacity, lanes // LANES, LANES))
                 self.dtypes.append(np.dtype(np.uint32))
             else:
                 self.shapes.append((len(members), capacity, lanes))
@@ -247,9 +270,15 @@ class RowLayout:
         """Traced: zero buffers."""
         return [jnp.zeros(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
-    def gather(self, bufs: Any, slots: jax.Array) -> list[jax.Array]:
+    @property
+    def has_tiles(self) -> bool:
+        """Whether a buffer holds rows as whole tiles (which :meth:`gather` may copy by DMA)."""
+        return any(kind == "tiles" for kind, _, _ in self.groups)
+
+    def gather(self, bufs: Any, slots: jax.Array, *, dma: bool = False) -> list[jax.Array]:
         """Traced: the leaves (in leaf order, device dtypes) of rows ``slots`` (int32, in
-        ``[0, capacity)``)."""
+        ``[0, capacity)``). ``dma``: rows held as tiles are copied by DMA
+        (``device/row_dma.py``; TPU only), not by XLA's gather."""
         b = slots.shape[0]
         leaves: list[Any] = [None] * len(self.widths)
         for (kind, lanes, members), buf in zip(self.groups, bufs, strict=True):
@@ -257,7 +286,14 @@ class RowLayout:
                 leaves[members[0]] = jnp.take(buf, slots, axis=0, mode="clip")
                 continue
             k = LANES // lanes if kind == "lines" else 1
-            rows = jnp.take(buf, slots // k if k > 1 else slots, axis=1, mode="clip")
+            if kind == "tiles":
+                rows = (
+                    row_dma.gather_rows(buf, slots)
+                    if dma
+                    else jnp.take(buf, slots, axis=1, mode="clip")
+                ).reshape(len(members), b, lanes)
+            else:
+                rows = jnp.take(buf, slots // k if k > 1 else slots, axis=1, mode="clip")
             if k > 1:  # (L, B, 128) lines -> (L, B, lanes): part s % k of each
                 rows = rows.reshape(len(members), b, k, lanes)
                 part = (slots % k)[None, :, None, None]
@@ -279,6 +315,11 @@ class RowLayout:
                 continue
             k = LANES // lanes if kind == "lines" else 1
             rows = jnp.stack([to_words(leaves[i], lanes) for i in members])  # (L, n, lanes)
+            if kind == "tiles":  # whole rows: row t of every leaf set, out of bounds dropped
+                rows = rows.reshape(len(members), n, lanes // LANES, LANES)
+                at = jnp.where(keep, targets, buf.shape[1] + jnp.arange(n, dtype=jnp.int32))
+                out.append(buf.at[:, at].set(rows, mode="drop", unique_indices=True))
+                continue
             # Out of bounds (dropped), each its own line: the indices stay distinct.
             line = jnp.where(keep, targets // k, buf.shape[1] + jnp.arange(n, dtype=jnp.int32))
             start = (targets % k) * lanes
@@ -315,6 +356,10 @@ class RowLayout:
                 out.append(jax.lax.dynamic_update_slice_in_dim(buf, x, lo, axis=0))
                 continue
             rows = jnp.stack([to_words(leaves[i], lanes) for i in members])  # (L, K, lanes)
+            if kind == "tiles":
+                rows = rows.reshape(len(members), n, lanes // LANES, LANES)
+                out.append(jax.lax.dynamic_update_slice(buf, rows, (0, lo, 0, 0)))
+                continue
             k = LANES // lanes if kind == "lines" else 1
             if k > 1:  # K rows -> ceil(K / k) whole lines
                 rows = jnp.pad(rows, ((0, 0), (0, -n % k), (0, 0)))

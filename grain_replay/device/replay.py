@@ -11,6 +11,7 @@ import numpy as np
 
 from grain_replay.device import replay_draws as draws
 from grain_replay.device import replay_tree as tree
+from grain_replay.device import row_dma
 from grain_replay.device.lines import Probe, RowLayout
 from grain_replay.device.replay_state import (
     FIELDS,
@@ -131,6 +132,7 @@ class DeviceReplay:
         self._bounded = isinstance(source, PartsDataSource)
         self._device = jax.devices()[0] if device is None else device
         self._layout: RowLayout | None = None
+        self._dma = False  # rows held as tiles gathered by DMA (decided at init)
         self.refresh_traces = 0  # ring updates traced (compiled): one per size class
 
     # -- set-up ---------------------------------------------------------------------
@@ -260,6 +262,7 @@ class DeviceReplay:
             self.source.refresh()
         self._setup()
         state = self.refresh(self._allocate(), look=False)
+        self._dma = self._dma_is_faster(state)
         live = int(state.n_live)
         if live < max(1, self.sampling.min_size):
             raise InvalidSamplingError(
@@ -267,6 +270,21 @@ class DeviceReplay:
                 f"{self.sampling.min_size}. Fix: write more rows before init(), or lower min_size."
             )
         return state
+
+    def _dma_is_faster(self, state: DeviceReplayState) -> bool:
+        """Whether the ring's rows held as tiles (frames) are gathered faster by DMA than by
+        XLA's gather on this device, timed on a batch of 256 (device/row_dma.py)."""
+        layout = self._setup()
+        if not layout.has_tiles or not row_dma.on_tpu([self._device]):
+            return False
+        drawn = np.random.default_rng(0).integers(0, layout.capacity, 256).astype(np.int32)
+        slots = jax.device_put(drawn, self._device)
+        return row_dma.faster(
+            lambda rows, s: layout.gather(rows, s),
+            lambda rows, s: layout.gather(rows, s, dma=True),
+            (state.rows, slots),
+            f"DeviceReplay over {self._where()}",
+        )
 
     def sample(
         self,
@@ -310,7 +328,7 @@ class DeviceReplay:
             slots, weight = draws.prioritized(key, state.sums, state.mins, batch_size, b)
         else:
             slots, weight = draws.uniform(key, state.live_slots, state.n_live, batch_size)
-        leaves = layout.gather(state.rows, jnp.maximum(slots, 0))
+        leaves = layout.gather(state.rows, jnp.maximum(slots, 0), dma=self._dma)
         data = jax.tree_util.tree_unflatten(layout.probe.treedef, leaves)
         return Sampled(data, slots, weight)  # type: ignore[arg-type]  # jax arrays here
 

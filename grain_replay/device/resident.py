@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grain_replay.device import row_dma
 from grain_replay.device.converter import default_sharding, mesh_sharding
 from grain_replay.device.lines import Probe, RowLayout
 from grain_replay.device.resident_store import default_budget, format_bytes, load_store
@@ -166,21 +167,32 @@ class ResidentReplayIterator(Iterator[Any]):
         self._treedef = probe.treedef
         self._store = load_store(source, layout, replicated, progress, _CHUNK_BYTES)
 
-        def gather(store: list[jax.Array], ids: jax.Array) -> tuple[list[jax.Array], ...]:
-            # Per device: ids is (steps, this device's rows); store is the whole replica.
-            return tuple(layout.gather(store, ids[k]) for k in range(ids.shape[0]))
+        def gathers(dma: bool) -> Any:
+            def gather(store: list[jax.Array], ids: jax.Array) -> tuple[list[jax.Array], ...]:
+                # Per device: ids is (steps, this device's rows); store is the whole replica.
+                return tuple(layout.gather(store, ids[k], dma=dma) for k in range(ids.shape[0]))
 
-        self._gather = jax.jit(
-            jax.shard_map(
-                gather,
-                mesh=mesh,
-                in_specs=(PartitionSpec(), PartitionSpec(None, axis)),
-                out_specs=PartitionSpec(axis),
-            ),
-            # The batch sharding itself: shard_map alone gives PartitionSpec() on a mesh of
-            # one device, where the host pipeline gives this one.
-            out_shardings=sharding,
-        )
+            return jax.jit(
+                jax.shard_map(
+                    gather,
+                    mesh=mesh,
+                    in_specs=(PartitionSpec(), PartitionSpec(None, axis)),
+                    out_specs=PartitionSpec(axis),
+                ),
+                # The batch sharding itself: shard_map alone gives PartitionSpec() on a mesh
+                # of one device, where the host pipeline gives this one.
+                out_shardings=sharding,
+            )
+
+        self._gather = gathers(False)
+        if layout.has_tiles and jax.process_count() == 1 and row_dma.on_tpu(sharding.device_set):
+            # Rows held as whole tiles (frames): a DMA a row where that is faster, timed
+            # here on a window of this iterator's own shape (device/row_dma.py). One
+            # process only: the processes of a run must not pick different programs.
+            drawn = np.random.default_rng(0).integers(0, n, (self._window, self._batch_size))
+            ids = self._ids_block(drawn.astype(np.int32))
+            if row_dma.faster(gathers(False), gathers(True), (self._store, ids), repr(source)):
+                self._gather = gathers(True)
         self._next = 0  # elements of this process handed out
         self._ready: collections.deque[Any] = collections.deque()
         self._closed = False
@@ -226,18 +238,16 @@ class ResidentReplayIterator(Iterator[Any]):
             steps = self._window  # padded: one compiled shape for every full window
         block = np.zeros((steps, len(first)), dtype=np.int32)
         block[: len(rows)] = rows
-        global_shape = (steps, len(first) * self._global_factor)
-        if jax.process_count() > 1:
-            on_device = jax.make_array_from_process_local_data(
-                self._ids_sharding, block, global_shape
-            )
-        else:
-            on_device = jax.make_array_from_callback(
-                global_shape, self._ids_sharding, block.__getitem__
-            )
-        out = self._gather(self._store, on_device)
+        out = self._gather(self._store, self._ids_block(block))
         for leaves in out[: len(rows)]:
             self._ready.append(jax.tree_util.tree_unflatten(self._treedef, leaves))
+
+    def _ids_block(self, block: np.ndarray) -> jax.Array:
+        """This process's ``(steps, rows)`` record ids as the global ids array."""
+        global_shape = (block.shape[0], block.shape[1] * self._global_factor)
+        if jax.process_count() > 1:
+            return jax.make_array_from_process_local_data(self._ids_sharding, block, global_shape)
+        return jax.make_array_from_callback(global_shape, self._ids_sharding, block.__getitem__)
 
     def get_state(self) -> bytes:
         """The loader iterator's state right after the last batch handed out (same bytes)."""

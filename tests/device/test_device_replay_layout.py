@@ -38,6 +38,7 @@ def _leaves(start: int, n: int) -> dict[str, np.ndarray]:
         "obs": rng.standard_normal((n, 64), dtype=np.float32),  # 64: two rows a line
         "wide": rng.integers(-(2**31), 2**31 - 1, (n, 128), dtype=np.int32),  # 128: one line
         "big": rng.standard_normal((n, 8, 25), dtype=np.float32),  # 200 words: wide rows
+        "tile": rng.standard_normal((n, 2, 512), dtype=np.float32),  # 1,024 words: 8 lines
     }
 
 
@@ -79,11 +80,13 @@ def test_leaves_of_every_width_round_trip_bit_exact(tmp_path: Path) -> None:
             ("lines", 16): 1,
             ("lines", 64): 1,
             ("lines", 128): 1,
-            ("wide", 200): 1,
+            ("wide", 200): 1,  # 2 lines: as tiles (8 lines) 4 times their size
+            ("tiles", 1024): 1,  # 8 lines: whole tiles
         }
         shapes = sorted(layout.shapes)
         assert (6, 3, 128) in shapes and (2, 10, 128) in shapes  # ceil(300 / 128), / 32
         assert (1, 150, 128) in shapes and (1, CAP, 200) in shapes
+        assert (1, CAP, 8, 128) in shapes
         _check_every_slot(replay, state)
         # 250 more: several new rows land in each line, beside rows kept from before.
         w.append(_leaves(200, 250))
@@ -139,7 +142,7 @@ def test_uint8_frames_keep_their_shape_and_bytes(tmp_path: Path) -> None:
     gr.write(path, {"obs": rng.integers(0, 255, (20, 84, 84, 4), dtype=np.uint8)})
     replay = gr.DeviceReplay(path)
     state = replay.init()
-    assert [kind for kind, _, _ in replay._setup().groups] == ["wide"]
+    assert [kind for kind, _, _ in replay._setup().groups] == ["tiles"]
     _check_every_slot(replay, state)
 
 

@@ -223,8 +223,11 @@ def test_transitions_and_frames_take_at_most_a_tenth_more_than_their_records(
         ratio = layout.device_bytes() / (n * probe.record_bytes)
         assert 1.0 <= ratio <= 1.1, (name, ratio)
     frames = RowLayout(probe, 64)
-    assert (1, 64, 7056) in frames.shapes  # 7,056 words a row, tiled to 7,168 lanes
-    assert tiled_bytes((1, 64, 7056), np.uint32) == 64 * 7168 * 4
+    # 7,056 words a row as 56 lines of 128 (7 whole tiles, 7,168 words: what a (64, 7056)
+    # buffer took, tiled to 7,168 lanes)
+    assert (1, 64, 56, 128) in frames.shapes
+    assert tiled_bytes((1, 64, 56, 128), np.uint32) == 64 * 7168 * 4
+    assert ("tiles", 7168, [2]) in frames.groups  # obs: leaves in key order
 
 
 def test_write_rows_then_gather_round_trips_from_a_line_start(tmp_path: Path) -> None:
