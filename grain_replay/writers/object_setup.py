@@ -93,7 +93,7 @@ def open_object_part(
 ) -> ObjectSetup:
     """A writer part on object storage (docs/replay_store.md#on-object-storage), its
     rate limit declared."""
-    check_url_arguments(url, writer_id, segment_rows=segment_rows, resume_from=resume_from)
+    check_url_arguments(url, writer_id, segment_rows=segment_rows)
     who = f"{redact_url(url)} (writer {writer_id!r})"
     timeout = check_rate_limit_timeout(rate_limit_timeout, who)
     limit, timeout = check_writer_limit(rate_limit, timeout, who)
@@ -106,6 +106,7 @@ def open_object_part(
         storage_options=storage_options,
         lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
         evict_grace_s=DEFAULT_EVICT_GRACE_S if evict_grace_s is None else evict_grace_s,
+        resume_from=resume_from,
     )
     gate = WriterGate(url, parts=True, timeout=timeout, who=who, objects=store.objects)
     if limit is not None:
