@@ -89,7 +89,8 @@ class ReplayWriter:
         restarted from one checkpoint never mixes in rows written after it; a writer
         part the watermark does not name keeps none. Reopen before the restored
         learner's first batch, while no reader holds the dropped rows. See
-        docs/checkpointing.md.
+        docs/checkpointing.md; on ``s3://`` the rows evicted since the checkpoint must
+        still be on the bucket (``evict_grace_s``; docs/replay_store.md#on-object-storage).
       max_inflight_bytes: bytes of device appends (``jax.Array`` leaves) still being
         copied to host or written before ``append`` waits (default 256 MiB).
       rate_limit: a :class:`~grain_replay.RateLimit` to declare in the store before the
