@@ -10,6 +10,7 @@ from typing import Any
 from grain_replay.cli.commands import cmd_convert, cmd_stats, cmd_verify
 from grain_replay.cli.demo import cmd_demo
 from grain_replay.cli.info import cmd_info
+from grain_replay.cli.remote import add_storage_option
 
 __all__ = ["main"]
 
@@ -49,7 +50,12 @@ def _add_info(sub: Any) -> None:
         "size on disk. Read-only: it works on a read-only store and writes nothing\n"
         "unless --cache-episodes is given.",
     )
-    p.add_argument("path", help="a store: .h5/.hdf5 file, .zarr group or .npy directory/file")
+    p.add_argument(
+        "path",
+        help="a store: .h5/.hdf5 file, .zarr group or .npy directory/file, or an URL "
+        "(s3://...: a many-writer store, or a Zarr store)",
+    )
+    add_storage_option(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument(
         "--cache-episodes",
@@ -71,6 +77,7 @@ def _add_convert(sub: Any) -> None:
         "memory. An interrupted convert leaves nothing behind.",
     )
     p.add_argument("src", help="any store, a Minari or LeRobot dataset, or a D4RL .hdf5 file")
+    add_storage_option(p)
     p.add_argument(
         "dst", help="destination: .h5/.hdf5 writes HDF5, .zarr writes Zarr, else .npy directory"
     )
@@ -109,6 +116,7 @@ def _add_verify(sub: Any) -> None:
         epilog=_VERIFY_EPILOG,
     )
     p.add_argument("path", help=_ANY_STORE)
+    add_storage_option(p)
     p.add_argument(
         "--timeout",
         type=float,
@@ -130,6 +138,7 @@ def _add_stats(sub: Any) -> None:
         "pass; cached beside the store unless --no-cache.",
     )
     p.add_argument("path", help=_ANY_STORE)
+    add_storage_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (NaN -> null)")
     p.add_argument("--keys", nargs="+", help="leaves or groups (default: all)")
     p.add_argument(

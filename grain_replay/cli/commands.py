@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.cli.info import cmd_info, fmt_bytes, size_on_disk
+from grain_replay.cli.remote import storage_options, verify_object_store
 from grain_replay.cli.stores import open_store
 
 __all__ = [
@@ -88,7 +89,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{os.path.abspath(args.dst)} exists. Fix: pass --overwrite to replace it, or "
             "choose another destination."
         )
-    src = open_store(args.src)
+    src = open_store(args.src, storage_options(args.src, args.storage_option))
     n = len(src)
     fmt = args.format or format_from_path(args.dst)
     leaves = {k: _storable(v) for k, v in src.spec.items()}
@@ -146,22 +147,29 @@ def verify_isolated(path: str | os.PathLike[str], timeout: float = 30.0) -> Any:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Checks metadata, lengths and every leaf's recorded checksums.
 
-    The store is first opened in a child process killed after ``--timeout`` s (a
-    hostile HDF5 file can hang the HDF5 C library); only if that answers is it
-    opened here.
+    A store on the file system is first opened in a child process killed after
+    ``--timeout`` s (a hostile HDF5 file can hang the HDF5 C library); only if that
+    answers is it opened here. A many-writer store on S3 is checked by
+    :func:`~grain_replay.cli.remote.verify_object_store`.
     """
+    import grain_replay as gr
     from grain_replay.sources import PartsDataSource
+    from grain_replay.store.formats import is_url
     from grain_replay.store.integrity import verify_source
 
+    opts = storage_options(args.path, getattr(args, "storage_option", None))
     timeout = getattr(args, "timeout", 30.0)
-    if timeout and timeout > 0:
+    # The child guards against HDF5 files that hang the library: a file, not an URL.
+    if timeout and timeout > 0 and not is_url(args.path):
         check = verify_isolated(args.path, timeout)
         if check.hung or (not check.ok and not check.error):
             print(f"CORRUPT {check.path}: {check.message}", file=sys.stderr)
             return 1
-    src = open_store(args.path)
+    src = open_store(args.path, opts)
     if isinstance(src, PartsDataSource):
         return _verify_parts(src, args)
+    if isinstance(src, gr.ObjectPartsDataSource):
+        return verify_object_store(src, args.path, opts)
     n = len(src)
     # verify_source checks the leaves one after another, reporting rows: count bytes.
     leaf_bytes = _leaf_bytes(src.spec.values())
@@ -242,7 +250,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Per-leaf count, mean, std, min, max and quantiles (cached beside the store)."""
     from grain_replay.stats import compute_stats, iter_json
 
-    src = open_store(args.path)
+    src = open_store(args.path, storage_options(args.path, args.storage_option))
     with _progress(len(src), "stats", not (args.quiet or args.json)) as bar:
         stats = compute_stats(
             src, keys=args.keys, quantiles=args.quantiles, cache=not args.no_cache,

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.cli.remote import object_writers, storage_options
 from grain_replay.sources.capabilities import HasEpisodes, ManyWriterStore
 
 __all__ = ["cmd_info", "fmt_bytes", "size_on_disk"]
@@ -34,7 +35,8 @@ def size_on_disk(path: str) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     import grain_replay as gr
 
-    src = gr.open_source(args.path)
+    opts = storage_options(args.path, getattr(args, "storage_option", None))
+    src = gr.open_source(args.path, storage_options=opts)
     info: dict[str, Any] = {
         "path": src.path,
         "format": type(src).__name__.replace("DataSource", "").lower(),
@@ -43,7 +45,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     if not src.path.startswith(("s3://", "gs://", "http")):
         info["size_on_disk"] = size_on_disk(src.path)
-    writers = _writers(src)
+    if isinstance(src, gr.ObjectPartsDataSource):
+        writers: list[dict[str, Any]] | None = object_writers(src, args.path, opts)
+    else:
+        writers = _writers(src)
     if writers is not None:
         info["format"] = getattr(src, "format", info["format"])
         info["store_id"] = src.store_id if isinstance(src, ManyWriterStore) else None
@@ -75,12 +80,13 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"  writers: {len(ws)} (live records {info['num_records']:,}, evicted "
             f"{info['evicted_records']:,})"
         )
+        parts = "pieces" if info["format"] == "npy" and "://" in info["path"] else "segments"
         for w in ws:
             cap = "unbounded" if w["capacity"] is None else f"capacity {w['capacity']:,}"
             held = f", held by pid {w['holder']['pid']}" if w.get("holder") else ""
             print(
                 f"    {w['writer_id']}: {w['live']:,} live, {w['evicted']:,} evicted, "
-                f"{w['committed']:,} committed, {cap}, {w['segments']} segments, "
+                f"{w['committed']:,} committed, {cap}, {w['segments']} {parts}, "
                 f"{fmt_bytes(w['size_on_disk'])}{held}"
             )
     print(f"  checksums: {'recorded' if info['checksums'] else 'none'}")

@@ -8,10 +8,14 @@ from typing import Any
 __all__ = ["open_store"]
 
 
-def open_store(path: str) -> Any:
+def open_store(path: str, storage_options: dict[str, Any] | None = None) -> Any:
     """Opens any store: Minari datasets and D4RL files as transitions, LeRobot datasets as
-    frames (cameras decoded), else gr.open_source."""
+    frames (cameras decoded), else gr.open_source; a store at an URL with
+    ``storage_options`` (gr.open_source's)."""
     import grain_replay as gr
+
+    if "://" in path:
+        return gr.open_source(path, storage_options=storage_options)
 
     if os.path.isfile(os.path.join(path, "meta", "info.json")):
         return gr.LeRobotDataSource(path)

@@ -92,22 +92,17 @@ class Lease:
         """
         for _ in range(20):
             epochs = self._epochs()
-            nxt = 0
-            if epochs:
-                last, modified = epochs[-1]
-                holder = self._read(last)
-                nxt = last + 1
-                if holder is not None and not holder.get("released"):
-                    held_s = float(holder.get("lease_s", self.lease_s))
-                    age = self._store.server_now() - modified
-                    if age <= held_s + CLOCK_SLACK_S:
-                        raise WriterBusyError(
-                            f"{self._who}: writer id {self._id!r} is held by a live writer "
-                            f"(host {holder.get('host')!r}, pid {holder.get('pid')}, lease "
-                            f"epoch {last}, renewed {max(age, 0.0):.0f} s ago, lease "
-                            f"{held_s:g} s). Fix: use another writer_id, stop that writer, "
-                            "or wait for its lease to run out if it died."
-                        )
+            nxt = epochs[-1][0] + 1 if epochs else 0
+            live = self._live(epochs)
+            if live is not None:
+                holder, age = live
+                raise WriterBusyError(
+                    f"{self._who}: writer id {self._id!r} is held by a live writer "
+                    f"(host {holder.get('host')!r}, pid {holder.get('pid')}, lease "
+                    f"epoch {nxt - 1}, renewed {max(age, 0.0):.0f} s ago, lease "
+                    f"{float(holder.get('lease_s', self.lease_s)):g} s). Fix: use another "
+                    "writer_id, stop that writer, or wait for its lease to run out if it died."
+                )
             body = {
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
@@ -126,6 +121,25 @@ class Lease:
             f"{self._who}: writer id {self._id!r}: other writers keep taking its lease. "
             "Fix: start one writer per writer_id."
         )
+
+    def _live(self, epochs: list[tuple[int, float]]) -> tuple[dict[str, Any], float] | None:
+        """The newest lease's body and age (server time) while it is live: not released
+        and renewed within its ``lease_s``; None when the id is free."""
+        if not epochs:
+            return None
+        last, modified = epochs[-1]
+        holder = self._read(last)
+        if holder is None or holder.get("released"):
+            return None
+        held_s = float(holder.get("lease_s", self.lease_s))
+        age = self._store.server_now() - modified
+        return (holder, age) if age <= held_s + CLOCK_SLACK_S else None
+
+    def live_holder(self) -> dict[str, Any] | None:
+        """Who holds the id now (host, pid, epoch: the lease's body), asked of the server
+        without taking it; None when it is free."""
+        live = self._live(self._epochs())
+        return None if live is None else live[0]
 
     def start(self) -> None:
         """Starts the heartbeat thread (renewing every ``lease_s / 4``)."""

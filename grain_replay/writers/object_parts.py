@@ -34,6 +34,8 @@ from grain_replay.store import parts as parts_lib
 from grain_replay.store.lease import Lease, check_seconds
 from grain_replay.store.object_manifest import ObjectManifest, Piece, leaf_offsets
 from grain_replay.store.objects import CLOCK_SLACK_S, ObjectStore
+from grain_replay.writers.object_cut import cut_manifest
+from grain_replay.writers.resume import resume_rows
 from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["ObjectPartWriter", "check_url_arguments"]
@@ -54,6 +56,7 @@ class ObjectPartWriter:
         storage_options: Mapping[str, Any] | None,
         lease_s: float,
         evict_grace_s: float,
+        resume_from: object = None,
     ) -> None:
         self._id = parts_lib.check_writer_id(writer_id, url)
         self._store = ObjectStore(url, storage_options)
@@ -73,7 +76,9 @@ class ObjectPartWriter:
         self._lease_s = check_seconds(lease_s, "lease_s", self._where)
         self._grace_s = check_seconds(evict_grace_s, "evict_grace_s", self._where, zero_ok=True)
         self._store.check_bucket()
-        found = self._store.read_store_file() or self._store.create_store_file("npy")
+        found = self._store.read_store_file()
+        keep = None if resume_from is None else self._resume_rows(resume_from, found)
+        found = found or self._store.create_store_file("npy")
         if found.get("format") != "npy":
             raise InvalidStoreError(
                 f"{self._where}: the store holds {found.get('format')!r} pieces; this "
@@ -82,8 +87,11 @@ class ObjectPartWriter:
         self._lease = Lease(self._store, self._id, self._lease_s, self._where)
         self._lease.acquire()
         self._pieces_of: dict[int, frozenset[str]] = {}  # manifest version -> its pieces
+        self._attempts = 0
         try:
             self._manifest = self._take_over()
+            if keep is not None:
+                self._manifest = self._cut(keep)
             self._lease.start()
             self._last_gc = -float("inf")
             self._collect()
@@ -97,7 +105,6 @@ class ObjectPartWriter:
         )
         self._chunks: list[tuple[int, dict[str, bytes]]] = []  # rows, leaf -> bytes
         self._pending = 0
-        self._attempts = 0
         self._open = True
         # Closed (pending rows committed, the id freed) before the interpreter exits: a
         # close from __del__ during finalization would wait forever on fsspec's event
@@ -131,6 +138,47 @@ class ObjectPartWriter:
             f"{self._where}: another writer of this id keeps committing while this one "
             "takes it over. Fix: stop the other writer (start one writer per writer_id)."
         )
+
+    def _resume_rows(self, mark: object, found: dict[str, Any] | None) -> int:
+        """The committed rows ``resume_from=mark`` keeps, checked before anything is made."""
+        sid = None if found is None else found.get("store_id")
+        keep = resume_rows(mark, self._store.shown, self._id, store_id=sid)
+        if found is None and keep:
+            raise InvalidStoreError(
+                f"{self._where}: no store at this URL, but the checkpoint to resume from "
+                f"covers {keep} rows of this writer. Fix: pass the URL of the store the "
+                "checkpoint replayed (with its storage_options), or drop resume_from."
+            )
+        return keep
+
+    def _next_attempt(self) -> int:
+        """A new piece's number in this epoch (a piece is never rewritten)."""
+        self._attempts += 1
+        return self._attempts
+
+    def _cut(self, rows: int) -> ObjectManifest:
+        """Cuts the part back to its first ``rows`` rows (``resume_from=``): the version
+        after the takeover's names the pieces of those rows; the later pieces go with
+        the versions naming them, after the grace period (readers of an older snapshot
+        read them until then)."""
+        m = self._manifest
+        new = cut_manifest(self._store, m, rows, self._lease.epoch, self._next_attempt, self._where)
+        if new is m:
+            return m
+        if not self._store.publish(new):
+            holder = self._lease.taken_over() or {}
+            raise WriterBusyError(
+                f"{self._where}: manifest version {new.version}: another writer took this "
+                f"writer's id over (host {holder.get('host')!r}, pid {holder.get('pid')}) "
+                "while it was cut back to the checkpoint; nothing was cut. Fix: start one "
+                "writer per writer_id."
+            )
+        logger.info(
+            "%s: dropped rows [%d, %d), committed after the checkpoint resumed from",
+            self._where, rows, m.committed,
+        )  # fmt: skip
+        self._pieces_of[new.version] = frozenset(p.name for p in new.pieces)
+        return new
 
     # -- what ReplayWriter asks --------------------------------------------------------
 
@@ -236,8 +284,8 @@ class ObjectPartWriter:
         them, which are dropped from the pending rows (the rest: another attempt)."""
         assert self._meta is not None
         m = self._manifest
-        self._attempts += 1  # a piece is never rewritten: a retried flush writes a new one
-        piece = Piece(m.committed, self._pending, self._lease.epoch, self._attempts)
+        # A piece is never rewritten: a retried flush writes a new one.
+        piece = Piece(m.committed, self._pending, self._lease.epoch, self._next_attempt())
         data = b"".join(c[k] for k in self._meta.leaves for _, c in self._chunks)
         self._store.put(self._store.piece_key(self._id, piece), data)
         committed = m.committed + self._pending
@@ -360,23 +408,12 @@ class ObjectPartWriter:
             self._lease.release()
 
 
-def check_url_arguments(
-    url: str,
-    writer_id: str | None,
-    *,
-    segment_rows: int | None,
-    resume_from: object,
-) -> None:
-    """Refuses what a writer on object storage does not do (yet), naming the fix."""
+def check_url_arguments(url: str, writer_id: str | None, *, segment_rows: int | None) -> None:
+    """Refuses what a writer on object storage does not do, naming the fix."""
     objects_lib.check_object_url(url, writer_id)
-    where = f"{redact_url(url)} (writer {writer_id!r})"
-    unsupported = {
-        "segment_rows": (segment_rows, "each flush is one piece object there"),
-        "resume_from": (resume_from, "a checkpoint cut is not built for object storage yet"),
-    }
-    for name, (value, why) in unsupported.items():
-        if value is not None:
-            raise InvalidArgumentError(
-                f"{where}: {name}= is not taken by a writer on object storage ({why}). "
-                f"Fix: drop {name}=, or write to a POSIX path."
-            )
+    if segment_rows is not None:
+        raise InvalidArgumentError(
+            f"{redact_url(url)} (writer {writer_id!r}): segment_rows= is not taken by a "
+            "writer on object storage (each flush is one piece object there). Fix: drop "
+            "segment_rows=, or write to a POSIX path."
+        )

@@ -14,20 +14,21 @@ from grain_replay.errors import (
     BackgroundWriteError,
     GrainReplayError,
     InvalidArgumentError,
-    InvalidStoreError,
     WriterBusyError,
 )
-from grain_replay.remote.options import redact_url
 from grain_replay.store.formats import is_url
-from grain_replay.store.objects import DEFAULT_EVICT_GRACE_S, DEFAULT_LEASE_S
-from grain_replay.store.parts import is_parts_store
 from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
-from grain_replay.writers.object_parts import ObjectPartWriter, check_url_arguments
+from grain_replay.writers.file_setup import FileSetup, open_file_store
+from grain_replay.writers.object_parts import ObjectPartWriter
+from grain_replay.writers.object_setup import (
+    ObjectSetup,
+    open_object_part,
+    refuse_object_options,
+    writer_path,
+)
 from grain_replay.writers.parts_writer import PartWriter
-from grain_replay.writers.rate_wait import WriterGate, check_rate_limit_timeout, check_writer_limit
-from grain_replay.writers.resume import resume_rows
 from grain_replay.writers.store_writer import StoreWriter
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
@@ -36,48 +37,6 @@ logger = logging.getLogger(__name__)
 
 # The writers of a part of a many-writer store: on a file system, on object storage.
 _PARTS = (PartWriter, ObjectPartWriter)
-
-
-def _local_path(path: str | os.PathLike[str], writer_id: str | None) -> str:
-    """The absolute path of a store on a file system, or a many-writer store's URL
-    (s3://); a plain store's URL is refused (see docs/replay_store.md#file-systems-and-formats)."""
-    text = os.fspath(path)
-    if is_url(text):
-        if writer_id is not None:
-            return text
-        raise InvalidArgumentError(
-            f"{text}: a plain ReplayWriter (no capacity= or writer_id=) writes to a POSIX "
-            "file system only (a local disk, or NFSv4 / Lustre / GPFS shared by the hosts), "
-            "in every format: it appends to files in place, which object storage does not "
-            "offer. Fix: pass writer_id=... (and capacity=...) for a many-writer store of "
-            "npy pieces on s3:// (docs/replay_store.md#on-object-storage), or write to a "
-            "path on such a file system; to serve a plain store from object storage, copy "
-            "it into one Zarr store (grain-replay convert) and upload it, then read it with "
-            "gr.ZarrDataSource(url, storage_options=...)."
-        )
-    return os.path.abspath(text)
-
-
-def _object_only(
-    path: str, storage_options: Any, lease_s: Any, evict_grace_s: Any, writer_id: str | None
-) -> None:
-    """Refuses the object-storage arguments for a POSIX path, naming the fix."""
-    given = [
-        n
-        for n, v in (
-            ("storage_options", storage_options),
-            ("lease_s", lease_s),
-            ("evict_grace_s", evict_grace_s),
-        )
-        if v is not None
-    ]
-    if given and not is_url(path):
-        who = "" if writer_id is None else f" (writer {writer_id!r})"
-        raise InvalidArgumentError(
-            f"{path}{who}: {', '.join(given)} apply to a many-writer store on object storage "
-            "(an s3:// URL) only; on a POSIX file system writer ids are held by flock and "
-            f"evicted segments stay readable while open. Fix: drop {', '.join(given)}."
-        )
 
 
 def _check_flush_every(flush_every: int | None) -> int | None:
@@ -130,7 +89,8 @@ class ReplayWriter:
         restarted from one checkpoint never mixes in rows written after it; a writer
         part the watermark does not name keeps none. Reopen before the restored
         learner's first batch, while no reader holds the dropped rows. See
-        docs/checkpointing.md.
+        docs/checkpointing.md; on ``s3://`` the rows evicted since the checkpoint must
+        still be on the bucket (``evict_grace_s``; docs/replay_store.md#on-object-storage).
       max_inflight_bytes: bytes of device appends (``jax.Array`` leaves) still being
         copied to host or written before ``append`` waits (default 256 MiB).
       rate_limit: a :class:`~grain_replay.RateLimit` to declare in the store before the
@@ -200,100 +160,28 @@ class ReplayWriter:
         parts = capacity is not None or writer_id is not None or segment_rows is not None
         if parts and writer_id is None:
             writer_id = "default"
-        self._path = _local_path(path, writer_id)
-        _object_only(self._path, storage_options, lease_s, evict_grace_s, writer_id)
+        self._path = writer_path(path, writer_id)
+        refuse_object_options(self._path, storage_options, lease_s, evict_grace_s, writer_id)
+        self._flush_every = _check_flush_every(flush_every)
         if is_url(self._path):
             assert writer_id is not None
-            self._open_object_part(
-                format, writer_id, capacity, storage_options, lease_s, evict_grace_s,
-                segment_rows=segment_rows, resume_from=resume_from, rate_limit=rate_limit,
-                rate_limit_timeout=rate_limit_timeout, flush_every=flush_every,
+            opened: ObjectSetup | FileSetup = open_object_part(
+                self._path, format, writer_id, capacity, storage_options, lease_s,
+                evict_grace_s, segment_rows=segment_rows, resume_from=resume_from,
+                rate_limit=rate_limit, rate_limit_timeout=rate_limit_timeout,
                 max_inflight_bytes=max_inflight_bytes,
             )  # fmt: skip
-            return
-        timeout = check_rate_limit_timeout(rate_limit_timeout, self._path)
-        limit, timeout = check_writer_limit(rate_limit, timeout, self._path)
-        self._who = self._path if writer_id is None else f"{self._path} (writer {writer_id!r})"
-        self._gate = WriterGate(self._path, parts=parts, timeout=timeout, who=self._who)
-        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
-        self._flush_every = _check_flush_every(flush_every)
-        if not parts and is_parts_store(self._path):
-            raise InvalidStoreError(
-                f"{self._path} is a many-writer store (made with capacity= or writer_id=). "
-                "Fix: pass writer_id=... (and the capacity it was made with)."
-            )
-        resume = None if resume_from is None else resume_rows(resume_from, self._path, writer_id)
-        if parts:
-            assert writer_id is not None
-            self._store = PartWriter(
-                self._path,
-                format,
-                writer_id=writer_id,
-                capacity=capacity,
-                segment_rows=segment_rows,
-                chunk_rows=chunk_rows,
-                compression=compression,
-                resume=resume,
-            )
         else:
-            self._store = StoreWriter(
-                self._path, format, chunk_rows=chunk_rows, compression=compression, resume=resume
-            )
-        self._format = self._store.format
-        if limit is not None:
-            try:
-                self._gate.declare(limit)  # before the first row: writers hold from it on
-            except BaseException:
-                self._store.abandon()  # nothing appended: releases the writer id
-                raise
+            opened = open_file_store(
+                self._path, format, parts=parts, writer_id=writer_id, capacity=capacity,
+                segment_rows=segment_rows, chunk_rows=chunk_rows, compression=compression,
+                resume_from=resume_from, rate_limit=rate_limit,
+                rate_limit_timeout=rate_limit_timeout, max_inflight_bytes=max_inflight_bytes,
+            )  # fmt: skip
+        self._store, self._gate, self._who = opened.store, opened.gate, opened.who
+        self._max_inflight, self._format = opened.max_inflight, opened.store.format
         # Counted here, not from the store's counters, which the background thread moves.
-        self._appended = self._committed = self._flushed = self._store.committed
-
-    def _open_object_part(
-        self,
-        format: str | None,
-        writer_id: str,
-        capacity: int | None,
-        storage_options: dict[str, Any] | None,
-        lease_s: float | None,
-        evict_grace_s: float | None,
-        *,
-        segment_rows: int | None,
-        resume_from: object,
-        rate_limit: RateLimit | None,
-        rate_limit_timeout: float | None,
-        flush_every: int | None,
-        max_inflight_bytes: int,
-    ) -> None:
-        """A writer part on object storage (docs/replay_store.md#on-object-storage)."""
-        check_url_arguments(
-            self._path, writer_id, segment_rows=segment_rows, resume_from=resume_from
-        )
-        self._who = f"{redact_url(self._path)} (writer {writer_id!r})"
-        timeout = check_rate_limit_timeout(rate_limit_timeout, self._who)
-        limit, timeout = check_writer_limit(rate_limit, timeout, self._who)
-        self._max_inflight = background.check_max_inflight_bytes(max_inflight_bytes, self._who)
-        self._flush_every = _check_flush_every(flush_every)
-        store = self._store = ObjectPartWriter(
-            self._path,
-            format,
-            writer_id=writer_id,
-            capacity=capacity,
-            storage_options=storage_options,
-            lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
-            evict_grace_s=DEFAULT_EVICT_GRACE_S if evict_grace_s is None else evict_grace_s,
-        )
-        self._gate = WriterGate(
-            self._path, parts=True, timeout=timeout, who=self._who, objects=store.objects
-        )
-        if limit is not None:
-            try:
-                self._gate.declare(limit)  # before the first row: writers hold from it on
-            except BaseException:
-                store.abandon()  # nothing appended: frees the writer id
-                raise
-        self._format = store.format
-        self._appended = self._committed = self._flushed = store.committed
+        self._appended = self._committed = self._flushed = opened.store.committed
 
     # -- lifecycle -------------------------------------------------------------
 

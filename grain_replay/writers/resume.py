@@ -16,14 +16,18 @@ from grain_replay.store.watermark import Watermark, identity_mismatch, same_stor
 __all__ = ["resume_rows"]
 
 
-def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
+def resume_rows(
+    mark: Any, store: str, writer_id: str | None, *, store_id: str | None = None
+) -> int:
     """The rows of ``writer_id`` (None: a plain store) that ``resume_from=mark`` keeps.
 
     Args:
       mark: a :class:`~grain_replay.Watermark` (``gr.read_watermark(checkpoint)``), or a
         row count (for a writer part: its committed sequence number).
-      store: the store's absolute path.
+      store: the store's absolute path (or its URL, credentials redacted).
       writer_id: the writer part being reopened, or None for a plain store.
+      store_id: the store's id where the caller read it (a store on object storage);
+        None: read at ``store``.
 
     Raises:
       InvalidArgumentError: ``mark`` is of another store (another id, or another real
@@ -46,7 +50,7 @@ def resume_rows(mark: Any, store: str, writer_id: str | None) -> int:
                 "of a loader over this store (gr.read_watermark(checkpoint)), or drop "
                 "writer_id/capacity to reopen a plain store."
             )
-        sid = store_id_at(store)
+        sid = store_id if store_id is not None else store_id_at(store)
         if not same_store(mark, store, sid):
             raise InvalidArgumentError(
                 f"{who}: resume_from is the watermark of another store: "

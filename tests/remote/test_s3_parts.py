@@ -344,9 +344,8 @@ def test_bad_inputs_on_object_storage_are_named_with_a_fix(s3: S3Server) -> None
         gr.ReplayWriter("s3://no-such-bucket/x", writer_id="a", storage_options=so)
     with pytest.raises(gr.InvalidArgumentError, match=r"gcsfs.*Fix: write to s3://"):
         gr.ReplayWriter("gs://bucket/x", writer_id="a")
-    for name, value in (("segment_rows", 10), ("resume_from", 0)):
-        with pytest.raises(gr.InvalidArgumentError, match=rf"{name}=.*Fix: drop {name}="):
-            gr.ReplayWriter(url, writer_id="a", storage_options=so, **{name: value})
+    with pytest.raises(gr.InvalidArgumentError, match=r"segment_rows=.*Fix: drop segment_rows="):
+        gr.ReplayWriter(url, writer_id="a", storage_options=so, segment_rows=10)
     with pytest.raises(gr.InvalidArgumentError, match=r"lease_s.*s3:// URL\) only.*Fix"):
         gr.ReplayWriter("local-dir", writer_id="a", lease_s=5)
     assert _keys(s3, url.split("/", 3)[3]) == []  # nothing written by a refused writer
