@@ -284,6 +284,39 @@ def test_a_race_for_one_manifest_version_has_one_winner(s3: S3Server) -> None:
         assert stores[0].newest_manifest("w") == winner
 
 
+def test_the_test_server_creates_conditionally_as_atomically_as_s3(s3: S3Server) -> None:
+    """moto checks a key's absence and writes it with nothing between (its server a thread a
+    request): racing creates could both win, which S3 never allows (tests/helpers/
+    moto_atomic.py). The servers here take them one at a time: one winner a key."""
+    import boto3
+    import botocore.exceptions
+    from moto.s3.responses import S3Response
+
+    assert getattr(S3Response, "_atomic_conditional_creates", False)  # this process's server
+    opts = s3.storage_options()
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url,
+        aws_access_key_id=opts["key"],
+        aws_secret_access_key=opts["secret"],
+        region_name="us-east-1",
+    )
+    bucket = f"atomic-{uuid.uuid4().hex[:8]}"
+    client.create_bucket(Bucket=bucket)
+
+    def create(key: str) -> bool:
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=b"x" * 4096, IfNoneMatch="*")
+            return True
+        except botocore.exceptions.ClientError as e:
+            assert e.response["Error"]["Code"] == "PreconditionFailed", e
+            return False
+
+    for i in range(20):
+        won = _race([functools.partial(create, f"k{i}") for _ in range(6)])
+        assert sum(won) == 1, won
+
+
 def _race(calls: list[Any]) -> list[Any]:
     """The results of ``calls``, each run by its own thread, released at once."""
     barrier = threading.Barrier(len(calls))
