@@ -31,8 +31,8 @@ from grain_replay.writers import part_manifest
 from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
 from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
+from grain_replay.writers.layouts import choice_fix
 from grain_replay.writers.lifecycle import LockedWriter
-from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.row_stage import HostSignature, RowStage
 from grain_replay.writers.store_writer import check_tree_matches
