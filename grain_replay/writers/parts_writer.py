@@ -4,7 +4,10 @@ Rows go into fixed-size segments, each a plain single-writer store written by
 the format's backend. ``flush()`` commits the segments written to, then
 replaces the writer's manifest (the commit point), then unlinks segments the
 new manifest no longer names. A crash at any point leaves the last manifest
-and every segment it names intact; reopening drops the rest.
+and every segment it names intact; reopening drops the rest. A segment is
+:mod:`~grain_replay.writers.part_segments`'s; the arguments and the store file,
+:mod:`~grain_replay.writers.part_store`'s; the manifest's arithmetic,
+:mod:`~grain_replay.writers.part_manifest`'s.
 """
 
 from __future__ import annotations
@@ -17,64 +20,28 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import (
-    InvalidArgumentError,
-    InvalidStoreError,
-)
 from grain_replay.store import layout as layout_lib
 from grain_replay.store import ownership
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import publish_text
-from grain_replay.store.formats import FORMATS, format_from_path
-from grain_replay.store.integrity import Checksummer
-from grain_replay.writers import part_manifest
+from grain_replay.writers import part_manifest, part_store
 from grain_replay.writers.atomic import remove_path
-from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend, write_by_leaf
+from grain_replay.writers.backends import write_by_leaf
 from grain_replay.writers.backends.durable import fsync_all, fsync_dirs
 from grain_replay.writers.lifecycle import LockedWriter
-from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.part_manifest import default_segment_rows
+from grain_replay.writers.part_segments import (
+    Segment,
+    create_segment,
+    reopen_segment,
+    segment_path,
+)
 from grain_replay.writers.row_stage import HostSignature, RowStage
 from grain_replay.writers.store_writer import check_tree_matches
 
 __all__ = ["PartWriter", "default_segment_rows"]
 
 logger = logging.getLogger(__name__)
-
-
-def _segment_backend(fmt: str) -> type[Backend]:
-    return NpySegmentBackend if fmt == "npy" else BACKENDS[fmt]
-
-
-# The format each suffix names (as gr.write infers it); ".npz" names none a store has.
-_SUFFIX_FORMATS = {".h5": "hdf5", ".hdf5": "hdf5", ".zarr": "zarr", ".npy": "npy", ".npz": None}
-
-
-def _check_new_store_path(path: str, format: str | None) -> str:
-    """The segments' format of a new many-writer store at ``path`` (a directory, which
-    keeps the path's name): ``format``, else the one the suffix names. Refuses a suffix
-    that names another format than the segments' (``buf.h5`` holding npy segments)."""
-    fmt = format or format_from_path(path)
-    stem, suffix = os.path.splitext(path.rstrip("/"))
-    named = _SUFFIX_FORMATS.get(suffix.lower(), fmt)
-    if named != fmt:
-        what = f"{named} (as gr.write infers it)" if named else "no format a store has"
-        raise InvalidArgumentError(
-            f"{path}: a bounded, many-writer store (capacity= or writer_id=) is a directory "
-            f"of {fmt} segments named as given, so its suffix {suffix!r} must name {fmt}; it "
-            f"names {what}. Fix: gr.ReplayWriter({stem!r}, format={fmt!r}, ...) (a "
-            f"directory without a suffix)"
-            + (f", or format={named!r} for {named} segments." if named else ".")
-        )
-    return fmt
-
-
-class _Open:
-    """The segment being appended to."""
-
-    def __init__(self, first: int, rows: int, backend: Backend, summer: Checksummer | None):
-        self.first, self.rows, self.backend, self.summer = first, rows, backend, summer
-        self.dirty = False
 
 
 class PartWriter(LockedWriter):
@@ -96,42 +63,12 @@ class PartWriter(LockedWriter):
         self._id = parts_lib.check_writer_id(writer_id, path)
         self._where = f"{path} (writer {self._id!r})"
         capacity = parts_lib.check_capacity(capacity, path, self._id)
-        if segment_rows is not None and (
-            isinstance(segment_rows, bool) or not isinstance(segment_rows, int) or segment_rows <= 0
-        ):
-            raise InvalidArgumentError(
-                f"{self._where}: segment_rows must be a positive int or None, got "
-                f"{segment_rows!r}. Fix: leave it None (capacity / 16)."
-            )
-        if format is not None and format not in FORMATS:
-            raise InvalidArgumentError(
-                f"format must be one of {FORMATS} or None, got {format!r}. "
-                f"{choice_fix('format', format, FORMATS)}"
-            )
-        if (
-            os.path.exists(path)
-            and not parts_lib.is_parts_store(path)
-            and not parts_lib.being_made(path)
-        ):
-            raise InvalidStoreError(
-                f"{path} is a single-writer store (or another file); capacity= and writer_id= "
-                "need a store directory made by them. Fix: pass another path, or drop "
-                "capacity/writer_id to append to it."
-            )
-        if not parts_lib.is_parts_store(path):
-            parts_lib.create_store_file(path, _check_new_store_path(path, format))
-        on_disk = parts_lib.read_store_file(path)
-        if format is not None and format != on_disk:
-            raise InvalidStoreError(
-                f"{path} is a {on_disk} store but format={format!r} was given. "
-                f"Fix: pass format={on_disk!r} or another path."
-            )
-        self._format = on_disk
+        self._format = part_store.open_store_format(path, format, segment_rows, self._where)
         self._chunk_rows, self._compression = chunk_rows, compression
         self._dir = parts_lib.writer_dir(path, self._id)
         self._lock_fd: int | None = ownership.acquire_writer_lock(path, self._id)
-        self._open: _Open | None = None
-        self._full: list[_Open] = []  # filled since the last flush, not yet committed
+        self._open: Segment | None = None
+        self._full: list[Segment] = []  # filled since the last flush, not yet committed
         self._default_rows = segment_rows is None
         self._pending = 0  # rows written, not committed (the stage's not counted)
         self._stage: RowStage | None = None  # small appends, gathered (row_stage.py)
@@ -191,7 +128,7 @@ class PartWriter(LockedWriter):
         return cut
 
     def _segment_path(self, first: int) -> str:
-        return os.path.join(self._dir, parts_lib.segment_name(first, self._format))
+        return segment_path(self._dir, first, self._format)
 
     def _drop_orphans(self) -> None:
         """Removes what the manifest does not name: uncommitted segments, unfinished evictions."""
@@ -212,31 +149,17 @@ class PartWriter(LockedWriter):
         if tail.rows >= m.segment_rows:
             return
         meta = self._segment_meta(tail.rows)
-        cls = _segment_backend(self._format)
-        backend = cls(self._segment_path(tail.first), meta)
-        backend.max_rows = m.segment_rows
-        on_disk = cls.read_metadata(self._segment_path(tail.first))
-        summer = None
-        if on_disk is not None and on_disk.num_records == tail.rows:
-            try:
-                summer = Checksummer.resume(meta.leaves, on_disk.checksums, tail.rows)
-            except ValueError:
-                summer = None
-        else:
-            # Committed past the manifest (a crash between the two commits, or a part cut
-            # back to a checkpoint): the segment says the manifest's rows again, so readers
-            # map what they will read; the checksums of its last block are recomputed.
-            try:
-                checks = None if on_disk is None else on_disk.checksums
-                summer = Checksummer.truncated(meta.leaves, checks, tail.rows, backend.read)
-            except ValueError:
-                summer = None
+        seg, cut = reopen_segment(
+            self._segment_path(tail.first), self._format, meta, tail.first, m.segment_rows
+        )
+        if cut:
+            # The segment says the manifest's rows again, so readers map what they will read.
             logger.info(
                 "%s: segment %s held rows past the manifest; dropped them",
                 self._where, tail.first,
             )  # fmt: skip
-            backend.commit(tail.rows, None if summer is None else summer.state())
-        self._open = _Open(tail.first, tail.rows, backend, summer)
+            seg.backend.commit(tail.rows, None if seg.summer is None else seg.summer.state())
+        self._open = seg
 
     def _segment_meta(self, n: int) -> layout_lib.StoreMetadata:
         assert self._meta is not None
@@ -368,7 +291,7 @@ class PartWriter(LockedWriter):
             return theirs
         return mine
 
-    def _segment_for_next(self) -> _Open:
+    def _segment_for_next(self) -> Segment:
         seg = self._open
         if seg is not None and seg.rows < self._manifest.segment_rows:
             return seg
@@ -378,13 +301,15 @@ class PartWriter(LockedWriter):
         assert first % self._manifest.segment_rows == 0
         path = self._segment_path(first)
         remove_path(path)  # a leftover of a crash before this segment's first commit
-        meta = self._segment_meta(0)
-        cls = _segment_backend(self._format)
-        rows = self._manifest.segment_rows  # chunks no larger, nothing allocated past
-        backend = cls.create_open(
-            path, meta, self._chunk_rows, self._compression, sync=False, max_rows=rows
+        self._open = create_segment(
+            path,
+            self._format,
+            self._segment_meta(0),
+            first,
+            self._manifest.segment_rows,
+            self._chunk_rows,
+            self._compression,
         )
-        self._open = _Open(first, 0, backend, Checksummer(meta.leaves))
         return self._open
 
     def flush(self) -> int:

@@ -28,8 +28,8 @@ from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import FORMATS, detect_format, format_from_path
 from grain_replay.store.integrity import Checksummer
 from grain_replay.writers.backends import BACKENDS, Backend, write_by_leaf
+from grain_replay.writers.layouts import choice_fix
 from grain_replay.writers.lifecycle import LockedWriter
-from grain_replay.writers.oneshot import choice_fix
 from grain_replay.writers.row_stage import HostSignature, RowStage
 
 __all__ = ["StoreWriter", "check_tree_matches"]

@@ -19,7 +19,7 @@ import pytest
 import grain_replay as gr
 from grain_replay.store.parts import RETAIN_SEGMENTS
 from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, chunk_rows_within
-from grain_replay.writers.oneshot import chunk_rows_for
+from grain_replay.writers.layouts import chunk_rows_for
 
 KIB = 1024
 # The slack docs/replay_store.md states, past 1.1x the live bytes.

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
-from grain_replay.writers.device import background
+from grain_replay.writers.device import background, host_copies
 from grain_replay.writers.device import leaves as device_leaves
 from tests.helpers.store_reads import read_all
 
@@ -74,7 +74,7 @@ def _expected(blocks: int, rows: int = 16) -> dict[str, np.ndarray]:
 def slow_copy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``to_host`` (the wait for a leaf's copy) blocks until ``release`` is set; records threads."""
     state: dict[str, Any] = {"release": threading.Event(), "threads": [], "calls": 0}
-    real = background.to_host
+    real = host_copies.to_host
 
     def blocked(leaf: Any) -> np.ndarray:
         state["threads"].append(threading.current_thread().name)
@@ -82,7 +82,7 @@ def slow_copy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         assert state["release"].wait(30), "the test never released the copy"
         return real(leaf)
 
-    monkeypatch.setattr(background, "to_host", blocked)
+    monkeypatch.setattr(host_copies, "to_host", blocked)
     yield state
     state["release"].set()
 
@@ -316,14 +316,14 @@ def test_failing_background_write_raised_naming_the_leaf(
 
 
 def test_failing_copy_names_the_leaf(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = background.to_host
+    real = host_copies.to_host
 
     def to_host(leaf: Any) -> np.ndarray:
         if leaf.dtype == np.bool_:
             raise RuntimeError("INTERNAL: device lost (injected)")
         return real(leaf)
 
-    monkeypatch.setattr(background, "to_host", to_host)
+    monkeypatch.setattr(host_copies, "to_host", to_host)
     path = _path(tmp_path, "hdf5")
     with gr.ReplayWriter(path) as w:
         w.append(_block(0))

@@ -18,7 +18,7 @@ import grain_replay as gr
 from grain_replay.store import parts as parts_lib
 from grain_replay.writers import parts_writer
 from grain_replay.writers.backends import NpyBackend, NpySegmentBackend
-from grain_replay.writers.device import background
+from grain_replay.writers.device import background, host_copies
 from grain_replay.writers.parts_writer import PartWriter
 from tests.helpers.store_reads import read_all
 
@@ -63,7 +63,7 @@ def test_thread_takes_nothing_below_a_batch_then_copies_newest_first(
 ) -> None:
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 3 * BLOCK_BYTES)
     seen: list[int] = []  # the first row of each "action" leaf taken to host
-    real = background.to_host
+    real = host_copies.to_host
 
     def to_host(leaf: Any) -> np.ndarray:
         out = real(leaf)
@@ -71,7 +71,7 @@ def test_thread_takes_nothing_below_a_batch_then_copies_newest_first(
             seen.append(int(out[0]))
         return out
 
-    monkeypatch.setattr(background, "to_host", to_host)
+    monkeypatch.setattr(host_copies, "to_host", to_host)
     path = str(tmp_path / "s")
     with gr.ReplayWriter(path) as w:
         w.append(_device(_block(0)))

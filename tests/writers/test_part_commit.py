@@ -16,7 +16,7 @@ from grain_replay.errors import StoreExistsError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.filesync import fsync_path as fsync_path_
-from grain_replay.writers import parts_writer
+from grain_replay.writers import part_segments, parts_writer
 from grain_replay.writers.backends import (
     Backend,
     HDF5Backend,
@@ -197,7 +197,7 @@ def test_a_writer_dead_before_the_commit_point_reopens_after_the_last_commit(
             w.flush()
     w.abandon()
     seg = os.path.join(parts_lib.writer_dir(path, "a"), parts_lib.segment_name(8, fmt))
-    ahead = parts_writer._segment_backend(fmt).read_metadata(seg)
+    ahead = part_segments.segment_backend(fmt).read_metadata(seg)
     assert ahead is not None and ahead.num_records == 7  # the tail segment, staged
     src = gr.open_source(path)
     assert len(src) == 12

@@ -11,7 +11,9 @@ module publishes into the store (:mod:`grain_replay.store.progress`) from the
 moment the loader is built (:meth:`RateLimiter.hold`: the loader's limiter
 publishes ``sampled = 0`` and hands its file to the first iterator). The limit is
 the sampler's, or the one its store declares (:mod:`grain_replay.store.rate_limit`):
-one that contradicts the store's is refused. See docs/rate_limits.md.
+one that contradicts the store's is refused. What is read from the store (its
+counts, its learners' folder, the limit it declares) is
+:mod:`grain_replay.sampling.rate.store_reads`'s. See docs/rate_limits.md.
 """
 
 from __future__ import annotations
@@ -28,17 +30,16 @@ from grain_replay.errors import (
     RateLimitTimeoutError,
     ReplayCheckpointError,
 )
-from grain_replay.sampling.rate.options import default_tolerance, least_tolerance, limit_of
+from grain_replay.sampling.rate.options import default_tolerance, least_tolerance
 from grain_replay.sampling.rate.publish import ProgressPublisher
-from grain_replay.sampling.replay import probe_copy
-from grain_replay.sources.capabilities import OnObjectStorage, ReadsIds, Refreshable
+from grain_replay.sampling.rate.store_reads import StoreCounts, learners_folder, sampling_limit
+from grain_replay.sources.capabilities import OnObjectStorage
 from grain_replay.store import progress as learners_lib
 from grain_replay.store.object_folder import POLL_MAX_S as OBJECT_POLL_MAX_S
 from grain_replay.store.object_folder import POLL_MIN_S as OBJECT_POLL_MIN_S
-from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
-from grain_replay.store.rate_limit import RateLimit, learners_dir, read_declared
+from grain_replay.store.rate_limit import RateLimit
 
-__all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter", "sampling_limit"]
+__all__ = ["LOG_EVERY_S", "RateLimiter", "make_limiter"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,35 +47,6 @@ logger = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.01
-
-
-class _Counts:
-    """Rows inserted (ever committed, evicted ones included) and live in the store."""
-
-    def __init__(self, source: Any) -> None:
-        self.parts = isinstance(source, ReadsIds) and isinstance(getattr(source, "path", None), str)
-        self._inserted: learners_lib.InsertedCount | ObjectInsertedCount | None = None
-        self._probe: Any = None
-        self.grows = True
-        if isinstance(source, OnObjectStorage):  # the manifests in the bucket
-            self._inserted = source.inserted_count()
-            return
-        if self.parts:
-            self._inserted = learners_lib.InsertedCount(source.path)
-            return
-        self._probe = probe_copy(source)
-        self.grows = isinstance(self._probe, Refreshable)
-
-    def read(self) -> tuple[int, int]:
-        if self._inserted is not None:
-            return self._inserted.read()
-        n = int(self._probe.refresh()) if self.grows else len(self._probe)
-        return n, n
-
-    def capacities(self) -> list[int | None]:
-        if self._inserted is None:
-            return []
-        return [m.capacity for m in self._inserted.manifests()]
 
 
 class RateLimiter:
@@ -113,7 +85,7 @@ class RateLimiter:
         self._process = (int(shard_index), int(shard_count))
         self._refresh = refresh
         self._source_name = str(getattr(source, "path", None) or repr(source))
-        self._counts = _Counts(source)
+        self._counts = StoreCounts(source)
         # Each poll of a store on object storage is a LIST a writer: spaced wider.
         self._polls = (
             (OBJECT_POLL_MIN_S, OBJECT_POLL_MAX_S)
@@ -134,7 +106,7 @@ class RateLimiter:
         self._ready = False  # min_size reached and one batch drawn: no more refresh requests
         # Publishing (from hold() or the first batch on, only with a ratio).
         self._publisher: ProgressPublisher | None = None
-        directory = _learners_dir(source)
+        directory = learners_folder(source)
         if self.r is not None and directory is not None:
             self._publisher = ProgressPublisher(
                 directory, f"process-{shard_index}-of-{shard_count}.json", self.owner
@@ -387,54 +359,6 @@ class RateLimiter:
 
 def _no_refresh() -> None:
     pass
-
-
-def _learners_dir(source: Any) -> str | ObjectFolder | None:
-    """The learners' folder of a local store or of a many-writer store on object storage
-    (None: not one, or another URL)."""
-    if isinstance(source, OnObjectStorage):
-        return source.learners_folder()
-    path = getattr(source, "path", None)
-    if not isinstance(path, str) or "://" in path:
-        return None
-    return learners_dir(path)
-
-
-def sampling_limit(source: Any, options: Any) -> RateLimit | None:
-    """The limit a learner over ``source`` samples by: its options', checked against the
-    one the store declares, else the store's (timeout: the options').
-
-    Raises:
-      InvalidSamplingError: the two contradict (naming both).
-    """
-    own = limit_of(options)
-    directory = _learners_dir(source)
-    declared = None if directory is None else read_declared(directory)
-    if declared is None:
-        return own
-    owner = type(options).__name__
-    if own is None:
-        logger.info(
-            "%s over %s: samples by the limit the store declares, %s",
-            owner,
-            getattr(source, "path", source),
-            declared.terms(),
-        )
-        return RateLimit(
-            min_size=declared.min_size,
-            samples_per_insert=declared.samples_per_insert,
-            tolerance=declared.tolerance,
-            timeout=getattr(options, "timeout", None),
-        )
-    if not own.agrees(declared):
-        raise InvalidSamplingError(
-            f"{owner} over {getattr(source, 'path', source)}: its limit {own.terms()} "
-            f"contradicts the one the store declares, {declared.terms()} (written by its "
-            "first writer given rate_limit=). Expected one limit per store, on every writer "
-            f"and learner. Fix: sample with rate_limit={declared.terms()}, or with no "
-            "limit (the learner then takes the store's)."
-        )
-    return own
 
 
 def make_limiter(stream: Any, *, take_over: RateLimiter | None = None) -> RateLimiter | None:

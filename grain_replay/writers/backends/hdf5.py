@@ -13,7 +13,7 @@ from grain_replay.store.formats import PAGE, import_h5py, metadata_from_attrs
 from grain_replay.writers.atomic import atomic_path
 from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend, chunk_rows_within
 from grain_replay.writers.backends.durable import commit_metadata, fixed_metadata, open_h5
-from grain_replay.writers.oneshot import chunk_rows_for
+from grain_replay.writers.layouts import chunk_rows_for
 
 __all__ = ["HDF5Backend"]
 

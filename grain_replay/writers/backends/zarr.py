@@ -12,7 +12,7 @@ from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import import_zarr, metadata_from_attrs
 from grain_replay.writers.atomic import atomic_path
 from grain_replay.writers.backends.base import APPEND_CHUNK_BYTES, Backend, chunk_rows_within
-from grain_replay.writers.oneshot import chunk_rows_for, create_zarr_leaf, zarr_compressors
+from grain_replay.writers.layouts import chunk_rows_for, create_zarr_leaf, zarr_compressors
 
 __all__ = ["ZarrBackend"]
 

@@ -2,9 +2,10 @@
 
 ``ReplayWriter.append`` checks a tree's device leaves and queues the tree; one
 background thread sleeps until ``WRITE_BATCH_BYTES`` of trees are queued (or a
-caller waits, or the writer stops), then takes them in append order, copies them
-to host (a CPU device's arrays read in place; an accelerator's like trees stacked
-on the device and copied as one buffer a group, :mod:`device_pack`) and writes
+caller waits, or the writer stops; the queue and its counts: :mod:`queue`), then
+takes them in append order, copies them to host (:mod:`host_copies`: a CPU
+device's arrays read in place; an accelerator's like trees stacked on the device
+and copied as one buffer a group, :mod:`device_pack`) and writes
 them as one block, one write per leaf, joined in buffers it keeps
 (no new memory per batch). One wake-up per batch, not per append: on a CPU
 backend, where the thread's CPU time is taken from the caller's steps, that is
@@ -21,7 +22,6 @@ jax is never imported here (see :mod:`grain_replay.writers.device.leaves`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -33,15 +33,16 @@ import numpy as np
 from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
 from grain_replay.pipeline import shutdown
 from grain_replay.writers.device import pack as device_pack
+from grain_replay.writers.device.host_copies import batch_error, batch_to_host
 from grain_replay.writers.device.leaves import (
     TreeSignature,
     device_leaf_test,
     leaf_nbytes,
     start_copies,
 )
-from grain_replay.writers.device.queue import Commit, Item, JoinBuffers, Write, take_batch
+from grain_replay.writers.device.queue import Commit, Item, JoinBuffers, Write, WriteQueue
 from grain_replay.writers.device.sync_thread import SyncThread
-from grain_replay.writers.write_errors import LeafWriteError, commit_error, write_error
+from grain_replay.writers.write_errors import LeafWriteError, commit_error
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -51,7 +52,6 @@ __all__ = [
     "check_max_inflight_bytes",
     "commit_error",
     "device_leaf_test",
-    "to_host",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,11 +77,6 @@ def check_max_inflight_bytes(value: Any, where: str) -> int:
     return int(value)
 
 
-def to_host(leaf: Any) -> np.ndarray:
-    """A queued leaf on the host (a device leaf's copy, waited for)."""
-    return np.asarray(leaf)
-
-
 class BackgroundWriter:
     """One thread that converts queued trees to host arrays and writes them, in order."""
 
@@ -97,17 +92,12 @@ class BackgroundWriter:
         callable saying whether a caller waits (then it may leave the rest to the flush)."""
         self._where = where
         self._max_bytes = max_inflight_bytes
-        self._batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
         lock = self._lock = threading.Lock()
         self._work = threading.Condition(lock)  # the thread waits here for trees
         self._done = threading.Condition(lock)  # callers wait here for the thread
-        self._queue: collections.deque[Item | Commit | None] = collections.deque()  # None: stop
-        self._bytes = 0  # queued, on host or being written
-        self._queued_bytes = 0  # queued, not yet taken by the thread
-        self._queued_trees = 0  # trees queued, not yet taken by the thread
-        self._rows = 0
-        self._items = 0  # trees and commits queued or under way
-        self._commits = 0  # commits queued, not yet taken by the thread
+        # The trees and commits queued, and their counts (queue.py).
+        batch_bytes = max(1, min(WRITE_BATCH_BYTES, max_inflight_bytes // 4))
+        self._queue = WriteQueue(batch_bytes, WRITE_BATCH_TREES)
         self._committing = False  # the thread runs a commit (the sync thread holds off)
         self._urgent = 0  # callers waiting for the thread (drain, the bound)
         self._idle = False  # the thread waits for work
@@ -144,12 +134,12 @@ class BackgroundWriter:
 
     def _pending_locked(self) -> bool:
         """Trees queued or being written, or a sync asked for or running."""
-        return self._items > 0 or (self._syncs is not None and self._syncs.pending_locked())
+        return self._queue.items > 0 or (self._syncs is not None and self._syncs.pending_locked())
 
     @property
     def rows(self) -> int:
         """Rows queued or being written."""
-        return self._rows
+        return self._queue.rows
 
     @property
     def failed(self) -> bool:
@@ -211,17 +201,18 @@ class BackgroundWriter:
     def _wait_for_room(self, nbytes: int) -> None:
         # Unlocked first: only this side adds bytes (the thread only takes them away), so
         # a tree that fits now still fits; a failure set meanwhile is raised at _enqueue.
-        if self._error is None and (not self._items or self._bytes + nbytes <= self._max_bytes):
+        queue = self._queue
+        if self._error is None and (not queue.items or queue.bytes + nbytes <= self._max_bytes):
             return
         with self._done:
-            if self._error is None and self._items and self._bytes + nbytes > self._max_bytes:
+            if self._error is None and queue.items and queue.bytes + nbytes > self._max_bytes:
                 self._urgent += 1
                 self._work.notify_all()
                 try:
                     while (
                         self._error is None
-                        and self._items
-                        and self._bytes + nbytes > self._max_bytes
+                        and queue.items
+                        and queue.bytes + nbytes > self._max_bytes
                     ):
                         self._done.wait()
                 finally:
@@ -232,21 +223,15 @@ class BackgroundWriter:
         with self._lock:  # the conditions' lock, taken without their Python wrappers
             if self._error is not None:
                 self._raise_locked()
-            self._queue.append(item)
-            self._bytes += item.nbytes
-            self._queued_bytes += item.nbytes
-            self._rows += item.rows
-            self._items += 1
+            self._queue.add(item)
             commit = isinstance(item, Commit)
-            self._commits += commit
-            self._queued_trees += not commit
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 shutdown.register(self, BackgroundWriter.close_at_exit)
                 self._thread.start()
-            elif self._idle and (commit or self._batch_queued_locked()):
+            elif self._idle and (commit or self._queue.batch_queued()):
                 # A batch (or a commit) is queued; below a batch, the thread sleeps on.
                 self._work.notify_all()
 
@@ -296,7 +281,7 @@ class BackgroundWriter:
             thread, self._thread = self._thread, None
             syncer = None if self._syncs is None else self._syncs.detach_locked()
             if thread is not None:
-                self._queue.append(None)
+                self._queue.add_stop()
             self._work.notify_all()  # the sync thread waits on it too
         for t in (thread, syncer):
             if t is not None and t is not threading.current_thread():
@@ -312,14 +297,14 @@ class BackgroundWriter:
         try:
             while True:
                 with self._work:
-                    while self._error is None and not self._ready_locked():
+                    while self._error is None and not self._queue.ready(self._urgent > 0):
                         self._idle = True
                         self._work.wait()
                     self._idle = False
                     if self._error is not None:  # the sync thread failed
                         return
-                    batch, commit, stop = self._take_locked()
-                parts, error = self._to_host(batch) if batch else ([], None)
+                    batch, commit, stop = self._queue.take()
+                parts, error = batch_to_host(batch, self._where) if batch else ([], None)
                 if error is None and batch:
                     error = self._write(batch, parts)
                 del parts
@@ -352,7 +337,7 @@ class BackgroundWriter:
             error = commit_error(self._where, commit.committed(), commit.upto, e)
         with self._done:
             self._committing = False
-            self._items -= 1
+            self._queue.commit_done()
             if error is not None:
                 self._fail_locked(error)
             elif self._syncs is not None and not self._stopped and self._error is None:
@@ -362,37 +347,13 @@ class BackgroundWriter:
             self._done.notify_all()
         return error
 
-    def _ready_locked(self) -> bool:
-        """Whether the thread has trees to take now: a batch of them, a caller waiting
-        for them, or the stop behind them."""
-        q = self._queue
-        return bool(q) and (
-            self._batch_queued_locked() or self._urgent > 0 or self._commits > 0 or q[-1] is None
-        )
-
-    def _batch_queued_locked(self) -> bool:
-        """Whether a batch of trees is queued (its bytes, or its trees)."""
-        return self._queued_bytes >= self._batch_bytes or self._queued_trees >= WRITE_BATCH_TREES
-
-    def _take_locked(self) -> tuple[list[Item], Commit | None, bool]:
-        """Up to a batch of queued trees, then the commit right behind them (see
-        :func:`write_queue.take_batch`), counted out of the queue's bytes and commits."""
-        batch, commit, stop, size = take_batch(self._queue, self._batch_bytes, WRITE_BATCH_TREES)
-        self._queued_bytes -= size
-        self._queued_trees -= len(batch)
-        self._commits -= commit is not None
-        return batch, commit, stop
-
     def _done_with(
         self, batch: list[Item], error: BackgroundWriteError | None, *, sync: bool = True
     ) -> None:
         """Counts a written (or, with ``error``, dropped) batch out; starts a sync
         (``sync``: unless a commit follows, which syncs what the batch filled)."""
         with self._done:
-            for i in batch:
-                self._bytes -= i.nbytes
-                self._rows -= i.rows
-                self._items -= 1
+            self._queue.count_out(batch)
             if error is not None:
                 self._fail_locked(error)
             elif sync and batch and self._syncs is not None and not self._stopped:
@@ -403,54 +364,7 @@ class BackgroundWriter:
         """Whether a caller waits for the threads (flush, close, the bound) or a queued
         commit does: the sync leaves what is left to the flush or the commit then (see
         PartWriter.commit_filled)."""
-        return self._urgent > 0 or self._committing or self._commits > 0
-
-    def _to_host(
-        self, batch: list[Item]
-    ) -> tuple[list[tuple[dict[str, np.ndarray], int]], BackgroundWriteError | None]:
-        """The batch's rows on the host, as blocks in order (``(arrays, rows)``): the
-        accelerator leaves of like trees stacked on the device and copied as one buffer a
-        group (device_pack), a group one block; the rest copied leaf by leaf, newest first
-        (the steps finish in append order, so the first wait is the only one); a failure
-        is the leaf's whose copy failed."""
-        try:
-            packed = device_pack.pack_batch(batch)
-        except Exception as e:  # the copies below meet the failure again and name the leaf
-            logger.debug("%s: stacked copies failed (%s); copying leaf by leaf", self._where, e)
-            packed = []
-        groups = {p.start: p for p in packed}
-        stacked = {i: p.arrays for p in packed for i in range(p.start, p.start + p.count)}
-        key = ""
-        for i in range(len(batch) - 1, -1, -1):
-            item = batch[i]
-            arrays = item.arrays
-            done = stacked.get(i, {})
-            if len(done) == len(arrays):
-                continue  # every leaf is in its group's block
-            try:
-                for key in arrays:
-                    if key not in done:
-                        arrays[key] = to_host(arrays[key])
-            except Exception as e:
-                return [], self._failure([item], e, copying=key)
-        parts: list[tuple[dict[str, np.ndarray], int]] = []
-        i = 0
-        while i < len(batch):
-            group = groups.get(i)
-            if group is None:
-                parts.append((batch[i].arrays, batch[i].rows))
-                i += 1
-                continue
-            items = batch[i : i + group.count]
-            block = {
-                k: group.arrays[k]
-                if k in group.arrays
-                else np.concatenate([item.arrays[k] for item in items])
-                for k in items[0].arrays
-            }
-            parts.append((block, sum(item.rows for item in items)))
-            i += group.count
-        return parts, None
+        return self._urgent > 0 or self._committing or self._queue.commits > 0
 
     def _write(
         self, batch: list[Item], parts: list[tuple[dict[str, np.ndarray], int]]
@@ -460,27 +374,14 @@ class BackgroundWriter:
             host, rows = self._joins.host_block(parts)
             batch[0].write(host, rows)
         except Exception as e:
-            return self._failure(batch, e)
+            return batch_error(self._where, batch, e)
         return None
-
-    def _failure(
-        self, batch: list[Item], e: Exception, copying: str | None = None
-    ) -> BackgroundWriteError:
-        """The error of a failed copy (``copying``: the leaf) or write of ``batch``."""
-        rows = sum(item.rows for item in batch)
-        return write_error(self._where, batch[0].first, rows, e, copying)
 
     def _fail_locked(self, error: BackgroundWriteError) -> None:
         if self._error is not None:  # the other thread failed first: that one is raised
             return
         self._error = error
-        dropped = [i for i in self._queue if i is not None]
-        self._queue.clear()
-        for i in dropped:
-            self._bytes -= i.nbytes
-            self._rows -= i.rows
-            self._items -= 1
-        self._commits = 0
+        self._queue.drop()
         logger.error("%s", error)
         self._thread = None
         if self._syncs is not None:

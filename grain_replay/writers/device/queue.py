@@ -5,7 +5,8 @@ The queue holds appended trees (:class:`Item`) and commits queued behind them
 stop. The thread takes up to a batch of trees of one store, or the commit right
 behind them (:func:`take_batch`), and writes a batch's trees as one block, each
 leaf's rows joined in a buffer kept for the next batch (:class:`JoinBuffers`).
-The threads, locks and counters around the queue are
+:class:`WriteQueue` holds them and their counts (bytes, rows, trees and commits
+queued or under way); the threads and the lock around it are
 :class:`grain_replay.writers.device.background.BackgroundWriter`'s.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Commit", "Item", "JoinBuffers", "Write", "take_batch"]
+__all__ = ["Commit", "Item", "JoinBuffers", "Write", "WriteQueue", "take_batch"]
 
 Write = Callable[[dict[str, np.ndarray], int], None]
 
@@ -78,6 +79,80 @@ def take_batch(
         batch.append(head)
         size += head.nbytes
     return batch, commit, False, size
+
+
+class WriteQueue:
+    """The queued trees and commits, in order (``None``: the stop), and their counts.
+
+    Not locked: its owner holds its lock around every call. ``bytes``, ``rows`` and
+    ``items`` may be read without it (only the caller's side adds to them).
+    """
+
+    def __init__(self, batch_bytes: int, batch_trees: int) -> None:
+        self.batch_bytes = batch_bytes  # a batch of trees for the thread: its bytes,
+        self.batch_trees = batch_trees  # or its trees
+        self._queue: collections.deque[Item | Commit | None] = collections.deque()
+        self.bytes = 0  # queued, on host or being written
+        self.rows = 0  # rows queued or being written
+        self.items = 0  # trees and commits queued or under way
+        self.commits = 0  # commits queued, not yet taken by the thread
+        self._queued_bytes = 0  # queued, not yet taken by the thread
+        self._queued_trees = 0  # trees queued, not yet taken by the thread
+
+    def add(self, item: Item | Commit) -> None:
+        """Queues a tree or a commit behind the ones before it."""
+        self._queue.append(item)
+        self.bytes += item.nbytes
+        self._queued_bytes += item.nbytes
+        self.rows += item.rows
+        self.items += 1
+        commit = isinstance(item, Commit)
+        self.commits += commit
+        self._queued_trees += not commit
+
+    def add_stop(self) -> None:
+        """Queues the stop: the thread ends once it reaches it."""
+        self._queue.append(None)
+
+    def batch_queued(self) -> bool:
+        """Whether a batch of trees is queued (its bytes, or its trees)."""
+        return self._queued_bytes >= self.batch_bytes or self._queued_trees >= self.batch_trees
+
+    def ready(self, urgent: bool) -> bool:
+        """Whether the thread has trees to take now: a batch of them, a caller waiting
+        for them (``urgent``), a commit, or the stop behind them."""
+        q = self._queue
+        return bool(q) and (self.batch_queued() or urgent or self.commits > 0 or q[-1] is None)
+
+    def take(self) -> tuple[list[Item], Commit | None, bool]:
+        """Up to a batch of queued trees, then the commit right behind them (see
+        :func:`take_batch`), counted out of the queue's bytes and commits."""
+        batch, commit, stop, size = take_batch(self._queue, self.batch_bytes, self.batch_trees)
+        self._queued_bytes -= size
+        self._queued_trees -= len(batch)
+        self.commits -= commit is not None
+        return batch, commit, stop
+
+    def count_out(self, batch: list[Item]) -> None:
+        """Counts a batch taken out of the queue (written, or dropped) out of the counts."""
+        for i in batch:
+            self.bytes -= i.nbytes
+            self.rows -= i.rows
+            self.items -= 1
+
+    def commit_done(self) -> None:
+        """Counts a commit taken out of the queue (run, or failed) out."""
+        self.items -= 1
+
+    def drop(self) -> None:
+        """Drops what is queued, the stop included (after a failure)."""
+        dropped = [i for i in self._queue if i is not None]
+        self._queue.clear()
+        for i in dropped:
+            self.bytes -= i.nbytes
+            self.rows -= i.rows
+            self.items -= 1
+        self.commits = 0
 
 
 class JoinBuffers:
