@@ -155,6 +155,19 @@ def test_a_cache_smaller_than_one_piece_reads_ranges_and_holds_nothing() -> None
         assert reader.nbytes == 0
 
 
+def test_a_batch_reads_small_pieces_whole_and_large_ones_by_ranges_at_once() -> None:
+    bucket = Bucket()
+    snap = _store(bucket, [[10, 3, 4]])  # room for 5 rows: the 3 and 4-row pieces, in turn
+    reader = PieceReader("s3://b/s", LEAVES, LEAVES, 5 * ROW_COST)
+    ids = np.array([11, 2, 15, 9, 12, 2])
+    for gets in (1 + 1 + len(LEAVES), len(LEAVES) + 1):  # the 4-row piece evicts the 3's
+        bucket.requests = 0
+        got, ok = _read(reader, bucket, snap, ids)
+        assert ok.all() and bucket.requests == gets
+        _check(got, ids)
+        assert reader.nbytes <= 5 * ROW_COST
+
+
 def test_no_cache_reads_every_batch_with_ranges() -> None:
     bucket = Bucket()
     snap = _store(bucket, [[4, 6], [8]])
