@@ -15,7 +15,6 @@ from collections.abc import Collection, Hashable, Mapping
 import numpy as np
 
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError
-from grain_replay.sources.surface import current_pid
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["DEFAULT_PIECE_CACHE_BYTES", "PieceArena", "check_cache_bytes"]
@@ -57,12 +56,13 @@ class PieceArena:
     between compactions), never more than ``max_bytes``; a few words a piece beside.
 
     Thread-safe: one lock around every read and write of the arrays (memory copies
-    only: the caller does its I/O outside). Made in the process that uses it (``pid``).
+    only: the caller does its I/O outside). One per process: its owner
+    (:class:`~grain_replay.sources.parts.piece_reader.PieceReader`) is made again after a
+    fork.
     """
 
     def __init__(self, max_bytes: int, leaves: Mapping[str, LeafSpec]) -> None:
         self.max_bytes = int(max_bytes)
-        self.pid = current_pid()
         self.leaves = dict(leaves)
         self.row_bytes = sum(
             leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
