@@ -411,7 +411,16 @@ def _one_writer_of_three_pieces(s3: S3Server) -> str:
     return url
 
 
-PIECE_BYTES = 10 * (8 + 8 + 4 * 8)  # 10 rows of seq, tag, vec[4]
+# A piece held in the cache: its 10 rows of the leaves read (seq, tag, vec[4]: 48 B a row),
+# each with its three int32 entries of the row index (PieceArena.row_cost).
+ROW_INDEX_BYTES = 3 * 4
+
+
+def _held(rows: int = 10, row_bytes: int = 8 + 8 + 4 * 8) -> int:
+    return rows * (row_bytes + ROW_INDEX_BYTES)
+
+
+PIECE_BYTES = _held()
 
 
 def test_a_batch_is_one_ranged_get_per_leaf_per_run_of_a_piece(s3: S3Server) -> None:
@@ -452,7 +461,8 @@ def test_a_warm_reader_reads_cached_pieces_from_memory(s3: S3Server) -> None:
             pieces = len({(int(s // 10)) for s in idx})  # 10-row pieces, one part each 40
             got, counts = _gets(proxy, lambda src=src: src.read_batch(idx))
             assert counts == {"GET": pieces}, keys
-            assert src.cached_bytes == pieces * PIECE_BYTES
+            read = 4 * 8 if keys == ["vec", "_writer"] else 8 + 8 + 4 * 8  # only those held
+            assert src.cached_bytes == pieces * _held(row_bytes=read)
             assert set(got) == set(want)
             for k in want:
                 np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -471,15 +481,16 @@ def test_the_piece_cache_drops_the_least_recently_used_beyond_its_bound(s3: S3Se
     """Room for two pieces of three: the one read longest ago is fetched again; a piece
     larger than the cache is read with ranged GETs and never held."""
     url = _one_writer_of_three_pieces(s3)
+    bound = 2 * PIECE_BYTES
     with HTTPProxy(s3.port) as proxy:
-        src = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=1000)
+        src = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=bound)
 
         def read(rows: list[int], gets: int) -> None:
             got, counts = _gets(proxy, lambda: src.read_batch(rows))
             assert counts == ({"GET": gets} if gets else {}), rows
             np.testing.assert_array_equal(got["seq"], rows)
             check_rows(got)
-            assert src.cached_bytes <= 1000
+            assert src.cached_bytes <= bound
 
         read([1, 12], 2)  # pieces 0, 1
         read([3], 0)  # 0 is now the newest
@@ -489,7 +500,9 @@ def test_the_piece_cache_drops_the_least_recently_used_beyond_its_bound(s3: S3Se
         read([28, 19], 0)
         read([0], 1)
         assert src.cached_bytes == 2 * PIECE_BYTES
-        small = gr.open_source(url, storage_options=_proxied(s3, proxy), cache_bytes=100)
+        small = gr.open_source(
+            url, storage_options=_proxied(s3, proxy), cache_bytes=PIECE_BYTES - 1
+        )
         for _ in range(2):
             got, counts = _gets(proxy, lambda: small.read_batch([16, 0, 1, 2, 15]))
             assert counts == {"GET": 6}

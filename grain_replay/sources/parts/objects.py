@@ -2,9 +2,10 @@
 
 A snapshot (taken at construction and at each :meth:`ObjectPartsDataSource.refresh`) is
 each writer's newest manifest version; its rows are read from the piece objects it
-names: whole pieces, fetched once (one GET each, a batch's all at once) into a bounded
-LRU of piece bytes (``cache_bytes``) and copied from memory after; a piece larger than
-the cache (or ``cache_bytes=0``) is read with ranged GETs, all of a batch's at once.
+names (:mod:`~grain_replay.sources.parts.piece_reader`): whole pieces, fetched once (one
+GET each, a batch's all at once) into a bounded LRU (``cache_bytes``) that packs their
+rows one array per leaf, so a warm batch is one take per leaf; a piece larger than the
+cache (or ``cache_bytes=0``) is read with ranged GETs, all of a batch's at once.
 Writers delete a piece only ``evict_grace_s`` after the last manifest version naming it
 was superseded, so a snapshot younger than that reads every row of it (objects have no
 open-after-unlink); rows of the snapshot before it stay readable by id the same way.
@@ -13,7 +14,6 @@ Positions, ids and stand-ins follow :class:`~grain_replay.sources.parts.PartsDat
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,7 +22,6 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import (
     EvictedRowError,
-    InvalidStoreError,
     StoreNotFoundError,
     UnknownLeafError,
 )
@@ -31,23 +30,17 @@ from grain_replay.sources.checks import as_record_index, check_indices, record_i
 from grain_replay.sources.parts import ids as parts_ids
 from grain_replay.sources.parts import snapshot as snapshots
 from grain_replay.sources.parts.object_snapshot import ObjectPart, ObjectSnapshot
-from grain_replay.sources.parts.piece_cache import (
-    DEFAULT_PIECE_CACHE_BYTES,
-    PieceCache,
-    check_cache_bytes,
-)
+from grain_replay.sources.parts.piece_cache import DEFAULT_PIECE_CACHE_BYTES, check_cache_bytes
+from grain_replay.sources.parts.piece_reader import PieceReader
 from grain_replay.sources.parts.snapshot import WRITER_KEY
-from grain_replay.sources.surface import SourceSurface
+from grain_replay.sources.surface import SourceSurface, current_pid
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec, StoreMetadata
 from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
-from grain_replay.store.object_manifest import ObjectManifest, leaf_offsets
+from grain_replay.store.object_manifest import ObjectManifest
 from grain_replay.store.objects import ObjectStore
 
 __all__ = ["ObjectPartsDataSource"]
-
-# Rows of one piece closer than this many bytes apart are fetched by one ranged GET.
-_MERGE_GAP_BYTES = 64 * 1024
 
 
 class ObjectPartsDataSource(SourceSurface):
@@ -58,20 +51,22 @@ class ObjectPartsDataSource(SourceSurface):
     :class:`~grain_replay.sources.parts.PartsDataSource` (``len``, ``refresh()``, ids,
     ``read_ids``, the ``"_writer"`` leaf, views and replay), over objects: a batch fetches
     each piece it touches that is not cached yet whole (one GET each, all sent at once)
-    into an LRU of piece bytes bounded by ``cache_bytes``, and copies rows of cached
-    pieces from memory (pieces never change: nothing to invalidate). A piece larger than
-    the cache, or ``cache_bytes=0``, is read with one ranged GET per leaf per run of rows.
+    into an LRU bounded by ``cache_bytes`` that holds the rows of the leaves read packed
+    one array per leaf, and reads cached rows with one take per leaf (pieces never
+    change: nothing to invalidate). A piece larger than the cache, or ``cache_bytes=0``,
+    is read with one ranged GET per leaf per run of rows.
     See docs/replay_store.md#on-object-storage.
 
     Args:
       url: the store (``s3://bucket/path``).
       keys: leaves to read, plus ``"_writer"`` for each row's writer ordinal.
       storage_options: fsspec options (endpoint, credentials).
-      cache_bytes: bound of the cache of whole pieces, per process (default 256 MiB; a
-        pickled copy, e.g. a loader worker's, starts empty); 0 disables it.
+      cache_bytes: bound of the cache of whole pieces (the rows of the leaves read and
+        their row index), per process (default 256 MiB; a pickled copy, e.g. a loader
+        worker's, starts empty); 0 disables it.
     """
 
-    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_objects": None, "_pid": None, "_pieces": None}
+    _PER_PROCESS: ClassVar[dict[str, Any]] = {"_objects": None, "_pid": None, "_reader": None}
 
     def __init__(
         self,
@@ -84,7 +79,7 @@ class ObjectPartsDataSource(SourceSurface):
 
         self._url = str(url).rstrip("/")
         self._cache_bytes = check_cache_bytes(cache_bytes, redact_url(self._url))
-        self._pieces: PieceCache | None = None
+        self._reader: PieceReader | None = None
         self._options = dict(storage_options or {})
         self._lock = threading.Lock()
         self._pid: int | None = None
@@ -114,25 +109,26 @@ class ObjectPartsDataSource(SourceSurface):
     def _store(self) -> ObjectStore:
         return self._per_process("_objects", lambda: ObjectStore(self._url, self._options))
 
-    def _piece_cache(self) -> PieceCache | None:
-        """This process's cache of whole pieces (None: disabled). A cache made in another
-        process (inherited across a fork) is replaced by an empty one."""
-        if not self._cache_bytes:
-            return None
-        cache = self._pieces
-        if cache is None or cache.pid != os.getpid():
+    def _piece_reader(self) -> PieceReader:
+        """This process's reader of pieces (and its cache): one made in another process
+        (inherited across a fork) is replaced by an empty one."""
+        reader = self._reader
+        if reader is None or reader.pid != current_pid():
             with self._lock:
-                cache = self._pieces
-                if cache is None or cache.pid != os.getpid():
-                    cache = self._pieces = PieceCache(self._cache_bytes)
-        return cache
+                reader = self._reader
+                if reader is None or reader.pid != current_pid():
+                    assert self._full is not None
+                    leaves = {k: v for k, v in self._spec.items() if k != WRITER_KEY}
+                    reader = PieceReader(self.path, self._full.leaves, leaves, self._cache_bytes)
+                    self._reader = reader
+        return reader
 
     @property
     def cached_bytes(self) -> int:
-        """Bytes of whole pieces this process holds in memory now (at most
-        ``cache_bytes``)."""
-        cache = self._pieces
-        return 0 if cache is None or cache.pid != os.getpid() else cache.nbytes
+        """Bytes of whole pieces this process holds in memory now (their rows packed one
+        array per leaf, with the row index; at most ``cache_bytes``)."""
+        reader = self._reader
+        return 0 if reader is None or reader.pid != current_pid() else reader.nbytes
 
     # -- snapshot -----------------------------------------------------------------------
 
@@ -158,9 +154,9 @@ class ObjectPartsDataSource(SourceSurface):
                 parts.append(ObjectPart.of(m, prev))
             self._schema([p.manifest for p in parts])
             self._snap = ObjectSnapshot.of(parts)
-        cache = self._pieces
-        if cache is not None:  # pieces no longer in the snapshot are never read again
-            cache.keep_only({(p.manifest.writer_id, n) for p in self._snap.parts for n in p.names})
+        reader = self._reader
+        if reader is not None and reader.pid == current_pid():
+            reader.keep_only(self._snap)  # pieces no longer named are never read again
         return self._snap.n
 
     def _schema(self, manifests: list[ObjectManifest]) -> None:
@@ -174,6 +170,7 @@ class ObjectPartsDataSource(SourceSurface):
             only_writer=self._only_writer,
         )  # fmt: skip
         self._build = tree_lib.compile_unflatten(self._treedef)
+        self._reader = None  # its cache holds the leaves of the schema before
 
     # -- identity -----------------------------------------------------------------------
 
@@ -244,13 +241,9 @@ class ObjectPartsDataSource(SourceSurface):
 
     def ids(self, positions: Sequence[int] | np.ndarray, *, check: bool = True) -> np.ndarray:
         snap = self._snap
-        pos = (
-            check_indices(positions, snap.n, self.path)
-            if check
-            else np.asarray(positions, dtype=np.int64)
-        )
-        p, seq = snap.locate(pos)
-        return parts_lib.make_ids(snap.ordinals[p], seq)
+        if check:
+            return snap.ids_at(check_indices(positions, snap.n, self.path))
+        return snap.ids_at(np.asarray(positions, dtype=np.int64))
 
     def positions(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         snap = self._snap
@@ -278,154 +271,49 @@ class ObjectPartsDataSource(SourceSurface):
     # -- reads ----------------------------------------------------------------------------
 
     def _gather(
-        self,
-        snap: ObjectSnapshot,
-        p: np.ndarray,
-        seq: np.ndarray,
-        keys: Sequence[str] | None = None,
+        self, snap: ObjectSnapshot, ids: np.ndarray, keys: Sequence[str] | None = None
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """Rows ``seq`` of parts ``p`` and which of them were read (False: its piece is not
-        in the snapshot, or gone from the bucket)."""
+        """The rows ``ids`` and which of them were read (False: no piece of the snapshot
+        holds it, or its piece is gone from the bucket)."""
         names = list(self._spec) if keys is None else list(keys)
-        b = len(p)
+        b = len(ids)
         out = {k: np.empty((b, *self._spec[k].shape), self._spec[k].dtype) for k in names}
         if WRITER_KEY in out:
-            out[WRITER_KEY][...] = snap.ordinals[p] if b else 0
-        seg_keys = [k for k in names if k != WRITER_KEY]
-        piece, ok = snap.piece_of(p, seq) if b else (np.zeros(0, np.int64), np.ones(0, bool))
-        if not seg_keys or not b or not ok.any():
-            return out, ok
-        assert self._full is not None
-        store = self._store()
-        cache = self._piece_cache()
-        keys_, starts, ends, plan = [], [], [], []
-        whole: list[tuple[tuple[str, str], int, int, np.ndarray]] = []
-        one = leaf_offsets(self._full.leaves, 1)  # a piece of n rows: offsets n times these
-        row_bytes = sum(row for _, row in one.values())
-        rows_at = np.flatnonzero(ok)
-        group = parts_lib.make_ids(p[rows_at], piece[rows_at])  # (part, piece) packed
-        order = np.argsort(group, kind="stable")
-        srt = rows_at[order]  # rows grouped by piece
-        edges = [0, *(np.flatnonzero(np.diff(group[order])) + 1).tolist(), len(srt)]
-        heads = srt[edges[:-1]]
-        g_part, g_piece = p[heads].tolist(), piece[heads].tolist()
-        # Rows copied from cached pieces land in ``staged`` in grouped order (one take per
-        # leaf per piece into a slice), then in ``out`` by one scatter per leaf.
-        staged = {k: np.empty((len(srt), *self._spec[k].shape), self._spec[k].dtype)
-                  for k in (seg_keys if cache is not None else ())}  # fmt: skip
-        filled = np.zeros(len(srt), dtype=bool)
-        for g in range(len(heads)):
-            lo_g, hi_g = edges[g], edges[g + 1]
-            part, j = snap.parts[g_part[g]], g_piece[g]
-            first, count = int(part.firsts[j]), int(part.rows[j])
-            sel = srt[lo_g:hi_g]
-            local = seq[sel] - first
-            if cache is not None and cache.fits(row_bytes * count):
-                views = cache.get((part.manifest.writer_id, part.names[j]))
-                if views is None:
-                    whole.append(((part.manifest.writer_id, part.names[j]), count, g, local))
-                    continue
-                for name in seg_keys:  # one take per leaf
-                    views[name].take(local, axis=0, out=staged[name][lo_g:hi_g], mode="clip")
-                filled[lo_g:hi_g] = True
-                continue
-            key = f"{store.writer_key(part.manifest.writer_id, 'pieces')}/{part.names[j]}"
-            offs = leaf_offsets(self._full.leaves, count)
-            by_row = np.argsort(local, kind="stable")
-            sel, local = sel[by_row], local[by_row]
-            for name in seg_keys:
-                at, row = offs[name]
-                gap = max(1, _MERGE_GAP_BYTES // max(row, 1))
-                cuts = np.flatnonzero(np.diff(local) > gap) + 1
-                for run_sel, run in zip(np.split(sel, cuts), np.split(local, cuts), strict=True):
-                    lo, hi = int(run[0]), int(run[-1]) + 1
-                    keys_.append(key)
-                    starts.append(at + lo * row)
-                    ends.append(at + hi * row)
-                    plan.append((name, run_sel, run - lo))
-        # One request list: the whole pieces to cache, then the ranges (network I/O
-        # outside every lock).
-        piece_keys = [f"{store.writer_key(w, 'pieces')}/{n}" for (w, n), *_ in whole]
-        got = store.cat_ranges(
-            piece_keys + keys_,
-            [0] * len(whole) + starts,
-            [row_bytes * count for _, count, _, _ in whole] + ends,
-        )
-        for (name_key, count, g, local), key, data in zip(
-            whole, piece_keys, got[: len(whole)], strict=True
-        ):
-            lo_g, hi_g = edges[g], edges[g + 1]
-            if isinstance(data, FileNotFoundError):
-                ok[srt[lo_g:hi_g]] = False  # deleted: past the grace period
-                continue
-            if isinstance(data, BaseException):
-                raise data
-            if len(data) != row_bytes * count:
-                raise InvalidStoreError(
-                    f"{self.path}: piece {key!r} holds {len(data)} bytes, its manifest "
-                    f"promises {row_bytes * count}. Fix: the store was changed by something "
-                    "other than its writers; write it again."
-                )
-            views = self._views(data, count)
-            assert cache is not None
-            cache.put(name_key, views, len(data))
-            for name in seg_keys:
-                views[name].take(local, axis=0, out=staged[name][lo_g:hi_g], mode="clip")
-            filled[lo_g:hi_g] = True
-        if filled.any():
-            every = bool(filled.all())
-            for name in seg_keys:
-                if every:
-                    out[name][srt] = staged[name]
-                else:
-                    out[name][srt[filled]] = staged[name][filled]
-        for (name, run_sel, rel), data in zip(plan, got[len(whole) :], strict=True):
-            if isinstance(data, FileNotFoundError):
-                ok[run_sel] = False  # deleted: past the grace period
-                continue
-            if isinstance(data, BaseException):
-                raise data
-            leaf = self._spec[name]
-            block = np.frombuffer(data, dtype=leaf.dtype).reshape(-1, *leaf.shape)
-            out[name][run_sel] = block[rel]
-        return out, ok
+            out[WRITER_KEY][...] = parts_lib.id_ordinals(ids)
+        stored = {k: v for k, v in out.items() if k != WRITER_KEY}
+        if not stored:
+            return out, snap.pieces_of(ids)[2]
+        return out, self._piece_reader().read(self._store(), snap, ids, stored)
 
-    def _views(self, data: bytes, count: int) -> dict[str, np.ndarray]:
-        """Every stored leaf of a whole piece of ``count`` rows, as arrays over its bytes."""
-        assert self._full is not None
-        buf = np.frombuffer(data, dtype=np.uint8)
-        views = {}
-        for name, (at, row) in leaf_offsets(self._full.leaves, count).items():
-            leaf = self._full.leaves[name]
-            views[name] = buf[at : at + row * count].view(leaf.dtype).reshape(count, *leaf.shape)
-        return views
-
-    def _evicted(
-        self, snap: ObjectSnapshot, p: np.ndarray, seq: np.ndarray, ok: np.ndarray
-    ) -> None:
-        bad = int(np.argmin(ok))
+    def _evicted(self, snap: ObjectSnapshot, ids: np.ndarray, ok: np.ndarray) -> None:
+        ordinal, seq = parts_lib.split_ids(int(ids[int(np.argmin(ok))]))
+        p = snap.part_of_ordinal[ordinal] if 0 <= ordinal < len(snap.part_of_ordinal) else -1
+        writer = f"ordinal {ordinal}" if p < 0 else repr(snap.parts[p].manifest.writer_id)
         raise EvictedRowError(
-            f"{self.path}: writer {snap.parts[int(p[bad])].manifest.writer_id!r}: row "
-            f"{int(seq[bad])} cannot be read any more (its piece was deleted, past the "
-            "writers' evict_grace_s, or is not in this snapshot). Fix: refresh() more often "
-            "than evict_grace_s, raise the writers' evict_grace_s or capacity, or read by id "
-            "with evicted='replace'."
+            f"{self.path}: writer {writer}: row {seq} cannot be read any more (its piece was "
+            "deleted, past the writers' evict_grace_s, or is not in this snapshot). Fix: "
+            "refresh() more often than evict_grace_s, raise the writers' evict_grace_s or "
+            "capacity, or read by id with evicted='replace'."
         )
 
-    def read_flat(
-        self, indices: Sequence[int] | np.ndarray, *, check: bool = True
+    def _read_positions(
+        self, indices: Sequence[int] | np.ndarray, keys: Sequence[str] | None, check: bool
     ) -> dict[str, np.ndarray]:
         snap = self._snap
         if check:
             idx = check_indices(indices, snap.n, self.path)
         else:
             idx = np.asarray(indices, dtype=np.int64)
-        idx = np.where(idx < 0, idx + snap.n, idx)
-        p, seq = snap.locate(idx)
-        out, ok = self._gather(snap, p, seq)
+        ids = snap.ids_at(idx)
+        out, ok = self._gather(snap, ids, keys)
         if not ok.all():
-            self._evicted(snap, p, seq, ok)
+            self._evicted(snap, ids, ok)
         return out
+
+    def read_flat(
+        self, indices: Sequence[int] | np.ndarray, *, check: bool = True
+    ) -> dict[str, np.ndarray]:
+        return self._read_positions(indices, None, check)
 
     def read_leaf(self, key: str, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         if key not in self._spec:
@@ -433,13 +321,7 @@ class ObjectPartsDataSource(SourceSurface):
                 f"{self.path}: no leaf {key!r}; leaves: {list(self._spec)}. Fix: pass one of "
                 "those (or open the source with keys= naming it)."
             )
-        snap = self._snap
-        idx = check_indices(indices, snap.n, self.path)
-        p, seq = snap.locate(idx)
-        out, ok = self._gather(snap, p, seq, [key])
-        if not ok.all():
-            self._evicted(snap, p, seq, ok)
-        return out[key]
+        return self._read_positions(indices, [key], True)[key]
 
     def read_ids(self, ids: Sequence[int] | np.ndarray, *, evicted: str = "raise") -> Any:
         return self._build(self.read_ids_flat(ids, evicted=evicted))
@@ -461,35 +343,40 @@ class ObjectPartsDataSource(SourceSurface):
         evicted = parts_ids.check_evicted(evicted, self.path)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         snap = self._snap
-        p, seq, ahead = snap.locate_ids(ids)
-        if ahead.any():
+        out, ok = self._gather(snap, ids)  # every row in a piece of the snapshot: done
+        if ok.all():
+            return out, ok
+        p, _, ahead = snap.locate_ids(ids)
+        if ahead.any():  # rows newer than the snapshot: a new one may hold them
             self.refresh()
             snap = self._snap
-            p, seq, ahead = snap.locate_ids(ids)
+            p, _, _ = snap.locate_ids(ids)
+            if not (p < 0).any():
+                out, ok = self._gather(snap, ids)
         if (p < 0).any():
             raise EvictedRowError(
                 f"{self.path}: no writer with ordinal "
                 f"{parts_lib.id_ordinals(int(ids[p < 0][0]))} in the store. Fix: pass ids "
                 "returned by src.ids() of this store."
             )
-        out, ok = self._gather(snap, p, seq)
         if ok.all():
             return out, ok
         if evicted != "replace":
-            self._evicted(snap, p, seq, ok)
+            self._evicted(snap, ids, ok)
         # Stand-ins: a live row of the same writer, read from a snapshot taken now (the
         # pieces of an old one may be gone).
         self.refresh()
         snap = self._snap
-        q, _, _ = snap.locate_ids(ids)
+        q, seq, _ = snap.locate_ids(ids)
         if (q < 0).any() or (snap.committed[q] - snap.live_start[q] <= 0).any():
-            self._evicted(snap, p, seq, ok)
+            self._evicted(snap, ids, ok)
         start, live = snap.live_start[q], snap.committed[q] - snap.live_start[q]
-        stand = np.where(ok, seq, start + (seq - start) % np.maximum(live, 1))
         bad = np.flatnonzero(~ok)
-        again, read = self._gather(snap, q[bad], stand[bad])
+        stand = start[bad] + (seq[bad] - start[bad]) % np.maximum(live[bad], 1)
+        stand_ids = parts_lib.make_ids(snap.ordinals[q[bad]], stand)
+        again, read = self._gather(snap, stand_ids)
         if not read.all():
-            self._evicted(snap, q[bad], stand[bad], read)
+            self._evicted(snap, stand_ids, read)
         for k in out:
             out[k][bad] = again[k]
         self.replaced += len(bad)
