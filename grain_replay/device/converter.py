@@ -9,8 +9,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from grain_replay.device import packed as packing
-from grain_replay.device.packed import PackedLayout, plan
+from grain_replay.device.packed import PackedLayout, laid_out, plan
 from grain_replay.errors import BatchShardingError, InvalidShardingError
+from grain_replay.pipeline.lanes import LaneField
 
 __all__ = ["Converter", "default_sharding", "mesh_sharding"]
 
@@ -59,6 +60,12 @@ class Converter:
                     f"{bad or 'nowhere (no leaves)'} instead."
                 )
             self._tree = jax.tree_util.tree_map(_to_sharding, sharding, is_leaf=_is_sharding)
+        # one process, one device: a batch the loader laid out can be put as it lies
+        self._one_device = (
+            self._single is not None
+            and len(self._single.device_set) == 1
+            and jax.process_count() == 1
+        )
         self._shard_counts: dict[tuple[Sharding, int], int | None] = {}
         self._tree_shardings: dict[Any, list[Sharding]] = {}
 
@@ -118,13 +125,30 @@ class Converter:
             arrays.append((array, sharding))
         return treedef, arrays
 
-    def _layout(self, pairs: list[tuple[Any, Sharding]], treedefs: tuple[Any, ...]) -> Any:
-        key = (treedefs, tuple((a.shape, getattr(a, "dtype", None), s) for a, s in pairs))
-        if key not in self._layouts:
+    @property
+    def lays_out(self) -> bool:
+        """Whether batches laid out as a packed buffer by the loader (``lay_out_lanes``)
+        are put as they lie: packed transfers, one sharding over one device."""
+        return self._packed and self._one_device
+
+    def _layout(
+        self,
+        pairs: list[tuple[Any, Sharding]],
+        treedefs: tuple[Any, ...],
+        fields: tuple[LaneField, ...] | None = None,
+    ) -> Any:
+        if self._single is not None:  # one sharding: hashed once, not once per leaf
+            leaves: tuple[Any, ...] = tuple((a.shape, getattr(a, "dtype", None)) for a, _ in pairs)
+        else:
+            leaves = tuple((a.shape, getattr(a, "dtype", None), s) for a, s in pairs)
+        key = (treedefs, leaves, fields)
+        layout = self._layouts.get(key, False)
+        if layout is False:
             if len(self._layouts) >= 16:  # shapes that keep changing: no unbounded cache
                 self._layouts.clear()
-            self._layouts[key] = plan([a for a, _ in pairs], [s for _, s in pairs])
-        return self._layouts[key]
+            layout = plan([a for a, _ in pairs], [s for _, s in pairs], fields)
+            self._layouts[key] = layout
+        return layout
 
     def transfers(self, batch: Any) -> tuple[int, int]:
         """How to move a stream of batches like this one, worked out from its first one:
@@ -136,13 +160,16 @@ class Converter:
         ``PUT_THREADS`` at once: a put holds its thread while the host lays the batch out.
         With ``packed`` left to its default (``None``, on TPU), a batch that would go
         alone in its packed transfer is put leaf by leaf instead (measured on a TPU v5e:
-        the leaf puts of a frame batch, 4 in flight, beat one packed buffer).
+        the leaf puts of a frame batch, 4 in flight, beat one packed buffer), unless the
+        loader laid it out already (one put of its buffer as it lies, no copy: the flat
+        buffer is what moved fastest, 13.3 GB/s against 7.2 for the leaf puts).
         """
         treedef, pairs = self._validated(batch)
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a, _ in pairs)
         if self._packed and self._layout(pairs, (treedef,)) is not None:
             group = max(1, min(packing.MAX_GROUP, packing.GROUP_BYTES // max(nbytes, 1)))
-            if group > 1 or not self._packed_auto:
+            laid = self.lays_out and laid_out([a for a, _ in pairs]) is not None
+            if group > 1 or not self._packed_auto or laid:
                 return group, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1
             self._packed = False  # auto: one batch a transfer pays only leaf by leaf
         return 1, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1
@@ -156,15 +183,37 @@ class Converter:
         checked = [self._validated(b) for b in batches]
         if self._packed:
             pairs = [p for _, ps in checked for p in ps]
-            layout = self._layout(pairs, tuple(t for t, _ in checked))
-            if layout is not None:
-                flat = layout.put([a for a, _ in pairs])
+            treedefs = tuple(t for t, _ in checked)
+            flat = self._put_laid_out(checked, pairs, treedefs) if self.lays_out else None
+            if flat is None:
+                layout = self._layout(pairs, treedefs)
+                flat = layout.put([a for a, _ in pairs]) if layout is not None else None
+            if flat is not None:
                 out, at = [], 0
                 for treedef, ps in checked:
                     out.append(jax.tree_util.tree_unflatten(treedef, flat[at : at + len(ps)]))
                     at += len(ps)
                 return out
         return [self._put(treedef, arrays) for treedef, arrays in checked]
+
+    def _put_laid_out(
+        self, checked: list[tuple[Any, Any]], pairs: list[Any], treedefs: tuple[Any, ...]
+    ) -> list[Any] | None:
+        """The leaves, if every batch lies in a buffer of its own as a packed transfer's
+        (the loader laid it out): their buffers put one after the other, no per-leaf copy."""
+        regions: list[np.ndarray] = []
+        fields: list[LaneField] = []
+        row = 0
+        for _, ps in checked:
+            found = laid_out([a for a, _ in ps])
+            if found is None:
+                return None
+            region, own = found
+            regions.append(region)
+            fields.extend(LaneField(f.row + row, f.rows, f.per_element) if row else f for f in own)
+            row += region.shape[0]
+        layout = self._layout(pairs, treedefs, tuple(fields))
+        return None if layout is None else layout.put_regions(regions)
 
     def _put(self, treedef: Any, arrays: list[tuple[Any, Sharding]]) -> Any:
         if self._pinned:

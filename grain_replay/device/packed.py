@@ -17,6 +17,9 @@ rows at the latency floor); smaller elements are packed densely. Values, dtypes,
 and shardings are those of the plain put: a leaf whose dtype jax would narrow
 (``int64`` without ``jax_enable_x64``) is cast on the host first, as jax casts it.
 
+A batch on one device whose leaves the loader already laid out so (``lay_out_lanes()``,
+``pipeline/lanes.py``: the same rule) is put as the buffer it lies in (:func:`laid_out`).
+
 Applies to one process, numpy leaves of 1, 2, 4 or 8 byte dtypes, and one sharding for
 every leaf that splits the batch axis over all its devices without replicas
 (``SingleDeviceSharding``, or a ``NamedSharding`` whose spec shards only axis 0, over
@@ -35,11 +38,19 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from grain_replay.device.lines import LANES, WORD, from_words, packable
+from grain_replay.pipeline.lanes import ROW_BYTES, LaneField, leaf_rows, owner_of
 
-__all__ = ["GROUP_BYTES", "MAX_GROUP", "PARALLEL_BYTES", "PUT_THREADS", "PackedLayout", "plan"]
+__all__ = [
+    "GROUP_BYTES",
+    "MAX_GROUP",
+    "PARALLEL_BYTES",
+    "PUT_THREADS",
+    "PackedLayout",
+    "laid_out",
+    "plan",
+]
 
-ROW_BYTES = LANES * WORD  # one row of 128 uint32 lanes
-ELEMENT_ROWS_BYTES = 4096  # elements this large get rows of their own
+assert ROW_BYTES == LANES * WORD  # pipeline/lanes.py lays host batches out in these rows
 # Small batches go several to a transfer: each put and each unpack program costs the host
 # ~0.2 ms on a TPU v5e whatever its size (a 134 KB batch of transitions), as much as the
 # MLP step's own dispatch. Batches are grouped up to this many bytes, at most MAX_GROUP.
@@ -103,6 +114,12 @@ class PackedLayout:
     buffer_sharding: Sharding
     exact: bool | None = None  # whether the unpacked leaves carry ``sharding`` itself
 
+    def put_regions(self, regions: Sequence[np.ndarray]) -> list[jax.Array]:
+        """The leaves on the device (one) from buffers already laid out (:func:`laid_out`),
+        one after the other: one put, no copy for one buffer; then one unpack program."""
+        buf = regions[0] if len(regions) == 1 else np.concatenate(regions)
+        return self._unpacked(jax.device_put(buf, self.buffer_sharding))
+
     def put(self, arrays: Sequence[np.ndarray]) -> list[jax.Array]:
         """The leaves on the devices: one buffer per device, then one unpack program."""
         d = len(self.devices)
@@ -131,6 +148,9 @@ class PackedLayout:
             packed = jax.make_array_from_single_device_arrays(
                 (d * self.rows, LANES), self.buffer_sharding, bufs
             )
+        return self._unpacked(packed)
+
+    def _unpacked(self, packed: jax.Array) -> list[jax.Array]:
         out = list(self.unpack(packed))
         if self.exact is None:
             self.exact = all(o.sharding == self.sharding for o in out)
@@ -139,6 +159,43 @@ class PackedLayout:
             # device_put between equivalent shardings rewraps the same buffers
             out = [jax.device_put(o, self.sharding) for o in out]
         return out
+
+
+_CANONICAL: dict[np.dtype[Any], bool] = {}  # dtype -> jax keeps it (no cast on the host)
+
+
+def _kept(dtype: np.dtype[Any]) -> bool:
+    kept = _CANONICAL.get(dtype)
+    if kept is None:
+        kept = _CANONICAL[dtype] = _canonical(dtype) == dtype
+    return kept
+
+
+def laid_out(arrays: Sequence[Any]) -> tuple[np.ndarray, list[LaneField]] | None:
+    """Where a batch's leaves (one device) already lie as a packed buffer: ``(region,
+    fields)``, the ``uint32[rows, 128]`` region of the buffer they view and each leaf's
+    rows in it; None if they do not.
+
+    A loader asked to ``lay_out_lanes()`` hands out such batches: each leaf a view of one
+    :class:`grain_replay.pipeline.lanes.LaneBuffer` that records it by its ``id``. A leaf
+    replaced since (another object), or one of another buffer, and the batch is not laid
+    out. A leaf changed in place is put as it now is: its bytes are the buffer's.
+    """
+    if not arrays or type(arrays[0]) is not np.ndarray:
+        return None
+    owner = owner_of(arrays[0])
+    if owner is None:
+        return None
+    recorded = owner.lane_fields
+    assert recorded is not None
+    fields = []
+    for a in arrays:
+        field = recorded.get(id(a))
+        if field is None or not _kept(a.dtype) or owner_of(a) is not owner:
+            return None
+        fields.append(field)
+    region = owner[: owner.lane_rows * ROW_BYTES].view(np.uint32).reshape(-1, LANES)
+    return region.view(np.ndarray), fields
 
 
 def _unpack_leaf(x: Any, leaf: _Leaf) -> Any:
@@ -152,10 +209,18 @@ def _unpack_leaf(x: Any, leaf: _Leaf) -> Any:
     return from_words(slab.reshape(1, -1), (n * count,), leaf.dtype).reshape(leaf.shape)
 
 
-def plan(arrays: Sequence[Any], shardings: Sequence[Sharding]) -> PackedLayout | None:
+def plan(
+    arrays: Sequence[Any],
+    shardings: Sequence[Sharding],
+    fields: Sequence[LaneField] | None = None,
+) -> PackedLayout | None:
     """The packed layout of a batch with these leaves and shardings, or None where it does
-    not apply (then the caller puts leaf by leaf)."""
+    not apply (then the caller puts leaf by leaf). ``fields``: where each leaf lies in a
+    buffer the host already holds (:func:`laid_out`; one device), instead of one after
+    the other."""
     if jax.process_count() != 1 or not arrays:
+        return None
+    if fields is not None and len(fields) != len(arrays):
         return None
     sharding = shardings[0]
     if any(s != sharding for s in shardings[1:]):
@@ -166,7 +231,10 @@ def plan(arrays: Sequence[Any], shardings: Sequence[Sharding]) -> PackedLayout |
     if devices is None:
         return None
     d = len(devices)
-    leaves, row = [], 0
+    if fields is not None and d != 1:
+        return None
+    leaves: list[_Leaf] = []
+    row = 0
     for a in arrays:
         dtype = _canonical(a.dtype)
         if a.dtype.kind not in "biuf" or not packable(dtype) or a.shape[0] % d:
@@ -174,15 +242,13 @@ def plan(arrays: Sequence[Any], shardings: Sequence[Sharding]) -> PackedLayout |
         if _devices_in_order(sharding, a.shape) != devices:
             return None
         n = a.shape[0] // d
-        element = dtype.itemsize * math.prod(a.shape[1:])
-        if element >= ELEMENT_ROWS_BYTES and n:
-            per_element = -(-element // ROW_BYTES)
-            rows = n * per_element
-        else:
-            per_element = 0
-            rows = -(-(n * element) // ROW_BYTES)
-        leaves.append(_Leaf(dtype, (n, *a.shape[1:]), row, rows, per_element, dtype != a.dtype))
-        row += rows
+        if fields is None:
+            rows, per_element = leaf_rows(n, dtype.itemsize * math.prod(a.shape[1:]))
+            start = row
+        else:  # where the batch already lies (laid_out): d == 1
+            start, rows, per_element = fields[len(leaves)]
+        leaves.append(_Leaf(dtype, (n, *a.shape[1:]), start, rows, per_element, dtype != a.dtype))
+        row = max(row, start + rows)
     row = max(row, 1)
 
     def local(x: Any) -> tuple[Any, ...]:

@@ -23,6 +23,7 @@ from grain_replay.errors import (
 from grain_replay.pipeline.state import load_text, save_text
 from grain_replay.sources.capabilities import (
     Checkpointable,
+    LaysOutLanes,
     Prefetches,
     PriorityUpdates,
     StateAt,
@@ -151,6 +152,8 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
+        if self._converter.lays_out and isinstance(inner, LaysOutLanes):
+            inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
         self._stateful = isinstance(inner, Checkpointable)
         # An inner iterator that can give the state of an earlier position (a replay
         # iterator, whose state holds the priorities) is asked only at a checkpoint.
@@ -381,6 +384,9 @@ def sharded_device_put(
             ``benchmarks/bench_feed.py``), off elsewhere. Where it does not apply
             (several processes, non-numpy leaves, leaves sharded differently or
             replicated, dtypes other than bool/int/uint/float) leaves are put one by one.
+            Packed on one device, a loader of :func:`make_data_loader` is asked to lay
+            each batch out as that buffer (``lay_out_lanes()``): the batch is then put
+            as the buffer it lies in, with no copy in this process (docs/loader.md).
         resident: ``True`` for device-resident replay: ``batches`` must be a loader of
             :func:`make_data_loader` (no host ``operations``); its store is loaded once onto
             every device (a replica per device, read in chunks with a progress bar) and each

@@ -7,7 +7,12 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from grain_replay import tree as tree_lib
+from grain_replay.errors import GrainReplayError
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
+from grain_replay.pipeline.lanes import ROW_BYTES, LaneBuffer, lane_fields, lane_views, padded
 from grain_replay.pipeline.state import LoaderIdentity
 
 __all__ = ["InProcessLoaderIterator"]
@@ -38,6 +43,7 @@ class InProcessLoaderIterator(GrainStateIterator):
         maps: Sequence[Any] = (),
         num_threads: int = 0,
         buffer_size: int = 0,
+        read_into: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
     ) -> None:
         if identity.worker_count != 0:
             raise ValueError(f"worker_count must be 0, got {identity.worker_count}")
@@ -48,12 +54,56 @@ class InProcessLoaderIterator(GrainStateIterator):
         self._buffer_size = buffer_size if num_threads > 0 else 0
         self._pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_into = read_into if not self._maps else None
+        self._lanes = False
+        # (treedef, leaf key -> (dtype, shape), their lane fields and rows) of the first
+        # batch read once lanes were asked for
+        self._lane_layout: tuple[Any, dict[str, Any], Any] | None = None
+
+    def lay_out_lanes(self) -> None:
+        """From now on, read each batch (after the first) straight into one buffer laid
+        out as a packed transfer's (``pipeline/lanes.py``), where the source can read into
+        arrays and no leaf's rows would be padded: ``sharded_device_put`` then puts that
+        buffer as it is. Other batches are handed out as read."""
+        self._lanes = self._read_into is not None
 
     def _element(self, k: int) -> Any:
-        data = self._read(k * self._shard_count + self._shard_index)
+        index = k * self._shard_count + self._shard_index
+        laid = self._lane_layout
+        if laid is not None and self._lanes:
+            assert self._read_into is not None
+            treedef, leaves, fields = laid
+            buf = np.empty(fields[1] * ROW_BYTES, np.uint8).view(LaneBuffer)
+            out = lane_views(buf, leaves, fields)
+            del buf  # its views hold it
+            if self._read_into(index, out):
+                return tree_lib.unflatten(treedef, out)
+        data = self._read(index)
         for op in self._maps:
             data = op.map(data)
+        if self._lanes and laid is None:
+            self._learn_lanes(data)
         return data
+
+    def _learn_lanes(self, batch: Any) -> None:
+        """Keeps ``batch``'s layout for the next reads, if it has plain array leaves and none
+        whose rows the lanes would pad (a gather into padded rows is slower than the copy it
+        saves); else reads stay as they are."""
+        try:
+            flat, treedef = tree_lib.flatten(batch)
+        except GrainReplayError:  # not a tree of the package's kind: read as it is
+            self._lanes = False
+            return
+        if not all(
+            type(a) is np.ndarray and a.ndim and not a.dtype.hasobject for a in flat.values()
+        ):
+            self._lanes = False
+            return
+        leaves = {key: (a.dtype, a.shape) for key, a in flat.items()}
+        if padded(list(leaves.values())):
+            self._lanes = False
+            return
+        self._lane_layout = (treedef, leaves, lane_fields(list(leaves.values())))
 
     def _fill(self) -> None:
         if self._pool is None:

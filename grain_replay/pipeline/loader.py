@@ -143,6 +143,7 @@ class _ReplayDataLoader(grain.DataLoader):
             maps=ops,
             num_threads=threads,
             buffer_size=int(parts.read_options.prefetch_buffer_size),
+            read_into=None if ops else parts.reads.read_into,
         )
 
 

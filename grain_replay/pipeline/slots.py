@@ -31,15 +31,18 @@ from typing import Any
 
 import numpy as np
 
+from grain_replay.pipeline.lanes import LaneBuffer, LaneField, record
+
 __all__ = ["MAX_HELD", "Field", "Slots"]
 
 MAX_HELD = 32  # slots of one worker held by the user at once before batches are copied
 
-# (leaf key, dtype, shape, element count, byte offset in the slot)
-Field = tuple[str, np.dtype[Any], tuple[int, ...], int, int]
+# (leaf key, dtype, shape, element count, byte offset in the slot, bytes from one batch row
+# to the next: 0 when the leaf is C-contiguous, else its rows are padded: pipeline/lanes.py)
+Field = tuple[str, np.dtype[Any], tuple[int, ...], int, int, int]
 
 
-class _Lease(np.ndarray):
+class _Lease(LaneBuffer):
     """The whole slot, as the base of one batch's leaves: collected with the last of them.
 
     numpy collapses a view's base to the first array of another type, so each
@@ -58,6 +61,19 @@ def _on_release(
         released.append(slot)
 
     return release
+
+
+def _view(buf: np.ndarray, field: Field) -> np.ndarray:
+    """The leaf of ``field`` over the slot's bytes ``buf``."""
+    _, dtype, shape, count, offset, stride = field
+    if not count:
+        return np.empty(shape, dtype)
+    if stride:  # rows padded to whole lanes: axis 0 steps over the padding
+        n = shape[0]
+        element = count // n * dtype.itemsize
+        rows = buf[offset : offset + n * stride].reshape(n, stride)[:, :element]
+        return rows.view(dtype).reshape(shape)
+    return buf[offset : offset + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 class Slots:
@@ -97,8 +113,16 @@ class Slots:
                 old.close()
         self.maps[slot] = mmap.mmap(fd, size)  # shared, read-write
 
-    def take(self, slot: int, fields: Sequence[Field]) -> tuple[dict[str, np.ndarray], list[int]]:
+    def take(
+        self,
+        slot: int,
+        fields: Sequence[Field],
+        lanes: tuple[int, Sequence[LaneField]] | None = None,
+    ) -> tuple[dict[str, np.ndarray], list[int]]:
         """The leaves of the batch in ``slot``, and the slot ids to give to the worker.
+
+        ``lanes``: ``(rows, each field's LaneField)`` when the worker laid the batch out
+        as a packed transfer's buffer (``pipeline/lanes.py``): the slot records the views.
 
         Returns views of the slot and a replacement slot for the worker, or, with
         :data:`MAX_HELD` slots already held, copies and ``slot`` itself. Call
@@ -106,23 +130,21 @@ class Slots:
         """
         mem = self.maps[slot]
         if len(self._held) >= self._max_held:
-            copies = {
-                key: np.frombuffer(mem, dtype, count, offset).reshape(shape).copy()
-                if count
-                else np.empty(shape, dtype)
-                for key, dtype, shape, count, offset in fields
-            }
+            whole = np.frombuffer(mem, np.uint8)
+            copies = {f[0]: _view(whole, f).copy() for f in fields}
+            del whole
             return copies, [slot]
         lease = np.frombuffer(mem, np.uint8).view(_Lease)
-        leaves = {
-            key: lease[offset : offset + count * dtype.itemsize]
-            .view(dtype)
-            .reshape(shape)
-            .view(np.ndarray)
-            if count
-            else np.empty(shape, dtype)
-            for key, dtype, shape, count, offset in fields
-        }
+        leaves = {}
+        for f in fields:
+            key, dtype, shape, count, offset, stride = f
+            if count and not stride:  # the usual leaf, inline: this runs per leaf per batch
+                end = offset + count * dtype.itemsize
+                leaves[key] = lease[offset:end].view(dtype).reshape(shape).view(np.ndarray)
+            else:
+                leaves[key] = _view(lease, f).view(np.ndarray)
+        if lanes is not None:
+            record(lease, lanes[0], zip(leaves.values(), lanes[1], strict=True))
         self._held[slot] = weakref.ref(lease, _on_release(self._released, slot))
         del lease
         return leaves, [self._spare()]

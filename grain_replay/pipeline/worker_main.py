@@ -29,17 +29,19 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError
+from grain_replay.pipeline.lanes import lane_fields
 from grain_replay.pipeline.state import handed_out_by_worker
 from grain_replay.sources.reading.cache import share_cache_budget
 
 __all__: list[str] = []
 
 _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
+_ROW = 512  # pipeline/lanes.py's row
 
 # worker -> consumer: (kind, generation, element, slot, ...)
 _BATCH, _PICKLED, _ERROR, _SLOT = range(4)
 # consumer -> worker
-_FREE, _SEEK, _STOP, _TASK, _DROP = range(5)
+_FREE, _SEEK, _STOP, _TASK, _DROP, _LANES = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,21 +69,45 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _layout(batch: Any) -> tuple[Any, list[np.ndarray], int] | None:
-    """``(spec, leaves, bytes)`` of a batch of plain arrays; None if it must be pickled."""
+def _layout(batch: Any, lanes: bool = False) -> tuple[Any, list[np.ndarray], int] | None:
+    """``(spec, leaves, bytes)`` of a batch of plain arrays; None if it must be pickled.
+
+    ``spec`` is ``(treedef, fields, rows)``, a field ``(key, dtype, shape, offset,
+    stride)``: ``stride`` 0 for a C-contiguous leaf, else the bytes between its elements.
+    With ``lanes``, the leaves lie as one packed transfer's buffer of ``rows`` rows
+    (``pipeline/lanes.py``); else ``rows`` is 0.
+    """
     try:
         leaves, treedef = tree_lib.flatten(batch)
     except GrainReplayError:
         return None
     arrays, fields, offset = [], [], 0
-    for key, leaf in leaves.items():
+    for leaf in leaves.values():
         if type(leaf) is not np.ndarray or leaf.dtype.hasobject:
             return None
-        # The dtype itself, not its .str: bfloat16 (ml_dtypes) would come back as void.
-        fields.append((key, leaf.dtype, leaf.shape, offset))
         arrays.append(leaf)
+    if lanes and all(a.ndim for a in arrays):  # a 0-d leaf has no rows to lay out
+        laid, rows = lane_fields([(a.dtype, a.shape) for a in arrays])
+        for key, a, f in zip(leaves, arrays, laid, strict=True):
+            padded = f.per_element and a.nbytes != a.shape[0] * f.per_element * _ROW
+            fields.append((key, a.dtype, a.shape, f.offset, f.per_element * _ROW if padded else 0))
+        return (treedef, tuple(fields), rows), arrays, rows * _ROW
+    for key, leaf in zip(leaves, arrays, strict=True):
+        # The dtype itself, not its .str: bfloat16 (ml_dtypes) would come back as void.
+        fields.append((key, leaf.dtype, leaf.shape, offset, 0))
         offset = _round_up(offset + leaf.nbytes)
-    return (treedef, tuple(fields)), arrays, offset
+    return (treedef, tuple(fields), 0), arrays, offset
+
+
+def _write(buf: np.ndarray, fields: Any, arrays: list[np.ndarray]) -> None:
+    """Copies ``arrays`` into the slot ``buf`` at their fields."""
+    for (_, _, shape, offset, stride), array in zip(fields, arrays, strict=True):
+        if stride:  # each element on rows of its own
+            n = shape[0]
+            data = np.ascontiguousarray(array).reshape(n, -1).view(np.uint8)
+            buf[offset : offset + n * stride].reshape(n, stride)[:, : data.shape[1]] = data
+        else:
+            buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
 
 
 def _new_slot(size: int) -> tuple[int, mmap.mmap]:
@@ -126,7 +152,13 @@ class _SlotMaps:
 def _views(buf: np.ndarray, spec: Any) -> dict[str, np.ndarray]:
     """The leaves of layout ``spec`` as arrays over the slot ``buf``."""
     out = {}
-    for key, dtype, shape, offset in spec[1]:
+    for key, dtype, shape, offset, stride in spec[1]:
+        if stride:
+            n = shape[0]
+            element = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            rows = buf[offset : offset + n * stride].reshape(n, stride)[:, :element]
+            out[key] = rows.view(dtype).reshape(shape)
+            continue
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         out[key] = buf[offset : offset + n].view(dtype).reshape(shape)
     return out
@@ -152,6 +184,7 @@ def _worker_main(
     generation: int,
     start: int,
     tasked: bool = False,
+    lanes: bool = False,
 ) -> None:
     """A worker: reads its elements into free slots until told to stop or the pipe closes.
 
@@ -160,7 +193,10 @@ def _worker_main(
     carry ``read_into(global index, out) -> bool`` as a third item (no operations):
     then, once a batch showed the layout, each batch is read straight into its slot,
     laid out as the one before (no array of its own to fill and copy), and read and
-    copied when ``read_into`` returns False; if it raises, never again.
+    copied when ``read_into`` returns False; if it raises, never again. With ``lanes``
+    (or from a ``_LANES`` message on), a batch is laid out as one packed transfer's buffer
+    (``pipeline/lanes.py``); one whose elements are padded to whole rows is then read and
+    copied, not read into the slot (a gather into rows that skip bytes is slower than both).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
@@ -188,6 +224,7 @@ def _worker_main(
     slots = _SlotMaps(conn)
     last_spec: Any = None
     last_size = 0
+    direct = False  # last_spec's leaves are contiguous: read_into may fill them
 
     def read_direct(slot: int) -> bool:
         """Element ``k`` read into ``slot`` laid out as ``last_spec``; False if not read."""
@@ -207,13 +244,15 @@ def _worker_main(
         stalled = True
 
     def handle(msg: tuple[Any, ...]) -> bool:
-        nonlocal k, generation, stalled
+        nonlocal k, generation, stalled, lanes, last_spec
         if msg[0] == _FREE:
             free.append(msg[1])
         elif msg[0] == _DROP:  # a slot given back by the consumer, not to be used again
             slots.drop(msg[1])
         elif msg[0] == _TASK:  # the pipe is ordered: a task sent before a seek is cleared by it
             tasks[msg[1]] = msg[2]
+        elif msg[0] == _LANES:  # the next batch is read, laid out anew and its spec sent
+            lanes, last_spec = True, None
         elif msg[0] == _SEEK:
             _, generation, k = msg
             tasks.clear()
@@ -237,7 +276,7 @@ def _worker_main(
             ):
                 if not handle(conn.recv()):
                     return
-            if read_into is not None and last_spec is not None:
+            if read_into is not None and last_spec is not None and direct:
                 slot = free.pop()
                 if read_direct(slot):
                     conn.send((_BATCH, generation, k, slot, None))
@@ -259,7 +298,7 @@ def _worker_main(
                 conn.send((_ERROR, generation, k, _picklable(e, where)))
                 stalled = True
                 continue
-            laid = _layout(data)
+            laid = _layout(data, lanes)
             slot = free.pop()  # a pickled batch holds a slot too: read-ahead stays bounded
             if laid is None:
                 conn.send((_PICKLED, generation, k, slot, data))
@@ -267,11 +306,11 @@ def _worker_main(
                 continue
             spec, arrays, size = laid
             buf = slots.fit(slot, size, generation, k)
-            for (_, _, _, offset), array in zip(spec[1], arrays):
-                buf[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+            _write(buf, spec[1], arrays)
             del buf
             conn.send((_BATCH, generation, k, slot, None if spec == last_spec else spec))
             last_spec, last_size = spec, size
+            direct = not any(f[4] for f in spec[1])
             k += 1
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the consumer is gone

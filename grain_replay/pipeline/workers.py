@@ -31,6 +31,7 @@ from grain_replay import tree as tree_lib
 from grain_replay.errors import ArgumentTypeError, WorkerDiedError
 from grain_replay.pipeline import shutdown
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
+from grain_replay.pipeline.lanes import LaneField, lane_fields
 from grain_replay.pipeline.slots import Field, Slots
 from grain_replay.pipeline.spawn_check import GUARD_FIX, main_guard_missing, start_process
 from grain_replay.pipeline.state import LoaderIdentity
@@ -39,6 +40,7 @@ from grain_replay.pipeline.worker_main import (
     _DROP,
     _ERROR,
     _FREE,
+    _LANES,
     _PICKLED,
     _SEEK,
     _SLOT,
@@ -68,15 +70,19 @@ class _Worker:
         self.spec: Any = None
         self.fields: list[Field] = []
         self.unpack: Callable[[dict[str, Any]], Any] | None = None
+        self.lanes: tuple[int, list[LaneField]] | None = None  # a batch laid out in lanes
         self.heard = False  # any message received: the worker got past its start-up
 
     def set_spec(self, spec: Any) -> None:
         self.spec = spec
         self.fields = [
-            (key, np.dtype(dtype), shape, int(np.prod(shape, dtype=np.int64)), offset)
-            for key, dtype, shape, offset in spec[1]
+            (key, np.dtype(dtype), shape, int(np.prod(shape, dtype=np.int64)), offset, stride)
+            for key, dtype, shape, offset, stride in spec[1]
         ]
         self.unpack = tree_lib.compile_unflatten(spec[0])
+        rows = spec[2]
+        laid = [(np.dtype(dtype), shape) for _, dtype, shape, _, _ in spec[1]]
+        self.lanes = (rows, lane_fields(laid)[0]) if rows else None
 
 
 def _give_back(w: _Worker, slot: int, kind: int = _FREE) -> None:
@@ -118,6 +124,7 @@ class _Pool:
         read_threads: int,
         handed_out: int,
         tasked: bool = False,
+        lanes: bool = False,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.generation = 0
@@ -131,13 +138,17 @@ class _Pool:
             start = plan.first_unread(handed_out)
             process = ctx.Process(
                 target=_worker_main,
-                args=(theirs, payload, plan, slot_count, read_threads, 0, start, tasked),
+                args=(theirs, payload, plan, slot_count, read_threads, 0, start, tasked, lanes),
                 name=f"grain_replay_loader_worker_{plan.worker}",
                 daemon=True,
             )
             start_process(process)
             theirs.close()
             self.workers.append(_Worker(process, ours, slot_count))
+
+    def lay_out_lanes(self) -> None:
+        for w in self.workers:
+            w.conn.send((_LANES,))
 
     def seek(self, handed_out: int, plans: Sequence[_Plan]) -> None:
         self.generation += 1
@@ -177,7 +188,7 @@ class _Pool:
     def _unpack(self, w: _Worker, slot: int) -> Any:
         for s in w.slots.collect():  # released beyond what is kept for reuse
             _give_back(w, s, _DROP)
-        leaves, give = w.slots.take(slot, w.fields)
+        leaves, give = w.slots.take(slot, w.fields, w.lanes)
         for s in give:  # the worker keeps its slot_count slots to read ahead into
             _give_back(w, s)
         assert w.unpack is not None
@@ -281,6 +292,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         self._slots = max(1, int(buffer_size))
         self._read_threads = max(0, int(read_threads))
         self._task = task
+        self._lanes = False
         self._pool: _Pool | None = None
 
     def _ready_pool(self) -> _Pool:
@@ -293,6 +305,7 @@ class WorkerLoaderIterator(GrainStateIterator):
                 self._read_threads,
                 self._next_index,
                 tasked=self._task is not None,
+                lanes=self._lanes,
             )
         elif pool.broken:
             pool.seek(self._next_index, self._plans)
@@ -317,6 +330,14 @@ class WorkerLoaderIterator(GrainStateIterator):
         batch = self._ready_pool().receive(j % self._worker_count, j // self._worker_count)
         self._next_index = j + 1
         return batch
+
+    def lay_out_lanes(self) -> None:
+        """From now on, hand out batches whose leaves lie in their slot as one packed
+        transfer's buffer (``pipeline/lanes.py``): ``sharded_device_put`` then puts the
+        slot's bytes as they are. Batches the workers wrote before keep their layout."""
+        self._lanes = True
+        if self._pool is not None and self._pool.workers:
+            self._pool.lay_out_lanes()
 
     def _seek(self) -> None:
         if self._pool is not None and self._pool.workers:

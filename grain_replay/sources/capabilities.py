@@ -39,6 +39,7 @@ __all__ = [
     "HasTreedef",
     "HasWatermark",
     "HasWriters",
+    "LaysOutLanes",
     "ManyWriterStore",
     "OnObjectStorage",
     "Prefetches",
@@ -229,6 +230,14 @@ class Prefetches(Protocol):
     """An iterator that can start reading ahead before its first ``next()``."""
 
     def start_prefetch(self) -> None: ...
+
+
+@runtime_checkable
+class LaysOutLanes(Protocol):
+    """A loader iterator that can hand out batches whose leaves lie in one buffer laid out
+    as a packed transfer's (``pipeline/lanes.py``), for ``sharded_device_put`` to put as is."""
+
+    def lay_out_lanes(self) -> None: ...
 
 
 @runtime_checkable

@@ -186,3 +186,19 @@ class KillWorkerOnce(grain.transforms.Map):
             die()
         multiprocessing.reduction.send_handle = die
         return element
+
+
+class Frames(grain.transforms.Map):
+    """Adds a leaf of 5,000-byte elements (rows of their own in the lane layout, padded)."""
+
+    def map(self, element: Any) -> Any:
+        ids = element["id"]
+        frames = (ids[:, None, None] + np.arange(5000).reshape(1, 50, 100)).astype(np.uint8)
+        return {**element, "frames": frames}
+
+
+class Scalar(grain.transforms.Map):
+    """Adds a 0-d leaf (no batch rows)."""
+
+    def map(self, element: Any) -> Any:
+        return {**element, "scalar": np.array(int(element["id"].sum()))}

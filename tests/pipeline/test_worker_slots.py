@@ -27,9 +27,9 @@ class Identity(grain.transforms.Map):
 
 
 FIELDS = [
-    ("a", np.dtype(np.float32), (4, 2), 8, 0),
-    ("b", np.dtype(">i8"), (3,), 3, 64),
-    ("empty", np.dtype(np.uint8), (0, 5), 0, 128),
+    ("a", np.dtype(np.float32), (4, 2), 8, 0, 0),
+    ("b", np.dtype(">i8"), (3,), 3, 64, 0),
+    ("empty", np.dtype(np.uint8), (0, 5), 0, 128, 0),
 ]
 
 
