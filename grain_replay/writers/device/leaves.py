@@ -115,9 +115,10 @@ class TreeSignature:
         self._where = where
         # The leaves on an accelerator (not host memory): what the writer's thread stacks.
         self.accel = accel
-        # The last tree taken, as (key, type, shape, dtype, sharding) a leaf, with its rows
-        # and bytes: a jitted step's outputs share these objects call after call, so the
-        # next step's tree is taken on identities alone (a few attribute reads a leaf).
+        # The last tree taken, as (key, type, aval, sharding) a leaf, with its rows and
+        # bytes: a jitted step's outputs share their aval (shape and dtype) and sharding
+        # objects call after call, so the next step's tree is taken on identities alone
+        # (three attribute reads and a liveness check a leaf).
         self._same: tuple[tuple[tuple[Any, ...], ...], int, int] | None = None
 
     @classmethod
@@ -155,12 +156,11 @@ class TreeSignature:
         given: dict[str, Any] = tree
         same = self._same
         if same is not None:
-            for (key, leaf), (k, t, shape, dtype, sharding) in zip(given.items(), same[0]):
+            for (key, leaf), (k, t, aval, sharding) in zip(given.items(), same[0]):
                 if (
                     key != k
                     or type(leaf) is not t
-                    or leaf.shape is not shape
-                    or leaf.dtype is not dtype
+                    or leaf.aval is not aval  # a jax.Array's shape and dtype are its aval's
                     or leaf.sharding is not sharding
                     or leaf.is_deleted()
                 ):
@@ -169,13 +169,7 @@ class TreeSignature:
                 return same[1], same[2]
         checked = self._check_attributes(given)
         if checked is not None:
-            self._same = (
-                tuple(
-                    (key, type(leaf), leaf.shape, leaf.dtype, leaf.sharding)
-                    for key, leaf in given.items()
-                ),
-                *checked,
-            )
+            self._same = _identities(given, *checked)
         return checked
 
     def _check_attributes(self, given: dict[str, Any]) -> tuple[int, int] | None:
@@ -199,3 +193,18 @@ class TreeSignature:
                 return None
             nbytes += rows * spec.row_bytes
         return rows, nbytes
+
+
+def _identities(
+    given: dict[str, Any], rows: int, nbytes: int
+) -> tuple[tuple[tuple[Any, ...], ...], int, int] | None:
+    """A checked tree's (key, type, aval, sharding) a leaf, with its rows and bytes, for
+    the quick check on identities; None when a leaf has no aval (never for a jax.Array:
+    the others are checked attribute by attribute every time)."""
+    leaves = []
+    for key, leaf in given.items():
+        aval = getattr(leaf, "aval", None)
+        if aval is None or aval.shape != leaf.shape or aval.dtype != leaf.dtype:
+            return None
+        leaves.append((key, type(leaf), aval, leaf.sharding))
+    return tuple(leaves), rows, nbytes
