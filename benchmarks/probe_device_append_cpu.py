@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for r in range(args.repeats + 1):
             cpu, _, _ = _loop(da, step, carry, args.steps, args.flush_every, None)
             store = os.path.join(root, f"s{r}")
-            cpu_on, in_append, threads = _loop(
-                da, step, carry, args.steps, args.flush_every, store
-            )
+            cpu_on, in_append, threads = _loop(da, step, carry, args.steps, args.flush_every, store)
             shutil.rmtree(store, ignore_errors=True)
             if r == 0:
                 continue  # warm-up

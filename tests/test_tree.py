@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import multiprocessing
@@ -278,3 +279,83 @@ def test_local_namedtuple_record_survives_spawned_process(tmp_path):
     assert back._fields == ("obs", "reward")
     np.testing.assert_array_equal(back.obs, want.obs[2])
     np.testing.assert_array_equal(back.reward, want.reward[2])
+
+
+class Other(NamedTuple):
+    obs: np.ndarray
+    reward: np.ndarray
+
+
+def _layout_tree(i: int = 0) -> dict:
+    a = np.full((2, 1), i)
+    return {
+        "obs": {"pos": a + 1, "vel": a + 2},
+        "step": Step(a + 3, a + 4),
+        "pair": (a + 5, [a + 6, {"x": a + 7}]),
+        "done": a + 8,
+    }
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [_layout_tree(), {"a": np.zeros(2), "b": np.ones(2)}, np.zeros(3), [np.zeros(1)], {}],
+    ids=["nested", "flat-dict", "bare-array", "list", "empty"],
+)
+def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(tree):
+    leaves, _ = tree_lib.flatten(tree)
+    layout = tree_lib.TreeLayout.of(tree, leaves)
+    assert layout is not None
+    assert layout.keys == tuple(leaves)
+    assert layout.flat_dict == (type(tree) is dict and tree_lib.flatten(tree)[1]["children"]
+                                == [{"type": "leaf"}] * len(tree))  # fmt: skip
+    # A new tree of the same containers: its leaves, as flatten names and orders them.
+    like = tree_lib.map_leaves(lambda _k, x: x + 1, tree)
+    got = layout.leaves(like)
+    want, _ = tree_lib.flatten(like)
+    assert got is not None and len(got) == len(want)
+    assert all(g is w for g, w in zip(got, want.values()))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: {k: t[k] for k in reversed(t)},  # dict keys in another order
+        lambda t: {**t, "extra": t["done"]},
+        lambda t: {**t, "obs": {"vel": t["obs"]["vel"], "pos": t["obs"]["pos"]}},
+        lambda t: {**t, "obs": {"pos": t["obs"]["pos"]}},
+        lambda t: {**t, "step": Other(*t["step"])},  # another NamedTuple of the same fields
+        lambda t: {**t, "step": tuple(t["step"])},
+        lambda t: {**t, "pair": list(t["pair"])},  # a list where a tuple was
+        lambda t: {**t, "pair": (t["pair"][0], [t["pair"][1][0]])},
+        lambda t: {**t, "obs": t["done"]},  # a leaf where a container was
+        lambda t: collections.OrderedDict(t),
+        lambda t: list(t.values()),
+    ],
+)
+def test_tree_layout_refuses_any_other_container(change):
+    tree = _layout_tree()
+    leaves, _ = tree_lib.flatten(tree)
+    layout = tree_lib.TreeLayout.of(tree, leaves)
+    assert layout is not None
+    assert layout.leaves(change(_layout_tree(1))) is None
+
+
+def test_tree_layout_of_needs_flattens_own_leaves():
+    tree = _layout_tree()
+    leaves, _ = tree_lib.flatten(tree)
+    copies = {k: v.copy() for k, v in leaves.items()}
+    assert tree_lib.TreeLayout.of(tree, copies) is None
+    assert tree_lib.TreeLayout.of(tree, dict(list(leaves.items())[:-1])) is None
+    twice = {"a": leaves["done"], "b": leaves["done"]}  # one array under two names
+    layout = tree_lib.TreeLayout.of(twice, tree_lib.flatten(twice)[0])
+    assert layout is not None and layout.leaves({"a": 1, "b": 2}) == [1, 2]
+
+
+def test_tree_layout_leaves_whatever_sits_at_a_leaf_to_the_caller():
+    """What a leaf is (an array of the right type) is the caller's check: a container where
+    a leaf was comes back as that leaf, for the caller's type check to refuse."""
+    tree = _layout_tree()
+    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    assert layout is not None
+    got = layout.leaves({**tree, "done": {"x": tree["done"]}})
+    assert got is not None and got[-1] == {"x": tree["done"]}
