@@ -13,6 +13,8 @@ caller's number plus the GIL the writer's threads hold; wall-clock ratios here a
 accelerator's (the step runs on these same cores).
 
 Run:  python benchmarks/probe_device_append_cpu.py [--steps N] [--repeats N] [--envs N]
+        [--flush-every N] [--nested]
+(``--nested``: the same arrays appended as a nested tree, a dict of dicts and a tuple.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,24 @@ import grain_replay as gr
 from grain_replay.writers.device import leaves as device_leaves
 
 
-def _loop(da: Any, step: Any, carry: Any, steps: int, flush_every: int, store: str | None):
+def _nest(transition: dict[str, Any]) -> dict[str, Any]:
+    """The step's leaves as a nested tree (a dict of dicts and a tuple): the same arrays."""
+    t = transition
+    return {
+        "obs": {"now": t["obs"], "next": t["next_obs"]},
+        "step": (t["action"], t["reward"], t["done"]),
+    }
+
+
+def _loop(
+    da: Any,
+    step: Any,
+    carry: Any,
+    steps: int,
+    flush_every: int,
+    store: str | None,
+    nested: bool = False,
+):
     """One loop; returns (process CPU s, caller CPU s in append, writer threads' CPU s)."""
     import jax
 
@@ -47,6 +66,8 @@ def _loop(da: Any, step: Any, carry: Any, steps: int, flush_every: int, store: s
     try:
         for i in range(steps):
             carry, transition = step(carry)
+            if nested:
+                transition = _nest(transition)
             if writer is not None:
                 t = time.thread_time()
                 writer.append(transition)
@@ -71,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--envs", type=int, default=1024)
     p.add_argument("--flush-every", type=int, default=500)
+    p.add_argument("--nested", action="store_true", help="append the transitions as a nested tree")
     args = p.parse_args(argv)
     import jax
 
@@ -85,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     caller: list[float] = []
     writer: list[float] = []
     try:
-        _loop(da, step, carry, min(args.steps, 500), args.flush_every, os.path.join(root, "w"))
+        warm = os.path.join(root, "w")
+        _loop(da, step, carry, min(args.steps, 500), args.flush_every, warm, args.nested)
         for r in range(args.repeats + 1):
-            cpu, _, _ = _loop(da, step, carry, args.steps, args.flush_every, None)
+            cpu, _, _ = _loop(da, step, carry, args.steps, args.flush_every, None, args.nested)
             store = os.path.join(root, f"s{r}")
-            cpu_on, in_append, threads = _loop(da, step, carry, args.steps, args.flush_every, store)
+            cpu_on, in_append, threads = _loop(
+                da, step, carry, args.steps, args.flush_every, store, args.nested
+            )
             shutil.rmtree(store, ignore_errors=True)
             if r == 0:
                 continue  # warm-up
@@ -109,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(
         f"CPU STAND-IN for an accelerator (jax backend {jax.default_backend()}, on_host "
         f"patched to False; {args.envs} envs, {args.steps} steps, flush(wait=False) every "
-        f"{args.flush_every}, median of {args.repeats}, {threading.active_count()} threads)"
+        f"{args.flush_every}, {'nested' if args.nested else 'flat'} trees, median of "
+        f"{args.repeats}, {threading.active_count()} threads)"
     )
     print(f"caller thread's CPU per append (in append):    {out['caller_us']:8.1f} us")
     print(f"writer threads' CPU per append:               {out['writer_threads_us']:8.1f} us")
