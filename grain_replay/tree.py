@@ -410,19 +410,20 @@ def _take_leaf(node: Any, out: list[Any]) -> bool:
 def _take_mapping(
     cls: type[Any], keys: tuple[str, ...], children: tuple[_Take | None, ...]
 ) -> _Take:
-    if all(c is None for c in children):
+    pairs = tuple(zip(keys, children))
+    if cls is dict and all(c is None for c in children):
 
         def take_leaves(node: Any, out: list[Any]) -> bool:
-            if type(node) is not cls or tuple(node) != keys:
+            # A dict's iteration and values() follow its keys(): flatten's order.
+            if type(node) is not dict or tuple(node) != keys:
                 return False
             out.extend(node.values())
             return True
 
         return take_leaves
-    pairs = tuple(zip(keys, children))
 
     def take(node: Any, out: list[Any]) -> bool:
-        if type(node) is not cls or tuple(node) != keys:
+        if type(node) is not cls or tuple(node.keys()) != keys:
             return False
         for k, child in pairs:
             if child is None:

@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -297,19 +298,28 @@ def _layout_tree(i: int = 0) -> dict:
 
 
 @pytest.mark.parametrize(
-    "tree",
-    [_layout_tree(), {"a": np.zeros(2), "b": np.ones(2)}, np.zeros(3), [np.zeros(1)], {}],
-    ids=["nested", "flat-dict", "bare-array", "list", "empty"],
+    "make",
+    [
+        _layout_tree,
+        lambda i: {"a": np.zeros(2) + i, "b": np.ones(2)},
+        lambda i: np.zeros(3) + i,
+        lambda i: [np.zeros(1) + i],
+        lambda i: {},
+        lambda i: collections.OrderedDict(b=np.zeros(2) + i, a=np.ones(2)),
+        lambda i: {"m": types.MappingProxyType({"b": np.zeros(2) + i, "a": {"c": np.ones(2)}})},
+    ],
+    ids=["nested", "flat-dict", "bare-array", "list", "empty", "ordered-dict", "other-mapping"],
 )
-def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(tree):
-    leaves, _ = tree_lib.flatten(tree)
+def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(make):
+    tree = make(0)
+    leaves, treedef = tree_lib.flatten(tree)
     layout = tree_lib.TreeLayout.of(tree, leaves)
     assert layout is not None
     assert layout.keys == tuple(leaves)
-    assert layout.flat_dict == (type(tree) is dict and tree_lib.flatten(tree)[1]["children"]
-                                == [{"type": "leaf"}] * len(tree))  # fmt: skip
+    flat = type(tree) is dict and treedef["children"] == [{"type": "leaf"}] * len(tree)
+    assert layout.flat_dict == flat
     # A new tree of the same containers: its leaves, as flatten names and orders them.
-    like = tree_lib.map_leaves(lambda _k, x: x + 1, tree)
+    like = make(1)
     got = layout.leaves(like)
     want, _ = tree_lib.flatten(like)
     assert got is not None and len(got) == len(want)
@@ -359,3 +369,13 @@ def test_tree_layout_leaves_whatever_sits_at_a_leaf_to_the_caller():
     assert layout is not None
     got = layout.leaves({**tree, "done": {"x": tree["done"]}})
     assert got is not None and got[-1] == {"x": tree["done"]}
+
+
+def test_tree_layout_of_another_mapping_follows_its_keys():
+    proxy = types.MappingProxyType
+    tree = {"m": proxy({"b": np.zeros(2), "a": np.ones(2)})}
+    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    assert layout is not None and layout.keys == ("m/b", "m/a")
+    assert layout.leaves({"m": proxy({"b": 1, "a": 2})}) == [1, 2]
+    assert layout.leaves({"m": proxy({"a": 2, "b": 1})}) is None
+    assert layout.leaves({"m": {"b": 1, "a": 2}}) is None  # a dict where a proxy was
