@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import multiprocessing
 import os
 import pickle
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -278,3 +280,102 @@ def test_local_namedtuple_record_survives_spawned_process(tmp_path):
     assert back._fields == ("obs", "reward")
     np.testing.assert_array_equal(back.obs, want.obs[2])
     np.testing.assert_array_equal(back.reward, want.reward[2])
+
+
+class Other(NamedTuple):
+    obs: np.ndarray
+    reward: np.ndarray
+
+
+def _layout_tree(i: int = 0) -> dict:
+    a = np.full((2, 1), i)
+    return {
+        "obs": {"pos": a + 1, "vel": a + 2},
+        "step": Step(a + 3, a + 4),
+        "pair": (a + 5, [a + 6, {"x": a + 7}]),
+        "done": a + 8,
+    }
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _layout_tree,
+        lambda i: {"a": np.zeros(2) + i, "b": np.ones(2)},
+        lambda i: np.zeros(3) + i,
+        lambda i: [np.zeros(1) + i],
+        lambda i: {},
+        lambda i: collections.OrderedDict(b=np.zeros(2) + i, a=np.ones(2)),
+        lambda i: {"m": types.MappingProxyType({"b": np.zeros(2) + i, "a": {"c": np.ones(2)}})},
+    ],
+    ids=["nested", "flat-dict", "bare-array", "list", "empty", "ordered-dict", "other-mapping"],
+)
+def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(make):
+    tree = make(0)
+    leaves, treedef = tree_lib.flatten(tree)
+    layout = tree_lib.TreeLayout.of(tree, leaves)
+    assert layout is not None
+    assert layout.keys == tuple(leaves)
+    flat = type(tree) is dict and treedef["children"] == [{"type": "leaf"}] * len(tree)
+    assert layout.flat_dict == flat
+    # A new tree of the same containers: its leaves, as flatten names and orders them.
+    like = make(1)
+    got = layout.leaves(like)
+    want, _ = tree_lib.flatten(like)
+    assert got is not None and len(got) == len(want)
+    assert all(g is w for g, w in zip(got, want.values()))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: {k: t[k] for k in reversed(t)},  # dict keys in another order
+        lambda t: {**t, "extra": t["done"]},
+        lambda t: {**t, "obs": {"vel": t["obs"]["vel"], "pos": t["obs"]["pos"]}},
+        lambda t: {**t, "obs": {"pos": t["obs"]["pos"]}},
+        lambda t: {**t, "step": Other(*t["step"])},  # another NamedTuple of the same fields
+        lambda t: {**t, "step": tuple(t["step"])},
+        lambda t: {**t, "pair": list(t["pair"])},  # a list where a tuple was
+        lambda t: {**t, "pair": (t["pair"][0], [t["pair"][1][0]])},
+        lambda t: {**t, "obs": t["done"]},  # a leaf where a container was
+        lambda t: collections.OrderedDict(t),
+        lambda t: list(t.values()),
+    ],
+)
+def test_tree_layout_refuses_any_other_container(change):
+    tree = _layout_tree()
+    leaves, _ = tree_lib.flatten(tree)
+    layout = tree_lib.TreeLayout.of(tree, leaves)
+    assert layout is not None
+    assert layout.leaves(change(_layout_tree(1))) is None
+
+
+def test_tree_layout_of_needs_flattens_own_leaves():
+    tree = _layout_tree()
+    leaves, _ = tree_lib.flatten(tree)
+    copies = {k: v.copy() for k, v in leaves.items()}
+    assert tree_lib.TreeLayout.of(tree, copies) is None
+    assert tree_lib.TreeLayout.of(tree, dict(list(leaves.items())[:-1])) is None
+    twice = {"a": leaves["done"], "b": leaves["done"]}  # one array under two names
+    layout = tree_lib.TreeLayout.of(twice, tree_lib.flatten(twice)[0])
+    assert layout is not None and layout.leaves({"a": 1, "b": 2}) == [1, 2]
+
+
+def test_tree_layout_leaves_whatever_sits_at_a_leaf_to_the_caller():
+    """What a leaf is (an array of the right type) is the caller's check: a container where
+    a leaf was comes back as that leaf, for the caller's type check to refuse."""
+    tree = _layout_tree()
+    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    assert layout is not None
+    got = layout.leaves({**tree, "done": {"x": tree["done"]}})
+    assert got is not None and got[-1] == {"x": tree["done"]}
+
+
+def test_tree_layout_of_another_mapping_follows_its_keys():
+    proxy = types.MappingProxyType
+    tree = {"m": proxy({"b": np.zeros(2), "a": np.ones(2)})}
+    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    assert layout is not None and layout.keys == ("m/b", "m/a")
+    assert layout.leaves({"m": proxy({"b": 1, "a": 2})}) == [1, 2]
+    assert layout.leaves({"m": proxy({"a": 2, "b": 1})}) is None
+    assert layout.leaves({"m": {"b": 1, "a": 2}}) is None  # a dict where a proxy was

@@ -72,7 +72,7 @@ class PartWriter(LockedWriter):
         self._default_rows = segment_rows is None
         self._pending = 0  # rows written, not committed (the stage's not counted)
         self._stage: RowStage | None = None  # small appends, gathered (row_stage.py)
-        self._host: HostSignature | None = None  # the last flat numpy tree checked
+        self._host: HostSignature | None = None  # the last numpy tree checked
         # Segments a flush evicted, not yet removed; with ``defer_evictions`` (a device
         # writer's sync thread) they are removed by commit_filled, off the flush.
         self._evicted: list[str] = []
@@ -198,8 +198,8 @@ class PartWriter(LockedWriter):
         """The tree's leaves and rows, checked against the store's (binding it on the first
         append); leaves ``keep`` accepts (device arrays) are checked without a copy."""
         self._check_open(self._where)
-        if self._host is not None and (n := self._host.check(tree)):
-            return dict(tree), n  # a flat numpy tree like the last: it passes the same checks
+        if self._host is not None and (taken := self._host.take(tree)) is not None:
+            return taken  # a numpy tree like the last: it passes the same checks
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._where, keep=keep)
         leaves = {k: layout_lib.LeafSpec(a.dtype, tuple(a.shape[1:])) for k, a in arrays.items()}
         if self._meta is None:

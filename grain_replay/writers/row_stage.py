@@ -8,8 +8,8 @@ TPU host whose file system runs under gVisor. :class:`RowStage` copies such appe
 into per-leaf buffers it keeps (about :data:`STAGE_BYTES` in all) and the store writes
 them once the buffers fill, before a larger write, and at every commit: the rows are
 committed exactly when they were before (``flush``), and a crash loses what it lost
-before (the rows since the last commit). :class:`HostSignature` takes a flat dict of
-numpy arrays like the last one checked from its leaves' attributes alone.
+before (the rows since the last commit). :class:`HostSignature` takes a tree of numpy
+arrays like the last one checked from its leaves' attributes alone.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.store.layout import LeafSpec
+from grain_replay.tree import TreeLayout
 
 __all__ = ["STAGE_BYTES", "HostSignature", "RowStage"]
 
@@ -99,40 +100,53 @@ class RowStage:
 
 
 class HostSignature:
-    """The keys, dtypes and per-row shapes of the last flat dict of numpy arrays that
-    passed the store's full check: a dict with the same keys in the same order and
-    leaves of exactly ``np.ndarray`` with the same dtypes and per-row shapes, and one
-    common row count, passes it too, so it is taken from those attributes alone.
-    Anything else (nested trees, lists, jax arrays, numpy subclasses) returns None and
-    takes the full check, which also words the errors."""
+    """The containers (:class:`~grain_replay.tree.TreeLayout`), dtypes and per-row shapes
+    of the last tree of numpy arrays that passed the store's full check: a tree with the
+    same containers (exact types, dict keys in the same order, lengths: flat or nested
+    dicts, NamedTuples, lists, tuples) and leaves of exactly ``np.ndarray`` with the same
+    dtypes and per-row shapes, and one common row count, passes it too, so it is taken
+    from those attributes alone. Anything else (another structure, jax arrays, numpy
+    subclasses, numbers) returns None and takes the full check, which also words the
+    errors."""
 
-    def __init__(self, arrays: dict[str, Any]):
-        self._leaves = tuple((k, a.dtype, a.shape[1:]) for k, a in arrays.items())
+    def __init__(self, arrays: dict[str, Any], layout: TreeLayout):
+        self._leaves = tuple((a.dtype, a.shape[1:]) for a in arrays.values())
+        self._layout = layout
 
     @classmethod
     def of(cls, tree: Any, arrays: dict[str, Any]) -> HostSignature | None:
-        """The signature of a checked tree (``arrays``: its checked leaves), or None
-        when it is not a flat dict of numpy arrays."""
-        if type(tree) is not dict or len(tree) != len(arrays):
+        """The signature of a checked tree (``arrays``: its checked leaves, flattened),
+        or None when it is not a tree of numpy arrays."""
+        if any(type(a) is not np.ndarray for a in arrays.values()):
             return None
-        for (key, leaf), (k, arr) in zip(tree.items(), arrays.items()):
-            if key != k or type(leaf) is not np.ndarray or leaf is not arr:
-                return None
-        return cls(arrays)
+        layout = TreeLayout.of(tree, arrays)
+        return None if layout is None else cls(arrays, layout)
 
     def check(self, tree: Any) -> int:
         """The rows of a tree like the remembered one (> 0); 0 for any other."""
-        if type(tree) is not dict or len(tree) != len(self._leaves):
-            return 0
+        taken = self.take(tree)
+        return 0 if taken is None else taken[1]
+
+    def take(self, tree: Any) -> tuple[dict[str, np.ndarray], int] | None:
+        """A tree like the remembered one as ``(leaves by name, rows)``, the leaves a new
+        dict; None for any other (zero rows included: the full path's to handle)."""
+        layout = self._layout
+        leaves = layout.leaves(tree)
+        if leaves is None:
+            return None
         rows = -1
-        for (key, leaf), (k, dtype, row_shape) in zip(tree.items(), self._leaves):
-            if key != k or type(leaf) is not np.ndarray or leaf.dtype != dtype:
-                return 0
+        for leaf, (dtype, row_shape) in zip(leaves, self._leaves, strict=True):
+            if type(leaf) is not np.ndarray or leaf.dtype != dtype:
+                return None
             shape = leaf.shape
             if len(shape) == 0 or shape[1:] != row_shape:
-                return 0
+                return None
             if rows < 0:
                 rows = shape[0]
             elif shape[0] != rows:
-                return 0
-        return max(rows, 0)
+                return None
+        if rows <= 0:
+            return None
+        if layout.flat_dict:
+            return dict(tree), rows
+        return dict(zip(layout.keys, leaves)), rows

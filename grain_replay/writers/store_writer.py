@@ -108,7 +108,7 @@ class StoreWriter(LockedWriter):
         self._summer: Checksummer | None = None
         self._pending = 0  # rows written, not committed (the stage's not counted)
         self._stage: RowStage | None = None  # small appends, gathered (row_stage.py)
-        self._host: HostSignature | None = None  # the last flat numpy tree checked
+        self._host: HostSignature | None = None  # the last numpy tree checked
         try:
             if os.path.exists(path):
                 self._backend = self._open_existing()
@@ -229,8 +229,8 @@ class StoreWriter(LockedWriter):
           InvalidTreeError: the tree's structure, dtypes or per-row shapes differ.
         """
         self._check_open(self._path)
-        if self._host is not None and (n := self._host.check(tree)):
-            return dict(tree), n  # a flat numpy tree like the last: it passes the same checks
+        if self._host is not None and (taken := self._host.take(tree)) is not None:
+            return taken  # a numpy tree like the last: it passes the same checks
         arrays, treedef, n = layout_lib.check_leaves(tree, where=self._path, keep=keep)
         if self._backend is None:
             leaves = {

@@ -9,7 +9,7 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import grain_replay as gr
+from grain_replay.store import layout as layout_lib
+from grain_replay.tree import flatten
 from grain_replay.writers.backends import HDF5Backend, NpyBackend, NpySegmentBackend, ZarrBackend
 from grain_replay.writers.device import background, host_copies
 from grain_replay.writers.device import leaves as device_leaves
@@ -380,3 +382,82 @@ def test_crash_loses_only_rows_after_the_last_flush(tmp_path: Any) -> None:
         assert w.committed == 64
         w.append({"x": jnp.arange(64, 70, dtype=jnp.int32)})
     np.testing.assert_array_equal(read_all(path)["x"], np.arange(70))
+
+
+class _Step(NamedTuple):
+    reward: jax.Array
+    done: jax.Array
+
+
+@jax.jit
+def _nested_step(i: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    """A step whose transition is nested: a dict of dicts, a NamedTuple and a list."""
+    base = (i * 8 + jnp.arange(8)).astype(jnp.float32)
+    return i + 1, {
+        "obs": {"pos": base[:, None] * jnp.ones((1, 2)), "vel": -base},
+        "step": _Step(base * 0.5, base % 3 == 0),
+        "extra": [base.astype(jnp.int32)],
+    }
+
+
+def _nested_expected(steps: int) -> dict[str, np.ndarray]:
+    base = np.arange(8 * steps, dtype=np.float32)
+    return {
+        "obs/pos": base[:, None] * np.ones((1, 2), np.float32),
+        "obs/vel": -base,
+        "step/reward": base * 0.5,
+        "step/done": base % 3 == 0,
+        "extra/0": base.astype(np.int32),
+    }
+
+
+def test_nested_device_trees_like_the_last_skip_the_full_check(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nested trees (dicts of dicts, NamedTuples, lists) of a jitted step are taken by the
+    quick check after the first, on the accelerator path, stacked and written in order."""
+    monkeypatch.setattr(device_leaves, "on_host", lambda leaf: False)
+    full: list[int] = []
+    real = layout_lib.check_leaves
+
+    def check_leaves(tree: Any, **kwargs: Any) -> Any:
+        full.append(1)
+        return real(tree, **kwargs)
+
+    monkeypatch.setattr(layout_lib, "check_leaves", check_leaves)
+    steps = 70  # more than a group of like trees (pack.MAX_GROUP)
+    path = _path(tmp_path, "npy")
+    i = jnp.zeros((), jnp.int32)
+    with gr.ReplayWriter(path) as w:
+        for _ in range(steps):
+            i, transition = _nested_step(i)
+            w.append(transition)
+        assert w.flush() == 8 * steps
+    assert len(full) == 1, "a like nested tree took the full check"
+    got, _ = flatten(read_all(path))
+    want = _nested_expected(steps)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_nested_device_tree_unlike_the_last_gets_the_full_checks_errors(tmp_path: Any) -> None:
+    """A nested tree unlike the last one (dict keys reordered, a NamedTuple turned tuple)
+    is refused by the full check; a deleted nested leaf is named by its path."""
+    i = jnp.zeros((), jnp.int32)
+    with gr.ReplayWriter(_path(tmp_path, "npy")) as w:
+        i, first = _nested_step(i)
+        w.append(first)
+        i, t = _nested_step(i)
+        w.append(t)  # taken by the quick check
+        i, t = _nested_step(i)
+        with pytest.raises(gr.InvalidTreeError, match="different container structure"):
+            w.append({**t, "obs": {"vel": t["obs"]["vel"], "pos": t["obs"]["pos"]}})
+        with pytest.raises(gr.InvalidTreeError, match="different container structure"):
+            w.append({**t, "step": tuple(t["step"])})
+        t["step"].done.delete()
+        with pytest.raises(gr.InvalidTreeError, match="leaf 'step/done' cannot be copied"):
+            w.append(t)
+        i, t = _nested_step(i)
+        w.append(t)  # the writer goes on
+        assert w.flush() == 3 * 8

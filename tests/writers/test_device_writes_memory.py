@@ -162,19 +162,35 @@ def test_a_stacked_group_is_written_as_one_block_a_leaf(
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
-def test_tree_signature_takes_a_jitted_steps_tree_on_identities_and_nothing_else() -> None:
-    """A jitted step's leaves share their shape, dtype and sharding objects call after
-    call: the quick check takes them on identities; a tree that differs in any of them
-    (or holds a deleted leaf) is checked attribute by attribute, and refused when unlike."""
+def test_tree_signature_takes_a_jitted_steps_tree_on_identities_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A jitted step's leaves share their aval (shape and dtype) and sharding objects call
+    after call: the quick check takes them on identities, without a look at shapes or
+    dtypes; a tree that differs in any of them (or holds a deleted leaf) is checked
+    attribute by attribute, and refused when unlike."""
     state = _start(True)
     state, first = _step(state)
     sig = device_leaves.TreeSignature.of(first, dict(first), lambda _: True, "store")
     assert sig is not None
+    full = []
+    real = device_leaves.TreeSignature._check_attributes
+
+    def by_attributes(self: Any, given: dict[str, Any]) -> Any:
+        full.append(len(given))
+        return real(self, given)
+
+    monkeypatch.setattr(device_leaves.TreeSignature, "_check_attributes", by_attributes)
     row_bytes = 4 * 4 + 4 + 4 + 1
     state, second = _step(state)
-    assert all(second[k].shape is first[k].shape for k in first)  # what the quick path uses
     assert sig.check(second) == (ENVS, ENVS * row_bytes)
+    assert len(full) == 1
+    state, third = _step(state)
+    assert all(third[k].aval is second[k].aval for k in first)  # what the quick path uses
+    assert all(third[k].sharding is second[k].sharding for k in first)
     assert sig.check(second) == (ENVS, ENVS * row_bytes)  # taken on identities now
+    assert sig.check(third) == (ENVS, ENVS * row_bytes)
+    assert len(full) == 1, "a like tree was checked attribute by attribute"
     assert sig.check({**second, "action": second["action"].astype(jnp.float32)}) is None
     assert sig.check({**second, "obs": second["obs"][:, :3]}) is None
     assert sig.check({k: second[k] for k in reversed(second)}) is None
@@ -182,6 +198,34 @@ def test_tree_signature_takes_a_jitted_steps_tree_on_identities_and_nothing_else
     assert sig.check(unsharded) is None, "a leaf on another sharding was taken"
     doubled = {k: jnp.concatenate([v, v]) for k, v in second.items()}
     assert sig.check(doubled) == (2 * ENVS, 2 * ENVS * row_bytes)  # any row count
-    state, third = _step(state)
-    third["reward"].delete()
-    assert sig.check(third) is None, "a deleted leaf was taken"
+    state, fourth = _step(state)
+    fourth["reward"].delete()
+    assert sig.check(fourth) is None, "a deleted leaf was taken"
+
+
+class _NoAval:
+    """A device-array stand-in with a shape, dtype and sharding but no aval."""
+
+    def __init__(self, rows: int, dtype: Any = np.float32) -> None:
+        self.shape = (rows, 3)
+        self.dtype = np.dtype(dtype)
+        self.sharding = "one device"
+        self.deleted = False
+
+    def is_deleted(self) -> bool:
+        return self.deleted
+
+
+def test_tree_signature_checks_leaves_without_an_aval_by_attributes_every_time() -> None:
+    """Leaves without an aval are never taken on identities: every tree is checked from
+    its shapes, dtypes, shardings and liveness, and refused when unlike."""
+    first = {"x": _NoAval(4)}
+    sig = device_leaves.TreeSignature.of(first, dict(first), lambda _: True, "store")
+    assert sig is not None
+    assert sig.check({"x": _NoAval(4)}) == (4, 4 * 12)
+    assert sig.check({"x": _NoAval(5)}) == (5, 5 * 12)
+    assert sig.check({"x": _NoAval(5, np.int64)}) is None
+    dead = _NoAval(4)
+    dead.deleted = True
+    assert sig.check({"x": dead}) is None
+    assert sig.check({"x": _NoAval(4)}) == (4, 4 * 12)

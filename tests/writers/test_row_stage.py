@@ -13,6 +13,7 @@ import grain_replay as gr
 from grain_replay.store import layout
 from grain_replay.store.formats import GROWING_NPY_HEADER as NPY_HEADER
 from grain_replay.store.layout import LeafSpec
+from grain_replay.tree import flatten
 from grain_replay.writers import row_stage
 from grain_replay.writers.backends import BACKENDS, NpySegmentBackend
 from grain_replay.writers.row_stage import HostSignature, RowStage
@@ -250,7 +251,7 @@ def test_tree_unlike_the_last_takes_the_full_check_and_its_error(
     _assert_rows(path, [_block(0), _block(1), _block(2)])
 
 
-def test_host_signature_takes_only_flat_dicts_of_plain_numpy_arrays() -> None:
+def test_host_signature_takes_only_trees_of_plain_numpy_arrays() -> None:
     tree = _block(0)
     sig = HostSignature.of(tree, dict(tree))
     assert sig is not None and sig.check(_block(1, rows=7)) == 7
@@ -258,8 +259,60 @@ def test_host_signature_takes_only_flat_dicts_of_plain_numpy_arrays() -> None:
     assert sig.check([_block(1)]) == 0 and sig.check({}) == 0
     assert sig.check({**_block(1), "obs": _block(1)["obs"].tolist()}) == 0
     assert sig.check(_block(1, rows=0)) == 0, "zero rows are the full path's to handle"
-    assert HostSignature.of({"a": {"b": tree["obs"]}}, {"a/b": tree["obs"]}) is None
     assert HostSignature.of({"a": [1.0, 2.0]}, {"a": np.array([1.0, 2.0])}) is None
+    assert HostSignature.of(tree, {k: v.copy() for k, v in tree.items()}) is None
+
+
+def _nested(i: int, rows: int = ROWS) -> dict[str, Any]:
+    b = _block(i, rows)
+    return {"obs": {"x": b["obs"]}, "rest": (b["action"], [b["done"]])}
+
+
+def test_host_signature_takes_nested_trees_like_the_last() -> None:
+    """A nested tree's leaves come back under their flattened names, in order."""
+    tree = _nested(0)
+    flat, _, _ = layout.check_leaves(tree, where="s")
+    sig = HostSignature.of(tree, flat)
+    assert sig is not None
+    like = _nested(1, rows=5)
+    taken = sig.take(like)
+    assert taken is not None and taken[1] == 5
+    assert list(taken[0]) == ["obs/x", "rest/0", "rest/1/0"]
+    assert taken[0]["obs/x"] is like["obs"]["x"] and taken[0]["rest/1/0"] is like["rest"][1][0]
+    assert sig.take({**like, "rest": list(like["rest"])}) is None
+    assert sig.take({"rest": like["rest"], "obs": like["obs"]}) is None
+    assert sig.take({**like, "obs": {"x": like["obs"]["x"].astype(np.float64)}}) is None
+
+
+def test_nested_host_trees_like_the_last_skip_the_full_check(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = layout.check_leaves
+
+    def check_leaves(tree: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(tree, **kw)
+
+    monkeypatch.setattr(layout, "check_leaves", check_leaves)
+    for kwargs, name in (({}, "plain"), ({"capacity": 10_000, "writer_id": "a"}, "parts")):
+        calls.clear()
+        path = str(tmp_path / name)
+        with gr.ReplayWriter(path, **kwargs) as w:
+            for i in range(6):
+                w.append(_nested(i, rows=1 + i % 3))
+            with pytest.raises(gr.InvalidTreeError, match="the store has"):
+                w.append({**_nested(6), "rest": list(_nested(6)["rest"])})
+            w.append(_nested(7))
+        assert len(calls) == 2, "a like nested tree took the full check"
+        got, _ = flatten(read_all(path))
+        want = [_nested(i, rows=1 + i % 3) for i in range(6)] + [_nested(7)]
+        for key, parts in (
+            ("obs/x", [t["obs"]["x"] for t in want]),
+            ("rest/0", [t["rest"][0] for t in want]),
+            ("rest/1/0", [t["rest"][1][0] for t in want]),
+        ):
+            np.testing.assert_array_equal(got[key], np.concatenate(parts), err_msg=key)
 
 
 def test_stage_bytes_of_a_writer_are_bounded_on_the_disk_too(tmp_path: Any) -> None:

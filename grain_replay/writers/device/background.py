@@ -118,7 +118,7 @@ class BackgroundWriter:
                 caller_waits=self._caller_waits,
             )
         self._stopped = False
-        # The last tree queued, when a flat dict of device arrays: the next one like it
+        # The last tree queued, when a tree of device arrays: the next one like it
         # is checked from its leaves' attributes (submit_like_last).
         self._signature: TreeSignature | None = None
         self._last_write: Write | None = None
@@ -172,21 +172,21 @@ class BackgroundWriter:
         self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
 
     def submit_like_last(self, tree: Any, first: int) -> int:
-        """Queues ``tree`` if it is a flat dict of device arrays like the last tree
-        submitted (same keys, array types, dtypes, per-row shapes and shardings): that
-        tree passed the store's checks, so this one does too; returns its rows. 0
-        (nothing queued) for any other tree: the caller checks it in full and calls
+        """Queues ``tree`` if it is a tree of device arrays like the last tree submitted
+        (same containers, array types, dtypes, per-row shapes and shardings): that tree
+        passed the store's checks, so this one does too; returns its rows. 0 (nothing
+        queued) for any other tree: the caller checks it in full and calls
         :meth:`submit`."""
         signature, write = self._signature, self._last_write
         if signature is None or write is None:
             return 0
-        checked = signature.check(tree)
-        if checked is None:
+        taken = signature.take(tree)
+        if taken is None:
             return 0
-        rows, nbytes = checked
+        arrays, rows, nbytes = taken
         self._wait_for_room(nbytes)
         pack = ((signature, rows), signature.accel) if signature.accel else None
-        self._enqueue(Item(dict(tree), rows, first, nbytes, write, pack))
+        self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
         return rows
 
     def submit_commit(

@@ -1,5 +1,6 @@
 """Device leaves of an append: recognising them, checking they can be copied to host, and
-the quick check of a tree shaped like the last one.
+the quick check of a tree like the last one (any structure: flat or nested dicts,
+lists, tuples, NamedTuples).
 
 jax is never imported here: a leaf is a device array when ``jax`` is already loaded
 and the leaf is a ``jax.Array``.
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidTreeError
+from grain_replay.tree import TreeLayout
 
 __all__ = ["TreeSignature", "device_leaf_test", "leaf_nbytes", "leaf_name", "start_copies"]
 
@@ -104,20 +106,29 @@ class _Leaf:
 
 
 class TreeSignature:
-    """A flat dict of device arrays already checked against the store, remembered so a
-    later dict with the same keys (in order), array types, dtypes, per-row shapes and
-    shardings is taken from those attributes alone: the full tree walk and check give
-    it the same answer. Anything else (nested trees, host leaves, a new sharding, zero
-    rows, a deleted array) is left to the full path, which also words the errors."""
+    """A tree of device arrays already checked against the store, remembered so a later
+    tree with the same containers (:class:`~grain_replay.tree.TreeLayout`: exact types,
+    dict keys in order), array types, dtypes, per-row shapes and shardings is taken from
+    those attributes alone: the full tree walk and check give it the same answer.
+    Anything else (another structure, host leaves, a new sharding, zero rows, a deleted
+    array) is left to the full path, which also words the errors."""
 
-    def __init__(self, leaves: tuple[_Leaf, ...], where: str, accel: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        leaves: tuple[_Leaf, ...],
+        where: str,
+        accel: tuple[str, ...] = (),
+        layout: TreeLayout | None = None,
+    ):
         self._leaves = leaves
         self._where = where
+        self._layout = layout
         # The leaves on an accelerator (not host memory): what the writer's thread stacks.
         self.accel = accel
-        # The last tree taken, as (key, type, shape, dtype, sharding) a leaf, with its rows
-        # and bytes: a jitted step's outputs share these objects call after call, so the
-        # next step's tree is taken on identities alone (a few attribute reads a leaf).
+        # The last tree taken, as (type, aval, sharding) a leaf, with its rows and bytes:
+        # a jitted step's outputs share their aval (shape and dtype) and sharding objects
+        # call after call, so the next step's tree is taken on identities alone (three
+        # attribute reads and a liveness check a leaf).
         self._same: tuple[tuple[tuple[Any, ...], ...], int, int] | None = None
 
     @classmethod
@@ -128,16 +139,15 @@ class TreeSignature:
         is_device: Callable[[Any], bool],
         where: str,
     ) -> TreeSignature | None:
-        """The signature of a checked tree, or None when it is not a flat dict of
-        fully addressable device arrays (``arrays`` is its checked leaves)."""
-        if type(tree) is not dict or len(tree) != len(arrays):
+        """The signature of a checked tree, or None when it is not a tree of fully
+        addressable device arrays (``arrays`` is its checked leaves, flattened)."""
+        layout = TreeLayout.of(tree, arrays)
+        if layout is None:
             return None
         leaves = []
         accel = []
-        for (key, leaf), (k, arr) in zip(tree.items(), arrays.items()):
-            if key != k or leaf is not arr or not is_device(leaf):
-                return None
-            if not getattr(leaf, "is_fully_addressable", True):
+        for key, leaf in arrays.items():
+            if not is_device(leaf) or not getattr(leaf, "is_fully_addressable", True):
                 return None
             dtype = np.dtype(leaf.dtype)
             row_shape = tuple(leaf.shape[1:])
@@ -146,44 +156,52 @@ class TreeSignature:
             leaves.append(_Leaf(key, type(leaf), dtype, row_shape, row_bytes, sharding))
             if not on_host(leaf):
                 accel.append(key)
-        return cls(tuple(leaves), where, tuple(accel))
+        return cls(tuple(leaves), where, tuple(accel), layout)
 
     def check(self, tree: Any) -> tuple[int, int] | None:
         """``(rows, nbytes)`` of a tree like the remembered one; None for any other."""
-        if type(tree) is not dict or len(tree) != len(self._leaves):
+        taken = self.take(tree)
+        return None if taken is None else (taken[1], taken[2])
+
+    def take(self, tree: Any) -> tuple[dict[str, Any], int, int] | None:
+        """A tree like the remembered one as ``(leaves by name, rows, nbytes)``, the
+        leaves a new dict (the caller's tree may change after); None for any other."""
+        layout = self._layout
+        if layout is None:
             return None
-        given: dict[str, Any] = tree
+        leaves = layout.leaves(tree)
+        if leaves is None:
+            return None
         same = self._same
         if same is not None:
-            for (key, leaf), (k, t, shape, dtype, sharding) in zip(given.items(), same[0]):
+            for leaf, (t, aval, sharding) in zip(leaves, same[0]):
                 if (
-                    key != k
-                    or type(leaf) is not t
-                    or leaf.shape is not shape
-                    or leaf.dtype is not dtype
+                    type(leaf) is not t
+                    or leaf.aval is not aval  # a jax.Array's shape and dtype are its aval's
                     or leaf.sharding is not sharding
                     or leaf.is_deleted()
                 ):
                     break
             else:
-                return same[1], same[2]
-        checked = self._check_attributes(given)
-        if checked is not None:
-            self._same = (
-                tuple(
-                    (key, type(leaf), leaf.shape, leaf.dtype, leaf.sharding)
-                    for key, leaf in given.items()
-                ),
-                *checked,
-            )
-        return checked
+                return self._arrays(tree, leaves), same[1], same[2]
+        checked = self._check_attributes(leaves)
+        if checked is None:
+            return None
+        self._same = _identities(leaves, *checked)
+        return self._arrays(tree, leaves), *checked
 
-    def _check_attributes(self, given: dict[str, Any]) -> tuple[int, int] | None:
-        """``(rows, nbytes)`` from every leaf's keys, type, shape, dtype and sharding."""
+    def _arrays(self, tree: Any, leaves: list[Any]) -> dict[str, Any]:
+        assert self._layout is not None
+        if self._layout.flat_dict:
+            return dict(tree)
+        return dict(zip(self._layout.keys, leaves))
+
+    def _check_attributes(self, leaves: list[Any]) -> tuple[int, int] | None:
+        """``(rows, nbytes)`` from every leaf's type, shape, dtype and sharding."""
         rows = -1
         nbytes = 0
-        for (key, leaf), spec in zip(given.items(), self._leaves):
-            if key != spec.key or type(leaf) is not spec.type:
+        for leaf, spec in zip(leaves, self._leaves, strict=True):
+            if type(leaf) is not spec.type:
                 return None
             shape = leaf.shape
             if len(shape) != len(spec.row_shape) + 1 or shape[1:] != spec.row_shape:
@@ -199,3 +217,18 @@ class TreeSignature:
                 return None
             nbytes += rows * spec.row_bytes
         return rows, nbytes
+
+
+def _identities(
+    leaves: list[Any], rows: int, nbytes: int
+) -> tuple[tuple[tuple[Any, ...], ...], int, int] | None:
+    """A checked tree's (type, aval, sharding) a leaf, with its rows and bytes, for the
+    quick check on identities; None when a leaf has no aval (never for a jax.Array: the
+    others are checked attribute by attribute every time)."""
+    out = []
+    for leaf in leaves:
+        aval = getattr(leaf, "aval", None)
+        if aval is None or aval.shape != leaf.shape or aval.dtype != leaf.dtype:
+            return None
+        out.append((type(leaf), aval, leaf.sharding))
+    return tuple(out), rows, nbytes
