@@ -10,23 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from grain_replay.device import replay_draws as draws
+from grain_replay.device import replay_refresh, row_dma
 from grain_replay.device import replay_tree as tree
-from grain_replay.device import row_dma
 from grain_replay.device.lines import Probe, RowLayout
-from grain_replay.device.replay_state import (
-    FIELDS,
-    DeviceReplayState,
-    Ring,
-    join_ids,
-    news,
-    replaced,
-)
+from grain_replay.device.replay_state import DeviceReplayState, join_ids, replaced
 from grain_replay.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     InvalidPriorityError,
     InvalidSamplingError,
-    InvalidStoreError,
 )
 from grain_replay.opening import open_source
 from grain_replay.sampling import PrioritizedReplay, Sampled, UniformReplay
@@ -35,12 +27,6 @@ from grain_replay.sources import PartsDataSource
 __all__ = ["DeviceReplay"]
 
 _MAX_SLOTS = 2**31 - 1
-
-
-def _bucket(k: int, capacity: int) -> int:
-    """Rows a refresh transfers for ``k`` new rows: the next power of two (at most the
-    capacity), so the ring update compiles once per size class, never per refresh."""
-    return min(capacity, 1 << max(0, k - 1).bit_length()) if k else 1
 
 
 class DeviceReplay:
@@ -199,25 +185,7 @@ class DeviceReplay:
     def _allocate_fn(self) -> DeviceReplayState:
         layout = self._layout
         assert layout is not None
-        c, w = layout.capacity, self._writers
-        live, priority = jnp.zeros(c, bool), jnp.zeros(c, jnp.float32)
-        sums, mins = self._trees(priority, live)
-        return DeviceReplayState(
-            rows=tuple(layout.allocate()),
-            slot_hi=jnp.full(c, -1, jnp.int32),
-            slot_lo=jnp.zeros(c, jnp.int32),
-            order=jnp.full(c, -1, jnp.int32),
-            live=live,
-            live_slots=jnp.zeros((tree.level_lines(c)[0], tree.LANES), jnp.int32),
-            n_live=jnp.zeros((), jnp.int32),
-            priority=priority,
-            max_priority=jnp.ones((), jnp.float32),
-            sums=sums,
-            mins=mins,
-            mark_hi=jnp.zeros(w, jnp.int32),
-            mark_lo=jnp.zeros(w, jnp.int32),
-            refreshes=jnp.zeros((), jnp.int32),
-        )
+        return replay_refresh.allocate(layout, self._writers, self._trees)
 
     def _trees(
         self, priority: jax.Array, live: jax.Array
@@ -413,34 +381,15 @@ class DeviceReplay:
         layout = self._setup()
         if look and hasattr(self.source, "refresh"):
             self.source.refresh()
-        ring = Ring.of(state)
-        positions, new_ids, gone = news(self.source, ring, self._bounded, self._where())
-        evicted = ring.evict(gone) if gone is not None else 0
-        targets = ring.place(new_ids)
-        if len(targets) == 0 and not evicted:
-            return state
-        k = len(targets)
-        kb = _bucket(k, layout.capacity)
-        read = jax.tree_util.tree_leaves(self.source.read_batch(positions)) if k else None
-        chunk = []
-        for i, (shape, dtype) in enumerate(
-            zip(layout.probe.shapes, layout.probe.dtypes, strict=True)
-        ):
-            buf = np.zeros((kb, *shape), dtype)
-            if read is not None:
-                if tuple(np.shape(read[i])) != (k, *shape):
-                    raise InvalidStoreError(
-                        f"DeviceReplay: leaf {i} of {self._where()} gave rows of shape "
-                        f"{np.shape(read[i])[1:]}, but {shape} when the ring was set up. "
-                        "Fix: keep every row of a leaf one shape."
-                    )
-                buf[:k] = read[i]
-            chunk.append(buf)
-        padded = np.full(kb, layout.capacity, np.int32)
-        padded[:k] = targets
-        host = ring.arrays()
-        chunk, padded, host = jax.device_put((chunk, padded, host), self._device)
-        return self._write(state, chunk, padded, host)
+        return replay_refresh.refresh(
+            state,
+            self.source,
+            layout,
+            bounded=self._bounded,
+            where=self._where(),
+            device=self._device,
+            write=self._write,
+        )
 
     # -- refresh internals -------------------------------------------------------------
 
@@ -450,15 +399,4 @@ class DeviceReplay:
         self.refresh_traces += 1  # runs when traced: once per size class
         layout = self._layout
         assert layout is not None
-        rows = layout.scatter(state.rows, chunk, targets)
-        priority = state.priority.at[targets].set(state.max_priority, mode="drop")
-        priority = jnp.where(host["live"], priority, 0.0)
-        sums, mins = self._trees(priority, host["live"])
-        return DeviceReplayState(
-            rows=tuple(rows),
-            priority=priority,
-            max_priority=state.max_priority,
-            sums=sums,
-            mins=mins,
-            **{k: host[k] for k in FIELDS if k in host},
-        )
+        return replay_refresh.write(state, chunk, targets, host, layout, self._trees)
