@@ -20,6 +20,7 @@ from loader_ops import Grow
 
 import grain_replay as gr
 from grain_replay.device import put as device_put_module
+from grain_replay.device import put_options
 from grain_replay.device import resident as resident_module
 from grain_replay.device.put import ShardedDevicePutIterator
 from grain_replay.device.resident import ResidentReplayIterator
@@ -325,7 +326,7 @@ def test_pinned_staging_stages_through_pinned_host(monkeypatch: pytest.MonkeyPat
         kinds.append(sharding.memory_kind)
         return real(shape, sharding, cb, *args, **kw)
 
-    monkeypatch.setattr(device_put_module.jax, "make_array_from_callback", spy)
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
     batch = {"x": np.arange(16, dtype=np.float32)}
     (out,) = list(gr.sharded_device_put([batch], pinned=True, prefetch=0))
     assert kinds == ["pinned_host"]
@@ -336,7 +337,7 @@ def test_pinned_staging_stages_through_pinned_host(monkeypatch: pytest.MonkeyPat
 def test_pinned_staging_falls_back_without_pinned_host(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(device_put_module, "has_pinned_host", lambda: False)
+    monkeypatch.setattr(put_options, "has_pinned_host", lambda: False)
     batch = {"x": np.arange(16, dtype=np.float32)}
     with caplog.at_level(logging.WARNING, logger=device_put_module.__name__):
         (out,) = list(gr.sharded_device_put([batch], pinned=True))
