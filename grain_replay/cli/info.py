@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.cli.remote import object_writers, storage_options
+from grain_replay.cli.remote import object_writers, storage_options, writer_row
 from grain_replay.sources.capabilities import HasEpisodes, ManyWriterStore
 
 __all__ = ["cmd_info", "fmt_bytes", "size_on_disk"]
@@ -108,21 +108,7 @@ def _writers(src: Any) -> list[dict[str, Any]] | None:
     out = []
     for m in src.writers:
         wdir = parts_lib.writer_dir(src.path, m.writer_id)
-        holder = ownership.live_holder(wdir)
-        out.append(
-            {
-                "writer_id": m.writer_id,
-                "ordinal": m.ordinal,
-                "capacity": m.capacity,
-                "committed": m.committed,
-                "live": m.live,
-                "evicted": m.evicted,
-                "segments": len(m.segments),
-                "segment_rows": m.segment_rows,
-                "size_on_disk": size_on_disk(wdir),
-                "holder": holder,
-            }
-        )
+        out.append(writer_row(m, size_on_disk(wdir), ownership.live_holder(wdir)))
     return out
 
 

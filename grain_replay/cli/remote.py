@@ -92,21 +92,25 @@ def object_writers(src: Any, url: str, opts: dict[str, Any] | None) -> list[dict
         listed = objects.listing(objects.writer_key(m.writer_id, "pieces"))
         where = f"{objects.shown} (writer {m.writer_id!r})"
         holder = Lease(objects, m.writer_id, DEFAULT_LEASE_S, where).live_holder()
-        out.append(
-            {
-                "writer_id": m.writer_id,
-                "ordinal": m.ordinal,
-                "capacity": m.capacity,
-                "committed": m.committed,
-                "live": m.live,
-                "evicted": m.evicted,
-                "segments": len(m.segments),
-                "segment_rows": m.segment_rows,
-                "size_on_disk": sum(int(e.get("size") or 0) for e in listed),
-                "holder": holder,
-            }
-        )
+        out.append(writer_row(m, sum(int(e.get("size") or 0) for e in listed), holder))
     return out
+
+
+def writer_row(m: Any, size: int, holder: Any) -> dict[str, Any]:
+    """``info``'s row of one writer of a many-writer store (on a path or on S3): its
+    manifest's counts, ``size`` bytes stored and the live ``holder`` of its id, or None."""
+    return {
+        "writer_id": m.writer_id,
+        "ordinal": m.ordinal,
+        "capacity": m.capacity,
+        "committed": m.committed,
+        "live": m.live,
+        "evicted": m.evicted,
+        "segments": len(m.segments),
+        "segment_rows": m.segment_rows,
+        "size_on_disk": size,
+        "holder": holder,
+    }
 
 
 def verify_object_store(src: Any, url: str, opts: dict[str, Any] | None) -> int:
