@@ -39,6 +39,7 @@ PACKAGE = pathlib.Path(grain_replay.__file__).parent
 LAYERS = {
     "grain_replay.errors": 0,
     "grain_replay.tree": 0,
+    "grain_replay.tree_layout": 0,
     "grain_replay.lazy": 0,
     "grain_replay.pipeline.flags": 0,
     "grain_replay.pipeline.shutdown": 0,

@@ -16,6 +16,7 @@ import pytest
 
 import grain_replay as gr
 from grain_replay import tree as tree_lib
+from grain_replay.tree_layout import TreeLayout
 
 
 class Step(NamedTuple):
@@ -313,7 +314,7 @@ def _layout_tree(i: int = 0) -> dict:
 def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(make):
     tree = make(0)
     leaves, treedef = tree_lib.flatten(tree)
-    layout = tree_lib.TreeLayout.of(tree, leaves)
+    layout = TreeLayout.of(tree, leaves)
     assert layout is not None
     assert layout.keys == tuple(leaves)
     flat = type(tree) is dict and treedef["children"] == [{"type": "leaf"}] * len(tree)
@@ -345,7 +346,7 @@ def test_tree_layout_gives_a_like_trees_leaves_in_flatten_order(make):
 def test_tree_layout_refuses_any_other_container(change):
     tree = _layout_tree()
     leaves, _ = tree_lib.flatten(tree)
-    layout = tree_lib.TreeLayout.of(tree, leaves)
+    layout = TreeLayout.of(tree, leaves)
     assert layout is not None
     assert layout.leaves(change(_layout_tree(1))) is None
 
@@ -354,10 +355,10 @@ def test_tree_layout_of_needs_flattens_own_leaves():
     tree = _layout_tree()
     leaves, _ = tree_lib.flatten(tree)
     copies = {k: v.copy() for k, v in leaves.items()}
-    assert tree_lib.TreeLayout.of(tree, copies) is None
-    assert tree_lib.TreeLayout.of(tree, dict(list(leaves.items())[:-1])) is None
+    assert TreeLayout.of(tree, copies) is None
+    assert TreeLayout.of(tree, dict(list(leaves.items())[:-1])) is None
     twice = {"a": leaves["done"], "b": leaves["done"]}  # one array under two names
-    layout = tree_lib.TreeLayout.of(twice, tree_lib.flatten(twice)[0])
+    layout = TreeLayout.of(twice, tree_lib.flatten(twice)[0])
     assert layout is not None and layout.leaves({"a": 1, "b": 2}) == [1, 2]
 
 
@@ -365,7 +366,7 @@ def test_tree_layout_leaves_whatever_sits_at_a_leaf_to_the_caller():
     """What a leaf is (an array of the right type) is the caller's check: a container where
     a leaf was comes back as that leaf, for the caller's type check to refuse."""
     tree = _layout_tree()
-    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    layout = TreeLayout.of(tree, tree_lib.flatten(tree)[0])
     assert layout is not None
     got = layout.leaves({**tree, "done": {"x": tree["done"]}})
     assert got is not None and got[-1] == {"x": tree["done"]}
@@ -374,7 +375,7 @@ def test_tree_layout_leaves_whatever_sits_at_a_leaf_to_the_caller():
 def test_tree_layout_of_another_mapping_follows_its_keys():
     proxy = types.MappingProxyType
     tree = {"m": proxy({"b": np.zeros(2), "a": np.ones(2)})}
-    layout = tree_lib.TreeLayout.of(tree, tree_lib.flatten(tree)[0])
+    layout = TreeLayout.of(tree, tree_lib.flatten(tree)[0])
     assert layout is not None and layout.keys == ("m/b", "m/a")
     assert layout.leaves({"m": proxy({"b": 1, "a": 2})}) == [1, 2]
     assert layout.leaves({"m": proxy({"a": 2, "b": 1})}) is None

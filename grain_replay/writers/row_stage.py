@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.store.layout import LeafSpec
-from grain_replay.tree import TreeLayout
+from grain_replay.tree_layout import TreeLayout
 
 __all__ = ["STAGE_BYTES", "HostSignature", "RowStage"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidTreeError
-from grain_replay.tree import TreeLayout
+from grain_replay.tree_layout import TreeLayout
 
 __all__ = ["TreeSignature", "device_leaf_test", "leaf_nbytes", "leaf_name", "start_copies"]
 
