@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -266,6 +267,15 @@ def run_device(
 
     backend = jax.default_backend()
     on_accelerator = backend in ("gpu", "cuda", "rocm", "tpu")
+    window = os.environ.get("BENCH_RESIDENT_WINDOW")
+    if window:  # a smoke test's knob: the default window's gather compiles for seconds
+        from grain_replay.device import resident as resident_module
+
+        resident_module._MAX_WINDOW = int(window)
+        res.notes.append(
+            f"resident replay gathers at most {int(window)} batches a dispatch "
+            "(BENCH_RESIDENT_WINDOW; default 64): not the library's timing"
+        )
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     pinned_ok = has_pinned_host()

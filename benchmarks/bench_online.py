@@ -339,8 +339,12 @@ def _optional(name: str, quick: bool, log: Any) -> tuple[list[dict[str, Any]] | 
         if e.name == name:
             return None, f"benchmarks/{name}.py is not in this tree"
         raise
-    # --quick: toy sizes where the module takes them (its own smoke test's sizes).
-    small = {"inserts": 20_000, "steps": 30, "repeats": 1} if quick else {}
+    # --quick: toy sizes where the module takes them (bench_device_writes: its own smoke
+    # test's sizes; the limiter: 20,000 rows, the writers given 0.5 s to reach the hold).
+    small = {
+        "inserts": 20_000, "hold_s": 0.5,
+        "steps": 6, "repeats": 1, "envs": 64, "memory_steps": 20,
+    } if quick else {}  # fmt: skip
     params = inspect.signature(mod.run).parameters
     kwargs = {k: v for k, v in small.items() if k in params}
     log(f"  {name}.run(quick={quick}{''.join(f', {k}={v}' for k, v in kwargs.items())})")

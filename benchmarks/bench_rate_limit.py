@@ -96,7 +96,9 @@ def _writer(path: str, writer_id: str, rows: int, pause: float, report: str) -> 
     os.replace(report + ".tmp", report)
 
 
-def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) -> dict[str, Any]:
+def _scenario(
+    name: str, inserts: int, writers: int, pause: float, work: float, hold_s: float = 3.0
+) -> dict[str, Any]:
     import grain_replay as gr
     from grain_replay.sampling.rate.options import default_tolerance
     from grain_replay.store.progress import InsertedCount
@@ -123,7 +125,7 @@ def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) 
         until = time.monotonic() + 600
         while count.read()[0] < MIN_SIZE and time.monotonic() < until:
             time.sleep(0.05)
-        time.sleep(3.0)  # a benchmark, not a test: the writers' next flushes find the hold
+        time.sleep(hold_s)  # a benchmark, not a test: the writers' next flushes find the hold
         opts = gr.UniformReplay(rate_limit=_limit(), timeout=120)
         it = iter(
             gr.make_data_loader(
@@ -187,12 +189,14 @@ def _scenario(name: str, inserts: int, writers: int, pause: float, work: float) 
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run(quick: bool, inserts: int | None = None) -> list[dict[str, Any]]:
-    """Both directions; ``inserts`` rows in all (default 10**5 quick, 10**6 full)."""
+def run(quick: bool, inserts: int | None = None, hold_s: float = 3.0) -> list[dict[str, Any]]:
+    """Both directions; ``inserts`` rows in all (default 10**5 quick, 10**6 full).
+    ``hold_s``: seconds the writers are left to reach the hold before the learner starts
+    (``run.py --quick`` gives them less: its rows are a smoke run, not judged)."""
     n = inserts or (100_000 if quick else 1_000_000)
     return [
-        _scenario("fast_writer", n, writers=2, pause=0.0, work=0.01),
-        _scenario("fast_learner", n, writers=1, pause=0.05, work=0.0),
+        _scenario("fast_writer", n, writers=2, pause=0.0, work=0.01, hold_s=hold_s),
+        _scenario("fast_learner", n, writers=1, pause=0.05, work=0.0, hold_s=hold_s),
     ]
 
 

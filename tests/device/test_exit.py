@@ -53,6 +53,9 @@ if __name__ == "__main__":
     )
     it = iter(loader)
     next(it)
+    if resident == "1":  # windows of 4 batches: the default 64's gather compiles for seconds
+        from grain_replay.device import resident as resident_module
+        resident_module._MAX_WINDOW = 4
     d = gr.sharded_device_put(loader, prefetch=prefetch, resident=resident == "1")
     jax.block_until_ready(next(d))
     print("ok", flush=True)

@@ -37,9 +37,32 @@ def _write_store(path: Path, n: int) -> str:
     return str(path)
 
 
-# 4 processes: `make test-slow`. make test covers 4-process coverage and resume in
-# test_resume_on_another_process_count_continues_the_global_stream (jobs of 4, 2, 4).
-@pytest.mark.parametrize("num_processes", [2, pytest.param(4, marks=pytest.mark.slow)])
+def _check_full_run(full: list[dict[str, Any]], num_processes: int, n: int) -> np.ndarray:
+    """The job's global stream: every process saw it, each its disjoint share of every
+    batch, every record once per epoch, shuffled afresh each epoch. Returns it."""
+    global_batch = n // STEPS_PER_EPOCH
+    assert [r["process_index"] for r in full] == list(range(num_processes))
+    assert len({r["pid"] for r in full}) == num_processes
+    stream = np.array(full[0]["global_ids"])
+    assert stream.shape == (2 * STEPS_PER_EPOCH, global_batch)
+    for r in full[1:]:  # every process saw the same global batches
+        np.testing.assert_array_equal(r["global_ids"], stream)
+    for step in range(len(stream)):  # each the union of the processes' disjoint shares
+        shares = np.concatenate([r["local_ids"][step] for r in full])
+        np.testing.assert_array_equal(np.sort(shares), np.sort(stream[step]))
+    epochs = stream.reshape(2, n)
+    for epoch in epochs:  # every record exactly once per epoch
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(n))
+    assert not np.array_equal(epochs[0], epochs[1])  # a fresh permutation each epoch
+    assert not np.array_equal(epochs[0], np.arange(n))  # shuffled
+    return stream
+
+
+# `make test-slow`: each job of 2 (or 4) processes resumed on as many. make test covers
+# the same checks in test_resume_on_another_process_count_continues_the_global_stream
+# (jobs of 2, 4, 2: its last job of 2 resumes each process's own share of the first's).
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [2, 4])
 def test_processes_cover_each_epoch_once_and_resume_the_identical_stream(
     tmp_path: Path, num_processes: int
 ) -> None:
@@ -53,20 +76,7 @@ def test_processes_cover_each_epoch_once_and_resume_the_identical_stream(
         num_processes, tmp_path / "full", *common, f"--save-at={SAVE_AT}",
         f"--state-dir={state_dir}",
     )  # fmt: skip
-    assert [r["process_index"] for r in full] == list(range(num_processes))
-    assert len({r["pid"] for r in full}) == num_processes
-    stream = np.array(full[0]["global_ids"])
-    assert stream.shape == (2 * STEPS_PER_EPOCH, global_batch)
-    for r in full[1:]:  # every process saw the same global batches
-        np.testing.assert_array_equal(r["global_ids"], stream)
-    for step in range(len(stream)):  # each the union of the processes' disjoint shares
-        shares = np.concatenate([r["local_ids"][step] for r in full])
-        np.testing.assert_array_equal(np.sort(shares), np.sort(stream[step]))
-    epochs = stream.reshape(2, STEPS_PER_EPOCH * global_batch)
-    for epoch in epochs:  # every record exactly once per epoch
-        np.testing.assert_array_equal(np.sort(epoch), np.arange(n))
-    assert not np.array_equal(epochs[0], epochs[1])  # a fresh permutation each epoch
-    assert not np.array_equal(epochs[0], np.arange(n))  # shuffled
+    stream = _check_full_run(full, num_processes, n)
     saved = sorted(p.name for p in state_dir.iterdir())
     assert saved == [f"state.{i}" for i in range(num_processes)]
 
@@ -78,31 +88,39 @@ def test_processes_cover_each_epoch_once_and_resume_the_identical_stream(
 
 
 def test_resume_on_another_process_count_continues_the_global_stream(tmp_path: Path) -> None:
-    global_batch = 16  # 4 processes x 4, or 2 x 8
+    """A job of 2 saved, resumed on 4, that one's checkpoint resumed on 2 again: each
+    continues the same global stream; the last job's processes their own shares of it."""
+    global_batch = 16  # 2 processes x 8, or 4 x 4
     n = STEPS_PER_EPOCH * global_batch
     store = _write_store(tmp_path / "store.h5", n)
     common = [f"--store={store}", "--num-epochs=2"]
-    on_four, on_two = tmp_path / "state4", tmp_path / "state2"
+    on_two, on_four = tmp_path / "state2", tmp_path / "state4"
 
     first = _run_job(
-        4, tmp_path / "four", *common, "--batch-size=4", "--save-at=1", f"--state-dir={on_four}"
+        2, tmp_path / "two", *common, "--batch-size=8", "--save-at=1", f"--state-dir={on_two}"
     )
-    stream = np.array(first[0]["global_ids"])
-    assert stream.shape == (2 * STEPS_PER_EPOCH, global_batch)
-
-    second = _run_job(
-        2, tmp_path / "two", *common, "--batch-size=8", f"--resume-dir={on_four}",
-        "--save-at=2", f"--state-dir={on_two}",
-    )  # fmt: skip
-    for r in second:  # from global step 1, saved again at step 3
-        np.testing.assert_array_equal(r["global_ids"], stream[1:])
+    stream = _check_full_run(first, 2, n)
     assert sorted(p.name for p in on_two.iterdir()) == ["state.0", "state.1"]
 
+    second = _run_job(
+        4, tmp_path / "four", *common, "--batch-size=4", f"--resume-dir={on_two}",
+        "--save-at=2", f"--state-dir={on_four}",
+    )  # fmt: skip
+    assert len({r["pid"] for r in second}) == 4
+    for r in second:  # from global step 1, saved again at step 3
+        np.testing.assert_array_equal(r["global_ids"], stream[1:])
+    for step in range(len(stream) - 1):  # the 4 processes' disjoint shares
+        shares = np.concatenate([r["local_ids"][step] for r in second])
+        np.testing.assert_array_equal(np.sort(shares), np.sort(stream[1 + step]))
+    assert sorted(p.name for p in on_four.iterdir()) == [f"state.{i}" for i in range(4)]
+
     third = _run_job(
-        4, tmp_path / "four-again", *common, "--batch-size=4", f"--resume-dir={on_two}"
+        2, tmp_path / "two-again", *common, "--batch-size=8", f"--resume-dir={on_four}"
     )
-    for r in third:  # from global step 3: crosses into epoch 1
+    for p, r in enumerate(third):  # from global step 3: crosses into epoch 1
         np.testing.assert_array_equal(r["global_ids"], stream[3:])
+        # Each process resumes its own share, as the first job of 2 read it.
+        np.testing.assert_array_equal(r["local_ids"], first[p]["local_ids"][3:])
     # Each run's shares: every record exactly once per epoch over the three runs.
     steps = [first[0]["global_ids"][:1], second[0]["global_ids"][:2], third[0]["global_ids"]]
     seen = np.concatenate([np.ravel(s) for s in steps if len(s)])
@@ -133,7 +151,11 @@ def test_resident_replay_two_processes_same_stream_and_state_bytes(tmp_path: Pat
         host_states.append(resumed.get_state())
     stream = np.concatenate([np.array(ids) for ids in host_ids], axis=1)
 
-    common = [f"--store={store}", f"--batch-size={BATCH}", "--num-epochs=2", "--resident"]
+    # Windows of 4 batches, not 64 (whose gather program takes seconds to compile in each
+    # process): the resume at step 2 is mid-window, the stream of 6 steps two windows.
+    common = [
+        f"--store={store}", f"--batch-size={BATCH}", "--num-epochs=2", "--resident", "--window=4"
+    ]  # fmt: skip
     state_dir = tmp_path / "state"
     full = _run_job(
         num_processes, tmp_path / "full", *common, f"--save-at={SAVE_AT}",

@@ -2,7 +2,7 @@
 
 Run as a script: ``python multihost_resume_worker.py --port P --process-id I
 --num-processes K --store S --batch-size B --num-epochs E --out OUT.json
-[--save-at STEP --state-dir DIR] [--resume-dir DIR] [--resident]``, with
+[--save-at STEP --state-dir DIR] [--resume-dir DIR] [--resident [--window W]]``, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` in the environment.
 
 The process joins a K-process JAX job over gloo and reads the store through
@@ -68,6 +68,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     local_ids: list[list[int]] = []
     global_ids: list[list[int]] = []
     saved = False
+    if args.window is not None:  # batches a resident dispatch gathers (default 64)
+        from grain_replay.device import resident
+
+        resident._MAX_WINDOW = args.window
     with gr.sharded_device_put(loader, resident=args.resident) as batches:
         if args.resume_dir:
             with open(_state_file(args.resume_dir, args.process_id), "rb") as f:
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir")
     parser.add_argument("--resume-dir")
     parser.add_argument("--resident", action="store_true", help="device-resident replay")
+    parser.add_argument(
+        "--window", type=int, help="batches one resident dispatch gathers (default: 64)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     result = run(args)
