@@ -14,6 +14,7 @@ the gather, is what limits the rate.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any, Literal, Self
@@ -213,7 +214,10 @@ class ResidentReplayIterator(Iterator[Any]):
         if len(self._ready) == self._window // 2 and ahead < self._length:
             # Queue the next window while half of this one is left: its gather runs on
             # the devices behind the steps already dispatched, never in front of a step.
-            self._fill(ahead)
+            # A short last batch that does not split over the devices is refused when
+            # the caller reaches it (the fill at it, above, raises), not batches before.
+            with contextlib.suppress(BatchShardingError):
+                self._fill(ahead)
         return batch
 
     def _record_ids(self, j: int) -> np.ndarray:
