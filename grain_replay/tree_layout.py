@@ -60,32 +60,29 @@ def _layout_of(node: Any, found: list[Any]) -> _Take | None:
         keys = tuple(node.keys())
         if not all(isinstance(k, str) for k in keys):
             return None
-        children: list[_Take | None] = []
-        for k in keys:
-            child = node[k]
-            if _is_container(child):
-                take = _layout_of(child, found)
-                if take is None:
-                    return None
-                children.append(take)
-            else:
-                found.append(child)
-                children.append(None)
-        return _take_mapping(cls, keys, tuple(children))
+        children = _children_of([node[k] for k in keys], found)
+        return None if children is None else _take_mapping(cls, keys, children)
     if isinstance(node, (list, tuple)):
-        children = []
-        for child in node:
-            if _is_container(child):
-                take = _layout_of(child, found)
-                if take is None:
-                    return None
-                children.append(take)
-            else:
-                found.append(child)
-                children.append(None)
-        return _take_sequence(cls, tuple(children))
+        children = _children_of(node, found)
+        return None if children is None else _take_sequence(cls, children)
     found.append(node)
     return _take_leaf
+
+
+def _children_of(nodes: Any, found: list[Any]) -> tuple[_Take | None, ...] | None:
+    """Each child's ``take`` (None for a leaf, appended to ``found``), in order; None where
+    flatten would refuse one of them."""
+    children: list[_Take | None] = []
+    for child in nodes:
+        if _is_container(child):
+            take = _layout_of(child, found)
+            if take is None:
+                return None
+            children.append(take)
+        else:
+            found.append(child)
+            children.append(None)
+    return tuple(children)
 
 
 def _is_container(node: Any) -> bool:

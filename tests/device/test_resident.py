@@ -24,6 +24,7 @@ from grain_replay.device import put_options
 from grain_replay.device import resident as resident_module
 from grain_replay.device.put import ShardedDevicePutIterator
 from grain_replay.device.resident import ResidentReplayIterator
+from tests.helpers.counting_source import CountingSource
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -253,31 +254,10 @@ def test_raises_error_invalid_arguments(store: str) -> None:
         gr.sharded_device_put(uneven, resident=True)
 
 
-class _CountingSource:
-    """A source that records the rows of every read_batch call."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.reads: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.inner[i]
-
-    def read_batch(self, ids: Any) -> Any:
-        self.reads.append(len(ids))
-        return self.inner.read_batch(ids)
-
-    def __repr__(self) -> str:
-        return f"_CountingSource({self.inner!r})"
-
-
 def test_loads_store_in_chunks_then_never_reads_it(
     store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = _CountingSource(gr.open_source(store))
+    src = CountingSource(gr.open_source(store))
     record_bytes = 4 + 12 + 5 * 4 + 4 + 1  # on device: id int32, pixels, vec float32, ...
     # 50 records' bytes: rounded up to 128 rows, a chunk starts a line of every buffer.
     monkeypatch.setattr(resident_module, "_CHUNK_BYTES", 50 * record_bytes)

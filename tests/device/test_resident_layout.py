@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 import grain_replay as gr
 from grain_replay.device import resident as resident_module
 from grain_replay.device.lines import LANES, Probe, RowLayout, tiled_bytes
+from tests.helpers.counting_source import CountingSource
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -126,29 +127,8 @@ def test_odd_row_counts_and_the_short_last_batch_on_one_device(tmp_path: Path, n
     np.testing.assert_array_equal(np.sort(ids), np.arange(n))
 
 
-class _CountingSource:
-    """A source that records the rows of every read_batch call."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.reads: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.inner[i]
-
-    def read_batch(self, ids: Any) -> Any:
-        self.reads.append(len(ids))
-        return self.inner.read_batch(ids)
-
-    def __repr__(self) -> str:
-        return f"_CountingSource({self.inner!r})"
-
-
 def test_loads_in_chunks_that_start_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = _CountingSource(gr.open_source(_store(tmp_path, 700)))
+    src = CountingSource(gr.open_source(_store(tmp_path, 700)))
     record_bytes = Probe(src).record_bytes
     src.reads.clear()
     # 300 records' bytes: 256 rows a chunk (a multiple of 128, so each starts a line).
