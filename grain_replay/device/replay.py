@@ -248,8 +248,8 @@ class DeviceReplay:
         drawn = np.random.default_rng(0).integers(0, layout.capacity, 256).astype(np.int32)
         slots = jax.device_put(drawn, self._device)
         return row_dma.faster(
-            lambda rows, s: layout.gather(rows, s),
-            lambda rows, s: layout.gather(rows, s, dma=True),
+            jax.jit(lambda rows, s: layout.gather(rows, s)),
+            jax.jit(lambda rows, s: layout.gather(rows, s, dma=True)),
             (state.rows, slots),
             f"DeviceReplay over {self._where()}",
         )

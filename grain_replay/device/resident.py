@@ -185,15 +185,16 @@ class ResidentReplayIterator(Iterator[Any]):
                 out_shardings=sharding,
             )
 
-        self._gather = gathers(False)
+        self._gather = by_xla = gathers(False)
         if layout.has_tiles and jax.process_count() == 1 and row_dma.on_tpu(sharding.device_set):
             # Rows held as whole tiles (frames): a DMA a row where that is faster, timed
             # here on a window of this iterator's own shape (device/row_dma.py). One
             # process only: the processes of a run must not pick different programs.
             drawn = np.random.default_rng(0).integers(0, n, (self._window, self._batch_size))
             ids = self._ids_block(drawn.astype(np.int32))
-            if row_dma.faster(gathers(False), gathers(True), (self._store, ids), repr(source)):
-                self._gather = gathers(True)
+            by_dma = gathers(True)
+            if row_dma.faster(by_xla, by_dma, (self._store, ids), repr(source)):
+                self._gather = by_dma
         self._next = 0  # elements of this process handed out
         self._ready: collections.deque[Any] = collections.deque()
         self._closed = False

@@ -105,18 +105,19 @@ def _median_s(fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
 def faster(
     by_xla: Callable[..., Any], by_dma: Callable[..., Any], args: tuple[Any, ...], where: str
 ) -> bool:
-    """Whether ``by_dma(*args)`` (jitted here) runs faster than ``by_xla(*args)`` on the
-    devices ``args`` live on: False off a TPU, or when the DMA gather fails to compile or
-    run (logged with its reason). ``where`` names the ring in the log."""
+    """Whether ``by_dma(*args)`` runs faster than ``by_xla(*args)`` on the devices ``args``
+    live on: False off a TPU, or when the DMA gather fails to compile or run (logged with
+    its reason). Both are jitted by the caller, which then calls the one kept: its program
+    is compiled once. ``where`` names the ring in the log."""
     if not on_tpu(d for a in jax.tree.leaves(args) for d in a.devices()):
         return False
     try:
-        xla = _median_s(jax.jit(by_xla), args)
+        xla = _median_s(by_xla, args)
     except Exception as e:  # the gather every backend has failed: leave it to the caller
         logger.info("%s: timing XLA's row gather failed (%s); not trying the DMA gather", where, e)
         return False
     try:
-        dma = _median_s(jax.jit(by_dma), args)
+        dma = _median_s(by_dma, args)
     except Exception as e:  # Mosaic refused the kernel on this chip or jax
         logger.info("%s: the DMA row gather did not run here (%s); using XLA's gather", where, e)
         return False
