@@ -139,6 +139,36 @@ def test_a_flush_syncs_in_three_rounds(tmp_path: Path, monkeypatch: pytest.Monke
     assert rounds == ["files:5", "dirs:1", "path"]
 
 
+def test_a_flush_at_interpreter_exit_still_syncs_every_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit, threading's hooks shut every thread pool before a non-daemon thread (an
+    actor closing its writer) is joined: the fsync pool refuses work ("cannot schedule new
+    futures after interpreter shutdown", seen in the README's actor/learner example). The
+    flush syncs its files one after another instead, and commits."""
+    import concurrent.futures
+
+    from grain_replay.writers.backends import durable
+
+    shut = concurrent.futures.ThreadPoolExecutor(1)
+    shut.shutdown()
+    monkeypatch.setattr(durable, "_FSYNC_POOL", (os.getpid(), shut))
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    path = str(tmp_path / "s")
+    with gr.ReplayWriter(path, writer_id="a", capacity=100) as w:
+        w.append(make_rows("a", 0, 5))
+        w.flush()
+    assert len(synced) >= 5  # three leaves, the segment's metadata, the manifest
+    check_rows(gr.open_source(path).read_batch(np.arange(5)))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("fail", ["files", "dirs", "publish"])
 def test_a_flush_failing_before_its_commit_point_keeps_the_last_commit(

@@ -68,7 +68,17 @@ def fsync_all(fds: list[int]) -> None:
             pool = concurrent.futures.ThreadPoolExecutor(8, "grain_replay-fsync")
             _FSYNC_POOL = (os.getpid(), pool)
         pool = _FSYNC_POOL[1]
-    list(pool.map(os.fsync, fds))  # raises the first failure
+    try:
+        futures = [pool.submit(os.fsync, fd) for fd in fds]
+    except RuntimeError:
+        # The interpreter is exiting: threading's exit hooks (run before a non-daemon
+        # thread, e.g. an actor still closing its writer, is joined) shut every pool.
+        # The commit still needs its fsyncs: one after another, in this thread.
+        for fd in fds:
+            os.fsync(fd)
+        return
+    for future in futures:
+        future.result()  # raises the first failure
 
 
 def fsync_dirs(paths: list[str]) -> None:
