@@ -103,7 +103,7 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
         batch = {k: v for k, v in batch.items() if k != "discount"}
         return train(p, batch, ones)[0]
 
-    params = params_fn(jax.random.key(0))
+    params = params_fn(np.random.default_rng(0))
     params = jax.block_until_ready(step(params, on_device[0]))
     state = {"p": params}
 

@@ -170,7 +170,7 @@ def run_model(name: str, cases: dict[str, Any], args: argparse.Namespace) -> Non
         (mlp_q, mlp_params, "next_obs") if name == "mlp" else (conv_q, conv_params, "obs")
     )
     train = make_train(q, nxt)
-    params = make_params(jax.random.key(0))
+    params = make_params(np.random.default_rng(0))
     ones = jnp.ones(B, jnp.float32)
     first_ring, first_gather = next(iter(cases.values()))
     fixed_ring, _ = _put(first_ring)

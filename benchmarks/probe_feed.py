@@ -49,7 +49,7 @@ def main():
     keys = list(hosts[0])
     lay = plan([hosts[0][k] for k in keys], [sh] * len(keys))
     dev_batches = [jax.device_put(h, sh) for h in hosts]
-    st = {"p": mlp_params(jax.random.key(0))}
+    st = {"p": mlp_params(np.random.default_rng(0))}
     st["p"] = jax.block_until_ready(step(st["p"], dev_batches[0]))
 
     def loop(get):
