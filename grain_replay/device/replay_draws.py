@@ -108,7 +108,9 @@ def updated_priorities(
     top = jnp.max(jnp.where(ok, given, 0.0), initial=0.0)
     ok = last_of_each(index, ok)
     slot = jnp.where(ok, index, 0)
-    priority = priority.at[jnp.where(ok, index, c)].set(given, mode="drop")
+    # the skipped entries each to its own place past the end: the indices stay distinct
+    far = c + jnp.arange(index.shape[0], dtype=jnp.int32)
+    priority = priority.at[jnp.where(ok, index, far)].set(given, mode="drop", unique_indices=True)
     if sums:
         sums, mins = tree.update(sums, mins, slot, (given + eps) ** alpha, ok)
     return priority, jnp.maximum(max_priority, top), sums, mins

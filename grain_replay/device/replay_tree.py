@@ -15,9 +15,13 @@ Float rounding can leave a target at or past a line's total, or on an entry of m
 pick then moves to the last entry of positive mass at or before it (the first after it if
 none), so a draw never lands on an empty slot.
 
-An update sets level-0 masses (one scatter) and recomputes, level by level, the entries
-above the touched lines (gather the touched lines, reduce, scatter): ``O(B · levels ·
-128)``. A refresh rebuilds every level (``O(C)``, once a refresh).
+An update sets level-0 masses (one scatter) and then, for a ring of up to
+:data:`DENSE_SLOTS` slots, rebuilds the levels above from level 0 (one pass, ``O(C)``: a
+reduction over the lines, the way :func:`build` sums them); for a larger ring it recomputes,
+level by level, only the entries above the touched lines (gather the touched lines, reduce,
+scatter: ``O(B · levels · 128)``). Measured on a TPU v5e (``B = 256``, inside a jitted loop):
+the rebuild 0.027 ms at 10^6 slots, 0.021 ms at 5·10^4; the level-by-level scatters 0.071 /
+0.068 ms (scatters into small arrays have a fixed cost each). A refresh rebuilds every level.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["build", "draw", "level_lines", "lowest", "update"]
+__all__ = ["DENSE_SLOTS", "build", "draw", "level_lines", "lowest", "update"]
 
 LANES = 128
+# Rings up to this many slots rebuild the levels above level 0 at an update (see above):
+# 4 Mi slots is ~16 MB a pass, ~2x the rebuild at 10^6 slots, still under the scatters.
+DENSE_SLOTS = 1 << 22
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -59,9 +66,16 @@ def build(
     ``mins[l - 1]`` the min tree's level ``l``."""
     counts = level_lines(priority.shape[0])
     mass = jnp.where(live, (priority.astype(jnp.float32) + eps) ** alpha, -0.0)
-    sums = [_as_lines(mass, counts[0], -0.0)]
+    return _above(_as_lines(mass, counts[0], -0.0), counts)
+
+
+def _above(
+    level0: jax.Array, counts: list[int]
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Every level of both trees from the masses ``level0`` (lines)."""
+    sums = [level0]
     mins: list[jax.Array] = []
-    low = _live_min(sums[0])
+    low = _live_min(level0)
     for n in counts[1:]:
         sums.append(_as_lines(sums[-1].sum(1), n, 0.0))
         low = _as_lines(low.min(1), n, jnp.inf)
@@ -127,10 +141,15 @@ def update(
     """Traced: the trees with the masses of ``slots`` (int32[B], distinct where ``ok``;
     live) set to ``mass`` (float32[B], >= 0), the entries above them recomputed; entries
     not ``ok`` are skipped."""
+    level0 = sums[0]
+    if level0.size <= DENSE_SLOTS:  # one scatter, then every level above rebuilt
+        b = slots.shape[0]
+        # the skipped entries each to its own place past the end: the indices stay distinct
+        at = jnp.where(ok, slots, level0.size + jnp.arange(b, dtype=jnp.int32))
+        flat = level0.reshape(-1).at[at].set(mass, mode="drop", unique_indices=True)
+        return _above(flat.reshape(level0.shape), [s.shape[0] for s in sums])
     line = slots // LANES
-    out_s = [
-        sums[0].at[jnp.where(ok, line, sums[0].shape[0]), slots % LANES].set(mass, mode="drop")
-    ]
+    out_s = [level0.at[jnp.where(ok, line, level0.shape[0]), slots % LANES].set(mass, mode="drop")]
     out_m: list[jax.Array] = []
     for lvl in range(1, len(sums)):
         x = jnp.take(out_s[-1], line, axis=0, mode="clip")  # the touched lines, updated

@@ -64,11 +64,17 @@ def test_levels_per_capacity() -> None:
     assert tree.level_lines(128**3 + 1) == [16385, 129, 2, 1]
 
 
-def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot() -> None:
+@pytest.mark.parametrize("dense", [True, False], ids=["rebuilt-above", "touched-lines"])
+def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot(
+    dense: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # both ways an update recomputes the levels above level 0 (by the ring's size)
+    monkeypatch.setattr(tree, "DENSE_SLOTS", 1 << 30 if dense else 0)
     priority, live = _ring(0)
     sums, mins = jax.jit(tree.build, static_argnums=(2, 3))(priority, live, ALPHA, EPS)
     _assert_trees(sums, mins, priority, live)
-    update = jax.jit(draws.updated_priorities, static_argnums=(7, 8))
+    # a function of its own: jax's trace cache is keyed by the function, not the jit
+    update = jax.jit(lambda *a: draws.updated_priorities(*a, ALPHA, EPS))
     prio, top = jnp.asarray(priority), jnp.float32(1.0)
     rng = np.random.default_rng(1)
     for _ in range(5):
@@ -77,7 +83,7 @@ def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot() ->
         index[100:120] = rng.integers(0, 256, 20)  # many in one line
         given = rng.uniform(0, 9, 256).astype(np.float32)
         given[5], given[6] = np.nan, -1.0
-        prio, top, sums, mins = update(prio, top, live, sums, mins, index, given, ALPHA, EPS)
+        prio, top, sums, mins = update(prio, top, live, sums, mins, index, given)
         for i, g in zip(index, given, strict=True):  # the host rule, in order
             if 0 <= i < C and live[i] and np.isfinite(g) and g >= 0:
                 priority[i] = g
