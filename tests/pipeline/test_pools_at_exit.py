@@ -167,6 +167,21 @@ def test_stats_computed_at_interpreter_exit(tmp_path: Path) -> None:
     )
 
 
+def test_an_rlds_dataset_indexed_at_interpreter_exit(tmp_path: Path) -> None:
+    """Its shards are indexed on a pool of their own, at the first look at its length."""
+    from rlds_fixture import write_rlds
+
+    write_rlds(tmp_path / "d", lengths=(5, 3, 7, 4), shards=2)
+    _run_at_exit(
+        tmp_path / "d",
+        "",
+        """
+        source = gr.RLDSDataSource(path, progress=False)
+        assert len(source) == 19, len(source)
+        """,
+    )
+
+
 # -- the mechanism --------------------------------------------------------------------
 
 
