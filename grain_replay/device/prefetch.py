@@ -138,7 +138,7 @@ def _produce(
     a put thread: the consumer then waits on its future) and queues them in order; a
     failure or the end of the stream comes after the batches read before it.
     """
-    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    pool: concurrent.futures.Executor | None = None
     size = None
     try:
         while True:
@@ -168,9 +168,7 @@ def _produce(
                         size, threads = transfers(batch) if transfers is not None else (1, 1)
                         size, threads = max(1, int(size)), max(1, int(threads))
                         if threads > 1 and size == 1:
-                            pool = concurrent.futures.ThreadPoolExecutor(
-                                threads, thread_name_prefix="sharded_device_put_put"
-                            )
+                            pool = shutdown.thread_pool(threads, "sharded_device_put_put")
                         for _ in range(max(0, max(2 * size, threads) - depth)):
                             slots.release()  # room for the transfers to overlap
                 except BaseException as e:
@@ -180,7 +178,9 @@ def _produce(
                 batches.append(batch)
             if batches:
                 if pool is not None:  # one batch a group: its future stands for its arrays
-                    future = pool.submit(_first, convert, batches)
+                    # Refused (at interpreter exit, a non-daemon thread consuming): the put
+                    # runs here, its outcome in the future; the producer goes on.
+                    future = shutdown.submit(pool, _first, convert, batches)
                     out.put((future, states[0]))
                 else:
                     try:

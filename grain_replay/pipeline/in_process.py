@@ -11,6 +11,7 @@ import numpy as np
 
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError
+from grain_replay.pipeline import shutdown
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.lanes import ROW_BYTES, LaneBuffer, lane_fields, lane_views, padded
 from grain_replay.pipeline.state import LoaderIdentity
@@ -53,7 +54,7 @@ class InProcessLoaderIterator(GrainStateIterator):
         self._num_threads = num_threads
         self._buffer_size = buffer_size if num_threads > 0 else 0
         self._pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: concurrent.futures.Executor | None = None
         self._read_into = read_into if not self._maps else None
         self._lanes = False
         # (treedef, leaf key -> (dtype, shape), their lane fields and rows) of the first
@@ -107,12 +108,11 @@ class InProcessLoaderIterator(GrainStateIterator):
 
     def _fill(self) -> None:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self._num_threads, thread_name_prefix="grain_replay_read"
-            )
+            self._pool = shutdown.thread_pool(self._num_threads, "grain_replay_read")
         k = self._next_index + len(self._pending)
         while len(self._pending) < self._buffer_size and k < self._length:
-            self._pending.append(self._pool.submit(self._element, k))
+            # Refused (at interpreter exit, iterated by a non-daemon thread): read here.
+            self._pending.append(shutdown.submit(self._pool, self._element, k))
             k += 1
 
     def _drop_pending(self) -> None:

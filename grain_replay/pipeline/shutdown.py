@@ -14,19 +14,38 @@ joined; jax registers its handlers when it is imported. The hook is therefore
 registered again (moved to the front) at every :func:`register`: a device iterator
 registers after jax was imported, so the hook runs before jax tears the backend down.
 
+Thread pools at exit: threading's exit hooks run before the non-daemon threads are joined,
+and one of them (``concurrent.futures``') shuts every thread pool, made or yet to be made.
+A non-daemon thread still at work then (an actor closing its writer, a thread reading a
+batch while the main thread ends) has each of its pool's ``submit`` refused: "cannot
+schedule new futures after interpreter shutdown". The package makes its pools with
+:func:`thread_pool` and submits with :func:`submit`: a task the pool refuses runs in the
+calling thread instead, once.
+
 Never imports jax: loader workers and writers use it too (layer 0 of the architecture).
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["Registry", "close_all", "live", "register", "unregister"]
+try:
+    # Its exit hook is registered with threading at its first import, which threading
+    # refuses once it is exiting ("can't register atexit after shutdown"): imported with
+    # the package's first pool user, not at that user's first pool, perhaps made at exit.
+    import concurrent.futures.thread
+except RuntimeError:  # imported at exit itself: thread_pool() says so
+    pass
+
+__all__ = ["Registry", "close_all", "live", "register", "submit", "thread_pool", "unregister"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +130,48 @@ def live() -> list[Any]:
 def close_all() -> None:
     """The ``atexit`` hook: closes every registered owner, newest first."""
     _REGISTRY.close_all()
+
+
+class _HereExecutor(concurrent.futures.Executor):
+    """Runs each task in the calling thread, as it is submitted."""
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        return _run_here(fn, args, kwargs)
+
+
+def _run_here(fn: Callable[..., T], args: Any, kwargs: Any) -> concurrent.futures.Future[T]:
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    try:
+        done.set_result(fn(*args, **kwargs))
+    except Exception as e:  # carried by the future, as a pool's task's failure is
+        done.set_exception(e)
+    return done
+
+
+def thread_pool(workers: int, name: str) -> concurrent.futures.Executor:
+    """A thread pool of ``workers`` threads named ``name``; where the interpreter was
+    already exiting when ``concurrent.futures``' pools were first needed (threading
+    refuses their exit hook), an executor running each task in the calling thread."""
+    try:
+        return concurrent.futures.ThreadPoolExecutor(workers, name)
+    except RuntimeError:
+        return _HereExecutor()
+
+
+def submit(
+    pool: concurrent.futures.Executor, fn: Callable[..., T], /, *args: Any
+) -> concurrent.futures.Future[T]:
+    """``pool.submit(fn, *args)``; where the pool refuses (the interpreter is exiting, or a
+    ``close()`` in another thread shut the pool down), ``fn`` runs here, in the calling
+    thread, and the future holds its outcome. Either way ``fn`` runs exactly once: a
+    refusal comes before anything is queued."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError as e:
+        # "cannot schedule new futures after [interpreter] shutdown"; a broken pool or a
+        # thread that could not start (the task already queued) is raised as it is.
+        if isinstance(e, concurrent.futures.BrokenExecutor) or "cannot schedule" not in str(e):
+            raise
+    return _run_here(fn, args, {})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 import os
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError
+from grain_replay.pipeline import shutdown
 from grain_replay.sources.access import LeafAccess
 from grain_replay.store.layout import LeafSpec
 
@@ -314,17 +314,20 @@ def scan(
         for key in keys:
             moments[t][key].update(got[key][a:b])
 
-    with concurrent.futures.ThreadPoolExecutor(
-        threads + 1, thread_name_prefix="grain_replay-stats"
-    ) as ex:
-        pending = ex.submit(load, *blocks[0]) if blocks else None
+    # shutdown.submit: a task the pool refuses (at interpreter exit, from a non-daemon
+    # thread) runs in this thread.
+    with shutdown.thread_pool(threads + 1, "grain_replay-stats") as ex:
+        pending = shutdown.submit(ex, load, *blocks[0]) if blocks else None
         for i, (a, b) in enumerate(blocks):
             assert pending is not None
             got = pending.result()
-            pending = ex.submit(load, *blocks[i + 1]) if i + 1 < len(blocks) else None
+            pending = shutdown.submit(ex, load, *blocks[i + 1]) if i + 1 < len(blocks) else None
             parts = min(threads, max(1, (b - a) // _MIN_THREAD_ROWS))
             cuts = np.linspace(0, b - a, parts + 1).astype(int)
-            for f in [ex.submit(reduce, t, got, cuts[t], cuts[t + 1]) for t in range(parts)]:
+            reducing = [
+                shutdown.submit(ex, reduce, t, got, cuts[t], cuts[t + 1]) for t in range(parts)
+            ]
+            for f in reducing:
                 f.result()
             lo, hi = (0, b - a) if pick is None else np.searchsorted(pick, [a, b])
             for key in keys:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from grain_replay.pipeline import shutdown
 from grain_replay.stats.accumulate import StoreState, quantile_name, worker_threads
 from grain_replay.store.layout import LeafSpec
 
@@ -62,8 +62,9 @@ def _quantiles(
     if len(starts) == 1:
         columns(0)
     else:
-        with concurrent.futures.ThreadPoolExecutor(worker_threads()) as ex:
-            list(ex.map(columns, starts))
+        with shutdown.thread_pool(worker_threads(), "grain_replay-stats") as ex:
+            for f in [shutdown.submit(ex, columns, a) for a in starts]:
+                f.result()
     return out
 
 

@@ -25,6 +25,7 @@ from grain_replay.datasets.rlds.example import FeatureValues, WireError, parse_e
 from grain_replay.datasets.rlds.features import STEPS, Feature
 from grain_replay.datasets.rlds.tfrecord import frame_records, map_shard
 from grain_replay.errors import InvalidStoreError
+from grain_replay.pipeline import shutdown
 from grain_replay.store.filesync import atomic_replace
 
 __all__ = ["Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
@@ -399,8 +400,9 @@ def build_index(
         return index
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(build, i): i for i in missing}
+        with shutdown.thread_pool(workers, "grain_replay-rlds-index") as pool:
+            # A shard the pool refuses (at interpreter exit) is indexed in this thread.
+            futures = {shutdown.submit(pool, build, i): i for i in missing}
             for fut in concurrent.futures.as_completed(futures):
                 results[futures[fut]] = fut.result()
                 if bar is not None:

@@ -8,9 +8,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from grain_replay.pipeline import shutdown
+
 __all__ = ["decode_pool", "run_grouped"]
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool: concurrent.futures.Executor | None = None
 _pool_pid: int | None = None
 _pool_workers = 1
 _pool_lock = threading.Lock()
@@ -26,7 +28,7 @@ def _forget_pool_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
-def decode_pool() -> concurrent.futures.ThreadPoolExecutor:
+def decode_pool() -> concurrent.futures.Executor:
     """One decoding pool per process (recreated after fork), sized to the cores."""
     global _pool, _pool_pid, _pool_workers
     pid = os.getpid()
@@ -34,7 +36,7 @@ def decode_pool() -> concurrent.futures.ThreadPoolExecutor:
         with _pool_lock:
             if _pool is None or _pool_pid != pid:
                 workers = max(1, min(8, len(os.sched_getaffinity(0))))
-                _pool = concurrent.futures.ThreadPoolExecutor(workers, "grain_replay-decode")
+                _pool = shutdown.thread_pool(workers, "grain_replay-decode")
                 _pool_workers = workers
                 _pool_pid = pid
     return _pool
@@ -57,7 +59,9 @@ def run_grouped(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
         for i in range(g, len(items), groups):
             out[i] = fn(items[i])
 
-    futures = [pool.submit(run, g) for g in range(groups)]
+    # A group the pool refuses (at interpreter exit, read by a non-daemon thread) is
+    # decoded here, in the calling thread.
+    futures = [shutdown.submit(pool, run, g) for g in range(groups)]
     # Every group finishes before an error is raised: callers release what the
     # groups use (a descriptor) as soon as this returns.
     concurrent.futures.wait(futures)

@@ -14,6 +14,7 @@ import numpy as np
 from grain_replay import remote as remote_lib
 from grain_replay import tree as tree_lib
 from grain_replay.errors import InvalidStoreError
+from grain_replay.pipeline import shutdown
 from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.chunked import (
@@ -99,8 +100,8 @@ class ZarrHandle(Handle):
         self.remote = opening.remote
         # Leaves of a remote store are read in parallel threads, so that the chunk
         # GETs of every leaf of a batch are in flight together.
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pool: concurrent.futures.Executor | None = None
+        self.fetch_pool: concurrent.futures.Executor | None = None
         self.cache = ChunkCache(opening.cache_bytes)
         n = opening.layout.num_records
         # What grow() needs: the store's path and its rule for chunk files.
@@ -120,9 +121,7 @@ class ZarrHandle(Handle):
             else:
                 self.group, arrays = opened
             # One pool of chunk GETs for every leaf: at most max_concurrency in flight.
-            self.fetch_pool = concurrent.futures.ThreadPoolExecutor(
-                opening.max_concurrency, thread_name_prefix="grain_replay_zarr_get"
-            )
+            self.fetch_pool = shutdown.thread_pool(opening.max_concurrency, "grain_replay_zarr_get")
             for key, loc in opening.layout.locations.items():
                 arr = lookup(arrays, loc)
                 spec = opening.layout.spec[key]
@@ -135,9 +134,7 @@ class ZarrHandle(Handle):
                     self.cache,
                 )  # fmt: skip
             if len(self.readers) > 1:
-                self.pool = concurrent.futures.ThreadPoolExecutor(
-                    min(len(self.readers), 16), thread_name_prefix="grain_replay_zarr"
-                )
+                self.pool = shutdown.thread_pool(min(len(self.readers), 16), "grain_replay_zarr")
             return
         self.group = open_local(opening.path)
         self._n = n

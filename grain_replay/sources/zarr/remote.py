@@ -10,6 +10,7 @@ import numpy as np
 
 from grain_replay import remote as remote_lib
 from grain_replay.errors import StoreNotFoundError
+from grain_replay.pipeline import shutdown
 from grain_replay.store.formats import import_zarr
 
 __all__ = ["fetch_arrays", "open_remote_group", "remote_block_reader"]
@@ -58,8 +59,8 @@ def fetch_arrays(group: Any, locations: Sequence[str]) -> dict[str, Any]:
 
     if not locations:
         return {}
-    with concurrent.futures.ThreadPoolExecutor(min(len(locations), 16)) as pool:
-        nodes = list(pool.map(fetch, locations))
+    with shutdown.thread_pool(min(len(locations), 16), "grain_replay_zarr_meta") as pool:
+        nodes = [f.result() for f in [shutdown.submit(pool, fetch, loc) for loc in locations]]
     out: dict[str, Any] = {}
     for loc, node in zip(locations, nodes):
         if isinstance(node, KeyError) or (
@@ -78,7 +79,7 @@ def remote_block_reader(
     chunk_rows: int,
     n: int,
     remote: remote_lib.Remote,
-    fetch_pool: concurrent.futures.ThreadPoolExecutor,
+    fetch_pool: concurrent.futures.Executor,
     key: str,
 ) -> Any:
     """Reads whole row-chunks of a remote array: requests in flight bounded, each retried.
@@ -93,7 +94,9 @@ def remote_block_reader(
         return remote.call(lambda: np.asarray(arr[rows]), f"chunk {c} of leaf {key!r}")
 
     def read_blocks(chunk_ids: Sequence[int]) -> list[np.ndarray]:
-        futures = [fetch_pool.submit(one, c) for c in chunk_ids]
+        # A chunk the pool refuses (at interpreter exit, or shut by the handle's close()
+        # in another thread) is fetched here.
+        futures = [shutdown.submit(fetch_pool, one, c) for c in chunk_ids]
         # Wait for every request before raising, so no fetch outlives the read.
         concurrent.futures.wait(futures)
         return [f.result() for f in futures]

@@ -16,6 +16,7 @@ from grain_replay.errors import (
     InvalidStoreError,
     StoreNotFoundError,
 )
+from grain_replay.pipeline import shutdown
 from grain_replay.remote import RetryOptions
 from grain_replay.sources.base import Layout, ReplaySource
 from grain_replay.sources.reading.cache import DEFAULT_CACHE_BYTES
@@ -142,7 +143,9 @@ class ZarrDataSource(ReplaySource):
             return super().read_flat(indices, check=check)
         idx = self._check_indices(indices) if check else np.asarray(indices)
         readers = handle.readers
-        futures = [pool.submit(readers[k].take, idx) for k in self._keys]
+        # A leaf the pool refuses (at interpreter exit, or shut by a refresh's close()
+        # in another thread) is read here.
+        futures = [shutdown.submit(pool, readers[k].take, idx) for k in self._keys]
         return {k: f.result() for k, f in zip(self._keys, futures)}
 
     def __getitem__(self, index: int) -> Any:

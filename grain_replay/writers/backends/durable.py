@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_replay.errors import InvalidStoreError, WriterBusyError
+from grain_replay.pipeline import shutdown
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.formats import GROWING_NPY_HEADER, import_h5py
 
@@ -51,7 +52,7 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int = NPY_HEADER) 
     return b"\x93NUMPY\x01\x00" + (size - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
-_FSYNC_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool)
+_FSYNC_POOL: tuple[int, concurrent.futures.Executor] | None = None  # (pid, pool)
 _FSYNC_POOL_LOCK = threading.Lock()
 
 
@@ -65,18 +66,12 @@ def fsync_all(fds: list[int]) -> None:
         return
     with _FSYNC_POOL_LOCK:
         if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # none yet, or forked
-            pool = concurrent.futures.ThreadPoolExecutor(8, "grain_replay-fsync")
+            pool = shutdown.thread_pool(8, "grain_replay-fsync")
             _FSYNC_POOL = (os.getpid(), pool)
         pool = _FSYNC_POOL[1]
-    try:
-        futures = [pool.submit(os.fsync, fd) for fd in fds]
-    except RuntimeError:
-        # The interpreter is exiting: threading's exit hooks (run before a non-daemon
-        # thread, e.g. an actor still closing its writer, is joined) shut every pool.
-        # The commit still needs its fsyncs: one after another, in this thread.
-        for fd in fds:
-            os.fsync(fd)
-        return
+    # At interpreter exit (an actor thread still closing its writer) the pool refuses:
+    # those fsyncs run one after another in this thread (shutdown.submit).
+    futures = [shutdown.submit(pool, os.fsync, fd) for fd in fds]
     for future in futures:
         future.result()  # raises the first failure
 
