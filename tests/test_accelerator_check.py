@@ -311,8 +311,19 @@ def _steps(out: str) -> list[tuple[int, str]]:
     return [(int(m[1]), m[2]) for m in re.finditer(r"^step (\d+): (.*)$", out, re.M)]
 
 
-def test_dry_run_installs_what_the_machine_lacks_and_keeps_the_rest(tmp_path: Path) -> None:
-    proc = _run("--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run")
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The plain dry run (its folder, its run): two tests read it, one run of the script."""
+    tmp_path = tmp_path_factory.mktemp("dry_run")
+    return tmp_path, _run(
+        "--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run"
+    )
+
+
+def test_dry_run_installs_what_the_machine_lacks_and_keeps_the_rest(
+    dry_run: tuple[Path, subprocess.CompletedProcess],
+) -> None:
+    tmp_path, proc = dry_run
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "install grain_replay-0.1.0-py3-none-any.whl" in out
@@ -416,10 +427,13 @@ def test_the_peers_packages_come_from_the_index_best_effort(tmp_path: Path) -> N
     assert "for the peers" not in proc.stdout  # no index: nothing to try
 
 
-def test_the_old_name_runs_the_new_script(tmp_path: Path) -> None:
+def test_the_old_name_runs_the_new_script(
+    dry_run: tuple[Path, subprocess.CompletedProcess],
+) -> None:
     assert len(OLD_SCRIPT.read_text().splitlines()) == 3
-    args = ("--carry", str(_carry(tmp_path)), "--out", str(tmp_path / "out"), "--dry-run")
-    old, new = _run(*args, script=OLD_SCRIPT), _run(*args)
+    tmp_path, new = dry_run
+    args = ("--carry", str(tmp_path / "carry"), "--out", str(tmp_path / "out"), "--dry-run")
+    old = _run(*args, script=OLD_SCRIPT)
     assert old.returncode == new.returncode == 0, old.stderr
     assert _steps(old.stdout) == _steps(new.stdout) and len(_steps(old.stdout)) == 10
 
