@@ -41,8 +41,18 @@ PRINTS = {
     "pitfalls.md": ["8 (256, 17)", "refused: True\nrefused: True\n(32, 17)"],
     "checkpointing.md": ["{None: "],
 }
+# Set-up run before a page's script, in the same process (not part of what the page shows):
+# resident replay's gather windows of 8 batches, not 64, in device_replay.md: that program
+# compiles in a fraction of the time (~10 s less; the default window is compiled by
+# tests/device/test_resident.py), and the page's batches are the same.
+PRELUDE = {
+    "device_replay.md": (
+        "import grain_replay.device.resident as r\nr._MAX_WINDOW = min(r._MAX_WINDOW, 8)\n"
+    ),
+}
 RUNNER = (
     "import sys\n"
+    "exec(sys.argv[3], {})\n"
     "code = compile(open(sys.argv[1]).read(), sys.argv[2], 'exec')\n"
     "exec(code, {'__name__': '__main__'})\n"
 )
@@ -80,7 +90,7 @@ def test_page_snippets_run_from_an_empty_directory(page: str, tmp_path: Path) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(script), f"docs/{page}"],
+        [sys.executable, "-c", RUNNER, str(script), f"docs/{page}", PRELUDE.get(page, "")],
         cwd=work, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"docs/{page}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -105,6 +115,8 @@ def test_the_runner_fails_a_page_whose_snippet_raises(tmp_path: Path) -> None:
     script = tmp_path / "page.py"
     script.write_text("raise SystemExit('a broken snippet')\n")
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(script), "docs/x.md"], capture_output=True, text=True
+        [sys.executable, "-c", RUNNER, str(script), "docs/x.md", ""],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode != 0 and "a broken snippet" in proc.stderr

@@ -161,7 +161,9 @@ def test_in_process_with_operations_hands_batches_out_as_mapped(path: str) -> No
 def test_workers_lay_out_batches_once_asked_mid_stream_and_mapped_ones_too(path: str) -> None:
     src = gr.open_source(path)
     ops = [Frames()]
-    want = list(_loader(src, worker_count=2, operations=ops))
+    # The reference in process: the workers' stream equals it (test_worker_loader.py), and
+    # it spawns no second set of workers (seconds on a 2-core machine).
+    want = list(_loader(src, worker_count=0, operations=ops))
     it = iter(_loader(src, worker_count=2, operations=ops))
     got = [next(it), next(it)]
     it.lay_out_lanes()  # the running workers are told; what they wrote before stays
@@ -179,7 +181,7 @@ def test_workers_keep_batches_with_leaves_lanes_cannot_hold_as_they_were(
 ) -> None:
     """A 0-d leaf (no rows) keeps a batch in the plain layout; pickled leaves still travel."""
     src = gr.open_source(path)
-    want = list(_loader(src, worker_count=2, operations=[op], num_epochs=1))
+    want = list(_loader(src, worker_count=0, operations=[op], num_epochs=1))  # as above
     it = iter(_loader(src, worker_count=2, operations=[op], num_epochs=1))
     it.lay_out_lanes()
     got = list(it)

@@ -54,6 +54,10 @@ def _sorted(tree: Any) -> Any:
     return tree
 
 
+# The reference streams below are read in process (worker_count=0): the workers' stream
+# equals it (test_stream_equals_the_in_process_stream), and it spawns no second set of workers.
+
+
 def _ids(batches: list[Any]) -> list[list[int]]:
     return [b["id"].tolist() for b in batches]
 
@@ -192,7 +196,7 @@ def test_empty_scalar_big_endian_strided_and_text_leaves_round_trip(path: str) -
 
 
 def test_read_error_names_the_worker_and_the_batch_is_read_again(path: str) -> None:
-    reference = _ids(list(_loader(gr.open_source(path))))
+    reference = _ids(list(_loader(gr.open_source(path), worker_count=0)))
     src = FailOnce(gr.open_source(path), bad_id=reference[3][0])
     it = iter(_loader(src))
     got = [next(it)["id"].tolist() for _ in range(3)]
@@ -212,7 +216,7 @@ def test_every_read_failing_raises_every_time(path: str) -> None:
 
 
 def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: str) -> None:
-    reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
+    reference = _ids(list(_loader(gr.open_source(path), worker_count=0, num_epochs=1)))
     before = children()
     it = iter(_loader(gr.open_source(path), num_epochs=1))
     got = [next(it)["id"].tolist() for _ in range(2)]
@@ -231,7 +235,7 @@ def test_killed_worker_raises_then_new_workers_resume_at_the_same_batch(path: st
 def _killed_once(path: str, marker: Any, kill: KillWorkerOnce, **kwargs: Any) -> list[Any]:
     """The batches until worker 0's death (``kill``), which must be reported, then the
     rest from the workers started after it; checks the stream against a clean run."""
-    reference = _ids(list(_loader(gr.open_source(path), num_epochs=1)))
+    reference = _ids(list(_loader(gr.open_source(path), worker_count=0, num_epochs=1)))
     marker.touch()
     it = iter(_loader(gr.open_source(path), num_epochs=1, operations=[kill], **kwargs))
     got: list[list[int]] = []
@@ -302,7 +306,7 @@ def test_close_kills_workers_stuck_in_reads_within_one_shared_wait(path: str) ->
 
 
 def test_close_keeps_the_position(path: str) -> None:
-    reference = _ids(list(_loader(gr.open_source(path))))
+    reference = _ids(list(_loader(gr.open_source(path), worker_count=0)))
     it = iter(_loader(gr.open_source(path)))
     got = [next(it)["id"].tolist() for _ in range(5)]
     it.close()

@@ -361,7 +361,9 @@ def test_grain_public_modules_exist():
     assert hasattr(grain.sharding, "NoSharding")
 
 
-def _loader(src, worker_count=2):
+def _loader(src, worker_count=1):
+    # One grain worker process: the source pickled into it and read there (each grain worker
+    # imports jax, ~2 s of CPU), as tests/helpers/conformance.py's test does.
     return grain.DataLoader(
         data_source=src,
         sampler=grain.samplers.IndexSampler(
