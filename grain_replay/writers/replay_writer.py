@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
 from grain_replay.writers.file_setup import FileSetup, open_file_store
+from grain_replay.writers.finalizing import collecting
 from grain_replay.writers.object_parts import ObjectPartWriter
 from grain_replay.writers.object_setup import (
     ObjectSetup,
@@ -221,11 +223,26 @@ class ReplayWriter:
             self._store.abandon()
 
     def __del__(self) -> None:
-        # Like a file object: commit and unlock if the caller forgot to close.
+        # Like a file object: commit and unlock if the caller forgot to close. Run by the
+        # garbage collector (a writer in a reference cycle), this runs inside whatever the
+        # collecting thread was doing, its locks held (the fsync pool's, while it submits a
+        # commit's fsyncs): the close, which takes such locks and waits, then runs on a
+        # thread of its own (non-daemon: the interpreter waits for the commit at exit).
         store = getattr(self, "_store", None)
-        if store is not None and not store.closed:
-            with contextlib.suppress(Exception):
-                self.close()
+        if store is None or store.closed:
+            return
+        if collecting():
+            closer = threading.Thread(target=self._close_quietly, name="grain_replay-writer-close")
+            try:
+                closer.start()
+                return
+            except RuntimeError:  # no new thread while the interpreter exits: close here
+                pass
+        self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> ReplayWriter:
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 from grain_replay.errors import BackgroundWriteError
 from grain_replay.writers.device.leaves import leaf_name
 
-__all__ = ["LeafWriteError", "commit_error", "sync_error", "write_error"]
+__all__ = ["LeafWriteError", "commit_error", "sync_error", "thread_error", "write_error"]
 
 _LOST = (
     "The rows committed before (by the last flush) are intact; the rows appended since "
@@ -58,6 +58,18 @@ def sync_error(where: str, e: Exception) -> BackgroundWriteError:
         f"{where}: committing the segments filled by rows appended earlier failed: "
         f"{type(e).__name__}: {e}. {_LOST} Fix: remove the cause (disk space, "
         "permissions), " + _REOPEN
+    )
+    error.__cause__ = e
+    return error
+
+
+def thread_error(where: str, thread: str, e: BaseException) -> BackgroundWriteError:
+    """The error of a writer ``thread`` that failed outside a copy, write, commit or sync
+    (a bug, a thread that could not start, no memory): callers raise it, not wait."""
+    error = BackgroundWriteError(
+        f"{where}: the device writer's {thread} thread failed: {type(e).__name__}: {e}. "
+        f"{_LOST} Fix: close() the writer and report the error with its traceback (chained "
+        "below) as a bug, " + _REOPEN
     )
     error.__cause__ = e
     return error

@@ -59,10 +59,25 @@ def _expected(steps: int) -> dict[str, np.ndarray]:
     }
 
 
+# Steps the caller dispatches ahead of their execution, at the most. On the accelerator
+# stand-in with sharded leaves, the writer's thread dispatches its stacking program over the
+# 8 CPU devices while the caller dispatches its steps: XLA's CPU client launches each
+# device's part of a program from a pool of 8 threads, and a launch waits there for a free
+# slot on its device (a bounded number of programs in flight a device). A caller hundreds of
+# steps ahead fills the slots, the two programs' 14 launches take every pool thread, and
+# the programs that would free a slot cannot launch: both threads wait forever (a CI run
+# hung so; gdb: 8 pool threads in Semaphore::ScopedAcquire, the caller and the writer in
+# PjRtLoadedExecutable::Execute). A real accelerator's copies never take this path (a CPU
+# device's arrays are read in place), nor does a caller's single-device step.
+RUN_AHEAD = 8
+
+
 def _run(writer: gr.ReplayWriter, state: jax.Array, steps: int, flush_every: int) -> jax.Array:
     for i in range(steps):
         state, transition = _step(state)
         writer.append(transition)
+        if (i + 1) % RUN_AHEAD == 0:
+            state.block_until_ready()
         if (i + 1) % flush_every == 0:
             writer.flush(wait=False)
     writer.flush()

@@ -42,7 +42,7 @@ from grain_replay.writers.device.leaves import (
 )
 from grain_replay.writers.device.queue import Commit, Item, JoinBuffers, Write, WriteQueue
 from grain_replay.writers.device.sync_thread import SyncThread
-from grain_replay.writers.write_errors import LeafWriteError, commit_error
+from grain_replay.writers.write_errors import LeafWriteError, commit_error, thread_error
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -223,15 +223,23 @@ class BackgroundWriter:
         with self._lock:  # the conditions' lock, taken without their Python wrappers
             if self._error is not None:
                 self._raise_locked()
-            self._queue.add(item)
-            commit = isinstance(item, Commit)
             if self._thread is None:
-                self._thread = threading.Thread(
+                # Started before the item is queued: a thread that cannot start (RuntimeError)
+                # is raised by this call, with nothing queued that a drain would wait for.
+                thread = threading.Thread(
                     target=self._run, name="grain_replay-device-writes", daemon=True
                 )
                 shutdown.register(self, BackgroundWriter.close_at_exit)
-                self._thread.start()
-            elif self._idle and (commit or self._queue.batch_queued()):
+                try:
+                    thread.start()
+                except BaseException:
+                    shutdown.unregister(self)
+                    raise
+                self._thread = thread
+                self._queue.add(item)
+                return
+            self._queue.add(item)
+            if self._idle and (isinstance(item, Commit) or self._queue.batch_queued()):
                 # A batch (or a commit) is queued; below a batch, the thread sleeps on.
                 self._work.notify_all()
 
@@ -293,33 +301,44 @@ class BackgroundWriter:
         """Sleeps until a batch is queued (``batch_bytes`` of trees), a commit is, a caller
         waits or the writer stops; then takes up to a batch of trees in order, waits for
         their host copies and writes them as one block, then runs the commit queued right
-        behind them if one is, until the queue is below a batch again."""
+        behind them if one is, until the queue is below a batch again. Anything raised
+        outside those steps (a bug, a sync thread that could not start, no memory) fails
+        the writer: callers waiting for the thread raise it instead of waiting forever."""
         try:
-            while True:
-                with self._work:
-                    while self._error is None and not self._queue.ready(self._urgent > 0):
-                        self._idle = True
-                        self._work.wait()
-                    self._idle = False
-                    if self._error is not None:  # the sync thread failed
-                        return
-                    batch, commit, stop = self._queue.take()
-                parts, error = batch_to_host(batch, self._where) if batch else ([], None)
-                if error is None and batch:
-                    error = self._write(batch, parts)
-                del parts
-                if batch or error is not None:
-                    # The commit behind the batch syncs its segments: no sync of them before.
-                    self._done_with(batch, error, sync=commit is None)
-                # Dropped outside the lock: the last reference to the writer may go with it.
-                del batch
-                if error is None and commit is not None:
-                    error = self._run_commit(commit)
-                del commit
-                if error is not None or stop:
-                    return
+            self._loop()
+        except BaseException as e:
+            with self._done:
+                self._fail_locked(thread_error(self._where, "write", e))
+                self._done.notify_all()
+            if not isinstance(e, Exception):
+                raise
         finally:
             self._joins.clear()
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while self._error is None and not self._queue.ready(self._urgent > 0):
+                    self._idle = True
+                    self._work.wait()
+                self._idle = False
+                if self._error is not None:  # the sync thread failed
+                    return
+                batch, commit, stop = self._queue.take()
+            parts, error = batch_to_host(batch, self._where) if batch else ([], None)
+            if error is None and batch:
+                error = self._write(batch, parts)
+            del parts
+            if batch or error is not None:
+                # The commit behind the batch syncs its segments: no sync of them before.
+                self._done_with(batch, error, sync=commit is None)
+            # Dropped outside the lock: the last reference to the writer may go with it.
+            del batch
+            if error is None and commit is not None:
+                error = self._run_commit(commit)
+            del commit
+            if error is not None or stop:
+                return
 
     def _run_commit(self, commit: Commit) -> BackgroundWriteError | None:
         """Runs a queued commit once the sync thread is idle (it touches the segments the

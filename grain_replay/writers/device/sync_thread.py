@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from grain_replay.errors import BackgroundWriteError
-from grain_replay.writers.write_errors import sync_error
+from grain_replay.writers.write_errors import sync_error, thread_error
 
 __all__ = ["SyncThread"]
 
@@ -59,11 +59,12 @@ class SyncThread:
     def start_locked(self) -> None:
         """Asks for one more sync, soon; starts the thread on the first."""
         self.wanted = True
-        if self._thread is None:
-            self._thread = threading.Thread(
+        if self._thread is None:  # set once started: one that cannot start is not joined
+            thread = threading.Thread(
                 target=self._run, name="grain_replay-device-syncs", daemon=True
             )
-            self._thread.start()
+            thread.start()
+            self._thread = thread
         self._work.notify_all()
 
     def detach_locked(self) -> threading.Thread | None:
@@ -73,6 +74,17 @@ class SyncThread:
         return thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # outside the sync (a bug): the writer fails, no one waits
+            with self._done:
+                self.running = False
+                self._fail_locked(thread_error(self._where, "sync", e))
+                self._done.notify_all()
+            if not isinstance(e, Exception):
+                raise
+
+    def _loop(self) -> None:
         while True:
             with self._work:
                 while (
