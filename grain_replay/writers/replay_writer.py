@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -228,10 +229,13 @@ class ReplayWriter:
         # collecting thread was doing, its locks held (the fsync pool's, while it submits a
         # commit's fsyncs): the close, which takes such locks and waits, then runs on a
         # thread of its own (non-daemon: the interpreter waits for the commit at exit).
+        # Not in the interpreter's last collections (finalizing: no Python frame runs, so
+        # no lock is held; a thread started then never runs, and start() waits for it
+        # forever): the close runs here.
         store = getattr(self, "_store", None)
         if store is None or store.closed:
             return
-        if collecting():
+        if collecting() and not sys.is_finalizing():
             closer = threading.Thread(target=self._close_quietly, name="grain_replay-writer-close")
             try:
                 closer.start()

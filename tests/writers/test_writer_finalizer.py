@@ -75,6 +75,38 @@ def test_a_writer_closed_by_the_garbage_collector_inside_a_pool_submit_commits(
     np.testing.assert_array_equal(got["a"], np.arange(4))
 
 
+# A forgotten writer with pending rows in a reference cycle, left to the interpreter's last
+# collections at exit (as a script that never closes it does): no thread can start then.
+_LEFT_AT_EXIT = """
+import os, sys
+import numpy as np
+import grain_replay as gr
+
+w = gr.ReplayWriter(os.path.join(sys.argv[1], "left"))
+w.append({"a": np.arange(4)})
+cycle = [w]
+cycle.append(cycle)
+del w, cycle
+"""
+
+
+def test_a_writer_left_in_a_cycle_at_interpreter_exit_commits_and_the_process_ends(
+    tmp_path: Path,
+) -> None:
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_LEFT_AT_EXIT), str(tmp_path)],
+            capture_output=True, text=True, timeout=90, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(
+            "the interpreter's last collection waited forever for a closing thread to start"
+        ) from e
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(read_all(str(tmp_path / "left"))["a"], np.arange(4))
+
+
 def test_a_writer_dropped_by_its_caller_is_closed_before_the_drop_returns(
     tmp_path: Path,
 ) -> None:
