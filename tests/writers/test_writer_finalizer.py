@@ -57,19 +57,23 @@ print("closed" if collected else "not collected")
 """
 
 
-def test_a_writer_closed_by_the_garbage_collector_inside_a_pool_submit_commits(
-    tmp_path: Path,
-) -> None:
+def _child(code: str, path: Path, hang: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run in a fresh interpreter with ``path`` as its argument; ``hang`` is the
+    failure's message when it does not end within 90 s."""
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_CHILD), str(tmp_path)],
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), str(path)],
             capture_output=True, text=True, timeout=90, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(
-            "the collector's close of a forgotten writer deadlocked on the pool's lock"
-        ) from e
+        raise AssertionError(hang) from e
+
+
+def test_a_writer_closed_by_the_garbage_collector_inside_a_pool_submit_commits(
+    tmp_path: Path,
+) -> None:
+    proc = _child(_CHILD, tmp_path, "the collector's close deadlocked on the pool's lock")
     assert proc.returncode == 0 and proc.stdout.strip() == "closed", proc.stdout + proc.stderr
     got = read_all(str(tmp_path / "forgotten"))
     np.testing.assert_array_equal(got["a"], np.arange(4))
@@ -93,16 +97,7 @@ del w, cycle
 def test_a_writer_left_in_a_cycle_at_interpreter_exit_commits_and_the_process_ends(
     tmp_path: Path,
 ) -> None:
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_LEFT_AT_EXIT), str(tmp_path)],
-            capture_output=True, text=True, timeout=90, cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(
-            "the interpreter's last collection waited forever for a closing thread to start"
-        ) from e
+    proc = _child(_LEFT_AT_EXIT, tmp_path, "the last collection waited for a thread to start")
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(read_all(str(tmp_path / "left"))["a"], np.arange(4))
 
