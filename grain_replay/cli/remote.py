@@ -162,8 +162,8 @@ def verify_object_store(src: Any, url: str, opts: dict[str, Any] | None) -> int:
         except (GrainReplayError, OSError) as e:
             problems.append(f"reading the live rows: {e}")
     if problems:
-        for p in problems:
-            print(f"CORRUPT {src.path}: {p}", file=sys.stderr)
+        for problem in problems:
+            print(f"CORRUPT {src.path}: {problem}", file=sys.stderr)
         return 1
     print(
         f"OK {src.path}: {n:,} live records of {len(src.writers)} writers, {pieces} "
