@@ -9,6 +9,10 @@ For two workloads (``mlp``: a 3-layer MLP Q-learning step on 525-byte transition
   of: ``jax.device_put`` of the numpy batch (1 and 4 in flight), and the same bytes as
   one flat ``uint8[n, 128]`` buffer, 4 puts in flight (batches/s);
 - ``loader-w{0,4}``: ``make_data_loader`` alone (host batches/s; the read is a ceiling too);
+- ``ceiling-g{g}``: the most a host-fed feed of per-batch device arrays can give on this
+  host: the step fed from batches already in memory (no loader), ``g`` batches a packed
+  put and one unpack program (``sharded_device_put``'s grouping), all on the step's
+  thread; what it adds to ``step`` is the put, the unpack and the arrays it returns;
 - ``fed-w{0,4}-...``: the step fed by ``make_data_loader(worker_count=w)`` +
   ``sharded_device_put``: ``before``, one put per leaf on one thread (until 2026-12);
   ``leaves``, one put per leaf, batches of 1 MiB or more 4 at once on their own threads;
@@ -141,6 +145,28 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
     cases["put-plain-4"] = in_flight(lambda: jax.device_put(host, sharding))
     cases["put-flat-u8-4"] = in_flight(lambda: jax.device_put(flat, dev))
     iters: dict[str, Iterator[Any]] = {}
+    # the ceiling of any host-fed feed of per-batch device arrays: no loader (the batches
+    # already in memory), one packed put + one unpack per group of batches (the grouping
+    # sharded_device_put uses), all on the step's thread: what is left is the put, the
+    # unpack program and its outputs, one jax call each, beside the step's own dispatch
+    batch_bytes = sum(v.nbytes for v in host.values())
+    g = max(1, min(packing.MAX_GROUP, packing.GROUP_BYTES // batch_bytes))
+    treedef = jax.tree_util.tree_structure(host)
+    group = [a for i in range(g) for a in jax.tree_util.tree_leaves(host_batches[i % 8])]
+    lay = packing.plan(group, [sharding] * len(group))
+    if lay is not None:
+        nl = treedef.num_leaves
+
+        def ceiling(k: int) -> None:
+            p, done = state["p"], 0
+            while done < k:
+                outs = lay.put(group)
+                for i in range(min(g, k - done)):
+                    p = step(p, jax.tree_util.tree_unflatten(treedef, outs[i * nl : (i + 1) * nl]))
+                done += g
+            state["p"] = jax.block_until_ready(p)
+
+        cases[f"ceiling-g{g}"] = ceiling
 
     def feed(w: int, packed: bool | None, **consts: int) -> Iterator[Any]:
         loader = gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1, worker_count=w)
@@ -210,7 +236,7 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
         "all": rates,
         "link": link,
         "bound": bound,
-        "ratios": {c: med[c] / bound for c in med if c.startswith("fed")},
+        "ratios": {c: med[c] / bound for c in med if c.startswith(("fed", "ceiling"))},
     }
     return out
 
