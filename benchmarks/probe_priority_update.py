@@ -24,6 +24,7 @@ import numpy as np
 
 from grain_replay.device import replay_draws as draws
 from grain_replay.device import replay_tree as tree
+from grain_replay.device.replay_state import StateLayout
 
 B, ALPHA, EPS, BETA = 256, 0.6, 1e-6, 0.4
 
@@ -56,25 +57,27 @@ def ring(c: int) -> dict[str, Any]:
         lambda i, acc: acc + jax.random.randint(jax.random.fold_in(key, i), (B,), 0, c).sum(),
         jnp.int32(0),
     )
+    at = StateLayout(c, 1, prioritized=True)
+    mass0 = jax.jit(at.mass)(priority, jnp.float32(1), sums, mins)
     saved = tree.DENSE_SLOTS
     for name, dense in (("update-rebuilt", 1 << 40), ("update-touched", 0)):
         tree.DENSE_SLOTS = dense
 
-        def update(i: Any, carry: Any) -> Any:
-            p, top, s, m = carry
+        def update(i: Any, mass: Any) -> Any:
             k = jax.random.fold_in(key, i)
             index = jax.random.randint(k, (B,), 0, c)
             given = jax.random.uniform(k, (B,))
-            return draws.updated_priorities(p, top, live, s, m, index, given, ALPHA, EPS)
+            return draws.updated_priorities(mass, at, live, index, given, ALPHA, EPS)
 
         try:
-            out[name], (p, _, s, m) = _chip_ms(update, (priority, jnp.float32(1), sums, mins))
+            out[name], mass = _chip_ms(update, mass0)
         finally:
             tree.DENSE_SLOTS = saved
-        want_s, want_m = tree.build(p, live, ALPHA, EPS)
+        want_s, want_m = tree.build(at.priority(mass), live, ALPHA, EPS)
+        got = (*at.sums(mass), *at.mins(mass))
         out[f"{name}-matches-rebuild"] = all(
             np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4)
-            for a, b in zip((*want_s, *want_m), (*s, *m), strict=True)
+            for a, b in zip((*want_s, *want_m), got, strict=True)
         )
     return out
 

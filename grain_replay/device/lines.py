@@ -54,6 +54,7 @@ __all__ = [
     "TILE_WASTE",
     "WORD",
     "Probe",
+    "apart",
     "RowLayout",
     "from_words",
     "packable",
@@ -67,6 +68,13 @@ WORD = 4  # bytes
 SUBLANES = 8  # the second-minor tile of 32-bit words on a TPU
 TILE_WASTE = 0.02  # rows become whole tiles ("tiles") when that adds at most this
 ROW_ALIGN = LANES  # write_rows starts on a multiple of this: a line's first row in every layout
+
+
+def apart(keep: jax.Array, index: jax.Array, bound: int) -> jax.Array:
+    """Traced: ``index`` (int32[n]) where ``keep``, else ``bound + i`` for entry ``i``: each
+    skipped entry its own place past the end, so that a scatter with ``mode="drop"`` drops
+    it and the indices stay distinct (``unique_indices=True``: no serialized writes)."""
+    return jnp.where(keep, index, bound + jnp.arange(index.shape[0], dtype=jnp.int32))
 
 
 def packable(dtype: Any) -> bool:
@@ -317,11 +325,10 @@ class RowLayout:
             rows = jnp.stack([to_words(leaves[i], lanes) for i in members])  # (L, n, lanes)
             if kind == "tiles":  # whole rows: row t of every leaf set, out of bounds dropped
                 rows = rows.reshape(len(members), n, lanes // LANES, LANES)
-                at = jnp.where(keep, targets, buf.shape[1] + jnp.arange(n, dtype=jnp.int32))
+                at = apart(keep, targets, buf.shape[1])
                 out.append(buf.at[:, at].set(rows, mode="drop", unique_indices=True))
                 continue
-            # Out of bounds (dropped), each its own line: the indices stay distinct.
-            line = jnp.where(keep, targets // k, buf.shape[1] + jnp.arange(n, dtype=jnp.int32))
+            line = apart(keep, targets // k, buf.shape[1])
             start = (targets % k) * lanes
             out.append(
                 jax.lax.scatter(

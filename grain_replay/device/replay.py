@@ -13,7 +13,13 @@ from grain_replay.device import replay_draws as draws
 from grain_replay.device import replay_refresh, row_dma
 from grain_replay.device import replay_tree as tree
 from grain_replay.device.lines import Probe, RowLayout
-from grain_replay.device.replay_state import DeviceReplayState, join_ids, replaced
+from grain_replay.device.replay_state import (
+    DeviceReplayState,
+    StateLayout,
+    StateView,
+    check_state,
+    join_ids,
+)
 from grain_replay.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -158,6 +164,8 @@ class DeviceReplay:
             )
         probe = Probe(self.source)
         self._layout = RowLayout(probe, capacity)
+        prioritized = isinstance(self.sampling, PrioritizedReplay)
+        self._at = StateLayout(capacity, self._writers, prioritized)
         self._expected = jax.eval_shape(self._allocate_fn)
         self._allocate = jax.jit(
             self._allocate_fn, out_shardings=jax.sharding.SingleDeviceSharding(self._device)
@@ -185,7 +193,7 @@ class DeviceReplay:
     def _allocate_fn(self) -> DeviceReplayState:
         layout = self._layout
         assert layout is not None
-        return replay_refresh.allocate(layout, self._writers, self._trees)
+        return replay_refresh.allocate(layout, self._at, self._trees)
 
     def _trees(
         self, priority: jax.Array, live: jax.Array
@@ -198,21 +206,8 @@ class DeviceReplay:
 
     def _check_state(self, state: Any, call: str) -> None:
         """Refuses what is not a state of this replay (shapes, dtypes); works on tracers."""
-        expected = self._spec()
-        if not isinstance(state, DeviceReplayState):
-            raise ArgumentTypeError(
-                f"DeviceReplay.{call}: expected the state DeviceReplay.init() returned, got "
-                f"{type(state).__name__}. Fix: pass replay.init()'s state (or its restore)."
-            )
-        got = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(state)]
-        want = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(expected)]
-        if got != want:
-            raise InvalidArgumentError(
-                f"DeviceReplay.{call}: the state is not one of this replay (capacity "
-                f"{self.capacity}, leaves of {self._where()}): its arrays are {got}, this "
-                f"replay's are {want}. Fix: pass the state this DeviceReplay's init() made, "
-                "or build the DeviceReplay with the store and capacity the state was made with."
-            )
+        what = f"capacity {self.capacity}, leaves of {self._where()}"
+        check_state(state, self._spec(), f"DeviceReplay.{call}", what)
 
     # -- the public surface ----------------------------------------------------------
 
@@ -231,7 +226,7 @@ class DeviceReplay:
         self._setup()
         state = self.refresh(self._allocate(), look=False)
         self._dma = self._dma_is_faster(state)
-        live = int(state.n_live)
+        live = int(self._at.view(state).n_live)
         if live < max(1, self.sampling.min_size):
             raise InvalidSamplingError(
                 f"DeviceReplay: {self._where()} has {live} live rows, fewer than min_size="
@@ -291,11 +286,12 @@ class DeviceReplay:
         self._check_state(state, "sample")
         layout = self._setup()
         opts = self.sampling
+        view = self._at.view(state)
         if isinstance(opts, PrioritizedReplay):
             b = float(opts.beta) if beta is None else beta  # type: ignore[arg-type]
-            slots, weight = draws.prioritized(key, state.sums, state.mins, batch_size, b)
+            slots, weight = draws.prioritized(key, view.sums, view.mins, batch_size, b)
         else:
-            slots, weight = draws.uniform(key, state.live_slots, state.n_live, batch_size)
+            slots, weight = draws.uniform(key, view.live_slots, view.n_live, batch_size)
         leaves = layout.gather(state.rows, jnp.maximum(slots, 0), dma=self._dma)
         data = jax.tree_util.tree_unflatten(layout.probe.treedef, leaves)
         return Sampled(data, slots, weight)  # type: ignore[arg-type]  # jax arrays here
@@ -330,18 +326,17 @@ class DeviceReplay:
             )
         opts = self.sampling
         alpha, eps = (opts.alpha, opts.eps) if isinstance(opts, PrioritizedReplay) else (1.0, 0.0)
-        priority, top, sums, mins = draws.updated_priorities(
-            state.priority,
-            state.max_priority,
-            state.live,
-            state.sums,
-            state.mins,
-            index,
-            priorities,
-            alpha,
-            eps,
-        )
-        return replaced(state, priority=priority, max_priority=top, sums=sums, mins=mins)
+        at = self._at
+        live = at.view(state).live
+        mass = draws.updated_priorities(state.mass, at, live, index, priorities, alpha, eps)
+        return state._replace(mass=mass)
+
+    def view(self, state: DeviceReplayState) -> StateView:
+        """``state``'s parts by name (a :class:`~grain_replay.device.replay_state.StateView`
+        of slices of its arrays: slot ids, liveness, priorities, trees, watermarks,
+        counters); traced inside jit. Raises what ``sample`` does for a foreign state."""
+        self._check_state(state, "view")
+        return self._at.view(state)
 
     def row_ids(self, state: DeviceReplayState, index: Any) -> np.ndarray:
         """The store row ids (int64) held by slots ``index``; -1 for an empty slot or an
@@ -351,7 +346,8 @@ class DeviceReplay:
         ``ordinal << 40 | seq`` (``source.read_ids``) for a many-writer store.
         """
         self._check_state(state, "row_ids")
-        hi, lo = jax.device_get((state.slot_hi, state.slot_lo))
+        parts = self._at.book_parts(np.asarray(jax.device_get(state.book)))
+        hi, lo = parts["slot_hi"], parts["slot_lo"]
         index = np.asarray(index, dtype=np.int64)
         held = (index >= 0) & (index < len(hi))
         safe = np.where(held, index, 0)
@@ -385,6 +381,7 @@ class DeviceReplay:
             state,
             self.source,
             layout,
+            self._at,
             bounded=self._bounded,
             where=self._where(),
             device=self._device,
@@ -394,9 +391,9 @@ class DeviceReplay:
     # -- refresh internals -------------------------------------------------------------
 
     def _write_fn(
-        self, state: DeviceReplayState, chunk: list[jax.Array], targets: jax.Array, host: Any
+        self, state: DeviceReplayState, chunk: list[jax.Array], targets: jax.Array, book: Any
     ) -> DeviceReplayState:
         self.refresh_traces += 1  # runs when traced: once per size class
         layout = self._layout
         assert layout is not None
-        return replay_refresh.write(state, chunk, targets, host, layout, self._trees)
+        return replay_refresh.write(state, chunk, targets, book, layout, self._at, self._trees)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from grain_replay.device import replay_tree as tree
+from grain_replay.device.lines import apart
+from grain_replay.device.replay_state import StateLayout
 
 __all__ = ["last_of_each", "prioritized", "uniform", "updated_priorities"]
 
@@ -83,24 +85,24 @@ def last_of_each(index: jax.Array, ok: jax.Array) -> jax.Array:
 
 
 def updated_priorities(
-    priority: jax.Array,
-    max_priority: jax.Array,
+    mass: jax.Array,
+    at: StateLayout,
     live: jax.Array,
-    sums: tuple[jax.Array, ...],
-    mins: tuple[jax.Array, ...],
     index: jax.Array,
     given: jax.Array,
     alpha: float,
     eps: float,
-) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """``priority`` with slots ``index`` set to ``given``, the new largest priority, and the
-    trees (``sums``/``mins``; empty for a uniform replay) updated to match.
+) -> jax.Array:
+    """A state's ``mass`` lines (laid out as ``at`` says) with the priorities of slots
+    ``index`` set to ``given``, the largest priority raised to match, and the trees (for a
+    prioritized layout) updated; ``live`` is the state's bool[C]. In place: a donated
+    state's buffer is reused.
 
     Entries that cannot apply are skipped (inside jit nothing can raise): a slot outside
     ``[0, C)`` (-1: an empty ring's draw), a slot not live, a priority negative, NaN or
     infinite. With a slot twice, the last of its priorities is kept (the host rule).
     """
-    c = priority.shape[0]
+    c = at.capacity
     index = index.reshape(-1).astype(jnp.int32)
     given = given.reshape(-1).astype(jnp.float32)
     ok = (index >= 0) & (index < c) & jnp.isfinite(given) & (given >= 0)
@@ -108,9 +110,9 @@ def updated_priorities(
     top = jnp.max(jnp.where(ok, given, 0.0), initial=0.0)
     ok = last_of_each(index, ok)
     slot = jnp.where(ok, index, 0)
-    # the skipped entries each to its own place past the end: the indices stay distinct
-    far = c + jnp.arange(index.shape[0], dtype=jnp.int32)
-    priority = priority.at[jnp.where(ok, index, far)].set(given, mode="drop", unique_indices=True)
-    if sums:
-        sums, mins = tree.update(sums, mins, slot, (given + eps) ** alpha, ok)
-    return priority, jnp.maximum(max_priority, top), sums, mins
+    rows = apart(ok, slot // LANES, mass.shape[0])  # the priorities' lines come first
+    mass = mass.at[rows, slot % LANES].set(given, mode="drop", unique_indices=True)
+    mass = mass.at[at.lines, 0].max(top)  # the largest priority given so far
+    if at.sums_at:
+        mass = tree.update(mass, at.sums_at, at.mins_at, slot, (given + eps) ** alpha, ok)
+    return mass

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grain_replay.device import replay_tree as tree
 from grain_replay.device.lines import RowLayout
-from grain_replay.device.replay_state import FIELDS, DeviceReplayState, Ring, news
+from grain_replay.device.replay_state import DeviceReplayState, Ring, StateLayout, news
 from grain_replay.errors import InvalidStoreError
 
 __all__ = ["allocate", "bucket", "refresh", "write"]
@@ -29,26 +28,27 @@ def bucket(k: int, capacity: int) -> int:
     return min(capacity, 1 << max(0, k - 1).bit_length()) if k else 1
 
 
-def allocate(layout: RowLayout, writers: int, trees: Trees) -> DeviceReplayState:
-    """Traced: an empty ring of ``layout.capacity`` slots and ``writers`` watermarks."""
-    c, w = layout.capacity, writers
+def allocate(layout: RowLayout, at: StateLayout, trees: Trees) -> DeviceReplayState:
+    """Traced: an empty ring of ``layout.capacity`` slots, its other parts where ``at``
+    says."""
+    c = layout.capacity
     live, priority = jnp.zeros(c, bool), jnp.zeros(c, jnp.float32)
     sums, mins = trees(priority, live)
+    empty = {
+        "slot_hi": jnp.full(c, -1, jnp.int32),
+        "slot_lo": jnp.zeros(c, jnp.int32),
+        "order": jnp.full(c, -1, jnp.int32),
+        "live": live,
+        "live_slots": jnp.zeros(0, jnp.int32),
+        "n_live": jnp.int32(0),
+        "mark_hi": jnp.zeros(at.writers, jnp.int32),
+        "mark_lo": jnp.zeros(at.writers, jnp.int32),
+        "refreshes": jnp.int32(0),
+    }
     return DeviceReplayState(
         rows=tuple(layout.allocate()),
-        slot_hi=jnp.full(c, -1, jnp.int32),
-        slot_lo=jnp.zeros(c, jnp.int32),
-        order=jnp.full(c, -1, jnp.int32),
-        live=live,
-        live_slots=jnp.zeros((tree.level_lines(c)[0], tree.LANES), jnp.int32),
-        n_live=jnp.zeros((), jnp.int32),
-        priority=priority,
-        max_priority=jnp.ones((), jnp.float32),
-        sums=sums,
-        mins=mins,
-        mark_hi=jnp.zeros(w, jnp.int32),
-        mark_lo=jnp.zeros(w, jnp.int32),
-        refreshes=jnp.zeros((), jnp.int32),
+        book=at.book(jnp, empty),
+        mass=at.mass(priority, jnp.float32(1.0), sums, mins),
     )
 
 
@@ -56,6 +56,7 @@ def refresh(
     state: DeviceReplayState,
     source: Any,
     layout: RowLayout,
+    at: StateLayout,
     *,
     bounded: bool,
     where: str,
@@ -70,7 +71,7 @@ def refresh(
       InvalidStoreError: a leaf's rows changed shape since the ring was set up (and what
         :func:`~grain_replay.device.replay_state.news` raises).
     """
-    ring = Ring.of(state)
+    ring = Ring.of(state, at)
     positions, new_ids, gone = news(source, ring, bounded, where)
     evicted = ring.evict(gone) if gone is not None else 0
     targets = ring.place(new_ids)
@@ -93,30 +94,30 @@ def refresh(
         chunk.append(buf)
     padded = np.full(kb, layout.capacity, np.int32)
     padded[:k] = targets
-    host = ring.arrays()
-    chunk, padded, host = jax.device_put((chunk, padded, host), device)
-    return write(state, chunk, padded, host)
+    book = ring.book(at)
+    chunk, padded, book = jax.device_put((chunk, padded, book), device)
+    return write(state, chunk, padded, book)
 
 
 def write(
     state: DeviceReplayState,
     chunk: list[jax.Array],
     targets: jax.Array,
-    host: Any,
+    book: jax.Array,
     layout: RowLayout,
+    at: StateLayout,
     trees: Trees,
 ) -> DeviceReplayState:
     """Traced: ``chunk``'s rows scattered into slots ``targets`` (the capacity: padding,
-    dropped) at the top priority, the host's bookkeeping ``host`` taken over."""
+    dropped) at the top priority, the host's bookkeeping ``book`` taken over."""
     rows = layout.scatter(state.rows, chunk, targets)
-    priority = state.priority.at[targets].set(state.max_priority, mode="drop")
-    priority = jnp.where(host["live"], priority, 0.0)
-    sums, mins = trees(priority, host["live"])
+    old = at.view(state)
+    live = at.book_parts(book)["live"]
+    priority = old.priority.at[targets].set(old.max_priority, mode="drop")
+    priority = jnp.where(live, priority, 0.0)
+    sums, mins = trees(priority, live)
     return DeviceReplayState(
         rows=tuple(rows),
-        priority=priority,
-        max_priority=state.max_priority,
-        sums=sums,
-        mins=mins,
-        **{k: host[k] for k in FIELDS if k in host},
+        book=book,
+        mass=at.mass(priority, old.max_priority, sums, mins),
     )

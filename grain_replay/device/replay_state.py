@@ -6,22 +6,26 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.device.replay_tree import level_lines
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidStoreError
 from grain_replay.store import parts as parts_lib
 
 __all__ = [
     "FIELDS",
     "DeviceReplayState",
     "Ring",
+    "StateLayout",
+    "StateView",
+    "check_state",
     "join_ids",
     "news",
-    "replaced",
     "split_ids32",
 ]
 
-LANES = 128  # the live-slot table's lines
+LANES = 128  # a line of the state's arrays
 _LO_BITS = 31
 _LO_MASK = (1 << _LO_BITS) - 1
 
@@ -43,21 +47,46 @@ def join_ids(hi: Any, lo: Any) -> np.ndarray:
 
 
 class DeviceReplayState(NamedTuple):
-    """Everything a :class:`~grain_replay.DeviceReplay` holds on the device; one pytree.
+    """Everything a :class:`~grain_replay.DeviceReplay` holds on the device; one pytree of
+    few arrays: a jitted step that takes and returns it pays the host a fixed cost for
+    each (~8-12 us on a TPU v5e host, where the MLP step's whole dispatch is ~0.25 ms).
 
-    ``C`` is the ring's capacity (slots), ``W`` the writers it keeps a watermark for.
-    Saved and restored as one Orbax item (``ocp.args.StandardSave(state)``).
+    ``C`` is the ring's capacity (slots), ``L = ceil(C / 128)`` its lines, ``W`` the
+    writers it keeps a watermark for. Saved and restored as one Orbax item
+    (``ocp.args.StandardSave(state)``). Read its parts by name with
+    ``DeviceReplay.view(state)`` (a :class:`StateView`; where each lies:
+    :class:`StateLayout`).
 
     Attributes:
       rows: the row buffers: the leaves' 32-bit words in 128-lane lines, one buffer per
         layout and width (see ``device/lines.py``).
+      book: int32 lines: the ring's bookkeeping (each slot's row id, the refresh that
+        filled it, whether it is live; the live slots' table; each writer's watermark;
+        the counters), written by the host at each refresh.
+      mass: float32 lines: the priorities, the largest priority given so far, and (for a
+        prioritized replay) every level of the sum and min trees, written inside jit by
+        ``update_priorities``.
+    """
+
+    rows: tuple[jax.Array, ...]
+    book: jax.Array
+    mass: jax.Array
+
+
+FIELDS: tuple[str, ...] = DeviceReplayState._fields
+
+
+class StateView(NamedTuple):
+    """A :class:`DeviceReplayState`'s parts by name (slices of its arrays; on the host, or
+    traced inside jit).
+
+    Attributes:
       slot_hi: int32[C]: the row id held by each slot, high bits (``id >> 31``); -1: empty.
       slot_lo: int32[C]: its low 31 bits. A row id is the store position for a plain or
         growing store, ``ordinal << 40 | seq`` for a bounded many-writer store.
       order: int32[C]: the refresh that filled (or emptied) each slot; -1: never used.
       live: bool[C]: the slot holds a live row (the only slots a draw can return).
-      live_slots: int32[L, 128] (``L = ceil(C / 128)`` lines): the live slots, first
-        ``n_live`` entries (uniform draws).
+      live_slots: int32[L, 128]: the live slots, first ``n_live`` entries (uniform draws).
       n_live: int32[]: how many slots are live.
       priority: float32[C]: each slot's priority (0 where not live).
       max_priority: float32[]: the largest priority given so far (1.0 at first): new rows'.
@@ -72,28 +101,159 @@ class DeviceReplayState(NamedTuple):
       refreshes: int32[]: refreshes so far.
     """
 
-    rows: tuple[jax.Array, ...]
-    slot_hi: jax.Array
-    slot_lo: jax.Array
-    order: jax.Array
-    live: jax.Array
-    live_slots: jax.Array
-    n_live: jax.Array
-    priority: jax.Array
-    max_priority: jax.Array
-    sums: tuple[jax.Array, ...]
-    mins: tuple[jax.Array, ...]
-    mark_hi: jax.Array
-    mark_lo: jax.Array
-    refreshes: jax.Array
+    slot_hi: Any
+    slot_lo: Any
+    order: Any
+    live: Any
+    live_slots: Any
+    n_live: Any
+    priority: Any
+    max_priority: Any
+    sums: tuple[Any, ...]
+    mins: tuple[Any, ...]
+    mark_hi: Any
+    mark_lo: Any
+    refreshes: Any
 
 
-FIELDS: tuple[str, ...] = DeviceReplayState._fields
+_PER_SLOT = ("slot_hi", "slot_lo", "order", "live", "live_slots")  # book: L lines each
+_PER_WRITER = ("mark_hi", "mark_lo")  # book: ceil(W / 128) lines each
+_COUNTERS = ("n_live", "refreshes")  # book's last line, lanes 0 and 1
 
 
-def replaced(state: DeviceReplayState, **changes: Any) -> DeviceReplayState:
-    """``state`` with the fields ``changes`` names set (a new state; ``state`` is kept)."""
-    return state._replace(**changes)
+class StateLayout:
+    """Where each part of a :class:`DeviceReplayState` lies in its ``book`` and ``mass``
+    lines (static: from the capacity, the writers and whether the replay is prioritized).
+
+    ``book`` (int32): ``slot_hi``, ``slot_lo``, ``order``, ``live`` (0/1) and
+    ``live_slots``, ``L`` lines each; ``mark_hi`` and ``mark_lo``, ``ceil(W / 128)`` lines
+    each; one line of counters (``n_live``, ``refreshes``). ``mass`` (float32):
+    ``priority`` (``L`` lines), one line whose lane 0 is ``max_priority``, then the sum
+    tree's levels (level 0 first) and the min tree's (level 1 first). Per-slot parts are
+    padded to whole lines (empty slots, priority 0) and read back cut to ``C``.
+    """
+
+    def __init__(self, capacity: int, writers: int, prioritized: bool) -> None:
+        self.capacity, self.writers = capacity, writers
+        self.lines = -(-capacity // LANES)
+        self.writer_lines = -(-writers // LANES)
+        at = 0
+        self.book_at: dict[str, int] = {}
+        for name in _PER_SLOT:
+            self.book_at[name], at = at, at + self.lines
+        for name in _PER_WRITER:
+            self.book_at[name], at = at, at + self.writer_lines
+        self.counters_at = at
+        self.book_lines = at + 1
+        self.levels = level_lines(capacity) if prioritized else []
+        at = self.lines + 1  # priority, then the max_priority line
+        self.sums_at: list[tuple[int, int]] = []
+        for n in self.levels:
+            self.sums_at.append((at, n))
+            at += n
+        self.mins_at: list[tuple[int, int]] = []
+        for n in self.levels[1:]:
+            self.mins_at.append((at, n))
+            at += n
+        self.mass_lines = at
+
+    # -- reading -----------------------------------------------------------------------
+
+    def view(self, state: DeviceReplayState) -> StateView:
+        """``state``'s parts by name (slices; jax arrays, traced inside jit)."""
+        b, m = state.book, state.mass
+        return StateView(
+            **{k: self._slot_part(b, k) for k in _PER_SLOT},
+            n_live=b[self.counters_at, 0],
+            refreshes=b[self.counters_at, 1],
+            priority=self.priority(m),
+            max_priority=m[self.lines, 0],
+            sums=self.sums(m),
+            mins=self.mins(m),
+            mark_hi=self._writer_part(b, "mark_hi"),
+            mark_lo=self._writer_part(b, "mark_lo"),
+        )
+
+    def _slot_part(self, book: Any, name: str) -> Any:
+        at = self.book_at[name]
+        lines = book[at : at + self.lines]
+        if name == "live_slots":
+            return lines
+        flat = lines.reshape(-1)[: self.capacity]
+        return flat != 0 if name == "live" else flat
+
+    def _writer_part(self, book: Any, name: str) -> Any:
+        at = self.book_at[name]
+        return book[at : at + self.writer_lines].reshape(-1)[: self.writers]
+
+    def book_parts(self, book: Any) -> dict[str, Any]:
+        """``book``'s bookkeeping by name (numpy on the host, jax traced), but the
+        ``live_slots`` table."""
+        parts = {k: self._slot_part(book, k) for k in _PER_SLOT if k != "live_slots"}
+        parts.update({k: self._writer_part(book, k) for k in _PER_WRITER})
+        parts.update({k: book[self.counters_at, i] for i, k in enumerate(_COUNTERS)})
+        return parts
+
+    def priority(self, mass: Any) -> Any:
+        return mass[: self.lines].reshape(-1)[: self.capacity]
+
+    def sums(self, mass: Any) -> tuple[Any, ...]:
+        return tuple(mass[a : a + n] for a, n in self.sums_at)
+
+    def mins(self, mass: Any) -> tuple[Any, ...]:
+        return tuple(mass[a : a + n] for a, n in self.mins_at)
+
+    # -- writing -----------------------------------------------------------------------
+
+    def book(self, xp: Any, parts: dict[str, Any]) -> Any:
+        """The ``book`` lines of ``parts`` (every name of ``_PER_SLOT``, ``_PER_WRITER``
+        and ``_COUNTERS``; per-slot and per-writer ones flat, ``live_slots`` as lines);
+        ``xp``: numpy on the host, ``jax.numpy`` traced."""
+
+        def lines(x: Any, n: int, fill: int) -> Any:
+            x = xp.asarray(x).astype(xp.int32).reshape(-1)
+            pad = xp.full(n * LANES - x.shape[0], fill, xp.int32)
+            return xp.concatenate([x, pad]).reshape(n, LANES)
+
+        fills = {"slot_hi": -1, "order": -1}
+        out = [lines(parts[k], self.lines, fills.get(k, 0)) for k in _PER_SLOT]
+        out += [lines(parts[k], self.writer_lines, 0) for k in _PER_WRITER]
+        out.append(lines(xp.stack([xp.asarray(parts[k]) for k in _COUNTERS]), 1, 0))
+        return xp.concatenate(out)
+
+    def mass(self, priority: Any, max_priority: Any, sums: Any, mins: Any) -> jax.Array:
+        """Traced: the ``mass`` lines of these parts (``priority`` float32[C])."""
+        pad = self.lines * LANES - self.capacity
+        parts = [
+            jnp.pad(priority.astype(jnp.float32), (0, pad)).reshape(self.lines, LANES),
+            jnp.zeros((1, LANES), jnp.float32).at[0, 0].set(max_priority),
+            *sums,
+            *mins,
+        ]
+        return jnp.concatenate(parts)
+
+
+def check_state(state: Any, expected: Any, call: str, what: str) -> None:
+    """Refuses what is not a state like ``expected`` (the arrays' shapes and dtypes, so
+    it works on tracers); ``call`` and ``what`` (the replay) name it in the error.
+
+    Raises:
+      ArgumentTypeError: not a :class:`DeviceReplayState`.
+      InvalidArgumentError: its arrays differ from ``expected``'s.
+    """
+    if not isinstance(state, DeviceReplayState):
+        raise ArgumentTypeError(
+            f"{call}: expected the state DeviceReplay.init() returned, got "
+            f"{type(state).__name__}. Fix: pass replay.init()'s state (or its restore)."
+        )
+    got = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(state)]
+    want = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(expected)]
+    if got != want:
+        raise InvalidArgumentError(
+            f"{call}: the state is not one of this replay ({what}): its arrays are {got}, "
+            f"this replay's are {want}. Fix: pass the state this DeviceReplay's init() made, "
+            "or build the DeviceReplay with the store and capacity the state was made with."
+        )
 
 
 class Ring:
@@ -132,25 +292,16 @@ class Ring:
         )
 
     @classmethod
-    def of(cls, state: DeviceReplayState) -> Ring:
-        """The bookkeeping of ``state``, fetched from the device (one transfer per array)."""
-        hi, lo, order, live, mhi, mlo, refreshes = jax.device_get(
-            (
-                state.slot_hi,
-                state.slot_lo,
-                state.order,
-                state.live,
-                state.mark_hi,
-                state.mark_lo,
-                state.refreshes,
-            )
-        )
+    def of(cls, state: DeviceReplayState, at: StateLayout) -> Ring:
+        """The bookkeeping of ``state`` (laid out as ``at`` says), fetched from the device
+        (one transfer)."""
+        p = at.book_parts(np.asarray(jax.device_get(state.book)))
         return cls(
-            join_ids(hi, lo),
-            np.array(order, np.int32),
-            np.array(live, bool),
-            join_ids(mhi, mlo),
-            int(refreshes),
+            join_ids(p["slot_hi"], p["slot_lo"]),
+            np.array(p["order"], np.int32),
+            np.array(p["live"], bool),
+            join_ids(p["mark_hi"], p["mark_lo"]),
+            int(p["refreshes"]),
         )
 
     def evict(self, gone: np.ndarray) -> int:
@@ -181,25 +332,23 @@ class Ring:
         self.order[targets] = self.refreshes + 1
         return targets.astype(np.int32)
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The bookkeeping as the state's host arrays (after a refresh: ``refreshes + 1``)."""
+    def book(self, at: StateLayout) -> np.ndarray:
+        """The bookkeeping as the state's ``book`` lines (after a refresh: ``refreshes + 1``)."""
         hi, lo = split_ids32(self.ids)
         mhi, mlo = split_ids32(self.marks)
-        c = len(self.live)
-        table = np.zeros(-(-c // LANES) * LANES, np.int32)
         held = np.flatnonzero(self.live).astype(np.int32)
-        table[: len(held)] = held
-        return {
+        parts = {
             "slot_hi": hi,
             "slot_lo": lo,
-            "order": self.order.astype(np.int32),
-            "live": self.live.copy(),
-            "live_slots": table.reshape(-1, LANES),
-            "n_live": np.array(len(held), np.int32),
+            "order": self.order,
+            "live": self.live,
+            "live_slots": held,
+            "n_live": np.int32(len(held)),
             "mark_hi": mhi,
             "mark_lo": mlo,
-            "refreshes": np.array(self.refreshes + 1, np.int32),
+            "refreshes": np.int32(self.refreshes + 1),
         }
+        return at.book(np, parts)
 
 
 def news(

@@ -15,7 +15,9 @@ Float rounding can leave a target at or past a line's total, or on an entry of m
 pick then moves to the last entry of positive mass at or before it (the first after it if
 none), so a draw never lands on an empty slot.
 
-An update sets level-0 masses (one scatter) and then, for a ring of up to
+Both trees live in one float32 array of lines (a :class:`~grain_replay.DeviceReplayState`'s
+``mass``, beside the priorities): :func:`update` writes into it in place. An update sets
+level-0 masses (one scatter) and then, for a ring of up to
 :data:`DENSE_SLOTS` slots, rebuilds the levels above from level 0 (one pass, ``O(C)``: a
 reduction over the lines, the way :func:`build` sums them); for a larger ring it recomputes,
 level by level, only the entries above the touched lines (gather the touched lines, reduce,
@@ -31,6 +33,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from grain_replay.device.lines import apart
 
 __all__ = ["DENSE_SLOTS", "build", "draw", "level_lines", "lowest", "update"]
 
@@ -132,31 +136,41 @@ def draw(
 
 
 def update(
-    sums: tuple[jax.Array, ...],
-    mins: tuple[jax.Array, ...],
+    packed: jax.Array,
+    sums_at: list[tuple[int, int]],
+    mins_at: list[tuple[int, int]],
     slots: jax.Array,
     mass: jax.Array,
     ok: jax.Array,
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Traced: the trees with the masses of ``slots`` (int32[B], distinct where ``ok``;
-    live) set to ``mass`` (float32[B], >= 0), the entries above them recomputed; entries
-    not ``ok`` are skipped."""
-    level0 = sums[0]
-    if level0.size <= DENSE_SLOTS:  # one scatter, then every level above rebuilt
-        b = slots.shape[0]
-        # the skipped entries each to its own place past the end: the indices stay distinct
-        at = jnp.where(ok, slots, level0.size + jnp.arange(b, dtype=jnp.int32))
-        flat = level0.reshape(-1).at[at].set(mass, mode="drop", unique_indices=True)
-        return _above(flat.reshape(level0.shape), [s.shape[0] for s in sums])
+) -> jax.Array:
+    """Traced: ``packed`` (float32 lines holding the trees: level ``l`` of the sum tree at
+    lines ``sums_at[l] = (first, count)``, level ``l + 1`` of the min tree at
+    ``mins_at[l]``) with the masses of ``slots`` (int32[B], distinct where ``ok``; live)
+    set to ``mass`` (float32[B], >= 0) and the entries above them recomputed; entries not
+    ``ok`` are skipped. Every write goes into ``packed`` in place (a donated state's
+    buffer is reused)."""
+    first, n0 = sums_at[0]
+    end = packed.shape[0]
     line = slots // LANES
-    out_s = [level0.at[jnp.where(ok, line, level0.shape[0]), slots % LANES].set(mass, mode="drop")]
-    out_m: list[jax.Array] = []
-    for lvl in range(1, len(sums)):
-        x = jnp.take(out_s[-1], line, axis=0, mode="clip")  # the touched lines, updated
-        low = _live_min(x) if lvl == 1 else jnp.take(out_m[-1], line, axis=0, mode="clip")
-        dst = jnp.where(ok, line // LANES, sums[lvl].shape[0])  # duplicates write equal values
+    lane = slots % LANES
+    # the skipped entries each to its own line past the end: the indices stay distinct
+    packed = packed.at[apart(ok, first + line, end), lane].set(
+        mass, mode="drop", unique_indices=True
+    )
+    if n0 * LANES <= DENSE_SLOTS:  # every level above rebuilt from level 0, one pass
+        sums, mins = _above(packed[first : first + n0], [n for _, n in sums_at])
+        for (at, _), x in zip(sums_at[1:] + mins_at, sums[1:] + mins, strict=True):
+            packed = jax.lax.dynamic_update_slice_in_dim(packed, x, at, axis=0)
+        return packed
+    low_at = None
+    for (s_at, _), (m_at, _) in zip(sums_at[1:], mins_at, strict=True):
+        prev = first if low_at is None else low_at[0]
+        x = jnp.take(packed, prev + line, axis=0, mode="clip")  # the touched lines, updated
+        low = _live_min(x) if low_at is None else jnp.take(packed, low_at[1] + line, axis=0)
+        dst = jnp.where(ok, line // LANES, end)  # duplicates write equal values
         lane = line % LANES
-        out_s.append(sums[lvl].at[dst, lane].set(x.sum(1), mode="drop"))
-        out_m.append(mins[lvl - 1].at[dst, lane].set(low.min(1), mode="drop"))
+        packed = packed.at[s_at + dst, lane].set(x.sum(1), mode="drop")
+        packed = packed.at[m_at + dst, lane].set(low.min(1), mode="drop")
+        low_at = (s_at, m_at)
         line = line // LANES
-    return tuple(out_s), tuple(out_m)
+    return packed

@@ -113,7 +113,7 @@ def test_prioritized_draws_follow_priorities_and_weights_follow_the_formula(stor
     prio[:10] = 0.0
     update = jax.jit(replay.update_priorities)
     state = update(state, jnp.arange(N, dtype=jnp.int32), jnp.asarray(prio))
-    assert float(state.max_priority) == pytest.approx(prio.max())
+    assert float(replay.view(state).max_priority) == pytest.approx(prio.max())
     p = (prio.astype(np.float64) + opts.eps) ** opts.alpha
     counts = _counts(replay, state, 100_000)
     freq = counts / counts.sum()
@@ -139,12 +139,39 @@ def test_update_priorities_inside_jit_skips_what_cannot_apply(store: str) -> Non
 
     state = replay.init()
     new, batch = step(state, jax.random.key(0))
-    got = np.asarray(new.priority)[np.asarray(batch.index)]
+    got = np.asarray(replay.view(new).priority)[np.asarray(batch.index)]
     np.testing.assert_allclose(got, np.asarray(batch.data["reward"]) + 2.0)
     bad = replay.update_priorities(
         new, jnp.array([-1, N + 3, 0, 1]), jnp.array([5.0, 5.0, jnp.nan, -1.0])
     )
-    np.testing.assert_array_equal(np.asarray(bad.priority), np.asarray(new.priority))
+    np.testing.assert_array_equal(
+        np.asarray(replay.view(bad).priority), np.asarray(replay.view(new).priority)
+    )
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_the_state_is_its_row_buffers_and_two_arrays_its_view_names_every_part(
+    store: str, prioritized: bool
+) -> None:
+    # a jitted step that takes and returns the state pays the host per array: few of them
+    sampling = gr.PrioritizedReplay(alpha=0.6) if prioritized else gr.UniformReplay()
+    replay = gr.DeviceReplay(store, sampling=sampling, capacity=300, max_writers=3)
+    state = replay.init()
+    assert len(jax.tree.leaves(state)) == len(state.rows) + 2
+    assert state.book.dtype == jnp.int32 and state.mass.dtype == jnp.float32
+    v = replay.view(state)
+    for name in ("slot_hi", "slot_lo", "order", "live", "priority"):
+        assert getattr(v, name).shape == (300,), name
+    assert v.live.dtype == jnp.bool_ and int(v.live.sum()) == int(v.n_live) == N
+    assert v.live_slots.shape == (3, 128) and v.mark_hi.shape == v.mark_lo.shape == (3,)
+    assert sorted(np.asarray(v.live_slots).reshape(-1)[:N]) == list(np.flatnonzero(v.live))
+    ids = replay.row_ids(state, np.arange(300))
+    np.testing.assert_array_equal(ids[np.asarray(v.live)], np.arange(N))  # a plain store
+    assert (ids[~np.asarray(v.live)] == -1).all() and (np.asarray(v.slot_hi)[N:] == -1).all()
+    assert int(v.mark_lo[0]) == N and int(v.refreshes) == 1 and float(v.max_priority) == 1.0
+    assert len(v.sums) == (2 if prioritized else 0) and len(v.mins) == len(v.sums) - prioritized
+    with pytest.raises(gr.ArgumentTypeError, match="init"):
+        replay.view({"book": state.book})
 
 
 # -- refresh -------------------------------------------------------------------------------
@@ -157,7 +184,7 @@ def test_refresh_brings_in_a_growing_store_in_place_and_keeps_the_newest(tmp_pat
         w.flush()
         replay = gr.DeviceReplay(path, sampling=gr.PrioritizedReplay(), capacity=100)
         state = replay.init()
-        assert int(state.n_live) == 40
+        assert int(replay.view(state).n_live) == 40
         state = replay.update_priorities(state, jnp.array([0]), jnp.array([7.0]))
         shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         for k in range(1, 6):
@@ -170,7 +197,7 @@ def test_refresh_brings_in_a_growing_store_in_place_and_keeps_the_newest(tmp_pat
         assert replay.refresh_traces == 1  # 40 new rows each time: compiled once
         ids = replay.row_ids(state, np.arange(100))
         np.testing.assert_array_equal(np.sort(ids), np.arange(140, 240))  # the newest 100
-        held = np.asarray(state.priority)
+        held = np.asarray(replay.view(state).priority)
         assert (held == 7.0).all()  # new rows at the largest priority given so far
         batch = replay.sample(state, jax.random.key(0), 64)
         _assert_matches_host(replay, state, batch)
@@ -195,7 +222,7 @@ def test_refresh_of_a_bounded_store_never_draws_an_evicted_row(tmp_path: Path) -
         replay = gr.DeviceReplay(path, sampling=gr.UniformReplay())
         assert replay.capacity == 100  # the writers' capacities
         state = replay.init()
-        assert int(state.n_live) == 50
+        assert int(replay.view(state).n_live) == 50
         sample = jax.jit(lambda s, k: replay.sample(s, k, 256))
         for rnd in range(1, 5):
             for wid, w in writers.items():
@@ -205,14 +232,14 @@ def test_refresh_of_a_bounded_store_never_draws_an_evicted_row(tmp_path: Path) -
             state = replay.refresh(state)
             src = replay.source
             live = set(src.ids(np.arange(len(src))).tolist())
-            held = replay.row_ids(state, np.flatnonzero(np.asarray(state.live)))
+            held = replay.row_ids(state, np.flatnonzero(np.asarray(replay.view(state).live)))
             assert set(held.tolist()) <= live
-            assert int(state.n_live) == len(held)
+            assert int(replay.view(state).n_live) == len(held)
             batch = sample(state, jax.random.key(rnd))
             drawn = replay.row_ids(state, np.asarray(batch.index))
             assert set(drawn.tolist()) <= live  # never an evicted row
             _assert_matches_host(replay, state, batch)
-        assert int(state.n_live) == 100  # both writers' newest 50
+        assert int(replay.view(state).n_live) == 100  # both writers' newest 50
     finally:
         for w in writers.values():
             w.close()
@@ -261,7 +288,7 @@ def test_orbax_round_trip_samples_the_same_and_refreshes_on(tmp_path: Path) -> N
         state, restored = replay.refresh(state), fresh.refresh(restored)
         for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        assert int(restored.n_live) == 50
+        assert int(replay.view(restored).n_live) == 50
 
 
 # -- errors ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 import grain_replay as gr
 from grain_replay.device import replay_draws as draws
 from grain_replay.device import replay_tree as tree
+from grain_replay.device.replay_state import StateLayout
 
 C = 40_000  # three levels: 313 lines, 3, 1
 ALPHA, EPS, BETA = 0.6, 0.01, 0.4
@@ -74,8 +75,10 @@ def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot(
     sums, mins = jax.jit(tree.build, static_argnums=(2, 3))(priority, live, ALPHA, EPS)
     _assert_trees(sums, mins, priority, live)
     # a function of its own: jax's trace cache is keyed by the function, not the jit
-    update = jax.jit(lambda *a: draws.updated_priorities(*a, ALPHA, EPS))
-    prio, top = jnp.asarray(priority), jnp.float32(1.0)
+    at = StateLayout(C, 1, prioritized=True)
+    update = jax.jit(lambda *a: draws.updated_priorities(a[0], at, *a[1:], ALPHA, EPS))
+    mass = jax.jit(at.mass)(jnp.asarray(priority), jnp.float32(1.0), sums, mins)
+    top = 1.0
     rng = np.random.default_rng(1)
     for _ in range(5):
         index = rng.integers(-1, C + 5, 256).astype(np.int32)
@@ -83,13 +86,16 @@ def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot(
         index[100:120] = rng.integers(0, 256, 20)  # many in one line
         given = rng.uniform(0, 9, 256).astype(np.float32)
         given[5], given[6] = np.nan, -1.0
-        prio, top, sums, mins = update(prio, top, live, sums, mins, index, given)
+        mass = update(mass, jnp.asarray(live), index, given)
         for i, g in zip(index, given, strict=True):  # the host rule, in order
             if 0 <= i < C and live[i] and np.isfinite(g) and g >= 0:
                 priority[i] = g
-        np.testing.assert_array_equal(np.asarray(prio), priority)
+                top = max(top, float(g))
+        np.testing.assert_array_equal(np.asarray(at.priority(mass)), priority)
+        assert float(mass[at.lines, 0]) == top
+        sums, mins = at.sums(mass), at.mins(mass)
         _assert_trees(sums, mins, priority, live)
-    rebuilt = tree.build(prio, jnp.asarray(live), ALPHA, EPS)
+    rebuilt = tree.build(at.priority(mass), jnp.asarray(live), ALPHA, EPS)
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves((sums, mins)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
 
@@ -172,10 +178,10 @@ def test_trees_and_weights_through_refreshes_with_evictions(
             state = replay.refresh(state)
             for t in range(3):
                 state, batch = step(state, jax.random.key(10 * rnd + t))
-                live = np.asarray(state.live)
+                live = np.asarray(replay.view(state).live)
                 assert live[np.asarray(batch.index)].all()
-            priority = np.asarray(state.priority)
-            _assert_trees(state.sums, state.mins, priority, live)
+            priority = np.asarray(replay.view(state).priority)
+            _assert_trees(replay.view(state).sums, replay.view(state).mins, priority, live)
             batch = replay.sample(state, jax.random.key(rnd), 128)
             mass = (priority.astype(np.float64) + EPS) ** ALPHA
             want = (mass[live].min() / mass[np.asarray(batch.index)]) ** BETA
