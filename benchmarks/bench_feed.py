@@ -16,8 +16,10 @@ For two workloads (``mlp``: a 3-layer MLP Q-learning step on 525-byte transition
 - ``fed-w{0,4}-...``: the step fed by ``make_data_loader(worker_count=w)`` +
   ``sharded_device_put``: ``before``, one put per leaf on one thread (until 2026-12);
   ``leaves``, one put per leaf, batches of 1 MiB or more 4 at once on their own threads;
-  ``packed``, one lane-aligned buffer per transfer, small batches several to a transfer;
-  ``default``: ``packed=None``, what a user gets (on a TPU: packed when batches group).
+  ``packed``, one lane-aligned buffer per transfer, small batches several to a transfer
+  (these three read ahead on a producer thread); ``thread``: ``packed=None`` on a producer
+  thread; ``default``: what a user gets (on a TPU: packed when batches group, read ahead
+  in the caller's thread, ``device/inline_feed.py``).
 
 Ratio (issue 41's target >= 0.9): fed steps/s / min(step, link). Rates are medians of
 ``--repeats`` windows of ``--seconds`` each; the cases of one workload are timed in turns
@@ -54,6 +56,7 @@ from bench_device_replay import (
 
 import grain_replay as gr
 from grain_replay.device import packed as packing
+from grain_replay.device import put_options
 
 WORKERS = (0, 4)
 
@@ -168,24 +171,25 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
 
         cases[f"ceiling-g{g}"] = ceiling
 
-    def feed(w: int, packed: bool | None, **consts: int) -> Iterator[Any]:
+    def feed(w: int, packed: bool | None, **consts: Any) -> Iterator[Any]:
         loader = gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1, worker_count=w)
-        saved = {k: getattr(packing, k) for k in consts}
+        where = {k: put_options if k == "INLINE" else packing for k in consts}
+        saved = {k: getattr(where[k], k) for k in consts}
         for k, v in consts.items():
-            setattr(packing, k, v)
+            setattr(where[k], k, v)
         try:
             fed = gr.sharded_device_put(loader, sharding, packed=packed)
             next(fed)  # how it moves batches is fixed at the first one
         finally:
             for k, v in saved.items():
-                setattr(packing, k, v)
+                setattr(where[k], k, v)
         return fed
 
     def wanted(case: str) -> bool:
         return not args.cases or re.search(args.cases, case) is not None
 
     for w in WORKERS:
-        labels = ("before", "leaves", "packed", "default")
+        labels = ("before", "leaves", "packed", "thread", "default")
         if not any(wanted(c) for c in [f"loader-w{w}"] + [f"fed-w{w}-{x}" for x in labels]):
             continue
         it = iter(gr.make_data_loader(src, batch_size=b, num_epochs=None, seed=1, worker_count=w))
@@ -197,9 +201,10 @@ def bench(name: str, tree: dict[str, np.ndarray], args: argparse.Namespace, root
 
         cases[f"loader-w{w}"] = pull
         variants = {
-            "before": (False, {"PUT_THREADS": 1}),  # one put per leaf, one thread
-            "leaves": (False, {}),
-            "packed": (True, {}),
+            "before": (False, {"PUT_THREADS": 1, "INLINE": False}),  # a put a leaf, 1 thread
+            "leaves": (False, {"INLINE": False}),
+            "packed": (True, {"INLINE": False}),
+            "thread": (None, {"INLINE": False}),  # the default's moves, on a producer thread
             "default": (None, {}),
         }
         for label, (packed, consts) in variants.items():

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 
 from grain_replay.device.converter import Converter
+from grain_replay.device.inline_feed import InlineFeed
 from grain_replay.device.prefetch import Prefetcher
-from grain_replay.device.put_options import packed_default, pinned_if_available
+from grain_replay.device.put_options import inline_feed, packed_default, pinned_if_available
 from grain_replay.errors import InvalidPrefetchError, UnsupportedStateError
 from grain_replay.pipeline.state import load_text, save_text
 from grain_replay.sources.capabilities import (
@@ -89,7 +90,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
     ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidPrefetchError(f"prefetch must be a non-negative int, got {prefetch!r}")
-        self._prefetcher: Prefetcher | None = None
+        self._prefetcher: Prefetcher | InlineFeed | None = None
         self._converter = Converter(
             sharding, pinned_if_available(pinned), packed_default(packed), packed is None
         )
@@ -143,9 +144,9 @@ class ShardedDevicePutIterator(Iterator[Any]):
         # A prioritized stream stamps each priority update with the batches this wrapper
         # may have pulled ahead (``prefetch``): its batches are moved one at a time.
         transfers = None if isinstance(self._inner, PriorityUpdates) else self._converter.transfers
-        self._prefetcher = Prefetcher(
-            self._inner, self._convert, self._prefetch, self._capture, transfers
-        )
+        feed = InlineFeed if inline_feed() else Prefetcher
+        args = (self._inner, self._convert, self._prefetch, self._capture, transfers)
+        self._prefetcher = feed(*args)
 
     def _halt(self, timeout: float | None = None) -> None:
         """Stops the producer and drops what it prefetched."""

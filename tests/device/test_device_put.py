@@ -27,6 +27,7 @@ from grain_replay.device.put import (
     UnsupportedStateError,
     sharded_device_put,
 )
+from grain_replay.device import put_options
 from grain_replay.errors import BatchShardingError, GrainReplayError
 
 needs_8_devices = pytest.mark.skipif(
@@ -34,6 +35,13 @@ needs_8_devices = pytest.mark.skipif(
     reason="needs 8 JAX devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
     "before JAX is first imported",
 )
+
+
+@pytest.fixture(params=[False, True], ids=["thread", "inline"])
+def feed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways of reading ahead: a producer thread, or the caller's own (the TPU's)."""
+    monkeypatch.setattr(put_options, "INLINE", request.param)
+    return bool(request.param)
 
 
 class Transition(NamedTuple):
@@ -201,7 +209,7 @@ def test_names_leaf_uneven_batch_after_earlier_batches_of_same_structure() -> No
         next(it)
 
 
-def test_same_stream_prefetch_0_1_3() -> None:
+def test_same_stream_prefetch_0_1_3(feed: bool) -> None:
     streams = []
     for prefetch in (0, 1, 3):
         streams.append(_to_numpy(list(sharded_device_put(StatefulIterator(7), prefetch=prefetch))))
@@ -252,7 +260,7 @@ def test_raises_error_invalid_arguments() -> None:
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_reraises_iterator_error_after_earlier_batches(prefetch: int) -> None:
+def test_reraises_iterator_error_after_earlier_batches(prefetch: int, feed: bool) -> None:
     it = sharded_device_put(_failing_batches(3), prefetch=prefetch)
     delivered = []
     with pytest.raises(_LoaderError, match="batch 3") as info:
@@ -268,7 +276,7 @@ def test_reraises_iterator_error_after_earlier_batches(prefetch: int) -> None:
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
-def test_resumes_exact_stream_fresh_wrapper(prefetch: int) -> None:
+def test_resumes_exact_stream_fresh_wrapper(prefetch: int, feed: bool) -> None:
     n = 9
     expected = [_dict_batch(i) for i in range(n)]
     rng = random.Random(prefetch)
@@ -287,7 +295,7 @@ def test_resumes_exact_stream_fresh_wrapper(prefetch: int) -> None:
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])
-def test_resumes_exact_stream_same_wrapper_mid_stream(prefetch: int) -> None:
+def test_resumes_exact_stream_same_wrapper_mid_stream(prefetch: int, feed: bool) -> None:
     expected = [_dict_batch(i) for i in range(10)]
     it = sharded_device_put(StatefulIterator(10), prefetch=prefetch)
     assert it.get_state() == {"index": 0}
@@ -301,6 +309,45 @@ def test_resumes_exact_stream_same_wrapper_mid_stream(prefetch: int) -> None:
     jax.tree_util.tree_map(np.testing.assert_array_equal, rest, expected[3:])
     it.set_state({"index": 8})  # also after exhaustion
     assert len(list(it)) == 2
+
+
+class _Counting(StatefulIterator):
+    pulled = 0
+
+    def __next__(self) -> dict[str, Any]:
+        batch = super().__next__()
+        self.pulled += 1
+        return batch
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_inline_feed_reads_a_group_ahead_in_the_callers_thread(
+    packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(put_options, "INLINE", True)
+    baseline = threading.active_count()
+    inner = _Counting(40)
+    it = sharded_device_put(inner, prefetch=2, packed=packed)
+    size = 16 if packed else 1  # small batches: MAX_GROUP a packed transfer
+    got = []
+    for k in range(1, 41):
+        got.append(_to_numpy(next(it)))
+        assert not _producers() and threading.active_count() == baseline
+        # the next group read (and put) while this one is consumed, never more
+        assert min(40, k + 1) <= inner.pulled <= min(40, k + max(2, size) + size - 1)
+        assert it.get_state() == {"index": k}  # the last batch handed out
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, [_dict_batch(i) for i in range(40)])
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_inline_feed_close_drops_what_was_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(put_options, "INLINE", True)
+    it = sharded_device_put(_endless(), prefetch=2)
+    next(it)
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 def test_get_state_is_copy_before_first_batch() -> None:
