@@ -126,6 +126,11 @@ class Converter:
         return treedef, arrays
 
     @property
+    def packs(self) -> bool:
+        """Whether batches go in packed transfers (after :meth:`transfers` decided it)."""
+        return self._packed
+
+    @property
     def lays_out(self) -> bool:
         """Whether batches laid out as a packed buffer by the loader (``lay_out_lanes``)
         are put as they lie: packed transfers, one sharding over one device."""
@@ -159,10 +164,13 @@ class Converter:
         :data:`grain_replay.device.packed.PARALLEL_BYTES` or more go one per transfer,
         ``PUT_THREADS`` at once: a put holds its thread while the host lays the batch out.
         With ``packed`` left to its default (``None``, on TPU), a batch that would go
-        alone in its packed transfer is put leaf by leaf instead (measured on a TPU v5e:
-        the leaf puts of a frame batch, 4 in flight, beat one packed buffer), unless the
-        loader laid it out already (one put of its buffer as it lies, no copy: the flat
-        buffer is what moved fastest, 13.3 GB/s against 7.2 for the leaf puts).
+        alone in its packed transfer is put leaf by leaf instead, unless the loader laid it
+        out already. Measured on a TPU v5e (``benchmarks/bench_feed.py``, three runs): fed
+        by ``make_data_loader(worker_count=4)``, frame batches put leaf by leaf reached
+        0.45-0.46x of the link, laid out by the loader and put as one buffer 0.37-0.39x
+        (the flat buffer alone moves fastest, 13.3 GB/s against 7.2, but laying it out
+        costs the loader more): ``sharded_device_put`` decides at the first batch, before
+        it asks the loader to lay batches out.
         """
         treedef, pairs = self._validated(batch)
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a, _ in pairs)

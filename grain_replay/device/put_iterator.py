@@ -98,8 +98,7 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
-        if self._converter.lays_out and isinstance(inner, LaysOutLanes):
-            inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
+        self._decided = False  # how batches move: worked out from the first one
         self._stateful = isinstance(inner, Checkpointable)
         # An inner iterator that can give the state of an earlier position (a replay
         # iterator, whose state holds the priorities) is asked only at a checkpoint.
@@ -117,10 +116,12 @@ class ShardedDevicePutIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
-        if self._prefetch == 0:
+        if self._prefetch == 0 or not self._decided:  # the first batch: read here, decide
             try:
                 batch = next(self._inner)
                 state = copy.deepcopy(self._inner.get_state()) if self._capture else None
+                if not self._decided:
+                    self._decide(batch)
                 arrays = self._convert([batch])[0]
             except BaseException:
                 self._finished = True
@@ -140,11 +141,22 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._handed += 1
         return arrays
 
+    def _decide(self, batch: Any) -> None:
+        """How batches like the first one move (packed, grouped or leaf by leaf); then,
+        for packed transfers to one device, asks the loader to lay batches out so."""
+        self._decided = True
+        if not isinstance(self._inner, PriorityUpdates):
+            self._converter.transfers(batch)
+        if self._converter.lays_out and isinstance(self._inner, LaysOutLanes):
+            self._inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
+
     def _start(self) -> None:
         # A prioritized stream stamps each priority update with the batches this wrapper
         # may have pulled ahead (``prefetch``): its batches are moved one at a time.
         transfers = None if isinstance(self._inner, PriorityUpdates) else self._converter.transfers
-        feed = InlineFeed if inline_feed() else Prefetcher
+        # packed transfers read ahead in the caller's thread where that pays (TPU); leaf
+        # by leaf puts of large batches keep the thread (measured: device/inline_feed.py)
+        feed = InlineFeed if inline_feed() and self._converter.packs else Prefetcher
         args = (self._inner, self._convert, self._prefetch, self._capture, transfers)
         self._prefetcher = feed(*args)
 
@@ -251,12 +263,13 @@ class ShardedDevicePutIterator(Iterator[Any]):
     def start_prefetch(self) -> None:
         """Starts reading and transferring the next batches in the background.
 
-        grain's Orbax handler calls it after restoring the state. With ``prefetch=0``
-        the wrapped iterator's own ``start_prefetch`` runs, if it has one.
+        grain's Orbax handler calls it after restoring the state. With ``prefetch=0``, or
+        before the first batch (which says how batches move, read by ``next``), the
+        wrapped iterator's own ``start_prefetch`` runs, if it has one.
         """
         if self._finished:
             return
-        if self._prefetch == 0:
+        if self._prefetch == 0 or not self._decided:  # the first batch is read by next()
             if isinstance(self._inner, Prefetches):
                 self._inner.start_prefetch()
         elif self._prefetcher is None:

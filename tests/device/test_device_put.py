@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from grain_replay.device import put_options
 from grain_replay.device.put import (
     InvalidPrefetchError,
     InvalidShardingError,
@@ -27,7 +28,6 @@ from grain_replay.device.put import (
     UnsupportedStateError,
     sharded_device_put,
 )
-from grain_replay.device import put_options
 from grain_replay.errors import BatchShardingError, GrainReplayError
 
 needs_8_devices = pytest.mark.skipif(
@@ -320,25 +320,35 @@ class _Counting(StatefulIterator):
         return batch
 
 
-@pytest.mark.parametrize("packed", [False, True])
 def test_inline_feed_reads_a_group_ahead_in_the_callers_thread(
-    packed: bool, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(put_options, "INLINE", True)
     baseline = threading.active_count()
     inner = _Counting(40)
-    it = sharded_device_put(inner, prefetch=2, packed=packed)
-    size = 16 if packed else 1  # small batches: MAX_GROUP a packed transfer
+    it = sharded_device_put(inner, prefetch=2, packed=True)
+    size = 16  # small batches: MAX_GROUP a packed transfer
     got = []
     for k in range(1, 41):
         got.append(_to_numpy(next(it)))
         assert not _producers() and threading.active_count() == baseline
-        # the next group read (and put) while this one is consumed, never more
-        assert min(40, k + 1) <= inner.pulled <= min(40, k + max(2, size) + size - 1)
+        # the next group read (and put) while this one is consumed, never more; the
+        # first batch is read alone (it says how batches move)
+        low = k if k == 1 else min(40, k + 1)
+        assert low <= inner.pulled <= min(40, k + size + size - 1)
         assert it.get_state() == {"index": k}  # the last batch handed out
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, [_dict_batch(i) for i in range(40)])
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_leaf_by_leaf_puts_keep_the_producer_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(put_options, "INLINE", True)  # inline applies to packed transfers
+    with sharded_device_put(StatefulIterator(6), prefetch=2, packed=False) as it:
+        got = [_to_numpy(next(it)) for _ in range(3)]
+        assert len(_producers()) == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, [_dict_batch(i) for i in range(3)])
+    assert not _producers()
 
 
 def test_inline_feed_close_drops_what_was_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,17 +406,17 @@ def _producers() -> list[threading.Thread]:
 def test_close_stops_thread_endless_iterator() -> None:
     baseline = threading.active_count()
     it = sharded_device_put(_endless(), prefetch=2)
-    next(it)
+    next(it), next(it)  # the first batch is read in the caller's thread, then the producer's
     assert len(_producers()) == 1 and threading.active_count() == baseline + 1
     it.close()
     assert not _producers() and threading.active_count() <= baseline
     with pytest.raises(StopIteration):
         next(it)
     with sharded_device_put(_endless(), prefetch=2) as it2:
-        next(it2)
+        next(it2), next(it2)
     assert not _producers() and threading.active_count() <= baseline
     it3 = sharded_device_put(_endless(), prefetch=2)
-    next(it3)
+    next(it3), next(it3)
     del it3  # __del__ signals the producer, which exits within its poll interval
     gc.collect()
     assert _wait_for_threads(baseline) <= baseline and not _producers()

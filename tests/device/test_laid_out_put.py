@@ -105,12 +105,44 @@ def test_only_a_one_device_packed_put_asks_the_loader_to_lay_out(
     for cls in (InProcessLoaderIterator, WorkerLoaderIterator):
         monkeypatch.setattr(cls, "lay_out_lanes", lambda self, c=cls: asked.append(c.__name__))
     src = gr.open_source(path)
-    loader = gr.make_data_loader(src, batch_size=8, num_epochs=1)
-    gr.sharded_device_put(loader, _one_device(), packed=True).close()
+
+    def first(sharding: Any, packed: bool | None) -> None:
+        loader = gr.make_data_loader(src, batch_size=8, num_epochs=1)
+        with gr.sharded_device_put(loader, sharding, packed=packed) as it:
+            next(it)  # asked once the first batch said how batches move
+
+    first(_one_device(), True)
     assert asked == ["InProcessLoaderIterator"]
     for sharding, packed in [(_one_device(), False), (None, True), (_one_device(), None)]:
-        gr.sharded_device_put(loader, sharding, packed=packed).close()  # None: off on CPU
+        first(sharding, packed)  # None: off on CPU
     assert asked == ["InProcessLoaderIterator"]
+
+
+@pytest.mark.parametrize("frame", [(4, 4, 4), (84, 84, 4)], ids=["grouped", "alone"])
+def test_packed_by_default_a_batch_that_goes_alone_moves_leaf_by_leaf_never_laid_out(
+    tmp_path: Any, frame: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # packed=None as on a TPU: batches that group go packed (the loader lays them out);
+    # one that would go alone (a 256 KiB+ frame batch) goes leaf by leaf on the producer
+    # thread, and the loader is never asked (measured faster there: bench_feed.py)
+    from grain_replay.device import put_iterator
+
+    monkeypatch.setattr(put_iterator, "packed_default", lambda packed: True)
+    asked: list[str] = []
+    monkeypatch.setattr(InProcessLoaderIterator, "lay_out_lanes", lambda self: asked.append("x"))
+    packed_puts: list[int] = []
+    real = PackedLayout.put
+    monkeypatch.setattr(PackedLayout, "put", lambda self, a: packed_puts.append(1) or real(self, a))
+    p = str(tmp_path / "f.npy")
+    gr.write(p, {"f": np.arange(64 * int(np.prod(frame)), dtype=np.uint32).reshape(64, *frame)})
+    loader = gr.make_data_loader(gr.open_source(p), batch_size=16, shuffle=False)
+    with gr.sharded_device_put(loader, _one_device()) as it:
+        got = [np.asarray(b["f"]) for b in it]
+    want = np.arange(64 * int(np.prod(frame)), dtype=np.uint32).reshape(4, 16, *frame)
+    np.testing.assert_array_equal(np.stack(got), want)
+    alone = frame == (84, 84, 4)
+    assert asked == ([] if alone else ["x"])
+    assert (not packed_puts) == alone
 
 
 def _laid_batch(rows: int = 8) -> tuple[dict[str, np.ndarray], LaneBuffer]:
