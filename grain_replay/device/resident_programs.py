@@ -54,7 +54,9 @@ def traces() -> int:
 
 
 def clear() -> None:
-    """Drops the kept programs: the next iterator traces and compiles its own."""
+    """Drops the kept programs: the next iterator traces and compiles its own (a test that
+    swaps a function a program calls while it is traced, ``row_dma.gather_rows`` say, clears
+    them before and after: a kept program would not call its swap, nor keep it from others)."""
     with _lock:
         _programs.clear()
 
