@@ -1,4 +1,4 @@
-"""Resident replay's jitted programs, kept for the process: a like iterator compiles nothing.
+"""Resident replay's jitted programs, kept: an iterator like an earlier one compiles nothing.
 
 jax keeps what it traced and compiled with the function object it was given, so a program
 built afresh for every iterator (a closure over that iterator's layout, wrapped in a new
