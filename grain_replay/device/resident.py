@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grain_replay.device import row_dma
 from grain_replay.device.converter import default_sharding, mesh_sharding
 from grain_replay.device.lines import Probe, RowLayout
+from grain_replay.device.resident_programs import gather_program
 from grain_replay.device.resident_store import default_budget, format_bytes, load_store
 from grain_replay.errors import (
     BatchShardingError,
@@ -168,31 +169,16 @@ class ResidentReplayIterator(Iterator[Any]):
         self._treedef = probe.treedef
         self._store = load_store(source, layout, replicated, progress, _CHUNK_BYTES)
 
-        def gathers(dma: bool) -> Any:
-            def gather(store: list[jax.Array], ids: jax.Array) -> tuple[list[jax.Array], ...]:
-                # Per device: ids is (steps, this device's rows); store is the whole replica.
-                return tuple(layout.gather(store, ids[k], dma=dma) for k in range(ids.shape[0]))
-
-            return jax.jit(
-                jax.shard_map(
-                    gather,
-                    mesh=mesh,
-                    in_specs=(PartitionSpec(), PartitionSpec(None, axis)),
-                    out_specs=PartitionSpec(axis),
-                ),
-                # The batch sharding itself: shard_map alone gives PartitionSpec() on a mesh
-                # of one device, where the host pipeline gives this one.
-                out_shardings=sharding,
-            )
-
-        self._gather = by_xla = gathers(False)
+        # Built once a process for a layout and sharding (device/resident_programs.py): a
+        # second iterator of the same shapes compiles nothing.
+        self._gather = by_xla = gather_program(layout, sharding, dma=False)
         if layout.has_tiles and jax.process_count() == 1 and row_dma.on_tpu(sharding.device_set):
             # Rows held as whole tiles (frames): a DMA a row where that is faster, timed
             # here on a window of this iterator's own shape (device/row_dma.py). One
             # process only: the processes of a run must not pick different programs.
             drawn = np.random.default_rng(0).integers(0, n, (self._window, self._batch_size))
             ids = self._ids_block(drawn.astype(np.int32))
-            by_dma = gathers(True)
+            by_dma = gather_program(layout, sharding, dma=True)
             if row_dma.faster(by_xla, by_dma, (self._store, ids), repr(source)):
                 self._gather = by_dma
         self._next = 0  # elements of this process handed out

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from grain_replay.device.lines import ROW_ALIGN, Probe, RowLayout
+from grain_replay.device.resident_programs import load_programs
 from grain_replay.errors import ResidentUnsupportedError
 
 __all__ = ["chunk_rows", "default_budget", "format_bytes", "load_store"]
@@ -87,12 +88,7 @@ def load_store(
     and laid out on the devices (:meth:`RowLayout.write_rows`).
     """
     probe, n = layout.probe, layout.capacity
-    allocate = jax.jit(layout.allocate, out_shardings=replicated)
-    update = jax.jit(
-        layout.write_rows,
-        donate_argnums=0,
-        out_shardings=replicated,
-    )
+    allocate, update = load_programs(layout, replicated)  # compiled once a process
     bufs = allocate()
     rows = chunk_rows(probe.record_bytes, chunk_bytes)
     bar = _progress(n, "loading store onto devices", progress)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import grain_replay as gr
 from grain_replay.device import lines as device_lines
-from grain_replay.device import resident, row_dma
+from grain_replay.device import resident, resident_programs, row_dma
 from grain_replay.device.lines import Probe, RowLayout, tile_lines
 
 interpreted = functools.partial(row_dma.gather_rows, interpret=pltpu.InterpretParams())
@@ -175,6 +175,16 @@ def test_device_replay_samples_by_dma_inside_jit_when_it_is_faster(
         np.testing.assert_array_equal(np.asarray(batch.data[key]), np.asarray(want[key]))
 
 
+@pytest.fixture
+def _no_kept_programs() -> Any:
+    """Resident replay's programs traced here, not kept from (nor for) another test: the
+    kernel swapped in at trace time (``_spy``) is this test's own."""
+    resident_programs.clear()
+    yield
+    resident_programs.clear()
+
+
+@pytest.mark.usefixtures("_no_kept_programs")
 def test_resident_replay_gathers_by_dma_on_every_device_when_it_is_faster(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
