@@ -70,9 +70,11 @@ class SamplingIterator:
     ``get_state()`` returns JSON bytes that hold the whole replay state: the
     position, the sampler's state before the next batch, the commit watermark of
     the store (the rows the sampler draws from; see :mod:`grain_replay.store.watermark`)
-    and, with prioritized replay, the priorities and the draws ahead (numpy arrays
-    as base64, ~11 bytes a row of this process). The rows themselves are never
-    copied. :meth:`priority_state` still returns the priorities alone.
+    and, with prioritized replay, the priorities as they were before the next batch's
+    draw, whatever was drawn ahead (numpy arrays as base64, ~11 bytes a row of this
+    process; the draws ahead too when one of them looked at the store). The rows
+    themselves are never copied. :meth:`priority_state` still returns the priorities
+    alone.
     """
 
     def __init__(
