@@ -70,9 +70,11 @@ class SamplingIterator:
     ``get_state()`` returns JSON bytes that hold the whole replay state: the
     position, the sampler's state before the next batch, the commit watermark of
     the store (the rows the sampler draws from; see :mod:`grain_replay.store.watermark`)
-    and, with prioritized replay, the priorities and the draws ahead (numpy arrays
-    as base64, ~11 bytes a row of this process). The rows themselves are never
-    copied. :meth:`priority_state` still returns the priorities alone.
+    and, with prioritized replay, the priorities as they were before the next batch's
+    draw, whatever was drawn ahead (numpy arrays as base64, ~11 bytes a row of this
+    process; the draws ahead too when one of them looked at the store). The rows
+    themselves are never copied. :meth:`priority_state` still returns the priorities
+    alone.
     """
 
     def __init__(
@@ -178,6 +180,8 @@ class SamplingIterator:
             data = self._read(task)
         with self._lock:
             self._drawn.pop(step - _KEEP_DRAWN, None)
+            if self._stream.kind == "prioritized":
+                self._priority().forget(step - _KEEP_DRAWN)
             self._position = step + 1
         if self._limiter is not None:
             self._limiter.handed(step + 1)
@@ -253,7 +257,7 @@ class SamplingIterator:
             entry = self._drawn.get(position)
             priorities = None
             if self._stream.kind == "prioritized":
-                priorities = self._priority_state_locked(copy=False)
+                priorities = self._priority_state_locked(position, copy=False)
             return encode_state(
                 sampling=self._describe(),
                 position=position,
@@ -366,14 +370,30 @@ class SamplingIterator:
         ``StandardSave`` item); restore with :meth:`set_priority_state` after
         ``set_state``.
         """
-        self._priority()
+        sampler = self._priority()
         with self._lock:
-            return self._priority_state_locked()
+            # All the draws kept, those behind the position too: a wrapper that reads
+            # ahead (sharded_device_put) restores its own get_state() with these.
+            state = sampler.state()
+            state.update(drawn_arrays(self._drawn, self._next_draw))
+            return state
 
-    def _priority_state_locked(self, *, copy: bool = True) -> dict[str, np.ndarray]:
-        # copy=False: encoded at once, under this iterator's lock (no draw changes the tree).
-        state = self._priority().state(copy=copy)
-        state.update(drawn_arrays(self._drawn, self._next_draw))
+    def _priority_state_locked(self, position: int, *, copy: bool = True) -> dict[str, np.ndarray]:
+        """The priorities at ``position`` batches handed out: a function of the seed, the
+        updates and ``position``, not of how far the draws ran ahead (they are undone),
+        unless a draw ahead looked at the store: then the state is the sampler's now,
+        with the draws from ``position`` on, which a restore repeats.
+
+        copy=False: encoded at once, under this iterator's lock (no draw changes the tree).
+        """
+        sampler = self._priority()
+        state = sampler.state_at(position, self._next_draw, copy=copy)
+        if state is not None:
+            state.update(drawn_arrays({}, position))
+            return state
+        state = sampler.state(copy=copy)
+        ahead = {s: e for s, e in self._drawn.items() if s >= position}
+        state.update(drawn_arrays(ahead, self._next_draw))
         return state
 
     def set_priority_state(self, state: Mapping[str, Any]) -> None:

@@ -5,7 +5,7 @@
 handed out), ``sampler`` (its state before the next batch), the store's commit
 ``watermark`` (a replay mixture: ``watermarks``, one per source), a rate limit's
 counters (``rate_limit``) and, with prioritized replay, the ``priorities`` (numpy
-arrays as base64, the draws ahead included).
+arrays as base64; the draws ahead only when one of them looked at the store).
 Version 1 has none of watermark, rate limit and priorities; version 2 lacks the
 rate limit (its rows handed out are the position's batches).
 """

@@ -26,6 +26,19 @@ from grain_replay.store.rate_limit import RateLimit
 __all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]
 
 
+class _Undo(NamedTuple):
+    """What the draw of one step changed, so that the state before it can be rebuilt:
+    the queue and the largest priority before it, the leaves its updates overwrote
+    (``(slots, old leaves)`` in the order written), the slots it handed out first, and
+    whether it looked at the store (a look's outcome depends on when it ran)."""
+
+    queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]
+    max: float
+    leaves: list[tuple[np.ndarray, np.ndarray]]
+    fresh: np.ndarray
+    looked: bool
+
+
 class Sampled(NamedTuple):
     """A prioritized batch: ``data`` (the rows), ``index`` (int64 row indices) and ``weight``.
 
@@ -169,6 +182,8 @@ class PrioritySampler:
         # count they were found at if they all held their rows then, else -1)
         self._queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
         self._recent = RecentDraws()
+        # step -> what its draw changed (see state_at), for the draws not yet forgotten
+        self._undo: dict[int, _Undo] = {}
         self._lock = threading.Lock()
 
     @property
@@ -182,12 +197,13 @@ class PrioritySampler:
     def refresh(self) -> None:
         self._length.request()
 
-    def _grow(self, step: int) -> None:
+    def _grow(self, step: int) -> bool:
         """Follows the store to its length at ``step``: rows that left go to 0, new rows
-        enter at the largest priority given so far (only the moved slots are touched)."""
+        enter at the largest priority given so far (only the moved slots are touched).
+        Returns whether any slot moved."""
         moves = self._slots.follow(self._length, step)
         if moves is None:
-            return
+            return False
         size, out, add, appended = moves
         old = len(self._tree)
         top = float(self._leaf(np.float64(self._max)))
@@ -208,6 +224,7 @@ class PrioritySampler:
         else:
             self._tree.extend(size, 0.0)
             self._tree.set(np.concatenate([out, add]), np.repeat([0.0, top], [len(out), len(add)]))
+        return True
 
     @property
     def max_priority(self) -> float:
@@ -223,15 +240,21 @@ class PrioritySampler:
         """Step ``step``'s batch indices (int64; rows, or row ids) and importance weights
         (float32)."""
         with self._lock:
-            self._apply(step)
-            self._grow(step)
+            queued, top = list(self._queued), self._max
+            leaves: list[tuple[np.ndarray, np.ndarray]] = []
+            looks = self._length.looks
+            self._apply(step, leaves)
+            grew = self._grow(step)
+            looked = grew or self._length.looks != looks
             units = self._draws.units(step)
             if self._tree.total > 0:
                 slot, p = self._tree.find_stratified(units)
                 weight = (self._tree.min / p) ** self.options.beta_at(step)
             else:  # every live row at priority 0 (eps=0): uniform, as Reverb draws
                 slot, weight = self._uniform(units), np.ones(len(units))
+            fresh = slot[~self._seen[slot]]
             self._seen[slot] = True
+            self._undo[step] = _Undo(queued, top, leaves, fresh, looked)
             index = self._slots.index(slot)
             self._recent.remember(index, slot, self._slots.moves)
             return index, weight.astype(np.float32)
@@ -253,8 +276,10 @@ class PrioritySampler:
         """Writes the queued updates that the draw of ``step`` may see into the tree."""
         with self._lock:
             self._apply(step)
+            self._undo.clear()  # the tree changed outside a draw: no state before a draw
 
-    def _apply(self, step: int) -> None:
+    def _apply(self, step: int, leaves: list[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """Applies the updates due at ``step``; ``leaves`` collects ``(slots, old leaves)``."""
         if not self._queued:
             return
         keep = []
@@ -268,6 +293,8 @@ class PrioritySampler:
                 holds = self._slots.holding(slot, index)
                 if not holds.all():  # rows evicted since the update leave it
                     slot, given = slot[holds], priorities[holds]
+            if leaves is not None:
+                leaves.append((slot, self._tree.get(slot)))
             self._tree.set(slot, self._leaf(given))
             self._max = max(self._max, float(priorities.max(initial=0.0)))
         self._queued = keep
@@ -325,24 +352,74 @@ class PrioritySampler:
             next draw (for a caller that encodes them at once, holding off draws).
         """
         with self._lock:
-            saved = [self._slots.saved_index(x, slot) for _, x, _, slot, _ in self._queued]
-            return {
-                "version": np.array(self._slots.version, dtype=np.int64),
-                "shard": np.array([self._p, self._count], dtype=np.int64),
-                "options": np.array(
-                    [self.options.alpha, self.options.eps, self.lag], dtype=np.float64
-                ),
-                "workers": np.array(self._workers, dtype=np.int64),
-                "n": np.array(self._length.n, dtype=np.int64),
-                **self._slots.state(),
-                "values": self._tree.values.copy() if copy else self._tree.values,
-                "max_priority": np.array(self._max, dtype=np.float64),
-                "seen": np.packbits(self._seen),
-                "pending_stamp": np.array([e[0] for e in self._queued], dtype=np.int64),
-                "pending_count": np.array([len(x) for x in saved], dtype=np.int64),
-                "pending_index": np.concatenate([np.zeros(0, np.int64), *saved]),
-                "pending_priority": np.concatenate([np.zeros(0)] + [e[2] for e in self._queued]),
-            }
+            values = self._tree.values.copy() if copy else self._tree.values
+            return self._arrays(values, self._seen, self._max, self._queued)
+
+    def state_at(self, step: int, drawn: int, *, copy: bool = True) -> dict[str, np.ndarray] | None:
+        """:meth:`state` as it was before the draw of ``step``, the draws of ``step`` to
+        ``drawn - 1`` undone: their updates back in the queue (in the order given), their
+        leaves and handed-out bits as before. The same arrays, whatever ran ahead.
+
+        None when one of those draws looked at the store (or is no longer remembered,
+        or the tree changed outside a draw): what that look saw depends on when it ran,
+        so only the draws made after it repeat the run; the caller saves them then.
+
+        Args:
+          copy: as for :meth:`state` (a copy is made anyway when a leaf is undone).
+        """
+        with self._lock:
+            undo = [self._undo.get(s) for s in range(step, drawn)]
+            if not all(u is not None and not u.looked for u in undo):
+                return None
+            done = [u for u in undo if u is not None]
+            if not done:
+                values = self._tree.values.copy() if copy else self._tree.values
+                return self._arrays(values, self._seen, self._max, self._queued)
+            values = self._tree.values.copy()
+            seen = self._seen.copy()
+            for u in reversed(done):
+                for slot, old in reversed(u.leaves):
+                    values[slot] = old
+                seen[u.fresh] = False
+            # The queue before ``step``, then what was queued since, in the order given.
+            queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+            known: set[int] = set()
+            for entries in [*(u.queued for u in done), self._queued]:
+                for entry in entries:
+                    if id(entry) not in known:
+                        known.add(id(entry))
+                        queued.append(entry)
+            return self._arrays(values, seen, done[0].max, queued)
+
+    def forget(self, before: int) -> None:
+        """Drops what the draws of steps before ``before`` changed (no state before them)."""
+        with self._lock:
+            for step in [s for s in self._undo if s < before]:
+                del self._undo[step]
+
+    def _arrays(
+        self,
+        values: np.ndarray,
+        seen: np.ndarray,
+        top: float,
+        queued: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]],
+    ) -> dict[str, np.ndarray]:
+        saved = [self._slots.saved_index(x, slot) for _, x, _, slot, _ in queued]
+        return {
+            "version": np.array(self._slots.version, dtype=np.int64),
+            "shard": np.array([self._p, self._count], dtype=np.int64),
+            "options": np.array([self.options.alpha, self.options.eps, self.lag], dtype=np.float64),
+            "workers": np.array(self._workers, dtype=np.int64),
+            "n": np.array(self._length.n, dtype=np.int64),
+            **self._slots.state(),
+            "values": values,
+            "max_priority": np.array(top, dtype=np.float64),
+            "seen": np.packbits(seen),
+            "pending_stamp": np.array([e[0] for e in queued], dtype=np.int64),
+            "pending_count": np.array([len(x) for x in saved], dtype=np.int64),
+            "pending_index": np.concatenate([np.zeros(0, np.int64), *saved]),
+            "pending_priority": np.concatenate([np.zeros(0)] + [e[2] for e in queued]),
+        }
 
     def _parse(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
         """:meth:`state`'s arrays, checked against this sampler (nothing changes): the
@@ -414,4 +491,5 @@ class PrioritySampler:
                 queued.append((stamp, index, prio, slot, found_at))
             self._queued = queued
             self._recent.clear()
+            self._undo.clear()
             self._length.n = common["n"]
