@@ -8,7 +8,8 @@ target is >= 0.85 on CPU, >= 0.9 on a TPU (>= 0.95 on a GPU). Beside it, in the 
 run: the same loop with a blocking ``flush()`` every ``flush_every`` steps (the
 durability barrier in the loop) and with one flush at the end. The diagnostic rows
 say where a miss goes: the writer's own throughput on the same host arrays (what the
-background thread must keep up with), each thread's CPU per append, the time of one
+background thread must keep up with), each thread's CPU and jax calls per append (the
+calls are what carries over to a host whose jax calls cost more), the time of one
 blocking flush, the caller's time in ``flush(wait=False)`` and how long its commit
 takes to be visible; then the device memory before and after a 10,000-step writing loop.
 
@@ -45,6 +46,12 @@ from typing import Any
 import numpy as np
 
 import grain_replay as gr
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from jax_calls import counting, jax_calls  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "device_actor.py"
 ENVS = 1024
@@ -156,6 +163,29 @@ def _profile(
     }
 
 
+def _jax_calls(
+    da: ModuleType, step: Any, carry: Any, steps: int, flush_every: int, store: str
+) -> dict[str, float]:
+    """One more writing loop (flush(wait=False) every ``flush_every`` steps), untimed, with
+    counting wrappers (benchmarks/jax_calls.py): the jax calls (dispatches) per append of
+    the caller's thread (in ``append`` and ``flush``) and of the writer's threads, and the
+    caller's liveness checks (``is_deleted``, no dispatch). The actor's own step is not
+    counted (it runs with or without writing)."""
+    with counting() as calls, gr.ReplayWriter(store, format="npy", capacity=CAPACITY) as w:
+        for i in range(steps):
+            carry, transition = step(carry)
+            w.append(transition)
+            if (i + 1) % flush_every == 0:
+                w.flush(wait=False)
+        w.flush()
+    threads = sum(jax_calls(calls, g) for g in {g for g, _ in calls} if g != "caller")
+    return {
+        "caller": jax_calls(calls, "caller") / steps,
+        "threads": threads / steps,
+        "checks": jax_calls(calls, "caller", "check:") / steps,
+    }
+
+
 def run(
     quick: bool,
     *,
@@ -231,6 +261,7 @@ def run(
         load.append(os.getloadavg()[0])
         prof = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-on"), False)
         blocking = _profile(da, step, carry, steps, flush_every, os.path.join(root, "p-bl"), True)
+        calls = _jax_calls(da, step, carry, steps, flush_every, os.path.join(root, "p-calls"))
         mem_steps = memory_steps or (1000 if quick else 10_000)
         mem = _memory(da, step, carry, mem_steps, flush_every, os.path.join(root, "mem"))
         if memory is not None:
@@ -272,6 +303,14 @@ def run(
          "value": prof["main_us"], "target": None, "unit": "us"},
         {"name": "writer threads' CPU time per device append (host copy, write, checksums, "
          "segments, syncs, commits)", "value": prof["writer_us"], "target": None, "unit": "us"},
+        {"name": "jax calls per device append, the caller's thread (dispatches: jit calls, "
+         "host copies, np.asarray of a jax.Array, device_get/put; benchmarks/jax_calls.py)",
+         "value": calls["caller"], "target": None, "unit": "calls"},
+        {"name": "jax calls per device append, the writer's threads (stacking, host copies)",
+         "value": calls["threads"], "target": None, "unit": "calls"},
+        {"name": "liveness checks per device append, the caller's thread (Array.is_deleted, "
+         "a C++ accessor: no dispatch)", "value": calls["checks"], "target": None,
+         "unit": "calls"},
         {"name": f"one flush() in the writing loop ({flush_every} steps of rows)",
          "value": blocking["flush_ms"], "target": None, "unit": "ms"},
         {"name": "one flush(wait=False) in the writing loop (the caller's time)",

@@ -27,7 +27,17 @@ def test_bench_device_writes_rows() -> None:
     )
     assert memory["steps"] == 20 and memory["rows_live"] == 20 * 64
     assert memory["memory_stats_before"] is None and memory["memory_stats_after"] is None
-    rest = [r for r in rows if r not in in_use and r not in live]
+    # Jax calls per append: the caller dispatches none (its checks are is_deleted, one a
+    # leaf); the writer's thread reads each CPU leaf (np.asarray) once.
+    calls = {
+        r["name"].split(" (")[0].removeprefix("jax calls per device append, "): r["value"]
+        for r in rows
+        if r["name"].startswith("jax calls per device append")
+    }
+    assert calls == {"the caller's thread": 0, "the writer's threads": 5}, calls
+    checks = [r for r in rows if r["name"].startswith("liveness checks per device append")]
+    assert len(checks) == 1 and checks[0]["value"] == 5
+    rest = [r for r in rows if r not in in_use and r not in live and r["unit"] != "calls"]
     assert all(r["value"] > 0 for r in rest if not math.isnan(r["value"])), rows
     assert [r["target"] for r in rows[1:]] == [None] * (len(rows) - 1)
     # The per-append profile behind a miss: each thread's CPU, the flush, the load.

@@ -304,14 +304,18 @@ class ReplayWriter:
             differ from the store's (every differing leaf is named).
           BackgroundWriteError: an earlier device append failed in the background.
         """
-        if self._bg is not None:
-            if self._bg.failed:
-                self._raise_failed()
-            rows = self._bg.submit_like_last(tree, self._appended)  # like the last device tree
+        bg = self._bg
+        if bg is not None:
+            # A tree like the last device tree (0: another tree, or the thread failed).
+            rows = bg.submit_like_last(tree, self._appended)
             if rows:
-                self._appended += rows
-                self._flush_if_due()
+                appended = self._appended = self._appended + rows
+                every = self._flush_every
+                if every is not None and appended - self._flushed >= every:
+                    self.flush()
                 return
+            if bg.failed:
+                self._raise_failed()
         store = self._store
         assert store is not None
         is_device = background.device_leaf_test()  # None unless jax is loaded

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import grain_replay as gr
 from grain_replay.writers.device import leaves as device_leaves
 from grain_replay.writers.device import pack as device_pack
+from grain_replay.writers.device.queue import Item
 from tests.helpers.store_reads import read_all
 
 THREAD = "grain_replay-device-writes"
@@ -129,6 +130,55 @@ def test_sizes_are_powers_of_two_up_to_the_group_and_lone_trees_left() -> None:
     assert device_pack._sizes(100) == [64, 32, 4]
     assert device_pack._sizes(130) == [64, 64, 2]
     assert all(s & (s - 1) == 0 and s <= device_pack.MAX_GROUP for s in device_pack._sizes(999))
+
+
+def test_groups_take_a_run_of_like_trees_whole_and_split_other_runs_by_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of one key (a run of appends like the last one) is grouped without a look
+    at each tree; runs of other keys, and trees without one, split the groups as ever."""
+    monkeypatch.setattr(device_pack, "_unpackable", set())
+    a, b = (("a", 32), ("x",)), (("b", 32), ("x",))
+
+    def items(packs: list[Any]) -> list[Item]:
+        return [Item({}, 1, i, 1, print, p) for i, p in enumerate(packs)]
+
+    assert device_pack._groups(items([a] * 64)) == [(a[0], 0, 64)]
+    assert device_pack._groups(items([a] * 7)) == [(a[0], 0, 4), (a[0], 4, 2)]
+    mixed = [a] * 3 + [b] * 2 + [None] + [a] * 2
+    assert device_pack._groups(items(mixed)) == [(a[0], 0, 2), (b[0], 3, 2), (a[0], 6, 2)]
+    equal = (("a", 32), ("x",))  # an equal key, another object: the same run
+    assert device_pack._groups(items([a, equal, a, equal])) == [(a[0], 0, 4)]
+    assert device_pack._groups(items([a, (("a", 16), ("x",))] * 2)) == []  # other rows
+    device_pack._unpackable.add(a[0])
+    assert device_pack._groups(items([a] * 8)) == []
+    assert device_pack._groups(items([a] * 4 + [b] * 4)) == [(b[0], 4, 4)]
+
+
+def test_like_appends_share_one_group_key(
+    tmp_path: Any, accelerator: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trees taken as like the last one carry the same key object, so a steady actor's
+    batch is one run (grouped whole); a new row count gets a key of its own."""
+    keys: list[list[int]] = []
+    real = device_pack._groups
+
+    def groups(batch: list[Item]) -> Any:
+        keys.append([id(item.pack) for item in batch])
+        return real(batch)
+
+    monkeypatch.setattr(device_pack, "_groups", groups)
+    path = str(tmp_path / "s")
+    trees = [_tree(i) for i in range(device_pack.MAX_GROUP)] + [_tree(99, rows=16)] * 2
+    with gr.ReplayWriter(path) as w:
+        for t in trees:
+            w.append(t)
+    _check(path, trees)
+    flat = [k for batch in keys for k in batch]
+    assert len(flat) == len(trees)
+    first, rest = flat[: device_pack.MAX_GROUP], flat[device_pack.MAX_GROUP :]
+    assert len(set(first)) == 1, "like appends were given keys of their own"
+    assert len(set(rest)) == 1 and rest[0] != first[0]
 
 
 def test_a_refused_packing_falls_back_leaf_by_leaf_and_is_not_tried_again(

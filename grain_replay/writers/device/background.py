@@ -122,6 +122,9 @@ class BackgroundWriter:
         # is checked from its leaves' attributes (submit_like_last).
         self._signature: TreeSignature | None = None
         self._last_write: Write | None = None
+        # The group key of like trees of the last one's rows (one object for a run of them:
+        # the thread groups them on identity).
+        self._like_pack: tuple[Any, tuple[str, ...]] | None = None
         # The thread's buffers joining a batch's rows, per leaf (reused batch after batch).
         self._joins = JoinBuffers()
 
@@ -165,8 +168,10 @@ class BackgroundWriter:
             self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
             self._last_write = write
         signature = self._signature
+        self._like_pack = None
         if signature is not None:  # like trees after it are keyed by it (submit_like_last)
             pack = ((signature, rows), signature.accel) if signature.accel else None
+            self._like_pack = pack
         else:
             pack = device_pack.group_of(arrays, is_device)
         self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
@@ -175,17 +180,21 @@ class BackgroundWriter:
         """Queues ``tree`` if it is a tree of device arrays like the last tree submitted
         (same containers, array types, dtypes, per-row shapes and shardings): that tree
         passed the store's checks, so this one does too; returns its rows. 0 (nothing
-        queued) for any other tree: the caller checks it in full and calls
-        :meth:`submit`."""
+        queued) for any other tree, which the caller checks in full and passes to
+        :meth:`submit`, and after a failure, which the caller raises (:attr:`failed`)."""
         signature, write = self._signature, self._last_write
-        if signature is None or write is None:
-            return 0
+        if signature is None or write is None or self._error is not None:
+            return 0  # a failure: the caller raises it
         taken = signature.take(tree)
         if taken is None:
             return 0
         arrays, rows, nbytes = taken
-        self._wait_for_room(nbytes)
-        pack = ((signature, rows), signature.accel) if signature.accel else None
+        queue = self._queue
+        if queue.items and queue.bytes + nbytes > self._max_bytes:
+            self._wait_for_room(nbytes)
+        pack = self._like_pack  # one key object for a run of like trees (pack._groups)
+        if (pack is None or pack[0][1] != rows) and signature.accel:
+            pack = self._like_pack = ((signature, rows), signature.accel)
         self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
         return rows
 
@@ -238,9 +247,8 @@ class BackgroundWriter:
                 self._thread = thread
                 self._queue.add(item)
                 return
-            self._queue.add(item)
-            if self._idle and (isinstance(item, Commit) or self._queue.batch_queued()):
-                # A batch (or a commit) is queued; below a batch, the thread sleeps on.
+            # A batch (or a commit) queued wakes the thread; below a batch, it sleeps on.
+            if self._queue.add(item) and self._idle:
                 self._work.notify_all()
 
     def drain(self) -> None:

@@ -10,6 +10,7 @@ thread; jax is never imported here.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from grain_replay.writers.device.queue import Item
 from grain_replay.writers.write_errors import write_error
 
 __all__ = ["batch_error", "batch_to_host", "to_host"]
+
+_ROWS = operator.attrgetter("rows")
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,12 @@ def batch_to_host(
     except Exception as e:  # the copies below meet the failure again and name the leaf
         logger.debug("%s: stacked copies failed (%s); copying leaf by leaf", where, e)
         packed = []
+    if len(packed) == 1 and packed[0].count == len(batch):
+        # One group, the whole batch (an actor's steps): one block, when the group holds
+        # every leaf (no CPU leaf beside the accelerator's).
+        block = packed[0].arrays
+        if len(block) == len(batch[0].arrays):
+            return [(block, sum(map(_ROWS, batch)))], None
     groups = {p.start: p for p in packed}
     stacked = {i: p.arrays for p in packed for i in range(p.start, p.start + p.count)}
     key = ""

@@ -123,6 +123,8 @@ class TreeSignature:
         self._leaves = leaves
         self._where = where
         self._layout = layout
+        # The leaves' names when the tree is a dict of leaves (taken without the layout).
+        self._flat_keys = layout.keys if layout is not None and layout.flat_dict else None
         # The leaves on an accelerator (not host memory): what the writer's thread stacks.
         self.accel = accel
         # The last tree taken, as (type, aval, sharding) a leaf, with its rows and bytes:
@@ -169,9 +171,15 @@ class TreeSignature:
         layout = self._layout
         if layout is None:
             return None
-        leaves = layout.leaves(tree)
-        if leaves is None:
-            return None
+        keys = self._flat_keys
+        if keys is not None:  # a dict of leaves (the common case): no call into the layout
+            if type(tree) is not dict or tuple(tree) != keys:
+                return None
+            leaves: Any = tree.values()
+        else:
+            leaves = layout.leaves(tree)
+            if leaves is None:
+                return None
         same = self._same
         if same is not None:
             for leaf, (t, aval, sharding) in zip(leaves, same[0]):
@@ -183,7 +191,9 @@ class TreeSignature:
                 ):
                     break
             else:
-                return self._arrays(tree, leaves), same[1], same[2]
+                arrays = dict(tree) if keys is not None else dict(zip(layout.keys, leaves))
+                return arrays, same[1], same[2]
+        leaves = list(leaves)
         checked = self._check_attributes(leaves)
         if checked is None:
             return None

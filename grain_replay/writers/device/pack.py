@@ -97,9 +97,27 @@ def _sizes(n: int) -> list[int]:
     return out
 
 
+_PACK = operator.attrgetter("pack")
+_ARRAYS = operator.attrgetter("arrays")
+
+
 def _groups(batch: list[Item]) -> list[tuple[Any, int, int]]:
     """Consecutive like trees of ``batch`` in power-of-two groups of 2 or more: each
     group's key, its first tree's index in ``batch`` and its size."""
+    first = batch[0].pack
+    packs = list(map(_PACK, batch))
+    if first is not None and packs.count(first) == len(batch):
+        # One run of like trees (an actor's steps: one key object, submit_like_last),
+        # grouped without a look at each tree.
+        key = first[0]
+        if key in _unpackable:
+            return []
+        groups = []
+        start = 0
+        for size in _sizes(len(batch)):
+            groups.append((key, start, size))
+            start += size
+        return groups
     runs: list[tuple[Any, int, int]] = []  # (key, start, length)
     for i, item in enumerate(batch):
         key = None if item.pack is None else item.pack[0]
@@ -169,8 +187,8 @@ def pack_batch(batch: list[Item]) -> list[Packed]:
             get = operator.itemgetter(*names)
             if len(names) == 1:
                 args = [(get(item.arrays),) for item in items]
-            else:
-                args = [get(item.arrays) for item in items]
+            else:  # the leaves taken tree by tree in C (no Python a tree)
+                args = list(map(get, map(_ARRAYS, items)))
             out = pack(args)
             for leaf in out:
                 leaf.copy_to_host_async()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,10 @@ class Commit:
     nbytes: int = 0
 
 
+_NBYTES = operator.attrgetter("nbytes")
+_ROWS = operator.attrgetter("rows")
+
+
 def take_batch(
     queue: collections.deque[Item | Commit | None], batch_bytes: int, batch_trees: int
 ) -> tuple[list[Item], Commit | None, bool, int]:
@@ -62,21 +67,26 @@ def take_batch(
     batch: list[Item] = []
     commit = None
     size = 0
+    write = None
+    pop, add = queue.popleft, batch.append
     while queue and size < batch_bytes and len(batch) < batch_trees:
         head = queue[0]
-        if head is None:
-            if not batch:
-                queue.popleft()
-                return batch, None, True, 0
-            break
-        if isinstance(head, Commit):
-            queue.popleft()
+        if type(head) is not Item:
+            if head is None:
+                if not batch:
+                    pop()
+                    return batch, None, True, 0
+                break
+            pop()
+            assert isinstance(head, Commit)
             commit = head
             break
-        if batch and head.write != batch[0].write:  # another store's: a batch of its own
+        if write is None:
+            write = head.write
+        elif head.write != write:  # another store's: a batch of its own
             break
-        queue.popleft()
-        batch.append(head)
+        pop()
+        add(head)
         size += head.nbytes
     return batch, commit, False, size
 
@@ -99,16 +109,20 @@ class WriteQueue:
         self._queued_bytes = 0  # queued, not yet taken by the thread
         self._queued_trees = 0  # trees queued, not yet taken by the thread
 
-    def add(self, item: Item | Commit) -> None:
-        """Queues a tree or a commit behind the ones before it."""
+    def add(self, item: Item | Commit) -> bool:
+        """Queues a tree or a commit behind the ones before it; says whether the thread
+        has work now (a batch of trees, or a commit, queued)."""
         self._queue.append(item)
-        self.bytes += item.nbytes
-        self._queued_bytes += item.nbytes
+        nbytes = item.nbytes
+        self.bytes += nbytes
         self.rows += item.rows
         self.items += 1
-        commit = isinstance(item, Commit)
-        self.commits += commit
-        self._queued_trees += not commit
+        if type(item) is Item:
+            self._queued_bytes += nbytes
+            self._queued_trees += 1
+            return self._queued_bytes >= self.batch_bytes or self._queued_trees >= self.batch_trees
+        self.commits += 1
+        return True
 
     def add_stop(self) -> None:
         """Queues the stop: the thread ends once it reaches it."""
@@ -135,10 +149,9 @@ class WriteQueue:
 
     def count_out(self, batch: list[Item]) -> None:
         """Counts a batch taken out of the queue (written, or dropped) out of the counts."""
-        for i in batch:
-            self.bytes -= i.nbytes
-            self.rows -= i.rows
-            self.items -= 1
+        self.bytes -= sum(map(_NBYTES, batch))
+        self.rows -= sum(map(_ROWS, batch))
+        self.items -= len(batch)
 
     def commit_done(self) -> None:
         """Counts a commit taken out of the queue (run, or failed) out."""
