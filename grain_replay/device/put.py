@@ -1,4 +1,4 @@
-"""Host batches to globally sharded ``jax.Array``s, prefetched in a background thread."""
+"""Host batches to globally sharded ``jax.Array``s, read ahead (a thread; inline on TPU)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,12 @@ def sharded_device_put(
 
     Each leaf is built with ``jax.make_array_from_process_local_data``, so with several JAX
     processes the global batch is the process-local batch times the process count (with one
-    process, ``jax.make_array_from_callback`` builds the same arrays, faster). A
-    background thread pulls from ``batches`` and issues the (asynchronous) transfers, keeping
-    up to ``prefetch`` batches in flight. Run it in the consuming process, after the loader.
+    process, ``jax.make_array_from_callback`` builds the same arrays, faster). The first
+    batch is read in the caller's thread and says how batches move (packed or leaf by
+    leaf); then a background thread pulls from ``batches`` and issues the (asynchronous)
+    transfers, keeping up to ``prefetch`` batches in flight; on a TPU, packed transfers
+    read ahead in the caller's thread instead, one group ahead (docs/loader.md). Run it in
+    the consuming process, after the loader.
     Do not modify a host batch after handing it over: jax may still be copying it, or (on
     the CPU backend) alias it. grain_replay's loaders never reuse a batch's memory.
 
@@ -54,7 +57,8 @@ def sharded_device_put(
         sharding: ``None`` for a 1-D mesh named ``"data"`` over ``jax.devices()``; a
             ``jax.sharding.Mesh`` to shard over its first axis; a ``jax.sharding.Sharding``
             used for every leaf; or a pytree of shardings that is a prefix of the batch tree.
-        prefetch: Batches kept in flight by the background thread; 0 runs synchronously.
+        prefetch: Batches kept in flight (at least a packed transfer's group when read
+            ahead in the caller's thread); 0 runs synchronously.
         pinned: Stage each numpy leaf in pinned host memory (``memory_kind="pinned_host"``)
             before the device copy. Off by default: not yet measured to pay on a GPU (the
             ``device`` benchmark section measures it); on a backend without pinned host
