@@ -54,9 +54,7 @@ def group() -> str:
     return name
 
 
-def jax_calls(
-    counts: collections.Counter[tuple[str, str]], who: str, kind: str = "jax:"
-) -> int:
+def jax_calls(counts: collections.Counter[tuple[str, str]], who: str, kind: str = "jax:") -> int:
     """The jax calls (dispatches; ``kind="check:"``: the liveness checks) of thread group
     ``who`` in ``counts`` (what :func:`counting` gave)."""
     return sum(c for (g, what), c in counts.items() if g == who and what.startswith(kind))
