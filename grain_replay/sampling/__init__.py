@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grain_replay.sampling.priority import PrioritizedReplay, Sampled
+from grain_replay.sampling.priority_options import PrioritizedReplay, Sampled
 from grain_replay.sampling.replay import UniformReplay
 
 __all__ = ["PrioritizedReplay", "Sampled", "UniformReplay"]

@@ -12,7 +12,7 @@ import numpy as np
 from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, InvalidSamplingError
 from grain_replay.pipeline.arguments import LoaderArguments
 from grain_replay.pipeline.defaults import default_shard_options
-from grain_replay.sampling.priority import PrioritizedReplay
+from grain_replay.sampling.priority_options import PrioritizedReplay
 from grain_replay.sampling.rate.limit import RateLimiter, make_limiter
 from grain_replay.sampling.rate.options import is_rate_limited
 from grain_replay.sampling.replay import UniformReplay

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,14 +14,13 @@ from grain_replay.errors import (
     ReplayCheckpointError,
 )
 from grain_replay.sampling.draws import Draws
+from grain_replay.sampling.priority_options import PrioritizedReplay, Sampled
 from grain_replay.sampling.priority_state import KINDS, parse_common, pending_updates
-from grain_replay.sampling.rate.options import set_rate_limit
-from grain_replay.sampling.replay import StoreLength, check_refresh_every
+from grain_replay.sampling.replay import StoreLength
 from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
 from grain_replay.sampling.sumtree import SumTree
-from grain_replay.store.rate_limit import RateLimit
 
-__all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]
+__all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]  # the first two: re-exported
 
 
 class _Undo(NamedTuple):
@@ -37,102 +34,6 @@ class _Undo(NamedTuple):
     leaves: list[tuple[np.ndarray, np.ndarray]]
     fresh: np.ndarray
     looked: bool
-
-
-class Sampled(NamedTuple):
-    """A prioritized batch: ``data`` (the rows), ``index`` (int64 row indices) and ``weight``.
-
-    ``weight`` holds float32 importance-sampling weights, ``(p_min / p_i) ** beta``
-    with ``p = (priority + eps) ** alpha`` and ``p_min`` the smallest over this
-    process's rows: 1 for the least likely row, below 1 for the others. A
-    NamedTuple, so it flows through ``sharded_device_put`` like any pytree.
-    """
-
-    data: Any
-    index: np.ndarray  # type: ignore[assignment]  # shadows tuple.index, as the contract names it
-    weight: np.ndarray
-
-
-def _check_float(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise InvalidSamplingError(f"PrioritizedReplay: {name} must be a float, got {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and low <= value <= high):
-        raise InvalidSamplingError(
-            f"PrioritizedReplay: {name} must be in [{low}, {high}], got {value}"
-        )
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class PrioritizedReplay:
-    """Proportional prioritized replay over a source or a growing store.
-
-    Row ``i`` is drawn with probability ``p_i / sum(p)``, ``p_i = (priority_i + eps) **
-    alpha``; a batch is stratified (one draw in each of ``batch_size`` equal slices
-    of the total), as in Schaul et al. New rows get the largest priority given so
-    far (1.0 before any update). Batches are :class:`Sampled` tuples; the learner
-    gives new priorities with ``update_priorities(index, priorities)`` on the
-    iterator it holds.
-
-    Args:
-      alpha: how much priorities count (0: uniform).
-      beta: importance-sampling exponent in ``[0, 1]``, or a callable of the step
-        returning it (annealed towards 1).
-      eps: added to every priority, so no row is never drawn.
-      refresh_every: batches between looks for newly committed rows; None looks
-        only when the iterator's ``refresh()`` is called.
-      min_size: no batch until this many rows are live (committed and not evicted).
-      samples_per_insert: ``r``: rows handed out per row inserted. The rows handed
-        out stay within ``r * (inserted - min_size) +- tolerance``, ``inserted``
-        counting every row every writer committed (evicted ones included): the
-        learner waits when ahead, and the store's writers wait in ``flush()`` when
-        ahead, from the moment the loader is built. None: no ratio.
-      tolerance: ``e`` in rows; default ``max(0.1 * min_size * r, 2 * B, B + r)``
-        (Acme's 10 %, at least what progress needs; ``B`` the global batch).
-      timeout: seconds the learner may wait for inserts before raising
-        :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
-        every 30 s. See docs/rate_limits.md.
-      rate_limit: the four above as one :class:`~grain_replay.RateLimit`, the value its
-        store's writers are given too (the flat fields are a shorthand: one given as well
-        must say the same). The writers are held from the moment the loader is built.
-        Without a limit here, a store that declares one (a writer's ``rate_limit=``)
-        lends the learner its limit; a limit that differs from the store's is refused.
-
-    Examples:
-      >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None,
-      ...                              sampling=gr.PrioritizedReplay(alpha=0.6, beta=0.4))
-      >>> it = iter(loader); batch = next(it)
-      >>> it.update_priorities(batch.index, td_errors)
-    """
-
-    alpha: float = 0.6
-    beta: float | Callable[[int], float] = 0.4
-    eps: float = 1e-6
-    refresh_every: int | None = 16
-    min_size: int = 0
-    samples_per_insert: float | None = None
-    tolerance: float | None = None
-    timeout: float | None = None
-    rate_limit: RateLimit | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "alpha", _check_float("alpha", self.alpha, 0.0, 1e3))
-        if not callable(self.beta):
-            object.__setattr__(self, "beta", _check_float("beta", self.beta, 0.0, 1.0))
-        object.__setattr__(self, "eps", _check_float("eps", self.eps, 0.0, 1e30))
-        object.__setattr__(
-            self,
-            "refresh_every",
-            check_refresh_every(self.refresh_every, "PrioritizedReplay"),
-        )
-        set_rate_limit(self)
-
-    def beta_at(self, step: int) -> float:
-        """``beta`` at ``step`` (checked when it comes from a schedule)."""
-        if callable(self.beta):
-            return _check_float(f"beta({step})", self.beta(step), 0.0, 1.0)
-        return self.beta
 
 
 class PrioritySampler:
