@@ -291,16 +291,29 @@ class Writers:
                     raise RuntimeError(f"a writer process exited with {dead[0]}") from None
 
     def start(self) -> float:
-        """Starts every writer at once; waits until each has filled; the start time."""
+        """Starts every writer at once; waits until each has filled; the start time.
+
+        A writer may finish before another has filled (few rows, a loaded machine): its
+        result, arriving among the "filled" messages, is kept for :meth:`join`."""
         self.go.set()
-        for _ in self.procs:
-            self._get()
+        self._done: list[dict[str, Any]] = []
+        filled = 0
+        while filled < len(self.procs):
+            message = self._get()
+            if "filled" in message:
+                filled += 1
+            else:
+                self._done.append(message)
         return time.perf_counter()
 
     def join(self, stop: bool = False) -> list[dict[str, Any]]:
         if stop:
             self.stop.set()
-        results = [self._get() for _ in self.procs]
+        results = list(getattr(self, "_done", []))
+        while len(results) < len(self.procs):
+            message = self._get()
+            if "filled" not in message:  # start() was not called: skip the fill reports
+                results.append(message)
         for p in self.procs:
             p.join(60)
         return results

@@ -22,7 +22,7 @@ def test_bench_feed_runs_both_workloads_and_writes_their_ratios(tmp_path: Path) 
     args = ["--quick", "--rows", "1000", "--frames", "200", "--repeats", "1", "--seconds", "0.05"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_feed.py"), *args,
-         "--cases", "fed-w0-default", "--out", str(out)],
+         "--cases", "fed-w0-default$", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

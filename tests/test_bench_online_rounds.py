@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +56,42 @@ def test_sample_rounds_runs_ours_and_skips_a_missing_peer(tmp_path: Path) -> Non
     assert all(x > 0 for x in doc["summary"]["ours_samples_per_s"])
     assert "no venv at" in doc["summary"]["torchrl"]["skipped"]
     assert "ours / torchrl" in (out / "rounds.md").read_text()
+
+
+class _Joined:
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _Scripted:
+    """The message queue of two writer processes, in a given order."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = list(messages)
+
+    def __call__(self) -> dict[str, Any]:
+        return self.messages.pop(0)
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        ["filled0", "filled1", "done0", "done1"],
+        ["filled0", "done0", "filled1", "done1"],  # writer 0 finished before 1 had filled
+    ],
+)
+def test_writers_start_waits_for_every_fill_and_join_gets_every_result(order: list[str]) -> None:
+    from bench_online_peers import Writers
+
+    w = object.__new__(Writers)
+    w.procs = [_Joined(), _Joined()]
+    w.go, w.stop = threading.Event(), threading.Event()
+    messages = {
+        "filled0": {"filled": 0},
+        "filled1": {"filled": 0},
+        "done0": {"rows": 10, "s": 1.0},
+        "done1": {"rows": 20, "s": 1.0},
+    }
+    w._get = _Scripted([messages[m] for m in order])  # type: ignore[method-assign]
+    w.start()
+    assert sorted(r["rows"] for r in w.join()) == [10, 20]
