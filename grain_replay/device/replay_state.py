@@ -14,7 +14,6 @@ from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, Invalid
 from grain_replay.store import parts as parts_lib
 
 __all__ = [
-    "FIELDS",
     "DeviceReplayState",
     "Ring",
     "StateLayout",
@@ -71,9 +70,6 @@ class DeviceReplayState(NamedTuple):
     rows: tuple[jax.Array, ...]
     book: jax.Array
     mass: jax.Array
-
-
-FIELDS: tuple[str, ...] = DeviceReplayState._fields
 
 
 class StateView(NamedTuple):
@@ -144,34 +140,29 @@ class StateLayout:
         for name in _PER_WRITER:
             self.book_at[name], at = at, at + self.writer_lines
         self.counters_at = at
-        self.book_lines = at + 1
-        self.levels = level_lines(capacity) if prioritized else []
+        levels = level_lines(capacity) if prioritized else []
         at = self.lines + 1  # priority, then the max_priority line
         self.sums_at: list[tuple[int, int]] = []
-        for n in self.levels:
+        for n in levels:
             self.sums_at.append((at, n))
             at += n
         self.mins_at: list[tuple[int, int]] = []
-        for n in self.levels[1:]:
+        for n in levels[1:]:
             self.mins_at.append((at, n))
             at += n
-        self.mass_lines = at
 
     # -- reading -----------------------------------------------------------------------
 
     def view(self, state: DeviceReplayState) -> StateView:
         """``state``'s parts by name (slices; jax arrays, traced inside jit)."""
-        b, m = state.book, state.mass
+        m = state.mass
         return StateView(
-            **{k: self._slot_part(b, k) for k in _PER_SLOT},
-            n_live=b[self.counters_at, 0],
-            refreshes=b[self.counters_at, 1],
+            **self.book_parts(state.book),
+            live_slots=self._slot_part(state.book, "live_slots"),
             priority=self.priority(m),
             max_priority=m[self.lines, 0],
             sums=self.sums(m),
             mins=self.mins(m),
-            mark_hi=self._writer_part(b, "mark_hi"),
-            mark_lo=self._writer_part(b, "mark_lo"),
         )
 
     def _slot_part(self, book: Any, name: str) -> Any:
