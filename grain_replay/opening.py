@@ -155,6 +155,13 @@ def _open_waiting(
                 source = _open(path, keys, kwargs)
             except (StoreNotFoundError, UnfinishedWriteError) as e:
                 why = str(e)
+            except InvalidStoreError:
+                # made between the look and the open (a many-writer store's folders before
+                # its replay_store.json, opened as a plain one): waited for, as seen now
+                why = _not_yet(path)
+                if why is None and not is_parts_store(os.fspath(path)):
+                    raise
+                why = why or "a writer was creating it"
             else:
                 if len(source):
                     return source

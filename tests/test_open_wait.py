@@ -149,6 +149,41 @@ def test_a_store_being_made_is_waited_for_not_refused(tmp_path: Path, kind: str)
         writer.join()
 
 
+def test_a_store_made_between_the_look_and_the_open_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the race CI hit: the look found no folder, a writer made the many-writer store's
+    # folders, and the open saw a folder with no .npy file (InvalidStoreError, not a wait)
+    from grain_replay import opening
+
+    path = str(tmp_path / "buffer")
+    real = opening._not_yet
+    looks: list[int] = []
+
+    def not_yet(p: Any) -> str | None:
+        looks.append(1)
+        if len(looks) == 1:  # the first look: nothing there yet; then the writer's mkdir
+            os.makedirs(os.path.join(path, "writers"))
+            return None
+        return real(p)
+
+    monkeypatch.setattr(opening, "_not_yet", not_yet)
+    with pytest.raises(gr.StoreNotFoundError, match="creating"):
+        gr.open_source(path, wait=0.2)
+    assert len(looks) >= 2
+    with gr.ReplayWriter(path, capacity=100, writer_id="a") as w:  # and it opens once made
+        w.append({"obs": np.ones((5, 2), np.float32)})
+    assert len(gr.open_source(path, wait=5)) == 5
+
+
+def test_a_foreign_folder_is_still_refused_while_waiting(tmp_path: Path) -> None:
+    path = tmp_path / "not_a_store"
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("x")
+    with pytest.raises(gr.InvalidStoreError, match=r"no \.npy file"):
+        gr.open_source(str(path), wait=0.2)
+
+
 @pytest.mark.parametrize(
     ("wait", "error"),
     [
