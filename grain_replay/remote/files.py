@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from grain_replay.errors import GrainReplayError
 from grain_replay.remote.retry import Remote
-from grain_replay.store.formats import import_fsspec
+from grain_replay.store.optional import import_fsspec
 
 __all__ = ["FILE_BLOCK_SIZE", "FILE_CACHE_BLOCKS", "RetryingFile"]
 

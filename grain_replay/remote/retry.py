@@ -20,7 +20,7 @@ from grain_replay.errors import (
     StoreUnreachableError,
 )
 from grain_replay.remote.options import endpoint_of, protocol_of, redact_url
-from grain_replay.store.formats import import_fsspec
+from grain_replay.store.optional import import_fsspec
 
 __all__ = ["Remote", "RetryOptions", "classify", "is_transient", "retry_options"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ __all__ = [
     "FixTables",
     "OffsetGroup",
     "fix_entries",
+    "offset_groups",
     "row_bytes",
     "rows_plan",
     "tables_fit",
@@ -63,6 +64,33 @@ NEAR_TABLE_STEPS = 1 << 23
 # Most entries of the fix-up tables of a view (codes x offsets of its windowed groups); a view
 # that would need more reads its offsets as rows instead of windows.
 FIX_TABLE_ENTRIES = 1 << 20
+
+
+def offset_groups(
+    offsets: Mapping[str, np.ndarray], spec: Mapping[str, LeafSpec], per_leaf: bool, pad: str
+) -> list[OffsetGroup]:
+    """The distinct offset lists of a view's leaves (``offsets``, in the output's order), each
+    with the leaves that read it (they share one ``(B, K)`` plan per batch), and whether each
+    is read as windows (``per_leaf``: a grain_replay step source, read one leaf at a time)."""
+    by_list: dict[bytes, tuple[np.ndarray, list[str]]] = {}
+    for key, off in offsets.items():
+        by_list.setdefault(off.tobytes(), (off, []))[1].append(key)
+    groups = [OffsetGroup(off, tuple(keys)) for off, keys in by_list.values()]
+    # A run of offsets that holds the anchor (any run when nothing pads) is read as one
+    # window of rows per anchor: every step it clips to lies inside that window.
+    # Only for rows small enough that copying a window whole beats taking its rows one by
+    # one (per-row cost dominates); 7 KiB frames measured no faster as windows.
+    for group in groups:
+        off = group.offsets
+        small = all(row_bytes(spec[key]) <= WINDOW_ROW_BYTES for key in group.keys)
+        group.windowed = (
+            per_leaf and small and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
+        )
+    if pad != "drop" and not tables_fit(groups):
+        # Windows reaching far back and ahead: their fix-up tables would be too large.
+        for group in groups:
+            group.windowed = False
+    return groups
 
 
 def _reach(groups: Sequence[OffsetGroup]) -> tuple[int, int]:

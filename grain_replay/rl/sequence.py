@@ -8,27 +8,17 @@ from typing import Any, cast
 
 import numpy as np
 
-from grain_replay.errors import InvalidArgumentError, InvalidStoreError
+from grain_replay.errors import InvalidStoreError
 from grain_replay.rl._derived import DerivedSource, Spans
-from grain_replay.rl._sequence_plan import (
-    WINDOW_ROW_BYTES,
-    Anchors,
-    FixTables,
-    OffsetGroup,
-    row_bytes,
-    rows_plan,
-    tables_fit,
-)
+from grain_replay.rl._sequence_plan import Anchors, FixTables, OffsetGroup, offset_groups, rows_plan
 from grain_replay.rl._sequence_windows import read_windowed
 from grain_replay.rl.episodes import EpisodeFlags, EpisodeIndex
 from grain_replay.rl.sequence_spec import (
+    PAD_MODES,
     PAD_SUFFIX,
     TOLERANCE_S,
     check_leaves,
-    leaf_lists,
-    offsets_from_seconds,
-    offsets_in_steps,
-    resolve_fps,
+    sequence_offsets,
     sequence_treedef,
 )
 from grain_replay.sources import ReplaySource
@@ -38,8 +28,6 @@ from grain_replay.sources.checks import check_out
 from grain_replay.store.layout import LeafSpec
 
 __all__ = ["SequenceDataSource", "PAD_MODES", "PAD_SUFFIX", "TOLERANCE_S"]
-
-PAD_MODES = ("edge", "zero", "drop")
 
 
 class SequenceDataSource(DerivedSource):
@@ -143,44 +131,19 @@ class SequenceDataSource(DerivedSource):
     ):
         access = LeafAccess(steps)
         where = access.where
-        if pad not in PAD_MODES:
-            raise InvalidArgumentError(
-                f"{where}: pad={pad!r} is not a padding mode. Fix: pass one of {list(PAD_MODES)}."
-            )
-        if (offsets is None) == (delta_timestamps is None):
-            raise InvalidArgumentError(
-                f"{where}: pass exactly one of offsets= (steps) and delta_timestamps= (seconds), "
-                f"got {'both' if offsets is not None else 'neither'}."
-            )
         if fps is None:
             fps = getattr(steps, "fps", None)
-        self._fps = None if fps is None else resolve_fps(fps, where)
-        if delta_timestamps is not None:
-            if self._fps is None:
-                raise InvalidArgumentError(
-                    f"{where}: delta_timestamps= gives offsets in seconds, but the step source "
-                    "has no frame rate (no `fps` attribute) and fps= was not given. Fix: pass "
-                    "fps=<frames per second>, or offsets= in steps."
-                )
-            steps_of = offsets_from_seconds(delta_timestamps, self._fps, where)
-            self._seconds: dict[str, tuple[float, ...]] | None = {
-                k: tuple(float(v) for v in vs)
-                for k, vs in leaf_lists(delta_timestamps, "delta_timestamps", where).items()
-            }
-        else:
-            steps_of = offsets_in_steps(offsets, where)
-            self._seconds = None
+        steps_of, self._seconds, self._fps = sequence_offsets(
+            offsets, delta_timestamps, fps, pad, where
+        )
         check_leaves(access, steps_of)
         self._pad = pad
         # In the step source's leaf order, which is also the output order.
         self._offsets = {k: np.asarray(steps_of[k], np.int64) for k in access.spec if k in steps_of}
-        # Leaves with equal offsets share one (B, K) plan per batch: the distinct offset
-        # lists, each with the leaves that read it, and whether it needs clipping below the
-        # episode's first step (an offset < 0) or above its last (an offset > 0).
-        groups: dict[bytes, tuple[np.ndarray, list[str]]] = {}
-        for key, off in self._offsets.items():
-            groups.setdefault(off.tobytes(), (off, []))[1].append(key)
-        self._groups = [OffsetGroup(off, tuple(keys)) for off, keys in groups.values()]
+        # grain_replay sources read one leaf at chosen rows; others read every leaf per row.
+        self._per_leaf = isinstance(steps, ReplaySource)
+        # Leaves with equal offsets share one (B, K) plan per batch (and the windows' choice).
+        self._groups = offset_groups(self._offsets, access.spec, self._per_leaf, pad)
         # Leaf (in the step source's order, the output's) -> (its group, first leaf of it).
         self._group_of = {
             key: (g, key == group.keys[0])
@@ -198,22 +161,6 @@ class SequenceDataSource(DerivedSource):
             leaf = access.spec[key]
             spec[key] = LeafSpec(leaf.dtype, (len(off), *leaf.shape))
             spec[key + PAD_SUFFIX] = LeafSpec(np.dtype(bool), (len(off),))
-        # grain_replay sources read one leaf at chosen rows; others read every leaf per row.
-        self._per_leaf = isinstance(steps, ReplaySource)
-        # A run of offsets that holds the anchor (any run when nothing pads) is read as one
-        # window of rows per anchor: every step it clips to lies inside that window.
-        # Only for rows small enough that copying a window whole beats taking its rows one by
-        # one (per-row cost dominates); 7 KiB frames measured no faster as windows.
-        for group in self._groups:
-            off = group.offsets
-            small = all(row_bytes(access.spec[key]) <= WINDOW_ROW_BYTES for key in group.keys)
-            group.windowed = (
-                self._per_leaf and small and group.run and (pad == "drop" or off[0] <= 0 <= off[-1])
-            )
-        if pad != "drop" and not tables_fit(self._groups):
-            # Windows reaching far back and ahead: their fix-up tables would be too large.
-            for group in self._groups:
-                group.windowed = False
         self._windowed = any(g.windowed for g in self._groups)
         flags = EpisodeFlags(done_key, terminated_key, truncated_key)
         super().__init__(steps, flags=flags, episodes=episodes, cache=cache)

@@ -14,6 +14,7 @@ from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, Invalid
 from grain_replay.sources.access import LeafAccess
 
 __all__ = [
+    "PAD_MODES",
     "PAD_SUFFIX",
     "TOLERANCE_S",
     "offsets_in_steps",
@@ -23,13 +24,47 @@ __all__ = [
     "resolve_fps",
     "check_leaves",
     "sequence_treedef",
+    "sequence_offsets",
 ]
+
+PAD_MODES = ("edge", "zero", "drop")
 
 # The mask of leaf "obs/pixels" is "obs/pixels_is_pad" (LeRobot's convention).
 PAD_SUFFIX = "_is_pad"
 # How far (seconds) a delta timestamp may lie from a frame: LeRobot's default tolerance_s.
 TOLERANCE_S = 1e-4
 _LEAF = {"type": "leaf"}
+
+
+def sequence_offsets(
+    offsets: Any, delta_timestamps: Any, fps: Any, pad: str, where: str
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[float, ...]] | None, float | None]:
+    """A sequence view's offset arguments checked: ``(steps, seconds, fps)``, the offsets in
+    steps a leaf, those in seconds as given (None when given in steps) and the frame rate."""
+    if pad not in PAD_MODES:
+        raise InvalidArgumentError(
+            f"{where}: pad={pad!r} is not a padding mode. Fix: pass one of {list(PAD_MODES)}."
+        )
+    if (offsets is None) == (delta_timestamps is None):
+        raise InvalidArgumentError(
+            f"{where}: pass exactly one of offsets= (steps) and delta_timestamps= (seconds), "
+            f"got {'both' if offsets is not None else 'neither'}."
+        )
+    rate = None if fps is None else resolve_fps(fps, where)
+    if delta_timestamps is None:
+        return offsets_in_steps(offsets, where), None, rate
+    if rate is None:
+        raise InvalidArgumentError(
+            f"{where}: delta_timestamps= gives offsets in seconds, but the step source "
+            "has no frame rate (no `fps` attribute) and fps= was not given. Fix: pass "
+            "fps=<frames per second>, or offsets= in steps."
+        )
+    steps = offsets_from_seconds(delta_timestamps, rate, where)
+    seconds = {
+        k: tuple(float(v) for v in vs)
+        for k, vs in leaf_lists(delta_timestamps, "delta_timestamps", where).items()
+    }
+    return steps, seconds, rate
 
 
 def offsets_in_steps(offsets: Any, where: str) -> dict[str, tuple[int, ...]]:

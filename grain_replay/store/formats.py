@@ -1,8 +1,7 @@
-"""Format knowledge below readers and writers: signatures, detection, headers, metadata, imports."""
+"""Format knowledge below readers and writers: signatures, detection, headers, metadata."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import mmap
@@ -15,14 +14,18 @@ from typing import IO, Any
 
 import numpy as np
 
-from grain_replay.errors import (
-    InvalidStoreError,
-    MissingDependencyError,
-    StoreNotFoundError,
-    UnfinishedWriteError,
-)
+from grain_replay.errors import InvalidStoreError, StoreNotFoundError, UnfinishedWriteError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.filesync import pid_alive, temp_siblings
+
+# Where they were first: importable from here too (stores, sources and datasets use them).
+from grain_replay.store.optional import (
+    import_fsspec,
+    import_h5py,
+    import_optional,
+    import_tensorstore,
+    import_zarr,
+)
 
 __all__ = [
     "FORMATS",
@@ -38,6 +41,7 @@ __all__ = [
     "format_from_path",
     "import_fsspec",
     "import_h5py",
+    "import_optional",
     "import_tensorstore",
     "import_zarr",
     "is_url",
@@ -69,74 +73,6 @@ GROWING_NPY_HEADER = 256
 # The .npy header of a many-writer store's segment: its rows start at a page boundary, so a
 # reader maps the segments of a writer back to back into one array per leaf.
 SEGMENT_NPY_HEADER = max(PAGE, GROWING_NPY_HEADER)
-
-
-# -- optional libraries ---------------------------------------------------------------
-
-
-def import_optional(module: str, hint: str) -> Any:
-    """``module`` imported, or a MissingDependencyError with ``hint`` (what needs it, the fix).
-
-    Each parent package is imported first, as ``import a.b`` does, so that a package
-    blocked or missing (``sys.modules["a"] = None``) is noticed even when ``a.b`` was
-    imported before.
-    """
-    parts = module.split(".")
-    try:
-        for i in range(1, len(parts) + 1):
-            got = importlib.import_module(".".join(parts[:i]))
-    except ImportError as e:
-        raise MissingDependencyError(hint) from e
-    return got
-
-
-def import_h5py() -> Any:
-    """``h5py``, or a MissingDependencyError saying how to install it."""
-    try:
-        import h5py
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"HDF5 stores need the h5py package ({e}). Fix: pip install 'h5py>=3.10' (a "
-            "dependency of grain-replay: reinstall it with pip install grain-replay)."
-        ) from e
-    return h5py
-
-
-def import_zarr() -> Any:
-    """``zarr`` (v3), or a MissingDependencyError saying how to install it."""
-    try:
-        import zarr
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"Zarr stores need the zarr package, version 3 ({e}). Fix: pip install "
-            "'zarr>=3.1' (a dependency of grain-replay: reinstall it with pip install "
-            "grain-replay)."
-        ) from e
-    return zarr
-
-
-def import_fsspec() -> Any:
-    """``fsspec``, or a MissingDependencyError naming the ``s3`` extra."""
-    try:
-        import fsspec
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"Stores at URLs need fsspec ({e}). Fix: pip install 'grain-replay[s3]' (fsspec "
-            "and s3fs; for other protocols add their fsspec backend, e.g. gcsfs)."
-        ) from e
-    return fsspec
-
-
-def import_tensorstore() -> Any:
-    """``tensorstore``, or a MissingDependencyError naming the ``vault`` extra."""
-    try:
-        import tensorstore
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"flashbax Vaults are read through tensorstore ({e}). Fix: pip install "
-            "'grain-replay[vault]' (or pip install tensorstore)."
-        ) from e
-    return tensorstore
 
 
 # -- paths and detection --------------------------------------------------------------

@@ -4,17 +4,16 @@ The protocol is ``store/objects.py``'s (layout, manifest versions) and ``store/l
 (who holds the id). Rows appended are kept in memory (an object cannot be appended
 to); ``flush()`` writes them as one new piece object, then creates the writer's next
 manifest version (the commit point; a conditional create), then deletes what has been
-superseded for longer than ``evict_grace_s``. A SIGKILL at any moment leaves the newest
-manifest version and every piece it names intact; what it left half done (a piece no
-manifest names) is deleted by the id's next holder once older than the grace period.
+superseded for longer than ``evict_grace_s`` (:mod:`object_collect`). A SIGKILL at any
+moment leaves the newest manifest version and every piece it names intact; what it left half
+done (a piece no manifest names) is deleted by the id's next holder once older than the grace
+period.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,7 +32,8 @@ from grain_replay.store import objects as objects_lib
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.lease import Lease, check_seconds
 from grain_replay.store.object_manifest import ObjectManifest, Piece, leaf_offsets
-from grain_replay.store.objects import CLOCK_SLACK_S, ObjectStore
+from grain_replay.store.objects import ObjectStore
+from grain_replay.writers.object_collect import Collector
 from grain_replay.writers.object_cut import cut_manifest
 from grain_replay.writers.resume import resume_rows
 from grain_replay.writers.store_writer import check_tree_matches
@@ -86,15 +86,14 @@ class ObjectPartWriter:
             )
         self._lease = Lease(self._store, self._id, self._lease_s, self._where)
         self._lease.acquire()
-        self._pieces_of: dict[int, frozenset[str]] = {}  # manifest version -> its pieces
+        self._garbage = Collector(self._store, self._id, self._grace_s)
         self._attempts = 0
         try:
             self._manifest = self._take_over()
             if keep is not None:
                 self._manifest = self._cut(keep)
             self._lease.start()
-            self._last_gc = -float("inf")
-            self._collect()
+            self._garbage.collect()
         except BaseException:
             self._lease.release()
             raise
@@ -132,7 +131,7 @@ class ObjectPartWriter:
                     )
                 m = dataclasses.replace(newest, version=newest.version + 1, epoch=epoch)
             if self._store.publish(m):
-                self._pieces_of[m.version] = frozenset(p.name for p in m.pieces)
+                self._garbage.note(m)
                 return m
         raise WriterBusyError(
             f"{self._where}: another writer of this id keeps committing while this one "
@@ -177,7 +176,7 @@ class ObjectPartWriter:
             "%s: dropped rows [%d, %d), committed after the checkpoint resumed from",
             self._where, rows, m.committed,
         )  # fmt: skip
-        self._pieces_of[new.version] = frozenset(p.name for p in new.pieces)
+        self._garbage.note(new)
         return new
 
     # -- what ReplayWriter asks --------------------------------------------------------
@@ -274,8 +273,8 @@ class ObjectPartWriter:
         while self._pending:
             if self._commit_pending():
                 break
-        if time.monotonic() - self._last_gc >= min(10.0, self._grace_s / 10):
-            self._collect()
+        if self._garbage.due():
+            self._garbage.collect()
         return self._manifest.committed
 
     def _commit_pending(self) -> bool:
@@ -315,7 +314,7 @@ class ObjectPartWriter:
                 "after the newest commit)",
             )
         self._manifest = new
-        self._pieces_of[new.version] = frozenset(p.name for p in pieces)
+        self._garbage.note(new)
         self._chunks, self._pending = [], 0
         return True
 
@@ -325,7 +324,7 @@ class ObjectPartWriter:
         assert self._meta is not None
         done = found.committed - self._manifest.committed
         self._manifest = found
-        self._pieces_of[found.version] = frozenset(p.name for p in found.pieces)
+        self._garbage.note(found)
         width = {k: w for k, (_, w) in leaf_offsets(self._meta.leaves, 1).items()}
         self._pending -= done
         while done:
@@ -351,50 +350,13 @@ class ObjectPartWriter:
             "its longest pause."
         )
 
-    def _collect(self) -> None:
-        """Deletes manifest versions superseded for longer than the grace period, then
-        the pieces no remaining version names that are older than it (evicted, or left
-        by a writer killed before its commit)."""
-        self._last_gc = time.monotonic()
-        versions = self._store.manifest_versions(self._id)
-        if not versions:
-            return
-        now = versions[-1][1]  # the newest version, created moments ago: the server's now
-        grace = self._grace_s + CLOCK_SLACK_S
-        drop = [
-            v for (v, _), (_, after) in itertools.pairwise(versions)
-            if now - after > grace
-        ]  # fmt: skip
-        kept = [v for v, _ in versions if v not in set(drop)]
-        # The versions this writer did not publish itself (a takeover's), read at once.
-        keys = {self._store.manifest_key(self._id, v): v for v in kept if v not in self._pieces_of}
-        for key, raw in self._store.get_many(list(keys)).items():
-            v = keys.get(key, keys.get(key.split("://", 1)[-1]))
-            if v is not None:
-                m = ObjectManifest.from_json(raw, f"{self._store.shown}:{key}")
-                self._pieces_of[v] = frozenset(p.name for p in m.pieces)
-        if any(v not in self._pieces_of for v in kept):
-            return  # a version unread: which pieces it names is unknown, so none goes now
-        named: set[str] = set()
-        for v in kept:
-            named |= self._pieces_of[v]
-        self._store.remove([self._store.manifest_key(self._id, v) for v in drop])
-        for v in drop:
-            self._pieces_of.pop(v, None)
-        gone = [
-            key
-            for key, modified in self._store.list_pieces(self._id)
-            if key.rsplit("/", 1)[-1] not in named and now - modified > grace
-        ]
-        self._store.remove(gone)
-
     def close(self) -> None:
         """Commits pending rows, collects, and frees the id."""
         if not self._open:
             return
         try:
             self.flush()
-            self._collect()
+            self._garbage.collect()
         finally:
             self._open = False
             shutdown.unregister(self)

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from grain_replay.errors import (
-    BackgroundWriteError,
-    GrainReplayError,
-    InvalidArgumentError,
-    WriterBusyError,
-)
+from grain_replay.errors import BackgroundWriteError, InvalidArgumentError, WriterBusyError
 from grain_replay.store.formats import is_url
 from grain_replay.store.rate_limit import RateLimit
 from grain_replay.store.watermark import Watermark
 from grain_replay.writers.device import background
 from grain_replay.writers.file_setup import FileSetup, open_file_store
-from grain_replay.writers.finalizing import collecting
+from grain_replay.writers.finalizing import close_forgotten
 from grain_replay.writers.object_parts import ObjectPartWriter
 from grain_replay.writers.object_setup import (
     ObjectSetup,
@@ -32,6 +22,7 @@ from grain_replay.writers.object_setup import (
     writer_path,
 )
 from grain_replay.writers.parts_writer import PartWriter
+from grain_replay.writers.queued_writes import QueuedWrites
 from grain_replay.writers.store_writer import StoreWriter
 
 __all__ = ["ReplayWriter", "WriterBusyError"]
@@ -159,7 +150,6 @@ class ReplayWriter:
         evict_grace_s: float | None = None,
     ):
         self._store: PartWriter | StoreWriter | ObjectPartWriter | None = None
-        self._bg: background.BackgroundWriter | None = None
         parts = capacity is not None or writer_id is not None or segment_rows is not None
         if parts and writer_id is None:
             writer_id = "default"
@@ -181,8 +171,9 @@ class ReplayWriter:
                 resume_from=resume_from, rate_limit=rate_limit,
                 rate_limit_timeout=rate_limit_timeout, max_inflight_bytes=max_inflight_bytes,
             )  # fmt: skip
-        self._store, self._gate, self._who = opened.store, opened.gate, opened.who
-        self._max_inflight, self._format = opened.max_inflight, opened.store.format
+        self._store, self._gate, self._format = opened.store, opened.gate, opened.store.format
+        # The device appends' and flush(wait=False)'s thread, started on the first of them.
+        self._queued = QueuedWrites(opened.store, opened.who, opened.max_inflight, self._path)
         # Counted here, not from the store's counters, which the background thread moves.
         self._appended = self._committed = self._flushed = opened.store.committed
 
@@ -195,7 +186,7 @@ class ReplayWriter:
           BackgroundWriteError: a device append failed and no call raised it yet (the
             store is released all the same, without the rows since the last flush).
         """
-        bg, store = self._bg, self._store
+        bg, store = self._thread(), self._store
         if bg is not None and bg.failed:
             self._abandon()
             bg.raise_pending()
@@ -216,37 +207,25 @@ class ReplayWriter:
         store.close()  # commits without waiting for rate-limited learners
         self._committed = self._appended  # every row: the store's count may be gone with it
 
+    def _thread(self) -> background.BackgroundWriter | None:
+        """The background thread, if started."""
+        return self._queued.thread
+
     def _abandon(self) -> None:
         """Releases the store after a background failure, committing nothing more."""
-        if self._bg is not None:
-            self._bg.stop()
+        bg = self._thread()
+        if bg is not None:
+            bg.stop()
         if self._store is not None and not self._store.closed:
             self._store.abandon()
 
     def __del__(self) -> None:
-        # Like a file object: commit and unlock if the caller forgot to close. Run by the
-        # garbage collector (a writer in a reference cycle), this runs inside whatever the
-        # collecting thread was doing, its locks held (the fsync pool's, while it submits a
-        # commit's fsyncs): the close, which takes such locks and waits, then runs on a
-        # thread of its own (non-daemon: the interpreter waits for the commit at exit).
-        # Not in the interpreter's last collections (finalizing: no Python frame runs, so
-        # no lock is held; a thread started then never runs, and start() waits for it
-        # forever): the close runs here.
+        # Like a file object: commit and unlock if the caller forgot to close (on a thread
+        # of its own when the garbage collector runs this: finalizing.py says why).
         store = getattr(self, "_store", None)
         if store is None or store.closed:
             return
-        if collecting() and not sys.is_finalizing():
-            closer = threading.Thread(target=self._close_quietly, name="grain_replay-writer-close")
-            try:
-                closer.start()
-                return
-            except RuntimeError:  # no new thread while the interpreter exits: close here
-                pass
-        self._close_quietly()
-
-    def _close_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        close_forgotten(self.close, "grain_replay-writer-close")
 
     def __enter__(self) -> ReplayWriter:
         return self
@@ -304,7 +283,7 @@ class ReplayWriter:
             differ from the store's (every differing leaf is named).
           BackgroundWriteError: an earlier device append failed in the background.
         """
-        bg = self._bg
+        bg = self._queued.thread
         if bg is not None:
             # A tree like the last device tree (0: another tree, or the thread failed).
             rows = bg.submit_like_last(tree, self._appended)
@@ -334,45 +313,17 @@ class ReplayWriter:
     ) -> bool:
         """Queues a checked tree for the background thread when it holds device arrays,
         or when device appends before it are still queued (rows keep append order)."""
-        bg = self._bg
-        if bg is None or not bg.busy:
-            if is_device is None or not any(is_device(a) for a in arrays.values()):
-                return False
-        bg = self._background()
-        first = self._appended
-        bg.submit(arrays, n, first, self._write_queued, is_device or (lambda _: False), tree)
+        queued = self._queued
+        if not queued.wants(arrays, is_device):
+            return False
+        queued.queue(arrays, n, self._appended, is_device, tree)
         self._appended += n
-        self._flush_if_due()
-        return True
-
-    def _background(self) -> background.BackgroundWriter:
-        """The background threads, started on the first device append or non-blocking
-        flush."""
-        if self._bg is None:
-            sync = None
-            if isinstance(self._store, PartWriter):
-                sync = self._store.commit_filled
-                self._store.defer_evictions = True  # removed by the sync thread
-            self._bg = background.BackgroundWriter(self._who, self._max_inflight, sync)
-        return self._bg
-
-    def _flush_if_due(self) -> None:
         if self._flush_every is not None and self._appended - self._flushed >= self._flush_every:
             self.flush()
-
-    def _write_queued(self, arrays: dict[str, np.ndarray], n: int) -> None:
-        """The background thread's write of a queued tree (host arrays by now)."""
-        assert self._store is not None
-        self._store.write(arrays, n, by_leaf=True)
+        return True
 
     def _raise_failed(self) -> None:
-        assert self._bg is not None
-        self._bg.raise_pending()  # the first call after the failure raises it
-        raise GrainReplayError(
-            f"{self._path}: this ReplayWriter stopped after a failed background write or "
-            "commit (raised earlier as BackgroundWriteError). Fix: close() it and reopen the "
-            "store with gr.ReplayWriter to append after its committed rows."
-        )
+        self._queued.raise_failed()
 
     def flush(self, wait: bool = True) -> int:
         """Makes every appended row durable and visible to readers; returns the committed N.
@@ -396,7 +347,8 @@ class ReplayWriter:
             ``wait=False``: nothing is queued, the rows stay pending).
           BackgroundWriteError: a device append or background commit failed.
         """
-        if self._bg is not None and self._bg.failed:
+        bg = self._thread()
+        if bg is not None and bg.failed:
             self._raise_failed()
         store = self._store
         assert store is not None
@@ -404,13 +356,13 @@ class ReplayWriter:
             return self._flush_in_background(store)
         if store.closed:
             return self._committed
-        if self._bg is not None:
-            self._bg.drain()
+        if bg is not None:
+            bg.drain()
         self._gate.wait(store.committed, store.pending)
         committed = self._committed = store.flush()
         self._flushed = self._appended
-        if self._bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
-            self._bg.request_sync()  # removes the segments this flush evicted
+        if bg is not None and isinstance(store, PartWriter) and store.defer_evictions:
+            bg.request_sync()  # removes the segments this flush evicted
         return committed
 
     def _flush_in_background(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> int:
@@ -422,15 +374,13 @@ class ReplayWriter:
             return upto
         committed = self._committed  # a commit queued before may still be under way
         self._gate.wait(committed, upto - committed)
-        self._background().submit_commit(
-            lambda: self._commit_queued(store), upto, lambda: self._committed
-        )
+        self._queued.queue_commit(upto, self._commit_done, lambda: self._committed)
         self._flushed = upto
         return upto
 
-    def _commit_queued(self, store: PartWriter | StoreWriter | ObjectPartWriter) -> None:
-        """The background thread's commit (every row queued before it is written)."""
-        self._committed = store.flush()
+    def _commit_done(self, committed: int) -> None:
+        """The background thread's commit completed (every row queued before it written)."""
+        self._committed = committed
 
     def __repr__(self) -> str:
         pending = 0 if self._store is None else self._store.pending

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from grain_replay.datasets.lerobot.meta_files import (
+    load_json,
+    load_jsonl,
+    parquet_files,
+    pyarrow_parquet,
+    table_columns,
+)
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
-from grain_replay.store.formats import import_optional, shown_path
+from grain_replay.store.formats import shown_path
 
 __all__ = ["Camera", "DataFile", "LeRobotMeta", "camera_shape", "read_meta", "pyarrow_parquet"]
 
@@ -21,15 +26,6 @@ STATS_PATH = os.path.join("meta", "stats.json")
 SUPPORTED = ("v3.0", "v2.1", "v2.0")
 # Feature dtypes that are not parquet columns read as numbers.
 VIDEO, IMAGE, STRING = "video", "image", "string"
-
-
-def pyarrow_parquet() -> Any:
-    """``pyarrow.parquet``, or MissingDependencyError with the install hint."""
-    return import_optional(
-        "pyarrow.parquet",
-        "Reading LeRobot datasets needs pyarrow. Fix: pip install pyarrow av "
-        "(or grain_replay[rl]).",
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,41 +93,6 @@ class LeRobotMeta:
         return int(self.ends[-1]) if len(self.ends) else 0
 
 
-def _load_json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
-        raise InvalidStoreError(
-            f"{path}: cannot read it as JSON ({e}). Fix: restore the file from the dataset's "
-            "source (e.g. download the dataset again)."
-        ) from e
-
-
-def _load_jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.isfile(path):
-        raise StoreNotFoundError(
-            f"{shown_path(path)}: missing. A LeRobot v2.1 dataset lists its rows there."
-        )
-    out = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise InvalidStoreError(
-                        f"{path}, line {number}: not JSON ({e}). Fix: restore the file from the "
-                        "dataset's source."
-                    ) from e
-                if not isinstance(row, dict):
-                    raise InvalidStoreError(f"{path}, line {number}: expected a JSON object.")
-                out.append(row)
-    return out
-
-
 def _info(root: str) -> dict[str, Any]:
     path = os.path.join(root, INFO_PATH)
     if not os.path.isdir(root):
@@ -141,7 +102,7 @@ def _info(root: str) -> dict[str, Any]:
             "folder (the one holding meta/info.json)."
         )
     try:
-        info = _load_json(path)
+        info = load_json(path)
     except FileNotFoundError as e:
         raise StoreNotFoundError(
             f"No LeRobot dataset at {shown_path(root)}: {path} is missing. Fix: pass the "
@@ -166,12 +127,6 @@ def _check_version(info: Mapping[str, Any], path: str) -> str:
     return version
 
 
-def _parquet_files(root: str, pattern: str) -> list[str]:
-    return sorted(
-        os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern), recursive=False)
-    )
-
-
 def _data_files(root: str, rel_paths: list[str]) -> tuple[DataFile, ...]:
     pq = pyarrow_parquet()
     files = []
@@ -188,23 +143,6 @@ def _data_files(root: str, rel_paths: list[str]) -> tuple[DataFile, ...]:
     return tuple(files)
 
 
-def _table_columns(paths: list[str], columns: list[str] | None) -> dict[str, list[Any]]:
-    """Columns of parquet files, concatenated, as Python lists (small metadata tables)."""
-    pq = pyarrow_parquet()
-    out: dict[str, list[Any]] = {}
-    for path in paths:
-        try:
-            table = pq.read_table(path, columns=columns)
-        except (OSError, ValueError) as e:
-            raise InvalidStoreError(
-                f"{path}: cannot read it ({e}). Fix: download or re-create the dataset's "
-                "meta/ folder."
-            ) from e
-        for name in table.column_names:
-            out.setdefault(name, []).extend(table.column(name).to_pylist())
-    return out
-
-
 def _tasks_v3(root: str) -> tuple[str, ...]:
     path = os.path.join(root, "meta", "tasks.parquet")
     if not os.path.isfile(path):
@@ -213,7 +151,7 @@ def _tasks_v3(root: str) -> tuple[str, ...]:
             "Fix: "
             "download the dataset's meta/ folder again."
         )
-    cols = _table_columns([path], None)
+    cols = table_columns([path], None)
     index = cols.get("task_index")
     names = next(
         (v for k, v in cols.items() if k != "task_index" and v and isinstance(v[0], str)), None
@@ -239,7 +177,7 @@ def _stats(root: str) -> dict[str, dict[str, np.ndarray]]:
     path = os.path.join(root, STATS_PATH)
     if not os.path.isfile(path):
         return {}
-    raw = _load_json(path)
+    raw = load_json(path)
     out: dict[str, dict[str, np.ndarray]] = {}
     for key, entry in raw.items():
         if isinstance(entry, dict):
@@ -265,7 +203,7 @@ def camera_shape(key: str, ft: Mapping[str, Any], path: str) -> tuple[int, int, 
 
 
 def _episodes_v3(root: str, info: Mapping[str, Any], cams: list[str]) -> dict[str, np.ndarray]:
-    paths = [os.path.join(root, p) for p in _parquet_files(root, "meta/episodes/*/*.parquet")]
+    paths = [os.path.join(root, p) for p in parquet_files(root, "meta/episodes/*/*.parquet")]
     if not paths:
         raise StoreNotFoundError(
             f"{shown_path(os.path.join(root, 'meta', 'episodes'))}: no chunk-*/file-*.parquet. A "
@@ -285,13 +223,13 @@ def _episodes_v3(root: str, info: Mapping[str, Any], cams: list[str]) -> dict[st
             "complete LeRobot v3.0 dataset (was LeRobotDataset.finalize() called after "
             "recording?). Fix: re-create or download it again."
         )
-    cols = _table_columns(paths, want)
+    cols = table_columns(paths, want)
     return {k: np.asarray(v) for k, v in cols.items()}
 
 
 def _episodes_v21(root: str, info: Mapping[str, Any]) -> dict[str, np.ndarray]:
     path = os.path.join(root, "meta", "episodes.jsonl")
-    rows = _load_jsonl(path)
+    rows = load_jsonl(path)
     try:
         rows.sort(key=lambda r: int(r["episode_index"]))
         index = np.array([int(r["episode_index"]) for r in rows], dtype=np.int64)
@@ -327,11 +265,11 @@ def read_meta(root: str) -> LeRobotMeta:
     if version == "v3.0":
         ep = _episodes_v3(root, info, cams)
         tasks = _tasks_v3(root)
-        data_rel = _parquet_files(root, "data/*/*.parquet")
+        data_rel = parquet_files(root, "data/*/*.parquet")
     else:
         ep = _episodes_v21(root, info)
         tasks_path = os.path.join(root, "meta", "tasks.jsonl")
-        task_rows = _load_jsonl(tasks_path)
+        task_rows = load_jsonl(tasks_path)
         if any("task_index" not in r or "task" not in r for r in task_rows):
             raise InvalidStoreError(f"{tasks_path}: every line needs task_index and task.")
         tasks = _ordered_tasks(

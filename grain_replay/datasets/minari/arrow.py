@@ -15,8 +15,8 @@ from grain_replay.sources.base import Layout
 from grain_replay.sources.reading.jpeg import decode_jpegs
 from grain_replay.sources.reading.readers import Handle, LeafReader
 from grain_replay.sources.reading.runs import runs
-from grain_replay.store.formats import import_optional
 from grain_replay.store.layout import LeafSpec
+from grain_replay.store.optional import import_optional
 
 __all__ = ["ArrowEpisodeHandle", "arrow_layout", "episode_files"]
 

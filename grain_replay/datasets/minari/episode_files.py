@@ -15,8 +15,8 @@ from grain_replay.sources.hdf5.raw import memmap_offset
 from grain_replay.sources.reading.cache import ChunkCache
 from grain_replay.sources.reading.readers import Handle, LeafReader
 from grain_replay.sources.reading.runs import runs
-from grain_replay.store.formats import import_h5py
 from grain_replay.store.layout import LeafSpec
+from grain_replay.store.optional import import_h5py
 
 __all__ = ["EpisodeFileHandle", "episode_names"]
 

@@ -1,8 +1,6 @@
 """The step index of an RLDS dataset: where each episode and each step's values sit in the shards.
 
-Built once per shard (in threads, with a progress bar) and cached: beside the
-dataset in ``.grain_replay_rlds/`` when the folder is writable, else in
-``$XDG_CACHE_HOME/grain_replay/rlds/<hash>/`` (default ``~/.cache``).
+Built once per shard (in threads, with a progress bar) and cached (:mod:`index_cache`).
 """
 
 from __future__ import annotations
@@ -10,8 +8,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -23,24 +19,20 @@ from grain_replay.datasets.rlds import example_scan
 from grain_replay.datasets.rlds.arrayrecord import RECORD_SHIFT, iter_array_records
 from grain_replay.datasets.rlds.example import FeatureValues, WireError, parse_example
 from grain_replay.datasets.rlds.features import STEPS, Feature
+from grain_replay.datasets.rlds.index_cache import (
+    CACHE_FOLDER,
+    cache_dirs,
+    load_cached,
+    save_cached,
+    shard_signature,
+)
 from grain_replay.datasets.rlds.tfrecord import frame_records, map_shard
 from grain_replay.errors import InvalidStoreError
 from grain_replay.pipeline import shutdown
-from grain_replay.store.filesync import atomic_replace
 
-__all__ = ["Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
+__all__ = ["CACHE_FOLDER", "Index", "ShardIndex", "build_index", "cache_dirs", "index_shard"]
 
 logger = logging.getLogger(__name__)
-
-_VERSION = 1
-CACHE_FOLDER = ".grain_replay_rlds"
-
-
-def cache_dirs(root: str) -> list[str]:
-    """Where the index of the dataset at ``root`` is cached, first choice first."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    digest = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
-    return [os.path.join(root, CACHE_FOLDER), os.path.join(base, "grain_replay", "rlds", digest)]
 
 
 def _per_record(f: Feature) -> int:
@@ -286,52 +278,6 @@ def _check(v: FeatureValues | None, f: Feature, count: int, where: str) -> None:
         )
 
 
-# -- the cache --------------------------------------------------------------------------
-
-
-def _signature(path: str, features: Sequence[Feature]) -> str:
-    st = os.stat(path)
-    feats = [[f.key, f.name, f.level, f.kind, f.dtype.str, list(f.shape)] for f in features]
-    return json.dumps(
-        {"v": _VERSION, "size": st.st_size, "mtime": st.st_mtime_ns, "features": feats}
-    )
-
-
-def _load_cached(file: str, signature: str) -> ShardIndex | None:
-    try:
-        with np.load(file, allow_pickle=False) as z:
-            if str(z["__signature__"]) != signature:
-                return None
-            return ShardIndex({k: z[k] for k in z.files if k != "__signature__"})
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError) as e:
-        logger.info("%s: unreadable RLDS index cache (%s); rebuilding it", file, e)
-        return None
-
-
-def _save_cached(dirs: Sequence[str], name: str, index: ShardIndex, signature: str) -> None:
-    for d in dirs:
-        file = os.path.join(d, name + ".npz")
-        try:
-            os.makedirs(d, exist_ok=True)
-            # A cache: not fsync'ed, a crash at worst loses it (it is rebuilt).
-            with atomic_replace(file, durable=False) as f:
-                arrays: dict[str, Any] = {"__signature__": np.str_(signature), **index.arrays}
-                np.savez(f, **arrays)
-            return
-        except OSError as e:
-            logger.info("%s: cannot write the RLDS index cache here (%s)", d, e)
-
-
-def _load_cached_any(dirs: Sequence[str], name: str, signature: str) -> ShardIndex | None:
-    for d in dirs:
-        got = _load_cached(os.path.join(d, name + ".npz"), signature)
-        if got is not None:
-            return got
-    return None
-
-
 def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -383,11 +329,12 @@ def build_index(
     (``compiled_scan``: as :func:`index_shard`'s)."""
     dirs = cache_dirs(root)
     workers = threads or max(1, min(8, len(os.sched_getaffinity(0)), len(shards)))
-    signatures = [_signature(p, features) for p in shards]
-    results: list[ShardIndex | None] = [
-        _load_cached_any(dirs, os.path.basename(p), sig) if use_cache else None
+    signatures = [shard_signature(p, features) for p in shards]
+    cached = [
+        load_cached(dirs, os.path.basename(p), sig) if use_cache else None
         for p, sig in zip(shards, signatures)
     ]
+    results = [None if a is None else ShardIndex(a) for a in cached]
     missing = [i for i, r in enumerate(results) if r is None]
     bar = _progress(len(missing), progress and len(missing) > 1)
 
@@ -396,7 +343,7 @@ def build_index(
             shards[i], features, check_crc=check_crc, fmt=fmt, compiled_scan=compiled_scan
         )
         if use_cache:
-            _save_cached(dirs, os.path.basename(shards[i]), index, signatures[i])
+            save_cached(dirs, os.path.basename(shards[i]), index.arrays, signatures[i])
         return index
 
     try:

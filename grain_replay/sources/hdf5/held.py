@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError, WriterBusyError
-from grain_replay.store.formats import import_h5py
+from grain_replay.store.optional import import_h5py
 
 __all__ = ["Access", "fresh", "lock_held", "open_h5", "say_written", "written_prefix"]
 

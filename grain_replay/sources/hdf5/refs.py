@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError, ReferenceRefusedError
-from grain_replay.store.formats import import_h5py
+from grain_replay.store.optional import import_h5py
 
 __all__ = [
     "check_dataset_refs",

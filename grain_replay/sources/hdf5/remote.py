@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from grain_replay.errors import InvalidStoreError, StoreNotFoundError
 from grain_replay.remote import Remote, RetryingFile, RetryOptions, effective_storage_options
-from grain_replay.store.formats import import_h5py
+from grain_replay.store.optional import import_h5py
 
 __all__ = ["inspect_remote", "open_remote", "reraise_file_errors"]
 

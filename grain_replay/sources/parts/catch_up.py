@@ -1,4 +1,4 @@
-"""One writer's part of a snapshot, taken however fast the writer evicts while it is opened.
+"""A snapshot of a many-writer store, taken however fast the writers evict while it is opened.
 
 A writer keeps on disk the segments its manifest names and the newest one it evicted
 (``RETAIN_SEGMENTS``); a segment it evicted two commits ago may be gone. A reader that
@@ -8,6 +8,7 @@ it was opened): the next attempt opens only the segments committed since, which 
 newest, the last to be evicted. Each attempt so goes further than the one before, and a
 writer cannot keep a reader from its snapshot by being fast; only a deadline ends the
 attempts (the reader cannot open even the newest segments before they go).
+:func:`take_snapshot` does so for each writer, the others' parts kept.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.base import ReplaySource
 from grain_replay.sources.parts import snapshot as snapshots
-from grain_replay.sources.parts.snapshot import Part
+from grain_replay.sources.parts.snapshot import Part, Snapshot
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec
 
-__all__ = ["CATCH_UP_S", "take_part", "too_fast"]
+__all__ = ["CATCH_UP_S", "take_part", "take_snapshot", "too_fast"]
 
 # How long a refresh keeps taking newer manifests of writers that evict its segments
 # before it can open them (each attempt opens only what was committed since the last).
@@ -39,6 +40,48 @@ def too_fast(store: str, seconds: float) -> InvalidStoreError:
         "newest segments. Fix: raise capacity (more rows per segment), or give the "
         "reader's process more CPU."
     )
+
+
+def take_snapshot(
+    store: str,
+    previous: Snapshot | None,
+    schema: Callable[[list[parts_lib.Manifest]], Mapping[str, LeafSpec]],
+    kwargs: Mapping[str, Any],
+) -> Snapshot:
+    """A snapshot of ``store`` now, reusing what did not change since ``previous``.
+
+    Each writer's manifest is read again just before its segments are opened, and a
+    writer that evicts a segment before it is opened is caught up with (:func:`take_part`):
+    the other writers' parts stay. ``schema`` is given the manifests found and returns the
+    leaves to open (the reader's spec, which their schemas may change).
+    """
+    old = {} if previous is None else {p.manifest.writer_id: p for p in previous.parts}
+    deadline = time.monotonic() + CATCH_UP_S
+    while True:
+        found: list[tuple[parts_lib.Manifest, Any, Part | None, bool]] = []
+        for wid in parts_lib.list_writers(store):
+            wdir = parts_lib.writer_dir(store, wid)
+            stamp = snapshots.stamp(os.path.join(wdir, parts_lib.MANIFEST_FILE))
+            if stamp is None:
+                continue  # no commit yet
+            prev = old.get(wid)
+            if prev is not None and prev.stamp == stamp:
+                found.append((prev.manifest, stamp, prev, True))
+                continue
+            m = parts_lib.read_manifest(wdir)
+            if m is not None:
+                found.append((m, stamp, prev, False))
+        spec = schema([m for m, _, _, _ in found])
+        parts: list[Part] = []
+        for m, stamp, prev, same in found:
+            part = prev if same else take_part(store, m, stamp, prev, spec, kwargs, deadline)
+            if part is None:
+                break  # a writer's folder or schema changed meanwhile: list them again
+            parts.append(part)
+        else:
+            return Snapshot(parts)
+        if time.monotonic() >= deadline:
+            raise too_fast(store, CATCH_UP_S)
 
 
 def take_part(

@@ -15,7 +15,8 @@ import numpy as np
 
 from grain_replay.errors import EvictedRowError, InvalidArgumentError
 from grain_replay.sources.checks import check_indices
-from grain_replay.sources.parts.snapshot import WRITER_KEY, Snapshot
+from grain_replay.sources.parts.schema import WRITER_KEY
+from grain_replay.sources.parts.snapshot import Snapshot
 from grain_replay.store import parts as parts_lib
 
 __all__ = [

@@ -28,11 +28,10 @@ from grain_replay.errors import (
 from grain_replay.remote.options import redact_url
 from grain_replay.sources.checks import as_record_index, check_indices, record_in_range
 from grain_replay.sources.parts import ids as parts_ids
-from grain_replay.sources.parts import snapshot as snapshots
 from grain_replay.sources.parts.object_snapshot import ObjectPart, ObjectSnapshot
 from grain_replay.sources.parts.piece_cache import DEFAULT_PIECE_CACHE_BYTES, check_cache_bytes
 from grain_replay.sources.parts.piece_reader import PieceReader
-from grain_replay.sources.parts.snapshot import WRITER_KEY
+from grain_replay.sources.parts.schema import WRITER_KEY, read_schema, select_leaves
 from grain_replay.sources.surface import SourceSurface, current_pid
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec, StoreMetadata
@@ -160,12 +159,12 @@ class ObjectPartsDataSource(SourceSurface):
         return self._snap.n
 
     def _schema(self, manifests: list[ObjectManifest]) -> None:
-        found = snapshots.read_schema(redact_url(self._url), [m.as_manifest() for m in manifests])
+        found = read_schema(redact_url(self._url), [m.as_manifest() for m in manifests])
         if found is None or found[0] == self._schema_text:
             return
         self._schema_text, meta = found
         self._full = meta
-        self._spec, self._treedef = snapshots.select_leaves(
+        self._spec, self._treedef = select_leaves(
             redact_url(self._url), meta, self._requested, with_writer=self._with_writer,
             only_writer=self._only_writer,
         )  # fmt: skip

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -31,7 +30,8 @@ from grain_replay.sources.checks import as_record_index, check_indices, check_ou
 from grain_replay.sources.parts import catch_up, gather
 from grain_replay.sources.parts import ids as parts_ids
 from grain_replay.sources.parts import snapshot as snapshots
-from grain_replay.sources.parts.snapshot import WRITER_KEY, Part, Snapshot
+from grain_replay.sources.parts.schema import WRITER_KEY, read_schema, select_leaves
+from grain_replay.sources.parts.snapshot import Snapshot
 from grain_replay.sources.surface import SourceSurface, current_pid
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.layout import LeafSpec
@@ -86,57 +86,27 @@ class PartsDataSource(SourceSurface):
 
     # -- snapshot -------------------------------------------------------------------
 
-    def _schema(self, manifests: list[parts_lib.Manifest]) -> None:
-        """Spec and treedef from the writers' schemas (which must agree)."""
-        found = snapshots.read_schema(self._path, manifests)
+    def _schema(self, manifests: list[parts_lib.Manifest]) -> dict[str, LeafSpec]:
+        """Spec and treedef from the writers' schemas (which must agree); returns the spec."""
+        found = read_schema(self._path, manifests)
         if found is None or found[0] == self._schema_text:
-            return  # nothing new: spec and treedef as they are
+            return self._spec  # nothing new: spec and treedef as they are
         self._schema_text, meta = found
-        spec, treedef = snapshots.select_leaves(
+        spec, treedef = select_leaves(
             self._path, meta, self._requested, with_writer=self._with_writer,
             only_writer=self._only_writer,
         )  # fmt: skip
         self._spec, self._treedef = spec, treedef
         self._build = tree_lib.compile_unflatten(treedef)
         self._seg_keys = [k for k in spec if k != WRITER_KEY]
+        return spec
 
     def _take(self, previous: Snapshot | None) -> Snapshot:
-        """A snapshot of the store now, reusing what did not change since ``previous``.
-
-        Each writer's manifest is read again just before its segments are opened, and a
-        writer that evicts a segment before it is opened is caught up with
-        (:mod:`~grain_replay.sources.parts.catch_up`): the other writers' parts stay.
-        """
-        old = {} if previous is None else {p.manifest.writer_id: p for p in previous.parts}
-        deadline = time.monotonic() + catch_up.CATCH_UP_S
-        while True:
-            found: list[tuple[parts_lib.Manifest, Any, Part | None, bool]] = []
-            for wid in parts_lib.list_writers(self._path):
-                wdir = parts_lib.writer_dir(self._path, wid)
-                stamp = snapshots.stamp(os.path.join(wdir, parts_lib.MANIFEST_FILE))
-                if stamp is None:
-                    continue  # no commit yet
-                prev = old.get(wid)
-                if prev is not None and prev.stamp == stamp:
-                    found.append((prev.manifest, stamp, prev, True))
-                    continue
-                m = parts_lib.read_manifest(wdir)
-                if m is not None:
-                    found.append((m, stamp, prev, False))
-            self._schema([m for m, _, _, _ in found])
-            parts: list[Part] = []
-            for m, stamp, prev, same in found:
-                part = prev if same else catch_up.take_part(
-                    self._path, m, stamp, prev, self._spec, self._kwargs, deadline
-                )  # fmt: skip
-                if part is None:
-                    break  # a writer's folder or schema changed meanwhile: list them again
-                parts.append(part)
-            else:
-                self._manifests = [(p.manifest, p.stamp) for p in parts]
-                return Snapshot(parts)
-            if time.monotonic() >= deadline:
-                raise catch_up.too_fast(self._path, catch_up.CATCH_UP_S)
+        """A snapshot of the store now, reusing what did not change since ``previous``
+        (:func:`~grain_replay.sources.parts.catch_up.take_snapshot`)."""
+        snap = catch_up.take_snapshot(self._path, previous, self._schema, self._kwargs)
+        self._manifests = [(p.manifest, p.stamp) for p in snap.parts]
+        return snap
 
     def _restore(self) -> Snapshot:
         """This process's snapshot of the manifests a pickle carried (same positions)."""

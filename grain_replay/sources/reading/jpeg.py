@@ -11,8 +11,8 @@ import numpy as np
 from grain_replay.errors import InvalidStoreError
 from grain_replay.sources.reading.readers import LeafReader
 from grain_replay.sources.reading.runs import runs
-from grain_replay.store.formats import import_optional
 from grain_replay.store.layout import LeafSpec
+from grain_replay.store.optional import import_optional
 
 __all__ = ["JpegLeafReader", "decode_jpegs", "pack_blobs", "pil_image"]
 

@@ -30,7 +30,7 @@ from grain_replay.sources.zarr import checks as zarr_checks
 from grain_replay.sources.zarr import decode as zarr_decode
 from grain_replay.sources.zarr import meta as zarr_meta
 from grain_replay.sources.zarr import remote as zarr_remote
-from grain_replay.store.formats import import_zarr
+from grain_replay.store.optional import import_zarr
 
 __all__ = ["ZarrHandle", "ZarrOpening", "lookup", "open_local"]
 

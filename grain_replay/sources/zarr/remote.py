@@ -11,7 +11,7 @@ import numpy as np
 from grain_replay import remote as remote_lib
 from grain_replay.errors import StoreNotFoundError
 from grain_replay.pipeline import shutdown
-from grain_replay.store.formats import import_zarr
+from grain_replay.store.optional import import_zarr
 
 __all__ = ["fetch_arrays", "open_remote_group", "remote_block_reader"]
 

@@ -34,12 +34,8 @@ from grain_replay.errors import BackgroundWriteError, InvalidArgumentError
 from grain_replay.pipeline import shutdown
 from grain_replay.writers.device import pack as device_pack
 from grain_replay.writers.device.host_copies import batch_error, batch_to_host
-from grain_replay.writers.device.leaves import (
-    TreeSignature,
-    device_leaf_test,
-    leaf_nbytes,
-    start_copies,
-)
+from grain_replay.writers.device.leaves import device_leaf_test, leaf_nbytes, start_copies
+from grain_replay.writers.device.like_trees import LastTree
 from grain_replay.writers.device.queue import Commit, Item, JoinBuffers, Write, WriteQueue
 from grain_replay.writers.device.sync_thread import SyncThread
 from grain_replay.writers.write_errors import LeafWriteError, commit_error, thread_error
@@ -120,11 +116,7 @@ class BackgroundWriter:
         self._stopped = False
         # The last tree queued, when a tree of device arrays: the next one like it
         # is checked from its leaves' attributes (submit_like_last).
-        self._signature: TreeSignature | None = None
-        self._last_write: Write | None = None
-        # The group key of like trees of the last one's rows (one object for a run of them:
-        # the thread groups them on identity).
-        self._like_pack: tuple[Any, tuple[str, ...]] | None = None
+        self._last = LastTree()
         # The thread's buffers joining a batch's rows, per leaf (reused batch after batch).
         self._joins = JoinBuffers()
 
@@ -161,19 +153,10 @@ class BackgroundWriter:
         while the bytes queued exceed the bound (one tree larger than the bound is queued
         alone). ``tree``, when given, may be remembered for :meth:`submit_like_last`."""
         nbytes = sum(leaf_nbytes(a) for a in arrays.values())
-        self._signature = None
+        self._last.forget()
         self._wait_for_room(nbytes)
         start_copies(arrays, is_device, self._where)
-        if tree is not None:
-            self._signature = TreeSignature.of(tree, arrays, is_device, self._where)
-            self._last_write = write
-        signature = self._signature
-        self._like_pack = None
-        if signature is not None:  # like trees after it are keyed by it (submit_like_last)
-            pack = ((signature, rows), signature.accel) if signature.accel else None
-            self._like_pack = pack
-        else:
-            pack = device_pack.group_of(arrays, is_device)
+        pack = self._last.remember(tree, arrays, rows, write, is_device, self._where)
         self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
 
     def submit_like_last(self, tree: Any, first: int) -> int:
@@ -182,21 +165,16 @@ class BackgroundWriter:
         passed the store's checks, so this one does too; returns its rows. 0 (nothing
         queued) for any other tree, which the caller checks in full and passes to
         :meth:`submit`, and after a failure, which the caller raises (:attr:`failed`)."""
-        signature, write = self._signature, self._last_write
-        if signature is None or write is None or self._error is not None:
+        if self._error is not None:
             return 0  # a failure: the caller raises it
-        taken = signature.take(tree)
-        if taken is None:
+        item = self._last.take(tree, first)
+        if item is None:
             return 0
-        arrays, rows, nbytes = taken
         queue = self._queue
-        if queue.items and queue.bytes + nbytes > self._max_bytes:
-            self._wait_for_room(nbytes)
-        pack = self._like_pack  # one key object for a run of like trees (pack._groups)
-        if (pack is None or pack[0][1] != rows) and signature.accel:
-            pack = self._like_pack = ((signature, rows), signature.accel)
-        self._enqueue(Item(arrays, rows, first, nbytes, write, pack))
-        return rows
+        if queue.items and queue.bytes + item.nbytes > self._max_bytes:
+            self._wait_for_room(item.nbytes)
+        self._enqueue(item)
+        return item.rows
 
     def submit_commit(
         self, commit: Callable[[], object], upto: int, committed: Callable[[], int]
@@ -290,7 +268,7 @@ class BackgroundWriter:
 
     def stop(self) -> None:
         """Ends the thread once the queue is written (after ``drain`` or a failure)."""
-        self._signature = None  # a closed writer takes no tree past its checks
+        self._last.forget()  # a closed writer takes no tree past its checks
         shutdown.unregister(self)
         with self._work:
             self._stopped = True
