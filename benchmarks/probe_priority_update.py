@@ -3,10 +3,13 @@
 For rings of ``--slots`` (default 10^6 and 5*10^4), 256 draws or 256 updated priorities
 per iteration, 100 iterations in one jitted loop (so only the device's time counts), on
 whatever backend jax runs: ``draw`` (``replay_draws.prioritized``), ``randint`` (a uniform
-draw's random numbers, for scale), ``update-rebuilt`` (levels above level 0 rebuilt in one
-reduction, what rings up to ``replay_tree.DENSE_SLOTS`` do) and ``update-touched`` (only
-the touched lines' entries recomputed level by level, larger rings). ms an iteration,
-median of 3; both updates' trees are checked equal to a rebuild from the priorities.
+draw's random numbers, for scale), ``update-one-hot`` (entries set by one matmul,
+``replay_tree.set_entries``, and the levels above level 0 rebuilt in one reduction: what
+rings of up to ``replay_tree.ONE_HOT_LINES`` lines do), ``update-rebuilt`` (entries set by
+scatters, levels rebuilt: rings up to ``replay_tree.DENSE_SLOTS``) and ``update-touched``
+(scatters, and only the touched lines' entries recomputed level by level: larger rings).
+ms an iteration, median of 3; every update's trees are checked equal to a rebuild from
+the priorities, and the one-hot update's state bit for bit the scatters'.
 
     python benchmarks/probe_priority_update.py [--slots 1000000,50000]
 """
@@ -59,9 +62,14 @@ def ring(c: int) -> dict[str, Any]:
     )
     at = StateLayout(c, 1, prioritized=True)
     mass0 = jax.jit(at.mass)(priority, jnp.float32(1), sums, mins)
-    saved = tree.DENSE_SLOTS
-    for name, dense in (("update-rebuilt", 1 << 40), ("update-touched", 0)):
-        tree.DENSE_SLOTS = dense
+    saved = tree.DENSE_SLOTS, tree.ONE_HOT_LINES
+    masses = {}
+    for name, dense, one_hot in (
+        ("update-one-hot", 1 << 40, 1 << 30),
+        ("update-rebuilt", 1 << 40, 0),
+        ("update-touched", 0, 0),
+    ):
+        tree.DENSE_SLOTS, tree.ONE_HOT_LINES = dense, one_hot
 
         def update(i: Any, mass: Any) -> Any:
             k = jax.random.fold_in(key, i)
@@ -72,13 +80,16 @@ def ring(c: int) -> dict[str, Any]:
         try:
             out[name], mass = _chip_ms(update, mass0)
         finally:
-            tree.DENSE_SLOTS = saved
+            tree.DENSE_SLOTS, tree.ONE_HOT_LINES = saved
+        masses[name] = mass
         want_s, want_m = tree.build(at.priority(mass), live, ALPHA, EPS)
         got = (*at.sums(mass), *at.mins(mass))
         out[f"{name}-matches-rebuild"] = all(
             np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4)
             for a, b in zip((*want_s, *want_m), got, strict=True)
         )
+    same = masses["update-one-hot"] == masses["update-rebuilt"]
+    out["one-hot-is-the-scatter-bit-for-bit"] = bool(jnp.all(same))
     return out
 
 

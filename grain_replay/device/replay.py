@@ -303,8 +303,11 @@ class DeviceReplay:
 
         Entries that cannot apply are skipped (nothing can raise inside jit): a slot -1
         or out of range, an empty slot, a negative, NaN or infinite priority. A slot
-        given twice keeps the last of its priorities (the host sum tree's rule). The sum
-        and min trees are updated above the touched slots only.
+        given twice keeps the last of its priorities (the host sum tree's rule); a
+        priority whose mass ``(priority + eps) ** alpha`` overflows float32 is skipped
+        (it would make the tree's total infinite). No scatter on a TPU for rings of up to
+        262,144 slots (``device/replay_tree.py``: a TPU writes a scatter's entries one at
+        a time).
 
         Args:
           state: the replay's state.

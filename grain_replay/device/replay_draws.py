@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from grain_replay.device import replay_tree as tree
-from grain_replay.device.lines import apart
 from grain_replay.device.replay_state import StateLayout
 
 __all__ = ["last_of_each", "prioritized", "uniform", "updated_priorities"]
@@ -107,12 +106,24 @@ def updated_priorities(
     given = given.reshape(-1).astype(jnp.float32)
     ok = (index >= 0) & (index < c) & jnp.isfinite(given) & (given >= 0)
     ok &= jnp.take(live, jnp.clip(index, 0, c - 1))
+    p = (given + eps) ** alpha
+    if at.sums_at:
+        ok &= jnp.isfinite(p)  # a mass past float32's range would make the total inf
     top = jnp.max(jnp.where(ok, given, 0.0), initial=0.0)
     ok = last_of_each(index, ok)
     slot = jnp.where(ok, index, 0)
-    rows = apart(ok, slot // LANES, mass.shape[0])  # the priorities' lines come first
-    mass = mass.at[rows, slot % LANES].set(given, mode="drop", unique_indices=True)
-    mass = mass.at[at.lines, 0].max(top)  # the largest priority given so far
-    if at.sums_at:
-        mass = tree.update(mass, at.sums_at, at.mins_at, slot, (given + eps) ** alpha, ok)
-    return mass
+    line, lane, n = slot // LANES, slot % LANES, at.lines
+    first, n0 = at.sums_at[0] if at.sums_at else (0, 0)
+    if at.sums_at and n0 * LANES <= tree.DENSE_SLOTS:
+        # the priorities (lines [0, n)) and level 0 set together, the levels above rebuilt
+        pri, level0 = tree.set_entries(
+            [mass[:n], mass[first : first + n0]], line, lane, [given, p], ok
+        )
+        mass = jax.lax.dynamic_update_slice_in_dim(mass, pri, 0, axis=0)
+        mass = tree.rebuild(mass, at.sums_at, at.mins_at, level0)
+    else:
+        (pri,) = tree.set_entries([mass[:n]], line, lane, [given], ok)
+        mass = jax.lax.dynamic_update_slice_in_dim(mass, pri, 0, axis=0)
+        if at.sums_at:
+            mass = tree.update(mass, at.sums_at, at.mins_at, slot, p, ok)
+    return mass.at[at.lines, 0].max(top)  # the largest priority given so far

@@ -65,12 +65,17 @@ def test_levels_per_capacity() -> None:
     assert tree.level_lines(128**3 + 1) == [16385, 129, 2, 1]
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["rebuilt-above", "touched-lines"])
+@pytest.mark.parametrize(
+    "dense, one_hot",
+    [(True, True), (True, False), (False, False)],
+    ids=["one-hot-rebuilt", "scatter-rebuilt", "scatter-touched-lines"],
+)
 def test_tree_sums_and_mins_follow_updates_with_the_last_of_a_repeated_slot(
-    dense: bool, monkeypatch: pytest.MonkeyPatch
+    dense: bool, one_hot: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # both ways an update recomputes the levels above level 0 (by the ring's size)
+    # every way an update sets entries and recomputes the levels above (by the ring's size)
     monkeypatch.setattr(tree, "DENSE_SLOTS", 1 << 30 if dense else 0)
+    monkeypatch.setattr(tree, "ONE_HOT_LINES", 1 << 30 if one_hot else 0)
     priority, live = _ring(0)
     sums, mins = jax.jit(tree.build, static_argnums=(2, 3))(priority, live, ALPHA, EPS)
     _assert_trees(sums, mins, priority, live)
@@ -191,3 +196,76 @@ def test_trees_and_weights_through_refreshes_with_evictions(
     finally:
         for w in writers.values():
             w.close()
+
+
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_set_entries_by_matmul_is_the_scatter_bit_for_bit(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(4)
+    blocks = [
+        jnp.asarray(np.where(rng.random((n, 128)) < 0.3, -0.0, rng.random((n, 128)) * 1e3)).astype(
+            jnp.float32
+        )
+        for _ in range(2)
+    ]
+    slots = rng.choice(n * 128, min(256, n * 128), replace=False).astype(np.int32)
+    b = len(slots)
+    ok = rng.random(b) < 0.8
+    values = [
+        # every normal magnitude float32 has (a subnormal one may come out 0: flushed, as
+        # a TPU's arithmetic does anyway), zero, the smallest normal and nearly the largest
+        ((0.5 + rng.random(b) / 2) * 2.0 ** rng.integers(-125, 128, b)).astype(np.float32),
+        np.concatenate([[0.0, 1.1754944e-38, 3.4e38], rng.random(b - 3)])[:b].astype(np.float32),
+    ]
+    values[0][~ok] = np.nan  # skipped entries' values never reach the blocks
+    args = (jnp.asarray(slots // 128), jnp.asarray(slots % 128))
+    vals = [jnp.asarray(v) for v in values]
+    monkeypatch.setattr(tree, "ONE_HOT_LINES", 1 << 30)
+    got = tree.set_entries(blocks, *args, vals, jnp.asarray(ok))
+    monkeypatch.setattr(tree, "ONE_HOT_LINES", 0)
+    want = tree.set_entries(blocks, *args, vals, jnp.asarray(ok))
+    for g, w, blk in zip(got, want, blocks, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+        untouched = np.ones((n, 128), bool)
+        untouched[slots[ok] // 128, slots[ok] % 128] = False
+        np.testing.assert_array_equal(  # -0.0 (an empty slot) kept, sign bit included
+            np.asarray(g).view(np.uint32)[untouched], np.asarray(blk).view(np.uint32)[untouched]
+        )
+
+
+def test_a_priority_whose_mass_overflows_is_skipped_not_an_infinite_total() -> None:
+    at = StateLayout(300, 1, prioritized=True)
+    live = jnp.ones(300, bool)
+    priority = jnp.ones(300, jnp.float32)
+    sums, mins = tree.build(priority, live, 2.0, 0.0)
+    mass = at.mass(priority, jnp.float32(1.0), sums, mins)
+    index = jnp.asarray([3, 4], jnp.int32)
+    mass = draws.updated_priorities(mass, at, live, index, jnp.asarray([1e30, 2.0]), 2.0, 0.0)
+    assert float(at.priority(mass)[3]) == 1.0  # skipped: (1e30) ** 2 is past float32
+    assert float(at.priority(mass)[4]) == 2.0
+    assert float(at.sums(mass)[-1].sum()) == 299.0 + 4.0
+
+
+def test_entries_are_set_by_matmul_on_a_tpu_only_and_up_to_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert tree.ONE_HOT_LINES is None  # the default: by the backend
+    calls: list[str] = []
+    real_dot = jax.lax.dot_general
+    monkeypatch.setattr(
+        jax.lax, "dot_general", lambda *a, **k: calls.append("dot") or real_dot(*a, **k)
+    )
+    args = (
+        jnp.asarray([1], jnp.int32),
+        jnp.asarray([2], jnp.int32),
+        [jnp.ones(1)],
+        jnp.ones(1, bool),
+    )
+    for backend, lines, want in (("cpu", 4, []), ("tpu", 4, ["dot"]), ("tpu", 4096, [])):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        block = [jnp.zeros((lines, 128), jnp.float32)]
+        calls.clear()
+        (out,) = tree.set_entries(block, *args[:2], args[2], args[3])
+        assert calls == want, (backend, lines)
+        assert float(out[1, 2]) == 1.0 and float(out.sum()) == 1.0
