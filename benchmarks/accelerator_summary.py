@@ -233,6 +233,11 @@ def device_rows(doc: Any, why: str, path: Path, backend: str | None) -> list[Row
                 f"{_number(num['ms_per_batch'], path, 'ms_per_batch'):.3g} ms/step fed, "
                 f"{_number(den['ms_per_batch'], path, 'ms_per_batch'):.3g} on device batches"
             )
+        ceiling = f"device/{ds}: step-fed-by-window-copies /"
+        top = next((r for r in ratios if str(r.get("name", "")).startswith(ceiling)), None)
+        if top is not None:  # the same outputs a dispatch with no gather: the host's bound
+            value = _number(top.get("value"), path, f"ratio {top.get('name')!r}")
+            row.measured = f"{row.measured}; ceiling (a window of copies, no gather) {value:.3f}"
     for t in section.get("gpu_targets", []) if doc is not None else []:
         rows.append(
             Row(

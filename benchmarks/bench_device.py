@@ -191,6 +191,25 @@ def _next(it: Iterator[Any], block: Callable[[Any], Any]) -> Callable[[int], Any
     return lambda i: block(next(it))
 
 
+def _window_copies(batch: Any, window: int) -> Iterator[Any]:
+    """The ceiling of any replay that hands out ``window`` batches a dispatch: one jitted
+    call returns ``window`` copies of ``batch`` (already on the devices, same leaves,
+    dtypes and sharding), handed out one by one. Resident replay makes the same call
+    with a gather in it: what this costs the step is what the outputs cost the host (one
+    array per leaf per batch), not the gather."""
+    import jax
+    import jax.numpy as jnp
+
+    # x + 0 of the leaf's own dtype: a copy on the device, a distinct output each
+    copies = jax.jit(
+        lambda b: tuple(
+            jax.tree.map(lambda x, k=k: x + jnp.zeros((), x.dtype) * k, b) for k in range(window)
+        )
+    )
+    while True:
+        yield from copies(batch)
+
+
 # -- models: plain jax, one replica per device ------------------------------------------------
 
 
@@ -376,7 +395,13 @@ def run_device(
         steps["step-fed-by-loader"] = train_on(host_it)
         if resident_it is not None:
             steps["step-fed-by-resident"] = train_on(resident_it)
+            ceiling_it = _window_copies(on_device[0], resident_it.window)
+            steps["step-fed-by-window-copies"] = train_on(ceiling_it)
         notes = {
+            "step-fed-by-window-copies": (
+                "the resident ceiling: one jitted call returns a window of copies of a "
+                "device batch (no gather), handed out one by one"
+            ),
             "device_put-pageable": "jax.device_put(numpy batch, batch sharding)",
             "device_put-pinned": "from a pinned_host copy of the batch",
             "sharded_device_put(loader)": "reads the npy store (page cache)",
@@ -385,7 +410,9 @@ def run_device(
         names = {m: f"device/{ds_name}/npy/{m}" for m in steps}
         meta = {"dataset": ds_name, "batch": b, "record_bytes": ds.record_bytes, "notes": notes}
         window = (
-            {} if resident_it is None else {m: resident_it.window for m in steps if "resident" in m}
+            {}
+            if resident_it is None
+            else {m: resident_it.window for m in steps if "resident" in m or "window" in m}
         )
         cases = _paired(cfg, names, steps, meta, window)
         for it in (host_it, pinned_it, resident_it):
@@ -425,6 +452,7 @@ def run_device(
         for fed, target in (
             ("step-fed-by-loader", CONV_FED_GPU_TARGET if ds_name == "images" else None),
             ("step-fed-by-resident", MLP_RESIDENT_GPU_TARGET if ds_name == "transitions" else None),
+            ("step-fed-by-window-copies", None),
         ):
             c = g(fed)
             if c is None or base is None:
