@@ -544,6 +544,24 @@ def test_set_state_resumes_identical_stream(store: Callable[..., str], worker_co
         _assert_streams_equal(list(resumed), reference[k:])
 
 
+@pytest.mark.parametrize("worker_count", [0, 2])
+def test_get_state_at_a_position_is_the_state_after_that_many_batches(
+    store: Callable[..., str], worker_count: int
+) -> None:
+    # sharded_device_put reads ahead and asks for the state of the last batch it handed
+    # out only at a checkpoint: get_state_at(k) must be the bytes get_state() gave then
+    loader = _loader(gr.open_source(store(100)), batch_size=8, seed=5, num_epochs=None,
+                     worker_count=worker_count)  # fmt: skip
+    with iter(loader) as it:
+        states = [it.get_state()]
+        for _ in range(15):  # past an epoch (12 batches)
+            next(it)
+            states.append(it.get_state())
+        assert it.position == 15
+        assert [it.get_state_at(k) for k in range(16)] == states
+        assert it.get_state_at(it.position) == it.get_state()
+
+
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("worker_count", [0, 2])
 @needs_8_devices
