@@ -145,13 +145,14 @@ class ShardedDevicePutIterator(Iterator[Any]):
 
     def _decide(self, batch: Any) -> None:
         """How batches like the first one move (packed, grouped or leaf by leaf); then,
-        for packed transfers to one device, asks the loader to lay batches out so."""
+        for packed transfers of one batch to one device, asks the loader to lay batches
+        out so (``Converter.asks_lanes``)."""
         self._decided = True
         # A prioritized stream stamps each priority update with the batches this wrapper
         # may have pulled ahead (``prefetch``): its batches are moved one at a time.
         if not isinstance(self._inner, PriorityUpdates):
             self._moves = self._converter.transfers(batch)
-        if self._converter.lays_out and isinstance(self._inner, LaysOutLanes):
+        if self._converter.asks_lanes and isinstance(self._inner, LaysOutLanes):
             self._inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
 
     def _start(self) -> None:
