@@ -61,13 +61,15 @@ def per_batch_us(run: Callable[[int], object], k: int, repeats: int) -> str:
 
 def pieces(loader: Any, sh: Any, k: int) -> str:
     """The fed path's pieces timed one by one (main-thread CPU µs a batch): the loader's
-    next(), the state capture, the group convert (validate, find the laid-out buffer, put,
-    unpack), as ``InlineFeed`` runs them, on a fresh loader."""
+    next(), the state capture (the feed's per-batch copy before 2026-12; over a loader it now
+    computes the state at a checkpoint), the group convert (validate, find the laid-out
+    buffer, put, unpack), as ``InlineFeed`` runs them, on a fresh loader."""
     conv = Converter(sh, packed=True)
     it = iter(loader)
     first = next(it)
     g = conv.transfers(first)[0]
-    it.lay_out_lanes()
+    if getattr(conv, "asks_lanes", conv.lays_out):  # as sharded_device_put asks (before: lays_out)
+        it.lay_out_lanes()
     conv.convert_group([first])
     acc = dict.fromkeys(("next", "capture", "convert"), 0)
     outs = []
