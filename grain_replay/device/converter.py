@@ -66,6 +66,7 @@ class Converter:
             and len(self._single.device_set) == 1
             and jax.process_count() == 1
         )
+        self._grouped = False  # transfers() decided several batches a transfer
         self._shard_counts: dict[tuple[Sharding, int], int | None] = {}
         self._tree_shardings: dict[Any, list[Sharding]] = {}
 
@@ -136,6 +137,17 @@ class Converter:
         are put as they lie: packed transfers, one sharding over one device."""
         return self._packed and self._one_device
 
+    @property
+    def asks_lanes(self) -> bool:
+        """Whether the loader should lay batches out (``lay_out_lanes``): put as they lie
+        (:attr:`lays_out`) and, after :meth:`transfers`, one batch a transfer. Batches
+        that go several to a transfer are copied into one buffer anyway (the regions
+        concatenated), so laying them out saves this process no copy and costs an
+        in-process read more (``benchmarks/probe_feed_handover.py``: MLP transitions,
+        batch 256, 7 a transfer, ``worker_count=0``, the fed path's main-thread CPU 181
+        -> 145 us a batch unlaid on the 2-core CPU machine; ``worker_count=4`` even)."""
+        return self.lays_out and not self._grouped
+
     def _layout(
         self,
         pairs: list[tuple[Any, Sharding]],
@@ -178,6 +190,7 @@ class Converter:
             group = max(1, min(packing.MAX_GROUP, packing.GROUP_BYTES // max(nbytes, 1)))
             laid = self.lays_out and laid_out([a for a, _ in pairs]) is not None
             if group > 1 or not self._packed_auto or laid:
+                self._grouped = group > 1
                 return group, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1
             self._packed = False  # auto: one batch a transfer pays only leaf by leaf
         return 1, packing.PUT_THREADS if nbytes >= packing.PARALLEL_BYTES else 1

@@ -33,9 +33,10 @@ class _End:
 
 
 class InlineFeed:
-    """Reads ``size`` batches a group (``transfers(first_batch)[0]``), converts each group
-    with one ``convert`` call, and keeps the next group converted while the caller takes
-    the current one's batches: at most ``2 * size`` batches ahead (at least ``depth``).
+    """Reads ``size`` batches a group (``moves[0]``: the caller decided it at the first
+    batch; 1 without ``moves``), converts each group with one ``convert`` call, and keeps
+    the next group converted while the caller takes the current one's batches: at most
+    ``2 * size`` batches ahead (at least ``depth``).
 
     ``capture_state``: each batch's ``inner.get_state()`` is copied right after it is read
     and handed out with it.
@@ -47,14 +48,13 @@ class InlineFeed:
         convert: Callable[[list[Any]], list[Any]],
         depth: int,
         capture_state: bool,
-        transfers: Callable[[Any], tuple[int, int]] | None = None,
+        moves: tuple[int, int] | None = None,
     ) -> None:
         self._inner = inner
         self._convert = convert
         self._capture = capture_state
-        self._transfers = transfers
         self._depth = max(1, depth)
-        self._size: int | None = None
+        self._size = max(1, int(moves[0])) if moves is not None else 1
         self._ready: collections.deque[tuple[Any, Any]] = collections.deque()
         self._end: _End | None = None
 
@@ -74,18 +74,15 @@ class InlineFeed:
         raise StopIteration
 
     def _ahead(self) -> int:
-        return max(self._depth, self._size or 1)
+        return max(self._depth, self._size)
 
     def _read_group(self) -> None:
         batches: list[Any] = []
         states: list[Any] = []
-        while len(batches) < (self._size or 1):
+        while len(batches) < self._size:
             try:
                 batch = next(self._inner)
                 states.append(copy.deepcopy(self._inner.get_state()) if self._capture else None)
-                if self._size is None:
-                    size = self._transfers(batch)[0] if self._transfers is not None else 1
-                    self._size = max(1, int(size))
             except StopIteration:
                 self._end = _End(None)
                 break

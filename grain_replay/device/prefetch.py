@@ -32,11 +32,12 @@ class Prefetcher:
     """A daemon thread keeping up to ``depth`` converted batches (and their states) queued.
 
     ``convert`` takes a list of host batches and returns their device arrays (one
-    packed transfer for the lot, or one per batch). ``transfers(first_batch)``, if
-    given, says how many batches go to one ``convert`` call and how many such calls
-    may run at once, on that many threads (a put of a large batch holds its thread
-    while the host lays it out: several in flight move more). The depth grows to hold
-    two groups, or one batch per thread, so that transfers overlap consumption.
+    packed transfer for the lot, or one per batch). ``moves``, if given (the caller
+    decided it at the first batch: ``Converter.transfers``), says how many batches go to
+    one ``convert`` call and how many such calls may run at once, on that many threads
+    (a put of a large batch holds its thread while the host lays it out: several in
+    flight move more). The depth grows to hold two groups, or one batch per thread, so
+    that transfers overlap consumption.
 
     ``capture_state`` also queues a copy of ``inner.get_state()`` taken right after
     each batch, so the consumer knows the state of the last batch it received.
@@ -53,17 +54,20 @@ class Prefetcher:
         convert: Callable[[list[Any]], list[Any]],
         depth: int,
         capture_state: bool,
-        transfers: Callable[[Any], tuple[int, int]] | None = None,
+        moves: tuple[int, int] | None = None,
     ) -> None:
+        size, threads = moves if moves is not None else (1, 1)
+        size, threads = max(1, int(size)), max(1, int(threads))
         self._stop = threading.Event()
-        # bounded by the slots: a batch is read only with a slot, freed when it is taken
+        # bounded by the slots: a batch is read only with a slot, freed when it is taken;
+        # room for two groups, or a batch per thread, so that the transfers overlap
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._slots = threading.Semaphore(depth)
+        self._slots = threading.Semaphore(max(depth, 2 * size, threads))
         self._thread: threading.Thread | None = threading.Thread(
             target=_produce,
             args=(
                 inner, convert, self._queue, self._slots, self._stop, capture_state,
-                transfers, depth,
+                size, threads,
             ),
             name="sharded_device_put",
             daemon=True,
@@ -129,8 +133,8 @@ def _produce(
     slots: threading.Semaphore,
     stop: threading.Event,
     capture_state: bool,
-    transfers: Callable[[Any], tuple[int, int]] | None,
-    depth: int,
+    size: int,
+    threads: int,
 ) -> None:
     """Producer loop: a module-level function so the thread never keeps the wrapper alive.
 
@@ -139,13 +143,14 @@ def _produce(
     failure or the end of the stream comes after the batches read before it.
     """
     pool: concurrent.futures.Executor | None = None
-    size = None
+    if threads > 1 and size == 1:
+        pool = shutdown.thread_pool(threads, "sharded_device_put_put")
     try:
         while True:
             batches: list[Any] = []
             states: list[Any] = []
             last: Any = None  # _END or a _Failure, queued after this group
-            while len(batches) < (size or 1):
+            while len(batches) < size:
                 while not slots.acquire(timeout=_POLL_S):
                     if stop.is_set():
                         return
@@ -164,13 +169,6 @@ def _produce(
                     return
                 try:
                     states.append(copy.deepcopy(inner.get_state()) if capture_state else None)
-                    if size is None:
-                        size, threads = transfers(batch) if transfers is not None else (1, 1)
-                        size, threads = max(1, int(size)), max(1, int(threads))
-                        if threads > 1 and size == 1:
-                            pool = shutdown.thread_pool(threads, "sharded_device_put_put")
-                        for _ in range(max(0, max(2 * size, threads) - depth)):
-                            slots.release()  # room for the transfers to overlap
                 except BaseException as e:
                     slots.release()
                     last = _Failure(e)

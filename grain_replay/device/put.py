@@ -73,9 +73,10 @@ def sharded_device_put(
             ``benchmarks/bench_feed.py``), off elsewhere. Where it does not apply
             (several processes, non-numpy leaves, leaves sharded differently or
             replicated, dtypes other than bool/int/uint/float) leaves are put one by one.
-            Packed on one device, a loader of :func:`make_data_loader` is asked to lay
-            each batch out as that buffer (``lay_out_lanes()``): the batch is then put
-            as the buffer it lies in, with no copy in this process (docs/loader.md).
+            Packed on one device, one batch a transfer, a loader of
+            :func:`make_data_loader` is asked to lay each batch out as that buffer
+            (``lay_out_lanes()``): the batch is then put as the buffer it lies in, with
+            no copy in this process (docs/loader.md).
         resident: ``True`` for device-resident replay: ``batches`` must be a loader of
             :func:`make_data_loader` (no host ``operations``); its store is loaded once onto
             every device (a replica per device, read in chunks with a progress bar) and each

@@ -99,6 +99,8 @@ class ShardedDevicePutIterator(Iterator[Any]):
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
         self._decided = False  # how batches move: worked out from the first one
+        # (batches per transfer, transfers in flight), decided then; None: one at a time
+        self._moves: tuple[int, int] | None = None
         self._stateful = isinstance(inner, Checkpointable)
         # An inner iterator that can give the state of an earlier position (a replay
         # iterator, whose state holds the priorities) is asked only at a checkpoint.
@@ -143,21 +145,21 @@ class ShardedDevicePutIterator(Iterator[Any]):
 
     def _decide(self, batch: Any) -> None:
         """How batches like the first one move (packed, grouped or leaf by leaf); then,
-        for packed transfers to one device, asks the loader to lay batches out so."""
+        for packed transfers of one batch to one device, asks the loader to lay batches
+        out so (``Converter.asks_lanes``)."""
         self._decided = True
+        # A prioritized stream stamps each priority update with the batches this wrapper
+        # may have pulled ahead (``prefetch``): its batches are moved one at a time.
         if not isinstance(self._inner, PriorityUpdates):
-            self._converter.transfers(batch)
-        if self._converter.lays_out and isinstance(self._inner, LaysOutLanes):
+            self._moves = self._converter.transfers(batch)
+        if self._converter.asks_lanes and isinstance(self._inner, LaysOutLanes):
             self._inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
 
     def _start(self) -> None:
-        # A prioritized stream stamps each priority update with the batches this wrapper
-        # may have pulled ahead (``prefetch``): its batches are moved one at a time.
-        transfers = None if isinstance(self._inner, PriorityUpdates) else self._converter.transfers
         # packed transfers read ahead in the caller's thread where that pays (TPU); leaf
         # by leaf puts of large batches keep the thread (measured: device/inline_feed.py)
         feed = InlineFeed if inline_feed() and self._converter.packs else Prefetcher
-        args = (self._inner, self._convert, self._prefetch, self._capture, transfers)
+        args = (self._inner, self._convert, self._prefetch, self._capture, self._moves)
         self._prefetcher = feed(*args)
 
     def _halt(self, timeout: float | None = None) -> None:

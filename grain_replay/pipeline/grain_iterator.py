@@ -55,6 +55,18 @@ class GrainStateIterator(grain.DataLoaderIterator):
         """The state of grain's iterator of the same loader after the same elements."""
         return loader_state_bytes(self._identity, self._next_index, self._encoded)
 
+    @property
+    def position(self) -> int:
+        """Elements of this process handed out (the count the state holds)."""
+        return self._next_index
+
+    def get_state_at(self, position: int) -> bytes:
+        """The state right after element ``position`` of this process was handed out
+        (``get_state()`` is ``get_state_at(position)``): a function of the position, so
+        ``sharded_device_put`` reading ahead asks for it at a checkpoint only, instead of
+        copying the state of every batch it reads."""
+        return loader_state_bytes(self._identity, int(position), self._encoded)
+
     def set_state(self, state: bytes) -> None:
         """Resumes right after the last element handed out when ``state`` was taken.
 

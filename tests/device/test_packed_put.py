@@ -206,6 +206,40 @@ def test_a_loader_stream_and_its_checkpoint_bytes_are_the_same_packed(tmp_path: 
             _assert_same(g, w)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_over_a_loader_the_state_of_every_batch_is_computed_at_the_checkpoint_not_copied(
+    tmp_path: Any, workers: int, inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the loader's state is a function of its position (get_state_at): the feed reading
+    # groups ahead no longer copies it per batch, and every batch's bytes stay the same
+    from grain_replay.device import put_options
+    from grain_replay.pipeline.grain_iterator import GrainStateIterator
+
+    monkeypatch.setattr(put_options, "INLINE", inline)
+    path = str(tmp_path / "store")
+    rng = np.random.default_rng(1)
+    gr.write(path, {"obs": rng.random((96, 5), dtype=np.float32), "a": np.arange(96)})
+    src = gr.open_source(path)
+
+    def loader() -> Any:
+        return gr.make_data_loader(src, batch_size=8, seed=4, num_epochs=None, worker_count=workers)
+
+    with iter(loader()) as plain:
+        want = [plain.get_state()] + [next(plain) and plain.get_state() for _ in range(30)]
+    asked: list[int] = []
+    real = GrainStateIterator.get_state
+    monkeypatch.setattr(GrainStateIterator, "get_state", lambda s: asked.append(1) or real(s))
+    with gr.sharded_device_put(loader(), SingleDeviceSharding(jax.devices()[0]), packed=True) as it:
+        got = [it.get_state()] + [next(it) and it.get_state() for _ in range(30)]
+        assert not asked, "the feed copied the loader's state per batch"
+        it.set_state(want[13])
+        assert it.get_state() == want[13]
+        again = [next(it) and it.get_state() for _ in range(5)]
+    assert got == want
+    assert again == want[14:19]
+
+
 def test_packed_must_be_a_bool_or_none() -> None:
     with pytest.raises(InvalidArgumentError, match="Fix: packed=None"):
         gr.sharded_device_put(iter([]), packed="yes")  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from conformance import assert_tree_equal, make_tree
 from jax.sharding import NamedSharding
 
 import grain_replay as gr
+from grain_replay import tree as tree_lib
 from grain_replay.pipeline import batches as batches_lib
 from grain_replay.pipeline.loader import BatchedReads, LoaderOptions
 
@@ -203,6 +204,25 @@ def test_batches_equal_read_batch_of_record_ids_without_workers(
     assert counting.calls == len(batches)  # worker_count=0 reads in this process
     _assert_one_read_per_batch(batches)
     assert sorted(b["_call"][0] for b in batches) == list(range(1, 25))
+
+
+def test_read_into_reads_the_batch_into_the_arrays_or_says_it_cannot(
+    store: Callable[..., str],
+) -> None:
+    src = gr.open_source(store(100, "npy"))
+    kwargs = dict(batch_size=8, seed=3, num_epochs=1, drop_remainder=False)
+    for reads in (_reads(src, **kwargs), pickle.loads(pickle.dumps(_reads(src, **kwargs)))):
+        want, _ = tree_lib.flatten(reads[2])  # leaf key ("obs/pixels") -> array
+        out = {k: np.zeros_like(v) for k, v in want.items()}
+        assert reads.read_into(2, out)
+        assert_tree_equal(out, want)
+        last = len(reads) - 1  # 100 rows: a short last batch of 4 is not read into 8 rows
+        assert not reads.read_into(last, {k: np.zeros_like(v) for k, v in want.items()})
+    # a source with no read_into (asked once, when the reads are made): read_batch only
+    plain = _reads(CountingSource(src), **kwargs)
+    untouched = {k: np.zeros_like(v) for k, v in want.items()}
+    assert not plain.read_into(2, untouched)
+    assert all(not v.any() for v in untouched.values())
 
 
 def test_one_read_batch_call_per_batch_with_monkeypatched_source(
@@ -542,6 +562,24 @@ def test_set_state_resumes_identical_stream(store: Callable[..., str], worker_co
         resumed = iter(_loader(gr.open_source(path), **kwargs))  # a fresh source and loader
         resumed.set_state(state)
         _assert_streams_equal(list(resumed), reference[k:])
+
+
+@pytest.mark.parametrize("worker_count", [0, 2])
+def test_get_state_at_a_position_is_the_state_after_that_many_batches(
+    store: Callable[..., str], worker_count: int
+) -> None:
+    # sharded_device_put reads ahead and asks for the state of the last batch it handed
+    # out only at a checkpoint: get_state_at(k) must be the bytes get_state() gave then
+    loader = _loader(gr.open_source(store(100)), batch_size=8, seed=5, num_epochs=None,
+                     worker_count=worker_count)  # fmt: skip
+    with iter(loader) as it:
+        states = [it.get_state()]
+        for _ in range(15):  # past an epoch (12 batches)
+            next(it)
+            states.append(it.get_state())
+        assert it.position == 15
+        assert [it.get_state_at(k) for k in range(16)] == states
+        assert it.get_state_at(it.position) == it.get_state()
 
 
 @pytest.mark.parametrize("prefetch", [0, 3])

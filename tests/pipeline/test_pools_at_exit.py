@@ -137,7 +137,7 @@ def test_a_device_put_with_put_threads_at_interpreter_exit_hands_out_every_batch
 
         p = Prefetcher(
             batches(), lambda group: [b * 10 for b in group], depth=2,
-            capture_state=False, transfers=lambda first: (1, 2),
+            capture_state=False, moves=(1, 2),
         )
         """,
         """
