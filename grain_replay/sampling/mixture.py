@@ -21,7 +21,7 @@ from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.batches import CACHED_ORDER_MAX_RECORDS
 from grain_replay.pipeline.shuffle import epoch_order, permute
 from grain_replay.sampling.draws import Draws
-from grain_replay.sampling.replay import StoreLength, parse_layout
+from grain_replay.sampling.store_length import StoreLength, parse_layout
 
 __all__ = ["apportion", "MixtureSampler"]
 

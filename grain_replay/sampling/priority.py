@@ -16,8 +16,8 @@ from grain_replay.errors import (
 from grain_replay.sampling.draws import Draws
 from grain_replay.sampling.priority_options import PrioritizedReplay, Sampled
 from grain_replay.sampling.priority_state import KINDS, parse_common, pending_updates
-from grain_replay.sampling.replay import StoreLength
 from grain_replay.sampling.slots import RecentDraws, RowSlots, SlotMap
+from grain_replay.sampling.store_length import StoreLength
 from grain_replay.sampling.sumtree import SumTree
 
 __all__ = ["PrioritizedReplay", "Sampled", "PrioritySampler"]  # the first two: re-exported

@@ -19,13 +19,8 @@ from grain_replay.sampling.mixture_reader import MixtureReader
 from grain_replay.sampling.modes import Stream, StreamRequest, find_sampling, register_sampling
 from grain_replay.sampling.priority import PrioritizedReplay, PrioritySampler, Sampled
 from grain_replay.sampling.priority_slots import IdPriorityReader, SlotPrioritySampler
-from grain_replay.sampling.replay import (
-    IdTask,
-    RowReader,
-    StoreLength,
-    UniformReplay,
-    UniformSampler,
-)
+from grain_replay.sampling.replay import IdTask, RowReader, UniformReplay, UniformSampler
+from grain_replay.sampling.store_length import StoreLength
 from grain_replay.sources.capabilities import ReadsIds
 from grain_replay.store.parts import RowIds
 

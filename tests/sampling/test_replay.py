@@ -180,14 +180,14 @@ def test_a_commit_within_the_same_clock_tick_is_still_seen(
     growing: tuple[gr.ReplayWriter, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two commits may leave one mtime; a stamp seen within a tick is confirmed once after it."""
-    from grain_replay.sampling import replay
+    from grain_replay.sampling import store_length
 
     writer, path = growing
-    length = replay.StoreLength(gr.NpyDataSource(path), refresh_every=1)
+    length = store_length.StoreLength(gr.NpyDataSource(path), refresh_every=1)
     st = os.stat(path)
-    monkeypatch.setattr(replay, "_stamp", lambda p: (123_456_789, st.st_size, st.st_ino))
+    monkeypatch.setattr(store_length, "_stamp", lambda p: (123_456_789, st.st_size, st.st_ino))
     now = [123_456_789 + 1_000]  # within the tick of the frozen mtime
-    monkeypatch.setattr(replay.time, "time_ns", lambda: now[0])
+    monkeypatch.setattr(store_length.time, "time_ns", lambda: now[0])
     assert length.at(1) == 50  # first look
     writer.append(_rows(50, 10))
     writer.flush()  # a second commit, same stamp

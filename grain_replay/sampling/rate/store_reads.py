@@ -15,7 +15,7 @@ from typing import Any
 
 from grain_replay.errors import InvalidSamplingError
 from grain_replay.sampling.rate.options import limit_of
-from grain_replay.sampling.replay import probe_copy
+from grain_replay.sampling.store_length import probe_copy
 from grain_replay.sources.capabilities import OnObjectStorage, ReadsIds, Refreshable
 from grain_replay.store import progress as learners_lib
 from grain_replay.store.object_folder import ObjectFolder, ObjectInsertedCount
