@@ -15,20 +15,22 @@ from grain_replay.errors import InvalidSamplingError
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import TASK_NOT_READY, WorkerLoaderIterator
 from grain_replay.sampling.iterator_state import (
-    check_store,
     decode_state,
     drawn_arrays,
     encode_state,
     parse_drawn,
-    store_watermark,
 )
-from grain_replay.sampling.mixture import MixtureSampler
 from grain_replay.sampling.priority import PrioritySampler
 from grain_replay.sampling.rate.limit import RateLimiter, make_limiter
-from grain_replay.sampling.replay import StoreLength, UniformSampler
+from grain_replay.sampling.replayed import (
+    check_watermarks,
+    mixture_watermarks,
+    priority_sampler,
+    refresh_stream,
+    stream_watermark,
+)
 from grain_replay.sampling.streams import Stream
 from grain_replay.sources.capabilities import BindsMaps
-from grain_replay.store.watermark import Watermark
 
 __all__ = ["ENDLESS", "SamplingIterator"]
 
@@ -201,35 +203,6 @@ class SamplingIterator:
     def _describe(self) -> dict[str, Any]:
         return {"kind": self._stream.kind, **self._stream.describe()}
 
-    def _source(self) -> Any:
-        """The one store a uniform or prioritized stream replays (None for mixtures)."""
-        sampler = getattr(self._stream, "sampler", None)
-        if isinstance(sampler, (UniformSampler, PrioritySampler)):
-            return sampler.source
-        return None
-
-    def _watermark(self) -> Watermark | None:
-        """The rows the sampler draws from, as the store's writers count them."""
-        source = self._source()
-        if source is None:
-            return None
-        return store_watermark(self._stream.sampler, source)  # type: ignore[attr-defined]
-
-    def _mixture_lengths(self) -> dict[str, StoreLength] | None:
-        """A replay mixture's sources' lengths by name (None: not a mixture with replay)."""
-        sampler = getattr(self._stream, "sampler", None)
-        if not isinstance(sampler, MixtureSampler) or sampler.lengths is None:
-            return None
-        return dict(zip(sampler.names, sampler.lengths))
-
-    def _watermarks(self) -> dict[str, Watermark] | None:
-        """A replay mixture's watermark of each source, by name (None: not a mixture
-        with replay): the offline sources' committed length, the online stores' writers."""
-        lengths = self._mixture_lengths()
-        if lengths is None:
-            return None
-        return {name: store_watermark(n, n.source) for name, n in lengths.items()}
-
     def get_state(self) -> bytes:
         """JSON bytes: resume at the identical next batch (schedule and priorities included)."""
         return self.get_state_at(self._position)
@@ -262,10 +235,10 @@ class SamplingIterator:
                 sampling=self._describe(),
                 position=position,
                 sampler=entry[2] if entry is not None else self._stream.state(),
-                watermark=self._watermark(),
+                watermark=stream_watermark(self._stream),
                 rate_limit=None if self._limiter is None else self._limiter.state(position),
                 priorities=priorities,
-                watermarks=self._watermarks(),
+                watermarks=mixture_watermarks(self._stream),
             )
 
     def set_state(self, state: bytes) -> None:
@@ -283,14 +256,7 @@ class SamplingIterator:
         """
         decoded = decode_state(state, self._describe())
         position, priorities = decoded.position, decoded.priorities
-        if decoded.watermark is not None:
-            check_store(decoded.watermark, self._watermark(), self._source())
-        if decoded.watermarks is not None:
-            lengths = self._mixture_lengths() or {}
-            for name, saved in sorted(decoded.watermarks.items()):
-                if name in lengths:  # the sources' names are part of what must match
-                    n = lengths[name]
-                    check_store(saved, store_watermark(n, n.source), n.source)
+        check_watermarks(self._stream, decoded.watermark, decoded.watermarks)
         if self._limiter is not None and decoded.rate_limit is not None:
             self._limiter.check_state(decoded.rate_limit, position)
         if priorities is not None:
@@ -325,14 +291,8 @@ class SamplingIterator:
 
     # -- replay ---------------------------------------------------------------
 
-    def _priority(self) -> PrioritySampler:
-        sampler = getattr(self._stream, "sampler", None)
-        if not isinstance(sampler, PrioritySampler):
-            raise InvalidSamplingError(
-                f"This loader samples with {self._stream.kind!r}; priorities exist only with "
-                "sampling=gr.PrioritizedReplay()."
-            )
-        return sampler
+    def _priority(self) -> PrioritySampler:  # raises unless the stream has priorities
+        return priority_sampler(self._stream)
 
     def update_priorities(
         self, index: Any, priorities: Any, *, handed_out: int | None = None
@@ -419,16 +379,7 @@ class SamplingIterator:
 
     def refresh(self) -> None:
         """Looks for newly committed rows before the next draw (replay modes)."""
-        sampler = getattr(self._stream, "sampler", None)
-        if isinstance(sampler, MixtureSampler) and sampler.replay:
-            sampler.refresh()
-            return
-        if not isinstance(sampler, (UniformSampler, PrioritySampler)):
-            raise InvalidSamplingError(
-                "refresh() applies to UniformReplay and PrioritizedReplay (and mixtures "
-                "under UniformReplay); epochs have a fixed length."
-            )
-        sampler.refresh()
+        refresh_stream(self._stream)
 
     def close(self) -> None:
         """Stops the workers (and a rate limit's publishing); the position is kept."""
