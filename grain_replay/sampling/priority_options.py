@@ -54,29 +54,16 @@ class PrioritizedReplay:
     gives new priorities with ``update_priorities(index, priorities)`` on the
     iterator it holds.
 
+    The arguments it shares with :class:`~grain_replay.UniformReplay` are documented there,
+    once: ``refresh_every`` (batches between looks for newly committed rows) and the rate
+    limit (``min_size``, ``samples_per_insert``, ``tolerance``, ``timeout``, or all four as
+    ``rate_limit``; see docs/rate_limits.md).
+
     Args:
       alpha: how much priorities count (0: uniform).
       beta: importance-sampling exponent in ``[0, 1]``, or a callable of the step
         returning it (annealed towards 1).
       eps: added to every priority, so no row is never drawn.
-      refresh_every: batches between looks for newly committed rows; None looks
-        only when the iterator's ``refresh()`` is called.
-      min_size: no batch until this many rows are live (committed and not evicted).
-      samples_per_insert: ``r``: rows handed out per row inserted. The rows handed
-        out stay within ``r * (inserted - min_size) +- tolerance``, ``inserted``
-        counting every row every writer committed (evicted ones included): the
-        learner waits when ahead, and the store's writers wait in ``flush()`` when
-        ahead, from the moment the loader is built. None: no ratio.
-      tolerance: ``e`` in rows; default ``max(0.1 * min_size * r, 2 * B, B + r)``
-        (Acme's 10 %, at least what progress needs; ``B`` the global batch).
-      timeout: seconds the learner may wait for inserts before raising
-        :class:`~grain_replay.RateLimitTimeoutError`; None waits, logging why
-        every 30 s. See docs/rate_limits.md.
-      rate_limit: the four above as one :class:`~grain_replay.RateLimit`, the value its
-        store's writers are given too (the flat fields are a shorthand: one given as well
-        must say the same). The writers are held from the moment the loader is built.
-        Without a limit here, a store that declares one (a writer's ``rate_limit=``)
-        lends the learner its limit; a limit that differs from the store's is refused.
 
     Examples:
       >>> loader = gr.make_data_loader(src, batch_size=256, num_epochs=None,
