@@ -54,10 +54,10 @@ class PrioritizedReplay:
     gives new priorities with ``update_priorities(index, priorities)`` on the
     iterator it holds.
 
-    The arguments it shares with :class:`~grain_replay.UniformReplay` are documented there,
-    once: ``refresh_every`` (batches between looks for newly committed rows) and the rate
-    limit (``min_size``, ``samples_per_insert``, ``tolerance``, ``timeout``, or all four as
-    ``rate_limit``; see docs/rate_limits.md).
+    The arguments it shares with [`UniformReplay`][grain_replay.sampling.replay.UniformReplay]
+    are documented there, once: ``refresh_every`` (batches between looks for newly
+    committed rows) and the rate limit (``min_size``, ``samples_per_insert``,
+    ``tolerance``, ``timeout``, or all four as ``rate_limit``; see docs/rate_limits.md).
 
     Args:
       alpha: how much priorities count (0: uniform).

@@ -58,8 +58,8 @@ class UniformReplay:
     batches and when the iterator's ``refresh()`` is called. No epochs and no
     array of size N: a draw is O(batch).
 
-    :class:`~grain_replay.PrioritizedReplay` takes the same ``refresh_every`` and rate-limit
-    arguments (documented here).
+    [`PrioritizedReplay`][grain_replay.sampling.priority_options.PrioritizedReplay] takes
+    the same ``refresh_every`` and rate-limit arguments, documented here once.
 
     Args:
       refresh_every: batches between looks for new rows (re-reading the store's
