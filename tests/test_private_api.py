@@ -47,7 +47,7 @@ import importlib
 import inspect
 import pkgutil
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -165,14 +165,35 @@ def _module_files() -> Iterator[tuple[str, Path]]:
         yield ".".join(parts), path
 
 
+def _subtrees(tree: ast.AST) -> Callable[[ast.AST], list[ast.AST]]:
+    """``nodes(x)``: every node under ``x`` and ``x`` itself, as ``ast.walk(x)`` yields them
+    but in another order; each node's children are listed once for the whole tree (a scope
+    and every scope around it walk the same statements: ast.walk listed them again each time).
+    """
+    memo: dict[int, list[ast.AST]] = {}
+
+    def nodes(node: ast.AST) -> list[ast.AST]:
+        found = memo.get(id(node))
+        if found is None:
+            found = [node]
+            for child in ast.iter_child_nodes(node):
+                found += nodes(child)
+            memo[id(node)] = found
+        return found
+
+    nodes(tree)
+    return nodes
+
+
 def _static_violations(
     module: str, source: str, zarr_private: set[str] | frozenset[str] = frozenset()
 ) -> list[str]:
     tree = ast.parse(source)
+    walk = _subtrees(tree)  # the scopes' walks below, each node's children listed once
     out: list[str] = []
     bound: set[str] = set()  # module-level names that are grain/jax/zarr modules or objects
     zarr_names = {"zarr"}  # names bound to the zarr module (also by import_zarr())
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if _is_theirs(alias.name):
@@ -200,7 +221,7 @@ def _static_violations(
             and node.value.func.id == "import_zarr"
         ):
             zarr_names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id in zarr_names and node.attr in ZARR_INTERNAL:
                 out.append(f"{module}:{node.lineno}: {ast.unparse(node)} is zarr's internal module")
@@ -230,7 +251,7 @@ def _static_violations(
                 if a is not None and _annotation_names(a.annotation) & bound:
                     local.add(a.arg)
         for stmt in body:
-            for node in ast.walk(stmt):
+            for node in walk(stmt):
                 if isinstance(node, ast.Assign) and _root(node.value) in bound:
                     local |= {t.id for t in node.targets if isinstance(t, ast.Name)}
                 elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -239,7 +260,7 @@ def _static_violations(
                     ):
                         local.add(node.target.id)
         for stmt in body:
-            for node in ast.walk(stmt):
+            for node in walk(stmt):
                 if (
                     isinstance(node, ast.Attribute)
                     and _private(node.attr)
@@ -252,7 +273,7 @@ def _static_violations(
                     )
 
     visit_scope(tree.body, None)
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             visit_scope(node.body, node.args)
     return sorted(set(out))
