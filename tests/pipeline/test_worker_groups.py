@@ -17,7 +17,7 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
-from loader_ops import FailOnce, KillWorkerOnce
+from loader_ops import FailOnce, Grow, KillWorkerOnce, PythonLeaves
 
 import grain_replay as gr
 from grain_replay.pipeline.lanes import owner_of
@@ -84,6 +84,25 @@ def test_stream_and_state_after_every_batch_equal_one_batch_a_hand_over(
         next(it)
     for batch, want in zip(got, reference, strict=True):
         _assert_batch(batch, want)
+
+
+@pytest.mark.parametrize("case", ["changing layouts", "pickled", "read threads"])
+def test_batches_of_other_layouts_and_read_threads_keep_the_stream(path: str, case: str) -> None:
+    # a batch of another layout than its group's first (Grow: 8, 16 or 24 rows; a short
+    # last batch) or one that must be pickled starts a message of its own
+    ops: list[Any] = {"changing layouts": [Grow()], "pickled": [PythonLeaves()]}.get(case, [])
+    extra: dict[str, Any] = {"operations": ops}
+    if case == "read threads":
+        extra["read_options"] = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    src = gr.open_source(path)
+    want = list(_loader(src, worker_count=0, operations=ops))
+    got = list(_grouped(src, 4, worker_buffer_size=1, **extra))
+    assert len(got) == len(want) == 26
+    for g, w in zip(got, want, strict=True):
+        if case == "pickled":
+            assert g["first"] == w["first"] and g["tag"] == "batch" and g["none"] is None
+            g, w = g["obs"], w["obs"]
+        _assert_batch(g, w)
 
 
 def test_resume_and_seek_inside_a_group_continue_the_stream(
