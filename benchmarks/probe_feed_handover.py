@@ -15,7 +15,15 @@ only at the end; the per-batch main-thread microseconds of:
 then ``fed`` under cProfile, top functions by own time (per batch). ``fed - loader -
 ceiling`` is what the feed adds that is neither the read nor the put/unpack.
 
+``pieces`` asks the loader to hand batches over a group at a time (``hand_over``) where
+``sharded_device_put`` does (several batches a transfer). ``--cases`` picks the rows.
+
     JAX_PLATFORMS=cpu python benchmarks/probe_feed_handover.py [--rows N] [--batches K]
+        [--workers 0,4] [--cases ceiling,loader,capture,pieces,fed]
+
+Numbers of issue 41's group hand-over (CPU machine, load 2-4, ``--workers 4``, before and
+after in turns): ``pieces`` next 70-90 -> 32-45 us a batch; ``fed`` main-thread CPU
+182-255 -> 127-147 us a batch (``--batches 1000 --repeats 5``; CHANGELOG).
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ def pieces(loader: Any, sh: Any, k: int) -> str:
     it = iter(loader)
     first = next(it)
     g = conv.transfers(first)[0]
+    if g > 1 and hasattr(it, "hand_over"):  # as sharded_device_put asks (issue 41)
+        it.hand_over(g)
     if getattr(conv, "asks_lanes", conv.lays_out):  # as sharded_device_put asks (before: lays_out)
         it.lay_out_lanes()
     conv.convert_group([first])
@@ -105,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workers", default="0,4")
     p.add_argument("--profile", action="store_true", help="also cProfile the fed loop")
+    p.add_argument("--cases", default="ceiling,loader,capture,pieces,fed", help="the rows to time")
     args = p.parse_args(argv)
+    cases = set(args.cases.split(","))
     put_options.INLINE = True  # the TPU default: read ahead in the caller's thread
     b, k = args.batch, args.batches
     sh = jax.sharding.NamedSharding(
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         nbytes = sum(v.nbytes for v in hosts[0].values())
         g = max(1, min(packing.MAX_GROUP, packing.GROUP_BYTES // nbytes))
-        for gg in (g, packing.MAX_GROUP):
+        for gg in (g, packing.MAX_GROUP) if "ceiling" in cases else ():
             group = [a for i in range(gg) for a in jax.tree_util.tree_leaves(hosts[i % 16])]
             lay = packing.plan(group, [sh] * len(group))
             assert lay is not None
@@ -145,15 +157,20 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(n):
                     next(it)  # type: ignore[call-overload]
 
-            print(f"  w{w} loader     {per_batch_us(loader, k, args.repeats)}")
+            if "loader" in cases:
+                print(f"  w{w} loader     {per_batch_us(loader, k, args.repeats)}")
 
             def capture(n: int, it: object = it) -> None:
                 for _ in range(n):
                     copy.deepcopy(it.get_state())  # type: ignore[attr-defined]
 
-            print(f"  w{w} capture    {per_batch_us(capture, k, args.repeats)}")
+            if "capture" in cases:
+                print(f"  w{w} capture    {per_batch_us(capture, k, args.repeats)}")
             it.close()  # type: ignore[attr-defined]
-            print(f"  w{w} pieces     {pieces(make(), sh, k)}")
+            if "pieces" in cases:
+                print(f"  w{w} pieces     {pieces(make(), sh, k)}")
+            if "fed" not in cases:
+                continue
             fed = gr.sharded_device_put(make(), sh, packed=True)
 
             def feed(n: int, fed: object = fed) -> None:

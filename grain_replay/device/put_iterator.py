@@ -21,6 +21,7 @@ from grain_replay.errors import InvalidPrefetchError, UnsupportedStateError
 from grain_replay.pipeline.state import load_text, save_text
 from grain_replay.sources.capabilities import (
     Checkpointable,
+    HandsOverGroups,
     LaysOutLanes,
     Prefetches,
     PriorityUpdates,
@@ -144,14 +145,18 @@ class ShardedDevicePutIterator(Iterator[Any]):
         return arrays
 
     def _decide(self, batch: Any) -> None:
-        """How batches like the first one move (packed, grouped or leaf by leaf); then,
-        for packed transfers of one batch to one device, asks the loader to lay batches
-        out so (``Converter.asks_lanes``)."""
+        """How batches like the first one move (packed, grouped or leaf by leaf); then
+        asks the loader to hand the batches of a transfer over together (``hand_over``)
+        or, for packed transfers of one batch to one device, to lay batches out so
+        (``Converter.asks_lanes``)."""
         self._decided = True
         # A prioritized stream stamps each priority update with the batches this wrapper
         # may have pulled ahead (``prefetch``): its batches are moved one at a time.
         if not isinstance(self._inner, PriorityUpdates):
             self._moves = self._converter.transfers(batch)
+            if self._moves[0] > 1 and isinstance(self._inner, HandsOverGroups):
+                # the loader's workers hand a transfer's batches over in one message
+                self._inner.hand_over(self._moves[0])
         if self._converter.asks_lanes and isinstance(self._inner, LaysOutLanes):
             self._inner.lay_out_lanes()  # the loader lays batches out as the packed buffer
 

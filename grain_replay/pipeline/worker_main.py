@@ -30,7 +30,6 @@ import numpy as np
 from grain_replay import tree as tree_lib
 from grain_replay.errors import GrainReplayError
 from grain_replay.pipeline.lanes import lane_fields
-from grain_replay.pipeline.state import handed_out_by_worker
 from grain_replay.sources.reading.cache import share_cache_budget
 
 __all__: list[str] = []
@@ -38,31 +37,46 @@ __all__: list[str] = []
 _ALIGN = 64  # leaf offsets inside a slot: cache-line aligned
 _ROW = 512  # pipeline/lanes.py's row
 
-# worker -> consumer: (kind, generation, element, slot, ...)
-_BATCH, _PICKLED, _ERROR, _SLOT = range(4)
+# worker -> consumer: (kind, generation, element, slot, ...); a _GROUP message is
+# (_GROUP, generation, first element, slot, spec or None, count, bytes a batch): ``count``
+# batches of one layout back to back in the slot
+_BATCH, _PICKLED, _ERROR, _SLOT, _GROUP = range(5)
 # consumer -> worker
 _FREE, _SEEK, _STOP, _TASK, _DROP, _LANES = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a worker reads: its element ``k`` is global batch ``global_index(k)``."""
+    """What a worker reads: the groups of ``group`` consecutive elements of this process
+    ``q`` with ``q % workers == worker`` (``group`` 1: elements ``worker``, ``worker +
+    workers``, ...); element ``j`` is global batch ``global_index(j)``."""
 
     worker: int
     workers: int
     shard_index: int
     shard_count: int
     length: int
-
-    def local(self, k: int) -> int:
-        return k * self.workers + self.worker
+    group: int = 1
 
     def first_unread(self, handed_out: int) -> int:
-        """This worker's first element not handed out after ``handed_out`` elements in all."""
-        return handed_out_by_worker(handed_out, self.worker, self.workers)
+        """This worker's first element at or after element ``handed_out`` (the elements
+        before it were handed out): inside its group, a resume reads the group's rest."""
+        q = handed_out // self.group
+        if q % self.workers == self.worker:
+            return handed_out
+        return (q + (self.worker - q) % self.workers) * self.group
 
-    def global_index(self, k: int) -> int:
-        return self.local(k) * self.shard_count + self.shard_index
+    def after(self, j: int) -> int:
+        """This worker's element after its element ``j``."""
+        j += 1
+        return j if j % self.group else j + (self.workers - 1) * self.group
+
+    def group_end(self, j: int) -> int:
+        """The end (exclusive) of the group of element ``j``."""
+        return min((j // self.group + 1) * self.group, self.length)
+
+    def global_index(self, j: int) -> int:
+        return j * self.shard_count + self.shard_index
 
 
 def _round_up(n: int) -> int:
@@ -188,7 +202,7 @@ def _worker_main(
 ) -> None:
     """A worker: reads its elements into free slots until told to stop or the pipe closes.
 
-    With ``tasked``, element ``k`` is ``read(task)`` for the task the consumer sent
+    With ``tasked``, element ``j`` is ``read(task)`` for the task the consumer sent
     for it (``_TASK`` messages), instead of ``read(global index)``. The payload may
     carry ``read_into(global index, out) -> bool`` as a third item (no operations):
     then, once a batch showed the layout, each batch is read straight into its slot,
@@ -197,6 +211,11 @@ def _worker_main(
     (or from a ``_LANES`` message on), a batch is laid out as one packed transfer's buffer
     (``pipeline/lanes.py``); one whose elements are padded to whole rows is then read and
     copied, not read into the slot (a gather into rows that skip bytes is slower than both).
+
+    With ``plan.group`` above 1 (set by a ``_SEEK``), the batches of one group go back to
+    back into one slot, sent as one ``_GROUP`` message (never laid out in lanes); a batch
+    of another layout (a short last batch, one that must be pickled) ends the message
+    early and starts the next, and a read error ends it and follows it.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     where = f"grain_replay loader worker {plan.worker} (pid {os.getpid()})"
@@ -212,8 +231,8 @@ def _worker_main(
 
     tasks: dict[int, Any] = {}
 
-    def element(k: int, task: Any = None) -> Any:
-        data = read(task) if tasked else read(plan.global_index(k))
+    def element(j: int, task: Any = None) -> Any:
+        data = read(task) if tasked else read(plan.global_index(j))
         for op in maps:
             data = op.map(data)
         return data
@@ -225,26 +244,41 @@ def _worker_main(
     last_spec: Any = None
     last_size = 0
     direct = False  # last_spec's leaves are contiguous: read_into may fill them
+    carry: tuple[int, Any] | None = None  # an element read that did not join its group
 
-    def read_direct(slot: int) -> bool:
-        """Element ``k`` read into ``slot`` laid out as ``last_spec``; False if not read."""
+    def read_direct(out: dict[str, np.ndarray]) -> bool:
+        """Element ``j`` read into ``out`` (views of a slot); False if not read."""
         nonlocal read_into
         assert read_into is not None
-        out = _views(slots.fit(slot, last_size, generation, k), last_spec)
         try:
-            return bool(read_into(plan.global_index(k), out))
+            return bool(read_into(plan.global_index(j), out))
         except Exception:  # e.g. a layout the source's read_into refuses: read() says why
             read_into = None
             return False
 
-    k = start
+    def next_data() -> Any:
+        """Element ``j``'s batch (its read error raised), read ahead on the pool if any."""
+        nonlocal carry
+        if carry is not None and carry[0] == j:
+            data, carry = carry[1], None
+            return data
+        if pool is None:
+            return element(j, tasks.pop(j, None))
+        while len(pending) < read_threads:  # keep read_threads reads in flight
+            nxt = plan.after(pending[-1][0]) if pending else j
+            if nxt >= plan.length or (tasked and nxt not in tasks):
+                break
+            pending.append((nxt, pool.submit(element, nxt, tasks.pop(nxt, None))))
+        return pending.popleft()[1].result()
+
+    j = start
     stalled = False  # after an error: wait for a seek
     if load_error is not None:
-        conn.send((_ERROR, generation, k, load_error))
+        conn.send((_ERROR, generation, j, load_error))
         stalled = True
 
     def handle(msg: tuple[Any, ...]) -> bool:
-        nonlocal k, generation, stalled, lanes, last_spec
+        nonlocal j, generation, stalled, lanes, last_spec, plan, carry
         if msg[0] == _FREE:
             free.append(msg[1])
         elif msg[0] == _DROP:  # a slot given back by the consumer, not to be used again
@@ -254,16 +288,71 @@ def _worker_main(
         elif msg[0] == _LANES:  # the next batch is read, laid out anew and its spec sent
             lanes, last_spec = True, None
         elif msg[0] == _SEEK:
-            _, generation, k = msg
+            _, generation, j, group = msg
+            if group != plan.group:
+                plan = dataclasses.replace(plan, group=group)
             tasks.clear()
+            carry = None
             while pending:  # reads are pure: a running one finishes and is dropped
                 pending.popleft()[1].cancel()
             stalled = load_error is not None
             if stalled:
-                conn.send((_ERROR, generation, k, load_error))
+                conn.send((_ERROR, generation, j, load_error))
         else:
             return False
         return True
+
+    def send_group() -> None:
+        """Reads the rest of element ``j``'s group into a free slot and sends it."""
+        nonlocal j, stalled, last_spec, last_size, direct, carry
+        first, end, slot = j, plan.group_end(j), free.pop()
+        spec: Any = None
+        size = n = 0
+        buf: np.ndarray | None = None
+        error: BaseException | None = None
+        while j < end:
+            if read_into is not None and direct and carry is None and spec in (None, last_spec):
+                if buf is None:
+                    buf = slots.fit(slot, (end - first) * last_size, generation, first)
+                if read_direct(_views(buf[n * last_size :], last_spec)):
+                    spec, size, n, j = last_spec, last_size, n + 1, j + 1
+                    continue
+                if n == 0:
+                    buf = None  # fitted to the batch read next
+            try:
+                data = next_data()
+            except Exception as e:
+                error = e
+                break
+            laid = _layout(data)
+            if laid is None and n == 0:  # alone, pickled; it holds the slot
+                buf = None
+                conn.send((_PICKLED, generation, j, slot, data))
+                j = plan.after(j)
+                return
+            if laid is None or (spec is not None and laid[0] != spec):
+                carry = (j, data)  # the first of the next message
+                break
+            if spec is None:
+                spec, size = laid[0], laid[2]
+            if buf is None:
+                buf = slots.fit(slot, (end - first) * size, generation, first)
+            _write(buf[n * size :], spec[1], laid[1])
+            n, j = n + 1, j + 1
+        buf = None
+        if n:
+            conn.send(
+                (_GROUP, generation, first, slot, None if spec == last_spec else spec, n, size)
+            )
+            last_spec, last_size = spec, size
+            direct = not any(f[4] for f in spec[1])
+        else:
+            free.append(slot)
+        if error is not None:
+            conn.send((_ERROR, generation, j, _picklable(error, where)))
+            stalled = True
+        elif j == end:
+            j = plan.after(end - 1)
 
     try:
         while True:
@@ -271,47 +360,44 @@ def _worker_main(
                 conn.poll()
                 or not free
                 or stalled
-                or plan.local(k) >= plan.length
-                or (tasked and not pending and k not in tasks)
+                or j >= plan.length
+                or (tasked and not pending and j not in tasks)
             ):
                 if not handle(conn.recv()):
                     return
+            if plan.group > 1:
+                send_group()
+                continue
             if read_into is not None and last_spec is not None and direct:
                 slot = free.pop()
-                if read_direct(slot):
-                    conn.send((_BATCH, generation, k, slot, None))
-                    k += 1
+                buf = slots.fit(slot, last_size, generation, j)
+                done = read_direct(_views(buf, last_spec))
+                del buf
+                if done:
+                    conn.send((_BATCH, generation, j, slot, None))
+                    j = plan.after(j)
                     continue
                 free.append(slot)
-            if pool is not None:  # keep read_threads reads in flight
-                while len(pending) < read_threads and plan.local(k + len(pending)) < plan.length:
-                    nxt = k + len(pending)
-                    if tasked and nxt not in tasks:
-                        break
-                    pending.append((nxt, pool.submit(element, nxt, tasks.pop(nxt, None))))
             try:
-                if pool is not None:
-                    data = pending.popleft()[1].result()
-                else:
-                    data = element(k, tasks.pop(k, None))
+                data = next_data()
             except Exception as e:
-                conn.send((_ERROR, generation, k, _picklable(e, where)))
+                conn.send((_ERROR, generation, j, _picklable(e, where)))
                 stalled = True
                 continue
             laid = _layout(data, lanes)
             slot = free.pop()  # a pickled batch holds a slot too: read-ahead stays bounded
             if laid is None:
-                conn.send((_PICKLED, generation, k, slot, data))
-                k += 1
+                conn.send((_PICKLED, generation, j, slot, data))
+                j = plan.after(j)
                 continue
             spec, arrays, size = laid
-            buf = slots.fit(slot, size, generation, k)
+            buf = slots.fit(slot, size, generation, j)
             _write(buf, spec[1], arrays)
             del buf
-            conn.send((_BATCH, generation, k, slot, None if spec == last_spec else spec))
+            conn.send((_BATCH, generation, j, slot, None if spec == last_spec else spec))
             last_spec, last_size = spec, size
             direct = not any(f[4] for f in spec[1])
-            k += 1
+            j = plan.after(j)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the consumer is gone
     finally:

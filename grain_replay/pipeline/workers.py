@@ -7,14 +7,19 @@ Here each worker owns a few anonymous shared-memory slots (``memfd``, handed
 over once through the pipe), writes a whole batch into one, and sends a small
 tuple naming the slot; the consumer hands the batch out as arrays viewing the
 slot and gives the worker another slot meanwhile (``pipeline/slots.py``: the
-slot is reused only once the user dropped every view of it). The stream, the
-operations and the checkpoint bytes are those of grain's own iterator with the
+slot is reused only once the user dropped every view of it). Asked to
+(``hand_over(group)``, by ``sharded_device_put`` moving several batches a transfer), a
+worker writes ``group`` consecutive batches into one slot and sends one message for
+them: the receive, the views and the slot given back are paid once a group. The stream,
+the operations and the checkpoint bytes are those of grain's own iterator with the
 same ``worker_count``.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -28,7 +33,7 @@ import cloudpickle
 import numpy as np
 
 from grain_replay import tree as tree_lib
-from grain_replay.errors import ArgumentTypeError, WorkerDiedError
+from grain_replay.errors import ArgumentTypeError, InvalidArgumentError, WorkerDiedError
 from grain_replay.pipeline import shutdown
 from grain_replay.pipeline.grain_iterator import GrainStateIterator
 from grain_replay.pipeline.lanes import LaneField, lane_fields
@@ -40,6 +45,7 @@ from grain_replay.pipeline.worker_main import (
     _DROP,
     _ERROR,
     _FREE,
+    _GROUP,
     _LANES,
     _PICKLED,
     _SEEK,
@@ -128,6 +134,10 @@ class _Pool:
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.generation = 0
+        self.group = plans[0].group if plans else 1
+        # the batches of a group received and not handed out yet, and the element of the first
+        self.ready: collections.deque[Any] = collections.deque()
+        self.ready_at = 0
         self.sent = handed_out  # tasked: the first element whose task is not sent yet
         self.broken = False
         self.workers: list[_Worker] = []
@@ -154,8 +164,19 @@ class _Pool:
         self.generation += 1
         self.broken = False
         self.sent = handed_out
+        self.group = plans[0].group
+        self.ready.clear()  # their slot goes back once nothing else views it
         for w, plan in zip(self.workers, plans):
-            w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out)))
+            w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
+
+    def next_batch(self, j: int) -> Any:
+        """Element ``j``: the next of a group received, or received from its worker."""
+        if self.ready:
+            if self.ready_at == j:
+                self.ready_at += 1
+                return self.ready.popleft()
+            self.ready.clear()  # not the next one (a broken order): received again
+        return self.receive((j // self.group) % len(self.workers), j)
 
     def receive(self, index: int, k: int) -> Any:
         w = self.workers[index]
@@ -169,10 +190,10 @@ class _Pool:
                 finally:
                     os.close(fd)
                 continue
-            if kind == _BATCH and msg[4] is not None:
+            if kind in (_BATCH, _GROUP) and msg[4] is not None:
                 w.set_spec(msg[4])
             if generation != self.generation:
-                if kind in (_BATCH, _PICKLED):
+                if kind in (_BATCH, _PICKLED, _GROUP):
                     _give_back(w, msg[3])
                 continue
             if element != k:  # a broken protocol, not a user error
@@ -183,6 +204,8 @@ class _Pool:
             if kind == _PICKLED:
                 _give_back(w, msg[3])
                 return msg[4]
+            if kind == _GROUP:
+                return self._unpack_group(w, msg[3], msg[5], msg[6], k)
             return self._unpack(w, msg[3])
 
     def _unpack(self, w: _Worker, slot: int) -> Any:
@@ -193,6 +216,20 @@ class _Pool:
             _give_back(w, s)
         assert w.unpack is not None
         return w.unpack(leaves)
+
+    def _unpack_group(self, w: _Worker, slot: int, count: int, size: int, k: int) -> Any:
+        """The first batch of a group; the others wait in :attr:`ready` (one lease: the
+        slot goes back once every batch of it is dropped)."""
+        for s in w.slots.collect():
+            _give_back(w, s, _DROP)
+        groups, give = w.slots.take_group(slot, w.fields, size, count)
+        for s in give:
+            _give_back(w, s)
+        unpack = w.unpack
+        assert unpack is not None
+        self.ready.extend(unpack(leaves) for leaves in groups[1:])
+        self.ready_at = k + 1
+        return unpack(groups[0])
 
     def _recv(self, index: int, w: _Worker) -> tuple[Any, ...]:
         try:
@@ -232,6 +269,7 @@ class _Pool:
 
     def close(self) -> None:
         shutdown.unregister(self)
+        self.ready.clear()
         self._finalizer()
 
 
@@ -316,9 +354,7 @@ class WorkerLoaderIterator(GrainStateIterator):
                 payload = self._task(j)
                 if payload is TASK_NOT_READY:
                     break  # not drawn yet (a rate limit); asked again at the next element
-                pool.workers[j % self._worker_count].conn.send(
-                    (_TASK, j // self._worker_count, payload)
-                )
+                pool.workers[j % self._worker_count].conn.send((_TASK, j, payload))
                 pool.sent = j + 1
         return pool
 
@@ -327,7 +363,7 @@ class WorkerLoaderIterator(GrainStateIterator):
         if j >= self._length:
             self.close()  # nothing left to read; set_state() starts workers again
             raise StopIteration
-        batch = self._ready_pool().receive(j % self._worker_count, j // self._worker_count)
+        batch = self._ready_pool().next_batch(j)
         self._next_index = j + 1
         return batch
 
@@ -336,8 +372,33 @@ class WorkerLoaderIterator(GrainStateIterator):
         transfer's buffer (``pipeline/lanes.py``): ``sharded_device_put`` then puts the
         slot's bytes as they are. Batches the workers wrote before keep their layout."""
         self._lanes = True
+        if self._plans[0].group > 1:  # a laid-out batch is put alone: one a hand-over
+            self._plans = [dataclasses.replace(p, group=1) for p in self._plans]
+            self._seek()
         if self._pool is not None and self._pool.workers:
             self._pool.lay_out_lanes()
+
+    def hand_over(self, group: int) -> None:
+        """From now on, hand batches over from the workers ``group`` at a time: a worker
+        reads ``group`` consecutive batches into one slot and sends one message, and the
+        next ``group - 1`` calls of ``next()`` take the batches received (``1``: one a
+        batch, the default). The stream and the checkpoint bytes are unchanged; workers
+        running drop what they read ahead. A loader with tasks (replay sampling), or asked
+        to :meth:`lay_out_lanes` (whose batches go one a transfer), keeps 1.
+
+        Raises:
+          InvalidArgumentError: ``group`` is not a positive int.
+        """
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise InvalidArgumentError(
+                f"hand_over(group) takes the batches a hand-over as a positive int, got "
+                f"{group!r}. Fix: pass an int >= 1 (1: one batch a hand-over)."
+            )
+        if self._task is not None or self._lanes or group == self._plans[0].group:
+            return
+        self._plans = [dataclasses.replace(p, group=group) for p in self._plans]
+        if self._pool is not None and self._pool.workers:
+            self._pool.seek(self._next_index, self._plans)
 
     def _seek(self) -> None:
         if self._pool is not None and self._pool.workers:

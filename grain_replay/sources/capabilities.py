@@ -39,6 +39,7 @@ __all__ = [
     "HasTreedef",
     "HasWatermark",
     "HasWriters",
+    "HandsOverGroups",
     "LaysOutLanes",
     "ManyWriterStore",
     "OnObjectStorage",
@@ -238,6 +239,15 @@ class LaysOutLanes(Protocol):
     as a packed transfer's (``pipeline/lanes.py``), for ``sharded_device_put`` to put as is."""
 
     def lay_out_lanes(self) -> None: ...
+
+
+@runtime_checkable
+class HandsOverGroups(Protocol):
+    """A loader iterator whose workers can hand batches over ``group`` at a time (one
+    message and one shared-memory slot a group), for ``sharded_device_put`` moving that
+    many batches a transfer: the consumer's cost a batch is then paid once a group."""
+
+    def hand_over(self, group: int) -> None: ...
 
 
 @runtime_checkable
