@@ -16,34 +16,24 @@ from typing import Any
 import grain
 import numpy as np
 import pytest
-from conformance import assert_tree_equal, make_tree
+from conformance import assert_tree_equal
 from loader_ops import FailOnce, Grow, KillWorkerOnce, PythonLeaves
+from worker_loaders import id_store, worker_loader
 
 import grain_replay as gr
 from grain_replay.pipeline.lanes import owner_of
 from grain_replay.pipeline.slots import Slots
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
-NO_SHARDING = grain.sharding.NoSharding()
-
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tree = make_tree(100)
-    tree["id"] = np.arange(100, dtype=np.int64)
-    p = str(tmp_path_factory.mktemp("groups") / "s.npy")
-    gr.write(p, tree, format="npy")
-    return p
+    return id_store(tmp_path_factory, "groups")
 
 
 def _loader(source: Any, **kwargs: Any) -> grain.DataLoader:
-    kwargs.setdefault("shard_options", NO_SHARDING)
-    kwargs.setdefault("batch_size", 8)
-    kwargs.setdefault("seed", 5)
-    kwargs.setdefault("num_epochs", 2)
-    kwargs.setdefault("worker_count", 2)
     kwargs.setdefault("drop_remainder", False)  # a short batch ends each epoch's group early
-    return gr.make_data_loader(source, **kwargs)
+    return worker_loader(source, **kwargs)
 
 
 def _grouped(source: Any, group: int, **kwargs: Any) -> WorkerLoaderIterator:
