@@ -124,6 +124,6 @@ def updated_priorities(
     else:
         (pri,) = tree.set_entries([mass[:n]], line, lane, [given], ok)
         mass = jax.lax.dynamic_update_slice_in_dim(mass, pri, 0, axis=0)
-        if at.sums_at:
+        if at.sums_at:  # a ring past DENSE_SLOTS: the touched lines' entries, level by level
             mass = tree.update(mass, at.sums_at, at.mins_at, slot, p, ok)
     return mass.at[at.lines, 0].max(top)  # the largest priority given so far

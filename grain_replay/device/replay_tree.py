@@ -227,16 +227,15 @@ def update(
     """Traced: ``packed`` (float32 lines holding the trees: level ``l`` of the sum tree at
     lines ``sums_at[l] = (first, count)``, level ``l + 1`` of the min tree at
     ``mins_at[l]``) with the masses of ``slots`` (int32[B], distinct where ``ok``; live)
-    set to ``mass`` (float32[B], >= 0) and the entries above them recomputed; entries not
+    set to ``mass`` (float32[B], >= 0) and, level by level, only the entries above the
+    touched lines recomputed: the way for rings past :data:`DENSE_SLOTS` (smaller ones set
+    level 0 with :func:`set_entries` and :func:`rebuild` the levels above). Entries not
     ``ok`` are skipped. Every write goes into ``packed`` in place (a donated state's
     buffer is reused)."""
-    first, n0 = sums_at[0]
+    first, _ = sums_at[0]
     end = packed.shape[0]
     line = slots // LANES
     lane = slots % LANES
-    if n0 * LANES <= DENSE_SLOTS:  # every level above rebuilt from level 0, one pass
-        (level0,) = set_entries([packed[first : first + n0]], line, lane, [mass], ok)
-        return rebuild(packed, sums_at, mins_at, level0)
     # the skipped entries each to its own line past the end: the indices stay distinct
     packed = packed.at[apart(ok, first + line, end), lane].set(
         mass, mode="drop", unique_indices=True
