@@ -17,8 +17,9 @@ writers appending 64 envs' steps at a time, a capacity of 1M rows and batches of
   ``TensorDictPrioritizedReplayBuffer(shared=True, sync=False)``. Targets:
   >= 10x Reverb, >= 3x torchrl.
 - **commit -> sampleable latency**: a writer process commits 64 rows at a time at
-  random gaps and notes when each ``flush()`` returned (``time.monotonic``, one
-  clock for every process of the machine); this process iterates a loader with
+  random gaps and notes when each ``flush()`` was called (``time.monotonic``, one
+  clock for every process of the machine; the rows become visible inside the flush,
+  so its return could come after a reader already holds them); this process iterates a loader with
   ``gr.UniformReplay()`` (the default refresh: a look every 16 batches) back to back,
   as a learner would, and notes when the length its sampler draws below (the
   ``sampler`` state of ``get_state()``) first covers each commit. Targets: median
@@ -214,7 +215,7 @@ def bench_sample(root: str, p: Params, log: Any) -> dict[str, Any]:
 
 
 def bench_latency(root: str, p: Params, log: Any) -> dict[str, Any]:
-    """Commit -> sampleable: flush() returns in a writer process -> this loader can draw it."""
+    """Commit -> sampleable: flush() is called in a writer process -> this loader can draw it."""
     import grain_replay as gr
 
     path = tempfile.mkdtemp(prefix="online_latency_", dir=root)

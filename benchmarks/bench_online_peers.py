@@ -74,7 +74,8 @@ def write_loop(append: Any, flush: Any, cfg: dict[str, Any], go: Any, stop: Any,
     message), then ``cfg["rows"]`` rows (None: until ``stop``), paced at ``cfg["rate"]``
     rows/s when set, "flushing" every ``cfg["flush_rows"]`` rows; reports rows, seconds
     and the time spent in flushes. ``cfg["commits"]`` also reports each flush's
-    end as ``(rows appended so far, time.monotonic())``.
+    start as ``(rows appended so far, time.monotonic())``: the rows become visible
+    inside the flush, so a reader may hold them before its return.
     """
     envs, every = cfg["envs"], cfg["flush_rows"]
     go.wait()
@@ -93,12 +94,12 @@ def write_loop(append: Any, flush: Any, cfg: dict[str, Any], go: Any, stop: Any,
         rows += envs
         since += envs
         if since >= every:
-            t = time.perf_counter()
+            asked, t = time.monotonic(), time.perf_counter()
             flush()
             flush_s += time.perf_counter() - t
             since = 0
             if cfg.get("commits"):
-                commits.append((fill + rows, time.monotonic()))
+                commits.append((fill + rows, asked))
         _pace(rows, start, cfg["rate"])
         if cfg.get("gap_s"):
             time.sleep(cfg["gap_s"][0] + (cfg["gap_s"][1] - cfg["gap_s"][0]) * np.random.random())
