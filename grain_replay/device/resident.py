@@ -183,6 +183,8 @@ class ResidentReplayIterator(Iterator[Any]):
                 self._gather = by_dma
         self._next = 0  # elements of this process handed out
         self._ready: collections.deque[Any] = collections.deque()
+        # (first element, batches, record ids on the devices) of the next window
+        self._ahead: tuple[int, int, jax.Array] | None = None
         self._closed = False
         # Closed at interpreter exit if still open: its arrays go before jax's teardown.
         shutdown.register(self, ResidentReplayIterator.close)
@@ -212,7 +214,32 @@ class ResidentReplayIterator(Iterator[Any]):
         return self._reads.record_ids(j * ident.shard_count + ident.shard_index)
 
     def _fill(self, start: int) -> None:
-        """Gathers the window of batches from element ``start`` on with one dispatch."""
+        """Gathers the window of batches from element ``start`` on with one dispatch, and
+        sends the record ids of the window after it to the devices.
+
+        The ids travel a window ahead: a put of a few kB costs a TPU about half a
+        millisecond before a gather can use it, and a learner that waits for each step
+        would wait for that put once a window too. Sent while this window is handed out,
+        they are there when the next gather is dispatched.
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == start:
+            _, count, ids = ahead
+        else:
+            count, ids = self._window_ids(start)
+        out = self._gather(self._store, ids)
+        for leaves in out[:count]:
+            self._ready.append(jax.tree_util.tree_unflatten(self._treedef, leaves))
+        after = start + count
+        if after < self._length:
+            # A short last batch that does not split over the devices is refused when
+            # the caller reaches it (its _fill computes it again and raises).
+            with contextlib.suppress(BatchShardingError):
+                self._ahead = (after, *self._window_ids(after))
+
+    def _window_ids(self, start: int) -> tuple[int, jax.Array]:
+        """(batches, the ``(steps, rows)`` record ids on the devices) of the window from
+        element ``start``: up to ``window`` full batches, or a short last batch alone."""
         first = self._record_ids(start)
         if len(first) != self._batch_size:  # the short last batch of an epoch: on its own
             _check_split(len(first), self._local_slices)
@@ -229,9 +256,7 @@ class ResidentReplayIterator(Iterator[Any]):
             steps = self._window  # padded: one compiled shape for every full window
         block = np.zeros((steps, len(first)), dtype=np.int32)
         block[: len(rows)] = rows
-        out = self._gather(self._store, self._ids_block(block))
-        for leaves in out[: len(rows)]:
-            self._ready.append(jax.tree_util.tree_unflatten(self._treedef, leaves))
+        return len(rows), self._ids_block(block)
 
     def _ids_block(self, block: np.ndarray) -> jax.Array:
         """This process's ``(steps, rows)`` record ids as the global ids array."""
@@ -257,6 +282,7 @@ class ResidentReplayIterator(Iterator[Any]):
         """
         self._next = handed_out_from_state(self._identity, state)
         self._ready.clear()
+        self._ahead = None
 
     def close(self) -> None:
         """Releases the store's device memory and the batches gathered ahead; iteration ends.
@@ -265,6 +291,7 @@ class ResidentReplayIterator(Iterator[Any]):
         """
         shutdown.unregister(self)
         self._ready.clear()
+        self._ahead = None
         self._store = []
         self._closed = True
 

@@ -181,6 +181,59 @@ def test_resumes_mid_epoch_from_its_own_and_the_host_state(store: str) -> None:
     jax.tree.map(np.testing.assert_array_equal, _numpy(next(back)), host_all[k + 1])
 
 
+def test_each_window_gathers_ids_sent_one_window_before(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Record ids travel a window ahead: every gather after the first takes ids put while
+    the window before it was handed out, never a put made for it in the same call; a
+    set_state elsewhere drops the ids sent ahead and the stream stays the loader's."""
+    loader = gr.make_data_loader(gr.open_source(store), batch_size=8, num_epochs=3, seed=2)
+    host_all = [_numpy(b) for b in gr.sharded_device_put(loader)]
+    res = gr.sharded_device_put(loader, resident=True)
+    events: list[tuple[str, int]] = []
+    put, gather = res._ids_block, res._gather
+
+    def counted_put(block: np.ndarray) -> Any:
+        ids = put(block)
+        events.append(("put", id(ids)))
+        return ids
+
+    def counted_gather(store_: Any, ids: Any) -> Any:
+        events.append(("gather", id(ids)))
+        return gather(store_, ids)
+
+    monkeypatch.setattr(res, "_ids_block", counted_put)
+    monkeypatch.setattr(res, "_gather", counted_gather)
+    got = []
+    for b in res:
+        got.append(_numpy(b))
+        events.append(("handed out", len(got)))
+    assert len(got) == len(host_all) == 3 * (N // 8)
+    for a, b in zip(got, host_all, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    gathers = [i for i, (kind, _) in enumerate(events) if kind == "gather"]
+    assert len(gathers) == -(-len(host_all) // SMALL_WINDOW)
+    for g in gathers[1:]:
+        # its ids: put right after the gather before it, batches handed out in between
+        sent = next(i for i, e in enumerate(events) if e == ("put", events[g][1]))
+        assert events[sent - 1][0] == "gather", events[: g + 1]
+        assert sum(kind == "handed out" for kind, _ in events[sent:g]) >= SMALL_WINDOW // 2 - 1
+    assert sum(kind == "put" for kind, _ in events) == len(gathers)  # none past the end
+
+    events.clear()
+    k = 2 * SMALL_WINDOW + 3  # mid-window, not where the ids sent ahead start
+    res = gr.sharded_device_put(loader, resident=True)
+    next(res)
+    res.set_state(gr.sharded_device_put(loader, resident=True).get_state())  # back to 0
+    for _ in range(k):
+        next(res)
+    state = res.get_state()
+    res.set_state(state)
+    rest = [_numpy(b) for b in res]
+    for a, b in zip(rest, host_all[k:], strict=True):
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
 def test_state_bytes_match_worker_loader(store: str) -> None:
     loader = gr.make_data_loader(gr.open_source(store), batch_size=16, worker_count=2)
     res = gr.sharded_device_put(loader, resident=True)
