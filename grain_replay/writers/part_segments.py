@@ -8,14 +8,24 @@ segments by :class:`~grain_replay.writers.backends.NpySegmentBackend`) holding
 
 from __future__ import annotations
 
+import errno
 import os
 
+from grain_replay.errors import StoreExistsError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store import parts as parts_lib
 from grain_replay.store.integrity import Checksummer
+from grain_replay.writers.atomic import remove_path
 from grain_replay.writers.backends import BACKENDS, Backend, NpySegmentBackend
 
-__all__ = ["Segment", "create_segment", "reopen_segment", "segment_backend", "segment_path"]
+__all__ = [
+    "Segment",
+    "create_segment",
+    "remove_segment",
+    "reopen_segment",
+    "segment_backend",
+    "segment_path",
+]
 
 
 def segment_backend(fmt: str) -> type[Backend]:
@@ -74,10 +84,41 @@ def create_segment(
     chunk_rows: int | None,
     compression: str | None,
 ) -> Segment:
-    """A new, empty segment at ``path`` (no leftover there: the caller removed it)."""
+    """A new, empty segment at ``path``. A leftover there (of a crash before this
+    segment's first commit: the part's reopen removes those, so rarely) is removed and
+    the segment made again: no look before (a ``stat`` and an ``unlink`` a segment)."""
     cls = segment_backend(fmt)
     # Chunks no larger than the segment, nothing allocated past it.
-    backend = cls.create_open(
-        path, meta, chunk_rows, compression, sync=False, max_rows=segment_rows
-    )
+    try:
+        backend = cls.create_open(
+            path, meta, chunk_rows, compression, sync=False, max_rows=segment_rows
+        )
+    except StoreExistsError:
+        remove_path(path)
+        backend = cls.create_open(
+            path, meta, chunk_rows, compression, sync=False, max_rows=segment_rows
+        )
     return Segment(first, 0, backend, Checksummer(meta.leaves))
+
+
+def remove_segment(path: str, fmt: str, meta: layout_lib.StoreMetadata | None) -> None:
+    """Removes the segment at ``path`` (nothing if it is gone). A ``.npy`` segment's
+    files are known by name (``meta``'s leaves and the metadata): unlinked, then the
+    folder removed, without the listing and checks of a tree's removal; anything else
+    there (or another format) is removed as a tree."""
+    if fmt == "npy" and meta is not None:
+        names = [layout_lib.disk_name(k) + ".npy" for k in meta.leaves]
+        try:
+            for name in [*names, layout_lib.METADATA_FILE]:
+                try:
+                    os.unlink(os.path.join(path, name))
+                except FileNotFoundError:
+                    pass
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return  # no folder: removed already
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+    remove_path(path)

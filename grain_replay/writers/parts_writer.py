@@ -33,6 +33,7 @@ from grain_replay.writers.part_manifest import default_segment_rows
 from grain_replay.writers.part_segments import (
     Segment,
     create_segment,
+    remove_segment,
     reopen_segment,
     segment_path,
 )
@@ -77,6 +78,9 @@ class PartWriter(LockedWriter):
         # writer's sync thread) they are removed by commit_filled, off the flush.
         self._evicted: list[str] = []
         self.defer_evictions = False
+        # Folders of segments commit_filled committed, not synced yet: the next flush
+        # syncs them with its own, before its commit point names the segments.
+        self._unsynced_dirs: list[str] = []
         try:
             manifest = parts_lib.read_manifest(self._dir)
             if manifest is None:
@@ -247,9 +251,12 @@ class PartWriter(LockedWriter):
         manifest, the commit point), leaving less for the next ``flush`` to sync, then
         removes the segments the last flush evicted. Readers do not see them before that
         flush; a crash leaves files reopening removes. ``stop``: asked before each
-        segment; True (a flush waits) leaves the rest to the flush (whose one ``fsync``
-        round for all of them beats this commit's four a segment) or the next call. The
-        removals are not stopped (frequent flushes would leave the disk space taken)."""
+        segment; True (a flush waits) leaves the rest to the flush or the next call. A
+        segment's commit is one ``fsync`` round (its rows, headers and new metadata
+        together, as a flush's: no reader reads a segment before a manifest names it);
+        its folder is synced by the next flush, in that flush's round of folders, before
+        its commit point. The removals are not stopped (frequent flushes would leave the
+        disk space taken)."""
         named = {s.first for s in self._manifest.segments}
         for seg in [*self._full, self._open]:
             if seg is None or not seg.dirty or seg.first in named:
@@ -257,7 +264,10 @@ class PartWriter(LockedWriter):
             if seg.rows >= self._manifest.segment_rows:
                 if stop is not None and stop():
                     break
-                seg.backend.commit(seg.rows, seg.summer.state() if seg.summer else None)
+                fds = seg.backend.stage_commit(seg.rows, seg.summer.state() if seg.summer else None)
+                fsync_all(fds)
+                if (d := seg.backend.finish_commit()) is not None:
+                    self._unsynced_dirs.append(d)
                 seg.dirty = False
         self.remove_evicted(quiet=True)
 
@@ -268,7 +278,7 @@ class PartWriter(LockedWriter):
         while self._evicted:
             path = self._evicted.pop(0)
             try:
-                remove_path(path)
+                remove_segment(path, self._format, self._meta)
             except OSError as e:
                 if not quiet:
                     raise
@@ -299,10 +309,8 @@ class PartWriter(LockedWriter):
             self._full.append(seg)
         first = self._manifest.committed if seg is None else seg.first + seg.rows
         assert first % self._manifest.segment_rows == 0
-        path = self._segment_path(first)
-        remove_path(path)  # a leftover of a crash before this segment's first commit
-        self._open = create_segment(
-            path,
+        self._open = create_segment(  # a leftover there is removed (create_segment)
+            self._segment_path(first),
             self._format,
             self._segment_meta(0),
             first,
@@ -343,7 +351,8 @@ class PartWriter(LockedWriter):
             dirs = [d for seg in staged if (d := seg.backend.finish_commit()) is not None]
             for seg in staged:
                 seg.dirty = False
-            fsync_dirs(dirs)
+            fsync_dirs([*self._unsynced_dirs, *dirs])
+            self._unsynced_dirs = []
             publish_text(text)  # the commit point
         except BaseException:
             text.discard()

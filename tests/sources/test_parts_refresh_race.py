@@ -56,12 +56,12 @@ class _Evictor:
 
     def __init__(self, writer: Any, gone: str | None, monkeypatch: pytest.MonkeyPatch):
         self.writer, self.gone, self.fired = writer, gone, []
-        self.real_remove = parts_writer.remove_path
-        monkeypatch.setattr(parts_writer, "remove_path", self._remove)
+        self.real_remove = parts_writer.remove_segment
+        monkeypatch.setattr(parts_writer, "remove_segment", self._remove)
 
-    def _remove(self, path: str) -> None:
+    def _remove(self, path: str, *args: Any) -> None:
         if self.gone is None or not os.path.isdir(path):
-            self.real_remove(path)
+            self.real_remove(path, *args)
             return
         target = os.path.join(path, self.gone)
         if os.path.isdir(target):

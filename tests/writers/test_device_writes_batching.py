@@ -247,17 +247,17 @@ def test_failing_segment_commit_in_the_thread_raised(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
-    real = NpySegmentBackend.commit
+    real = NpySegmentBackend.stage_commit
     armed = {"on": False}
     failed = threading.Event()
 
-    def commit(self: Any, n: int, checksums: Any) -> None:
-        if armed["on"]:
+    def stage_commit(self: Any, n: int, checksums: Any) -> list[int]:
+        if armed["on"] and threading.current_thread().name == "grain_replay-device-syncs":
             failed.set()
             raise OSError(errno.EIO, "Input/output error (injected)")
-        real(self, n, checksums)
+        return real(self, n, checksums)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
+    monkeypatch.setattr(NpySegmentBackend, "stage_commit", stage_commit)
     path = str(tmp_path / "s")
     w = gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=2 * ROWS)
     w.append(_device(_block(0)))
@@ -323,14 +323,14 @@ def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
     monkeypatch.setattr(background, "WRITE_BATCH_BYTES", 1)
     release, started = threading.Event(), threading.Event()
     threads: list[str] = []
-    real = NpySegmentBackend.commit
+    real = NpySegmentBackend.stage_commit
 
-    def commit(self: Any, n: int, checksums: Any) -> None:
+    def stage_commit(self: Any, n: int, checksums: Any) -> list[int]:
         threads.append(threading.current_thread().name)
         if threading.current_thread().name == "grain_replay-device-syncs":
             started.set()
             assert release.wait(30), "the test never released the commit"
-        real(self, n, checksums)
+        return real(self, n, checksums)
 
     writes: list[int] = []
     real_write = PartWriter.write
@@ -339,7 +339,7 @@ def test_segment_commits_wait_in_their_own_thread_and_flush_waits_for_them(
         real_write(self, arrays, n, **kwargs)
         writes.append(n)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
+    monkeypatch.setattr(NpySegmentBackend, "stage_commit", stage_commit)
     monkeypatch.setattr(PartWriter, "write", write)
     path = str(tmp_path / "s")
     w = gr.ReplayWriter(path, capacity=1000, writer_id="a", segment_rows=2 * ROWS)

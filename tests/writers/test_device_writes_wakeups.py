@@ -43,14 +43,14 @@ def _device(block: dict[str, np.ndarray]) -> dict[str, Any]:
 def _record_removals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """(segment, thread) of each removal of an existing segment (not of a leftover)."""
     removed: list[tuple[str, str]] = []
-    real = parts_writer.remove_path
+    real = parts_writer.remove_segment
 
-    def remove_path(path: str) -> None:
+    def remove_segment(path: str, *args: Any) -> None:
         if os.path.exists(path):
             removed.append((os.path.basename(path), threading.current_thread().name))
-        real(path)
+        real(path, *args)
 
-    monkeypatch.setattr(parts_writer, "remove_path", remove_path)
+    monkeypatch.setattr(parts_writer, "remove_segment", remove_segment)
     return removed
 
 
@@ -145,15 +145,15 @@ def test_host_writer_evictions_removed_by_flush(
 def test_failing_background_removal_is_logged_and_reopen_removes_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = parts_writer.remove_path
+    real = parts_writer.remove_segment
     armed = {"on": True}
 
-    def remove_path(path: str) -> None:
+    def remove_segment(path: str, *args: Any) -> None:
         if armed["on"] and threading.current_thread().name == SYNCS:
             raise PermissionError(13, "Permission denied (injected)", path)
-        real(path)
+        real(path, *args)
 
-    monkeypatch.setattr(parts_writer, "remove_path", remove_path)
+    monkeypatch.setattr(parts_writer, "remove_segment", remove_segment)
     path = str(tmp_path / "s")
     w = gr.ReplayWriter(path, capacity=2 * ROWS, writer_id="a", segment_rows=ROWS)
     with caplog.at_level(logging.WARNING, logger=parts_writer.__name__):
@@ -180,13 +180,13 @@ def test_segment_commits_give_way_to_a_waiting_flush(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     commits: list[int] = []
-    real = NpySegmentBackend.commit
+    real = NpySegmentBackend.stage_commit
 
-    def commit(self: Any, n: int, checksums: Any) -> None:
+    def stage_commit(self: Any, n: int, checksums: Any) -> list[int]:
         commits.append(n)
-        real(self, n, checksums)
+        return real(self, n, checksums)
 
-    monkeypatch.setattr(NpySegmentBackend, "commit", commit)
+    monkeypatch.setattr(NpySegmentBackend, "stage_commit", stage_commit)
     path = str(tmp_path / "s")
     w = PartWriter(
         path, "npy", writer_id="a", capacity=1000, segment_rows=ROWS, chunk_rows=None,

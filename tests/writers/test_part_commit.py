@@ -242,3 +242,103 @@ def test_a_writer_dead_before_the_commit_point_reopens_after_the_last_commit(
     np.testing.assert_array_equal(batch["seq"], np.arange(22))
     np.testing.assert_array_equal(batch["tag"][12:] >> 16, np.ones(10))
     check_rows(batch)
+
+
+def test_a_filled_segment_commits_in_one_round_and_the_flush_syncs_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """commit_filled (a device writer's sync thread): a filled segment's rows, headers and
+    metadata in one fsync round, its folder left to the next flush, which syncs it with
+    its own before the commit point (the manifest)."""
+    rounds: list[str] = []
+    real_all, real_dirs = parts_writer.fsync_all, parts_writer.fsync_dirs
+
+    def fsync_all(fds: list[int]) -> None:
+        rounds.append(f"files:{len(fds)}")
+        real_all(fds)
+
+    def fsync_dirs(paths: list[str]) -> None:
+        rounds.append("dirs:" + ",".join(sorted(os.path.basename(p) for p in paths)))
+        real_dirs(paths)
+
+    def fsync_path(path: str) -> None:
+        rounds.append(f"path:{os.path.basename(path)}")
+
+    monkeypatch.setattr(parts_writer, "fsync_all", fsync_all)
+    monkeypatch.setattr(parts_writer, "fsync_dirs", fsync_dirs)
+    monkeypatch.setattr("grain_replay.store.filesync.fsync_path", fsync_path)
+    path = str(tmp_path / "s")
+    w = PartWriter(path, "npy", writer_id="a", capacity=None, segment_rows=8,
+                   chunk_rows=None, compression=None)  # fmt: skip
+    rounds.clear()  # the writer's own files, made
+    w.write(*w.check(make_rows("a", 0, 11)), by_leaf=True)  # [0, 8) filled, [8, 11) open
+    w.commit_filled()
+    assert rounds == ["files:4"]  # three leaves and the segment's metadata; no folder
+    seg0 = os.path.join(parts_lib.writer_dir(path, "a"), parts_lib.segment_name(0, "npy"))
+    on_disk = NpySegmentBackend.read_metadata(seg0)
+    assert on_disk is not None and on_disk.num_records == 8
+    assert gr.open_source(path).segments() == []  # no manifest names it yet
+    rounds.clear()
+    assert w.flush() == 11
+    # The open segment's files and the manifest; both folders (the filled segment's,
+    # synced by no one before); the writer's folder (the manifest's rename).
+    assert rounds == ["files:5", f"dirs:{parts_lib.segment_name(0, 'npy')},"
+                      f"{parts_lib.segment_name(8, 'npy')}", "path:a"]  # fmt: skip
+    rounds.clear()
+    w.write(*w.check(make_rows("a", 11, 2)), by_leaf=True)
+    assert w.flush() == 13
+    assert rounds[1] == f"dirs:{parts_lib.segment_name(8, 'npy')}"  # synced once, not again
+    w.close()
+    batch = gr.open_source(path).read_batch(np.arange(13))
+    np.testing.assert_array_equal(batch["seq"], np.arange(13))
+    check_rows(batch)
+
+
+def test_a_leftover_at_a_new_segments_path_is_replaced(tmp_path: Path) -> None:
+    path = str(tmp_path / "s")
+    w = PartWriter(path, "npy", writer_id="a", capacity=None, segment_rows=8,
+                   chunk_rows=None, compression=None)  # fmt: skip
+    w.append(make_rows("a", 0, 5))
+    assert w.flush() == 5
+    wdir = parts_lib.writer_dir(path, "a")
+    stale = os.path.join(wdir, parts_lib.segment_name(8, "npy"))
+    os.mkdir(stale)  # as a crash before this segment's first commit leaves it
+    with open(os.path.join(stale, "seq.npy"), "wb") as f:
+        f.write(b"torn")
+    w.append(make_rows("a", 5, 10))  # fills [0, 8), makes [8, 16) over the leftover
+    assert w.flush() == 15
+    w.close()
+    batch = gr.open_source(path).read_batch(np.arange(15))
+    np.testing.assert_array_equal(batch["seq"], np.arange(15))
+    check_rows(batch)
+
+
+def test_a_segment_made_in_place_remakes_a_removed_folder_and_leaves_no_half(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meta = _meta(_tree(1))
+    made = str(tmp_path / "gone" / "again" / "seg")  # its folder removed (or never made)
+    NpySegmentBackend.create_open(made, meta, None, None, sync=False).close()
+    assert NpySegmentBackend.read_metadata(made) is not None
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    half = str(tmp_path / "half")
+    monkeypatch.setattr(NpySegmentBackend, "_make", classmethod(boom))
+    with pytest.raises(OSError, match="No space left"):
+        NpySegmentBackend.create_open(half, meta, None, None, sync=False)
+    assert not os.path.exists(half)  # removed, as a .partial would be
+
+
+def test_remove_segment_removes_known_files_and_falls_back_on_strays(tmp_path: Path) -> None:
+    meta = _meta(_tree(1))
+    plain, stray = str(tmp_path / "plain"), str(tmp_path / "stray")
+    for p in (plain, stray):
+        NpySegmentBackend.create_open(p, meta, None, None, sync=False).close()
+    with open(os.path.join(stray, "other.bin"), "wb") as f:
+        f.write(b"x")  # not a file the segment's metadata names
+    part_segments.remove_segment(plain, "npy", meta)
+    part_segments.remove_segment(stray, "npy", meta)
+    part_segments.remove_segment(str(tmp_path / "never"), "npy", meta)  # gone: nothing
+    assert os.listdir(tmp_path) == []

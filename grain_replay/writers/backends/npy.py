@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_replay.errors import InvalidArgumentError
+from grain_replay.errors import InvalidArgumentError, StoreExistsError
 from grain_replay.store import layout as layout_lib
 from grain_replay.store.filesync import (
     StagedText,
@@ -23,7 +23,7 @@ from grain_replay.store.formats import (
     read_npy_metadata,
 )
 from grain_replay.store.integrity import as_bytes
-from grain_replay.writers.atomic import atomic_path
+from grain_replay.writers.atomic import atomic_path, remove_path
 from grain_replay.writers.backends.base import Backend
 from grain_replay.writers.backends.durable import (
     NPY_HEADER,
@@ -107,22 +107,46 @@ class NpyBackend(Backend):
         assert meta.num_records == 0
         fds: dict[str, int] = {}
         try:
-            with atomic_path(path, overwrite=False, sync=sync) as partial:
-                os.mkdir(partial)
-                for key, spec in meta.leaves.items():
-                    name = layout_lib.disk_name(key) + ".npy"
-                    if "/" in name:
-                        os.makedirs(os.path.join(partial, os.path.dirname(name)), exist_ok=True)
-                    fd = os.open(os.path.join(partial, name), os.O_RDWR | os.O_CREAT | os.O_EXCL)
-                    fds[key] = fd
-                    os.write(fd, npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
-                with open(os.path.join(partial, layout_lib.METADATA_FILE), "w") as f:
-                    f.write(meta.to_json())
+            if sync:
+                with atomic_path(path, overwrite=False, sync=sync) as partial:
+                    os.mkdir(partial)
+                    cls._make(partial, meta, fds)
+            else:
+                # Not durable until a later commit point names it (a writer part's
+                # segment): made in place, as a zarr segment is, which a crash leaves
+                # unnamed, so that reopening removes it as it removes an unswapped
+                # .partial. mkdir is the existence check: no stat, no rename.
+                try:
+                    os.mkdir(path)
+                except FileExistsError:
+                    made_twice = f"{path} already exists (a segment made twice)."
+                    raise StoreExistsError(made_twice) from None
+                except FileNotFoundError:  # no parent folder (yet, or removed): made
+                    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                    os.mkdir(path)
+                try:
+                    cls._make(path, meta, fds)
+                except BaseException:
+                    remove_path(path)  # half made: removed as the .partial would be
+                    raise
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
             raise
         return fds
+
+    @classmethod
+    def _make(cls, folder: str, meta: layout_lib.StoreMetadata, fds: dict[str, int]) -> None:
+        """The empty leaf files (left open in ``fds``) and the metadata, in ``folder``."""
+        for key, spec in meta.leaves.items():
+            name = layout_lib.disk_name(key) + ".npy"
+            if "/" in name:
+                os.makedirs(os.path.join(folder, os.path.dirname(name)), exist_ok=True)
+            fd = os.open(os.path.join(folder, name), os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            fds[key] = fd
+            os.write(fd, npy_header(spec.dtype, (0, *spec.shape), cls.HEADER))
+        with open(os.path.join(folder, layout_lib.METADATA_FILE), "w") as f:
+            f.write(meta.to_json())
 
     @classmethod
     def read_metadata(cls, path: str) -> layout_lib.StoreMetadata | None:
