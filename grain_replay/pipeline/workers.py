@@ -170,13 +170,23 @@ class _Pool:
             w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
 
     def next_batch(self, j: int) -> Any:
-        """Element ``j``: the next of a group received, or received from its worker."""
-        if self.ready:
-            if self.ready_at == j:
-                self.ready_at += 1
-                return self.ready.popleft()
-            self.ready.clear()  # not the next one (a broken order): received again
-        return self.receive((j // self.group) % len(self.workers), j)
+        """Element ``j``: the next of a group received, or received from its worker.
+
+        Anything raised here but a worker's reported error (a Ctrl-C while a message, its
+        fd or a group was half taken) closes the pool: the pipe may be mid-message and the
+        group taken is lost, so the next call starts new workers at element ``j``.
+        """
+        try:
+            if self.ready:
+                if self.ready_at == j:
+                    self.ready_at += 1
+                    return self.ready.popleft()
+                self.ready.clear()  # not the next one (a broken order): received again
+            return self.receive((j // self.group) % len(self.workers), j)
+        except BaseException:
+            if not self.broken:  # broken: a worker's error, the next call seeks back to j
+                self.close()
+            raise
 
     def receive(self, index: int, k: int) -> Any:
         w = self.workers[index]

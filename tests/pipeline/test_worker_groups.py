@@ -11,6 +11,7 @@ import copy
 import gc
 import mmap
 import os
+import threading
 from typing import Any
 
 import grain
@@ -213,3 +214,56 @@ def test_a_group_shares_one_lease_released_when_its_last_batch_goes() -> None:
     slots.collect()
     assert slots.held == 0 and slots.idle == 1
     assert isinstance(slots.maps[0], mmap.mmap)
+
+
+def _interrupt_once(real: Any, nth: int) -> Any:
+    """``real``, raising KeyboardInterrupt (Ctrl-C in the consumer) at its ``nth`` call."""
+    calls = [0]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("where", ["receiving a slot", "unpacking a group"])
+def test_an_interrupt_in_the_consumer_mid_hand_over_resumes_at_the_same_batch(
+    path: str, reference: list[Any], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # Ctrl-C between a _SLOT message and its fd, or after a group's message was taken and
+    # before its first batch was handed out: the pipe or the group is half read, so the
+    # next call must not read on from there (it hung, or broke the protocol)
+    if where == "receiving a slot":
+        import multiprocessing.reduction as reduction
+
+        monkeypatch.setattr(reduction, "recv_handle", _interrupt_once(reduction.recv_handle, 2))
+    else:
+        monkeypatch.setattr(Slots, "take_group", _interrupt_once(Slots.take_group, 2))
+    it = _grouped(gr.open_source(path), 3)
+    got: list[list[int]] = []
+    interrupted = 0
+    result: list[Any] = []
+
+    def consume() -> None:
+        nonlocal interrupted
+        try:
+            while True:
+                try:
+                    got.append(next(it)["id"].tolist())
+                except KeyboardInterrupt:
+                    interrupted += 1
+        except BaseException as e:  # StopIteration at the end, or what went wrong
+            result.append(e)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout=60)  # a deadline, not a timing: a hang fails here
+    if thread.is_alive():
+        it.close()  # wakes the thread
+        pytest.fail(f"next() hung after the interrupt ({len(got)} batches handed out)")
+    assert isinstance(result[0], StopIteration), repr(result[0])
+    assert interrupted == 1
+    assert got == _ids(reference)
