@@ -167,7 +167,10 @@ class _Pool:
         self.group = plans[0].group
         self.ready.clear()  # their slot goes back once nothing else views it
         for w, plan in zip(self.workers, plans):
-            w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
+            # A worker that died is reported by the next receive from it (and all are
+            # restarted then); the others must hear the seek, or their messages stay stale.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
 
     def next_batch(self, j: int) -> Any:
         """Element ``j``: the next of a group received, or received from its worker.

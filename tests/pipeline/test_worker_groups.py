@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import mmap
+import multiprocessing
 import os
 import threading
 from typing import Any
@@ -267,3 +268,28 @@ def test_an_interrupt_in_the_consumer_mid_hand_over_resumes_at_the_same_batch(
     assert isinstance(result[0], StopIteration), repr(result[0])
     assert interrupted == 1
     assert got == _ids(reference)
+
+
+def test_a_seek_after_a_worker_died_reaches_the_workers_alive(
+    path: str, reference: list[Any], tmp_path: Any
+) -> None:
+    want = _ids(reference)
+    marker = tmp_path / "kill"
+    marker.touch()
+    before = set(multiprocessing.active_children())
+    # group 3, two slots: worker 0 reads 0-2, then dies reading 6 (its 4th batch) on its own
+    kill = KillWorkerOnce(str(marker), nth=4)
+    it = _grouped(gr.open_source(path), 3, operations=[kill], worker_buffer_size=2)
+    assert next(it)["id"].tolist() == want[0]
+    (dead,) = [
+        p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_worker_0")
+    ]
+    dead.join(timeout=60)  # a deadline: it dies whatever the consumer does
+    assert not dead.is_alive() and not marker.exists()
+    it.seek(4)  # told to every worker alive (it raised BrokenPipeError, worker 1 never heard)
+    got: list[list[int]] = []
+    with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
+        while True:  # the death is reported when worker 0's group comes, as ever
+            got.append(next(it)["id"].tolist())
+    got += _ids(list(it))  # new workers at that batch
+    assert got == want[4:]
