@@ -12,6 +12,7 @@ import gc
 import mmap
 import multiprocessing
 import os
+import signal
 import threading
 from typing import Any
 
@@ -293,3 +294,26 @@ def test_a_seek_after_a_worker_died_reaches_the_workers_alive(
             got.append(next(it)["id"].tolist())
     got += _ids(list(it))  # new workers at that batch
     assert got == want[4:]
+
+
+def test_lay_out_lanes_after_a_worker_died_reports_the_death_at_its_batch(
+    path: str, reference: list[Any]
+) -> None:
+    # lay_out_lanes() (asked by sharded_device_put at its first batch) raised
+    # BrokenPipeError at a dead worker, instead of the death at its batch
+    want = _ids(reference)
+    before = set(multiprocessing.active_children())
+    it = _grouped(gr.open_source(path), 3)
+    assert next(it)["id"].tolist() == want[0]
+    (victim,) = [
+        p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_worker_0")
+    ]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=60)  # a deadline: SIGKILL ends it
+    it.lay_out_lanes()  # back to one batch a hand-over: a seek, then the lanes
+    got: list[list[int]] = []
+    with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
+        while True:
+            got.append(next(it)["id"].tolist())
+    got += _ids(list(it))
+    assert got == want[1:]
