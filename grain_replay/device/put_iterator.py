@@ -141,7 +141,10 @@ class ShardedDevicePutIterator(Iterator[Any]):
             arrays, self._state = self._prefetcher.next()
         except BaseException:
             self._finished = True
-            self._prefetcher = None  # it has stopped
+            # The producer's failure or end stopped it; an interrupt in the wait (Ctrl-C)
+            # did not: it is told to stop here, and set_state() or close() wait for it
+            # before they touch the wrapped iterator.
+            self._prefetcher.signal_stop()
             raise
         self._handed += 1
         return arrays
