@@ -102,7 +102,9 @@ class InlineFeed:
     def signal_stop(self) -> None:
         """Nothing runs in the background: nothing to signal."""
 
-    def halt(self, timeout: float | None = None) -> None:
-        """Drops what was read ahead; :meth:`next` then ends the stream."""
+    def halt(self, timeout: float | None = None) -> bool:
+        """Drops what was read ahead; :meth:`next` then ends the stream. True: nothing
+        runs in the background."""
         self._ready.clear()
         self._end = _End(None)
+        return True

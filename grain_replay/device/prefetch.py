@@ -98,24 +98,26 @@ class Prefetcher:
         """Asks the producer to stop, without waiting for it."""
         self._stop.set()
 
-    def halt(self, timeout: float | None = None) -> None:
+    def halt(self, timeout: float | None = None) -> bool:
         """Stops the producer (waiting up to ``timeout``) and drops what it prefetched;
-        a consumer blocked in :meth:`next` then gets StopIteration. Idempotent."""
+        a consumer blocked in :meth:`next` then gets StopIteration. Idempotent. Returns
+        False if the producer is still inside the wrapped iterator after ``timeout``."""
         self._stop.set()
         thread, self._thread = self._thread, None
         shutdown.unregister(self)
         if thread is None:
-            return
+            return True
         thread.join(timeout)
         if thread.is_alive():
             logger.warning("sharded_device_put: producer blocked in next(); left as daemon")
-            return
+            return False
         while True:  # the producer is gone: nothing else puts, a waiting consumer wakes
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
         self._queue.put_nowait(_END)
+        return True
 
 
 def _halt_at_exit(prefetcher: Prefetcher) -> None:

@@ -99,6 +99,8 @@ class ShardedDevicePutIterator(Iterator[Any]):
         self._prefetch = prefetch
         inner: Any = batches if isinstance(batches, Iterator) else iter(batches)
         self._inner = inner
+        # made here from a loader: nobody else holds it, so close() closes it too
+        self._owns_inner = inner is not batches
         self._decided = False  # how batches move: worked out from the first one
         # (batches per transfer, transfers in flight), decided then; None: one at a time
         self._moves: tuple[int, int] | None = None
@@ -139,7 +141,10 @@ class ShardedDevicePutIterator(Iterator[Any]):
             arrays, self._state = self._prefetcher.next()
         except BaseException:
             self._finished = True
-            self._prefetcher = None  # it has stopped
+            # The producer's failure or end stopped it; an interrupt in the wait (Ctrl-C)
+            # did not: it is told to stop here, and set_state() or close() wait for it
+            # before they touch the wrapped iterator.
+            self._prefetcher.signal_stop()
             raise
         self._handed += 1
         return arrays
@@ -167,11 +172,14 @@ class ShardedDevicePutIterator(Iterator[Any]):
         args = (self._inner, self._convert, self._prefetch, self._capture, self._moves)
         self._prefetcher = feed(*args)
 
-    def _halt(self, timeout: float | None = None) -> None:
-        """Stops the producer and drops what it prefetched."""
+    def _halt(self, timeout: float | None = None) -> bool:
+        """Stops the producer and drops what it prefetched; False if it is still inside
+        the wrapped iterator (``timeout`` passed)."""
+        stopped = True
         if self._prefetcher is not None:
-            self._prefetcher.halt(timeout)
+            stopped = self._prefetcher.halt(timeout)
         self._prefetcher = None
+        return stopped
 
     def get_state(self) -> Any:
         """Returns the wrapped iterator's state right after the last batch handed out.
@@ -283,9 +291,20 @@ class ShardedDevicePutIterator(Iterator[Any]):
             self._start()
 
     def close(self) -> None:
-        """Stops the producer thread and drops prefetched batches; iteration then ends."""
+        """Stops the producer thread and drops prefetched batches; iteration then ends.
+
+        A loader's iterator made here (``batches`` a loader, not an iterator) is closed
+        too: its worker processes stop and their shared memory goes. grain_replay's loader
+        iterators keep their position when closed, so :meth:`set_state` resumes.
+        """
         self._finished = True
-        self._halt(timeout=30.0)
+        stopped = self._halt(timeout=30.0)
+        # Only grain_replay's loader iterators (they give the state at a position) are
+        # known to resume after close(); a producer still inside next() keeps using it.
+        if stopped and self._owns_inner and isinstance(self._inner, StateAt):
+            close = getattr(self._inner, "close", None)
+            if callable(close):
+                close()
 
     def __enter__(self) -> Self:
         return self

@@ -91,12 +91,17 @@ class _Worker:
         self.lanes = (rows, lane_fields(laid)[0]) if rows else None
 
 
-def _give_back(w: _Worker, slot: int, kind: int = _FREE) -> None:
-    """Gives (or with ``_DROP``, takes) a slot to its worker; one that died meanwhile is
-    reported by the next receive."""
-    # A batch it wrote before dying is still whole in the slot and is handed out.
+def _tell(w: _Worker, msg: tuple[Any, ...]) -> None:
+    """Sends ``msg`` to a worker; one that died meanwhile is reported by the next receive
+    from it (``WorkerDiedError``, and new workers at the next call), not here."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        w.conn.send((kind, slot))
+        w.conn.send(msg)
+
+
+def _give_back(w: _Worker, slot: int, kind: int = _FREE) -> None:
+    """Gives (or with ``_DROP``, takes) a slot to its worker."""
+    # A batch it wrote before dying is still whole in the slot and is handed out.
+    _tell(w, (kind, slot))
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -158,7 +163,7 @@ class _Pool:
 
     def lay_out_lanes(self) -> None:
         for w in self.workers:
-            w.conn.send((_LANES,))
+            _tell(w, (_LANES,))
 
     def seek(self, handed_out: int, plans: Sequence[_Plan]) -> None:
         self.generation += 1
@@ -167,16 +172,27 @@ class _Pool:
         self.group = plans[0].group
         self.ready.clear()  # their slot goes back once nothing else views it
         for w, plan in zip(self.workers, plans):
-            w.conn.send((_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
+            # past a dead worker too: the others must hear it, or their messages stay stale
+            _tell(w, (_SEEK, self.generation, plan.first_unread(handed_out), plan.group))
 
     def next_batch(self, j: int) -> Any:
-        """Element ``j``: the next of a group received, or received from its worker."""
-        if self.ready:
-            if self.ready_at == j:
-                self.ready_at += 1
-                return self.ready.popleft()
-            self.ready.clear()  # not the next one (a broken order): received again
-        return self.receive((j // self.group) % len(self.workers), j)
+        """Element ``j``: the next of a group received, or received from its worker.
+
+        Anything raised here but a worker's reported error (a Ctrl-C while a message, its
+        fd or a group was half taken) closes the pool: the pipe may be mid-message and the
+        group taken is lost, so the next call starts new workers at element ``j``.
+        """
+        try:
+            if self.ready:
+                if self.ready_at == j:
+                    self.ready_at += 1
+                    return self.ready.popleft()
+                self.ready.clear()  # not the next one (a broken order): received again
+            return self.receive((j // self.group) % len(self.workers), j)
+        except BaseException:
+            if not self.broken:  # broken: a worker's error, the next call seeks back to j
+                self.close()
+            raise
 
     def receive(self, index: int, k: int) -> Any:
         w = self.workers[index]
@@ -354,7 +370,7 @@ class WorkerLoaderIterator(GrainStateIterator):
                 payload = self._task(j)
                 if payload is TASK_NOT_READY:
                     break  # not drawn yet (a rate limit); asked again at the next element
-                pool.workers[j % self._worker_count].conn.send((_TASK, j, payload))
+                _tell(pool.workers[j % self._worker_count], (_TASK, j, payload))
                 pool.sent = j + 1
         return pool
 

@@ -475,3 +475,38 @@ def test_loader_batches_are_fresh_arrays_so_device_arrays_never_change(tmp_path:
     for k, out in enumerate(outs):
         want = np.arange(k * 16 * 4096, (k + 1) * 16 * 4096, dtype=np.float32).reshape(16, 4096)
         np.testing.assert_array_equal(np.asarray(out["x"]), want)
+
+
+def test_an_interrupt_while_waiting_for_the_producer_is_followed_by_a_clean_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ctrl-C in the caller's wait on the producer's queue: the wrapper forgot the producer
+    # without stopping it, so set_state() moved the wrapped iterator under a thread still
+    # reading it, and close() left that thread running for good
+    from grain_replay.device import prefetch as prefetch_lib
+
+    monkeypatch.setattr(put_options, "INLINE", False)
+    real = prefetch_lib.Prefetcher.next
+    calls = [0]
+
+    def interrupted_once(self: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(prefetch_lib.Prefetcher, "next", interrupted_once)
+    baseline = threading.active_count()
+    it = sharded_device_put(StatefulIterator(1000), prefetch=2)
+    next(it), next(it)  # the caller's thread, then the producer's first
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    state = it.get_state()
+    assert state == {"index": 2}
+    it.set_state(state)
+    rest = _to_numpy([next(it) for _ in range(4)])
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, rest, [_dict_batch(i) for i in range(2, 6)]
+    )
+    it.close()
+    assert _wait_for_threads(baseline) <= baseline and not _producers()

@@ -7,6 +7,8 @@ the checkpoint bytes after every batch must be those of one batch a hand-over.
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -83,3 +85,34 @@ def test_one_batch_a_transfer_keeps_one_batch_a_hand_over(
     with gr.sharded_device_put(loader, packed=True) as it:
         next(it)
     assert asked == []
+
+
+def _loader_workers() -> set[Any]:
+    return {
+        p
+        for p in multiprocessing.active_children()
+        if p.name.startswith("grain_replay_loader_worker_")
+    }
+
+
+def test_closing_the_wrapper_of_a_loader_stops_its_workers_and_keeps_the_position(
+    path: str,
+) -> None:
+    # the wrapper makes the loader's iterator: its close (or `with`) is the only one the
+    # user can call, so it stops the workers and frees their shared-memory slots (a group
+    # each); set_state() resumes as after a loader iterator's own close()
+    src = gr.open_source(path)
+    kwargs: dict[str, Any] = {"batch_size": 8, "seed": 2, "num_epochs": None}
+    want = list(itertools.islice(gr.make_data_loader(src, **kwargs), 6))
+    before = _loader_workers()
+    loader = gr.make_data_loader(src, worker_count=2, **kwargs)
+    with gr.sharded_device_put(loader, packed=True) as it:
+        got = [next(it) for _ in range(3)]
+        started = _loader_workers() - before
+        assert len(started) == 2
+    assert not any(p.is_alive() for p in started)  # close() joined them
+    it.set_state(it.get_state())
+    got += [next(it) for _ in range(3)]
+    it.close()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g["id"]), w["id"])

@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import gc
 import mmap
+import multiprocessing
 import os
+import signal
+import threading
 from typing import Any
 
 import grain
@@ -213,3 +216,104 @@ def test_a_group_shares_one_lease_released_when_its_last_batch_goes() -> None:
     slots.collect()
     assert slots.held == 0 and slots.idle == 1
     assert isinstance(slots.maps[0], mmap.mmap)
+
+
+def _interrupt_once(real: Any, nth: int) -> Any:
+    """``real``, raising KeyboardInterrupt (Ctrl-C in the consumer) at its ``nth`` call."""
+    calls = [0]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("where", ["receiving a slot", "unpacking a group"])
+def test_an_interrupt_in_the_consumer_mid_hand_over_resumes_at_the_same_batch(
+    path: str, reference: list[Any], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # Ctrl-C between a _SLOT message and its fd, or after a group's message was taken and
+    # before its first batch was handed out: the pipe or the group is half read, so the
+    # next call must not read on from there (it hung, or broke the protocol)
+    if where == "receiving a slot":
+        import multiprocessing.reduction as reduction
+
+        monkeypatch.setattr(reduction, "recv_handle", _interrupt_once(reduction.recv_handle, 2))
+    else:
+        monkeypatch.setattr(Slots, "take_group", _interrupt_once(Slots.take_group, 2))
+    it = _grouped(gr.open_source(path), 3)
+    got: list[list[int]] = []
+    interrupted = 0
+    result: list[Any] = []
+
+    def consume() -> None:
+        nonlocal interrupted
+        try:
+            while True:
+                try:
+                    got.append(next(it)["id"].tolist())
+                except KeyboardInterrupt:
+                    interrupted += 1
+        except BaseException as e:  # StopIteration at the end, or what went wrong
+            result.append(e)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout=60)  # a deadline, not a timing: a hang fails here
+    if thread.is_alive():
+        it.close()  # wakes the thread
+        pytest.fail(f"next() hung after the interrupt ({len(got)} batches handed out)")
+    assert isinstance(result[0], StopIteration), repr(result[0])
+    assert interrupted == 1
+    assert got == _ids(reference)
+
+
+def test_a_seek_after_a_worker_died_reaches_the_workers_alive(
+    path: str, reference: list[Any], tmp_path: Any
+) -> None:
+    want = _ids(reference)
+    marker = tmp_path / "kill"
+    marker.touch()
+    before = set(multiprocessing.active_children())
+    # group 3, two slots: worker 0 reads 0-2, then dies reading 6 (its 4th batch) on its own
+    kill = KillWorkerOnce(str(marker), nth=4)
+    it = _grouped(gr.open_source(path), 3, operations=[kill], worker_buffer_size=2)
+    assert next(it)["id"].tolist() == want[0]
+    (dead,) = [
+        p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_worker_0")
+    ]
+    dead.join(timeout=60)  # a deadline: it dies whatever the consumer does
+    assert not dead.is_alive() and not marker.exists()
+    it.seek(4)  # told to every worker alive (it raised BrokenPipeError, worker 1 never heard)
+    got: list[list[int]] = []
+    with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
+        while True:  # the death is reported when worker 0's group comes, as ever
+            got.append(next(it)["id"].tolist())
+    got += _ids(list(it))  # new workers at that batch
+    assert got == want[4:]
+
+
+def test_lay_out_lanes_after_a_worker_died_reports_the_death_at_its_batch(
+    path: str, reference: list[Any]
+) -> None:
+    # lay_out_lanes() (asked by sharded_device_put at its first batch) raised
+    # BrokenPipeError at a dead worker, instead of the death at its batch
+    want = _ids(reference)
+    before = set(multiprocessing.active_children())
+    it = _grouped(gr.open_source(path), 3)
+    assert next(it)["id"].tolist() == want[0]
+    (victim,) = [
+        p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_worker_0")
+    ]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=60)  # a deadline: SIGKILL ends it
+    it.lay_out_lanes()  # back to one batch a hand-over: a seek, then the lanes
+    got: list[list[int]] = []
+    with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
+        while True:
+            got.append(next(it)["id"].tolist())
+    got += _ids(list(it))
+    assert got == want[1:]

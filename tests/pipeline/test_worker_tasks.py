@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 from typing import Any
 
 import numpy as np
 import pytest
 from task_fns import EchoTask
 
+import grain_replay as gr
 from grain_replay.pipeline.state import LoaderIdentity
 from grain_replay.pipeline.workers import WorkerLoaderIterator
 
@@ -73,3 +76,22 @@ def test_a_failing_task_raises_here_and_the_element_is_retried() -> None:
         with pytest.raises(ValueError, match="task 4"):
             next(it)
         assert next(it)["j"].tolist() == [4]
+
+
+def test_a_worker_killed_is_reported_once_then_new_workers_take_the_tasks() -> None:
+    # the tasks sent to a dead worker raised BrokenPipeError from every next(), for ever
+    tasks = Tasks()
+    before = set(multiprocessing.active_children())
+    with _iterator(tasks, 2, 2) as it:
+        assert next(it)["j"].tolist() == [0]
+        (victim,) = [
+            p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_1")
+        ]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=60)  # a deadline: SIGKILL ends it
+        got: list[int] = []
+        with pytest.raises(gr.WorkerDiedError, match=r"loader worker 1 .* exit code -9"):
+            while True:  # batches it wrote before dying are still handed out
+                got.append(int(next(it)["j"][0]))
+        got += [int(next(it)["j"][0]) for _ in range(12 - len(got))]
+    assert got == list(range(1, 13))

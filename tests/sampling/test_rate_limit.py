@@ -665,3 +665,17 @@ def test_sharded_device_put_prefetch_counts_as_handed_out(tmp_path: Path) -> Non
             next(batches)
     finally:
         batches.close()
+
+
+def test_leaving_a_device_put_block_withdraws_the_learner(tmp_path: Path) -> None:
+    # the README's online quick start: "leaving it: actors stop waiting for it"; the
+    # wrapper's close() left the learner's progress file up until the wrapper was collected
+    path = str(tmp_path / "s")
+    _store(path, 24)
+    learners = os.path.join(path, "learners")
+    loader = _loader(path, samples_per_insert=1.0, tolerance=16, timeout=5)
+    with gr.sharded_device_put(loader, prefetch=0) as batches:
+        check_rows({k: np.asarray(v) for k, v in next(batches).items()})
+        assert learners_lib.read_progress(learners, "process-0-of-1.json") is not None
+    assert learners_lib.read_progress(learners, "process-0-of-1.json") is None
+    assert batches.get_state()  # the wrapper, closed, still gives its state
