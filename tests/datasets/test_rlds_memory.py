@@ -19,7 +19,7 @@ GROWTH_BOUND_MIB = 4 + 2 * BATCH_MIB
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: Any) -> str:
     root = str(tmp_path_factory.mktemp("rlds_big"))
-    write_rlds(root, lengths=[50] * 60, shards=4, size=128, cameras=2)
+    write_rlds(root, lengths=[50] * 60, shards=4, size=128, cameras=2, images=False)
     assert dataset_bytes(root) > 10 * GROWTH_BOUND_MIB * 2**20
     return root
 

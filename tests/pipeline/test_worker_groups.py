@@ -20,7 +20,8 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal
-from loader_ops import FailOnce, Grow, KillWorkerOnce, PythonLeaves
+from loader_ops import Grow, KillWorkerOnce, PythonLeaves
+from loader_sources import FailOnce
 from worker_loaders import id_store, worker_loader
 
 import grain_replay as gr

@@ -11,17 +11,8 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal
-from loader_ops import (
-    CacheShare,
-    FailOnce,
-    Grow,
-    KillWorkerOnce,
-    Pid,
-    PythonLeaves,
-    Shapes,
-    SlowAfterFirst,
-    Unreadable,
-)
+from loader_ops import CacheShare, Grow, KillWorkerOnce, Pid, PythonLeaves, Shapes
+from loader_sources import FailOnce, SlowAfterFirst, Unreadable
 from procs import children, new_children, wait_no_new_children
 from worker_loaders import id_store, worker_loader
 

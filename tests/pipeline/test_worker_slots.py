@@ -13,7 +13,7 @@ import grain
 import numpy as np
 import pytest
 from conformance import assert_tree_equal, make_tree
-from loader_ops import IntoFails, MarkedInto
+from loader_sources import IntoFails, MarkedInto
 
 import grain_replay as gr
 from grain_replay.pipeline.slots import MAX_HELD, Slots
