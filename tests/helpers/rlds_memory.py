@@ -51,6 +51,13 @@ def measure_rss(
     warm), per process ``peaks``, and ``steps`` read.
     """
     me = psutil.Process()
+    # Processes this process had already (a resource tracker; in a test run, what earlier
+    # tests started and left exiting): not the reader's, left out of every number.
+    before = {c.pid for c in me.children(recursive=True)}
+
+    def processes() -> list[psutil.Process]:
+        return [me, *(c for c in me.children(recursive=True) if c.pid not in before)]
+
     src = gr.RLDSDataSource(path, keys=keys, progress=False, frame_cache_bytes=frame_cache_bytes)
     start = me.memory_info().rss / 2**20
     loader = gr.make_data_loader(
@@ -61,14 +68,13 @@ def measure_rss(
     steps = 0
     for i, batch in enumerate(loader):
         steps += len(next(iter(_leaves(batch))))
-        procs = [me, *me.children(recursive=True)]
-        now = _rss(procs)
+        now = _rss(processes())
         peaks = [max(a, b) for a, b in zip(peaks, now)] + now[len(peaks) :]
         if i + 1 == warmup:
             warm = max(now)
         elif i + 1 > warmup:
             peak = max(peak, max(now))
-    end = max(_rss([me, *me.children(recursive=True)]))
+    end = max(_rss(processes()))
     return {
         "start": start,
         "warm": warm,
