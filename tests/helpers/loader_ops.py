@@ -80,6 +80,18 @@ class KillWorkerOnce(grain.transforms.Map):
         self.before_fd = before_fd
         self.calls = 0
 
+    @classmethod
+    def armed(cls, folder: Any, nth: int, before_fd: bool = False) -> KillWorkerOnce:
+        """One whose marker file (``folder/kill``) is made: it kills at its ``nth`` batch."""
+        marker = os.path.join(str(folder), "kill")
+        open(marker, "w").close()
+        return cls(marker, nth, before_fd)
+
+    @property
+    def fired(self) -> bool:
+        """The kill happened (its marker is gone)."""
+        return not os.path.exists(self.marker)
+
     def map(self, element: Any) -> Any:
         self.calls += 1
         name = multiprocessing.current_process().name

@@ -158,16 +158,14 @@ def test_worker_death_inside_a_group_is_reported_at_the_group_then_resumed(
     path: str, reference: list[Any], tmp_path: Any
 ) -> None:
     want = _ids(reference)
-    marker = tmp_path / "kill"
-    marker.touch()
     # group 3: worker 0 reads 0, 1, 2, then 6, 7, 8: it dies at its 5th batch, 7
-    kill = KillWorkerOnce(str(marker), nth=5)
+    kill = KillWorkerOnce.armed(tmp_path, nth=5)
     it = _grouped(gr.open_source(path), 3, operations=[kill], worker_buffer_size=1)
     got: list[list[int]] = []
     with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
         while True:
             got.append(next(it)["id"].tolist())
-    assert not marker.exists()
+    assert kill.fired
     assert len(got) == 6  # 0-5 whole; the group of 6-8 never arrived
     got += _ids(list(it))  # new workers, grouped as before, start at that batch
     assert got == want
@@ -276,18 +274,16 @@ def test_a_seek_after_a_worker_died_reaches_the_workers_alive(
     path: str, reference: list[Any], tmp_path: Any
 ) -> None:
     want = _ids(reference)
-    marker = tmp_path / "kill"
-    marker.touch()
     before = set(multiprocessing.active_children())
     # group 3, two slots: worker 0 reads 0-2, then dies reading 6 (its 4th batch) on its own
-    kill = KillWorkerOnce(str(marker), nth=4)
+    kill = KillWorkerOnce.armed(tmp_path, nth=4)
     it = _grouped(gr.open_source(path), 3, operations=[kill], worker_buffer_size=2)
     assert next(it)["id"].tolist() == want[0]
     (dead,) = [
         p for p in set(multiprocessing.active_children()) - before if p.name.endswith("_worker_0")
     ]
     dead.join(timeout=60)  # a deadline: it dies whatever the consumer does
-    assert not dead.is_alive() and not marker.exists()
+    assert not dead.is_alive() and kill.fired
     it.seek(4)  # told to every worker alive (it raised BrokenPipeError, worker 1 never heard)
     got: list[list[int]] = []
     with pytest.raises(gr.WorkerDiedError, match=r"loader worker 0 .* exit code -9"):
